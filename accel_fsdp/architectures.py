@@ -1,0 +1,124 @@
+"""Architecture facts of the models we ship recipes for, so that planning, validation and dry runs work offline.
+
+Training loads real weights (and the real config) from the hub or a local folder; these facts only let us build
+the same model on the meta device, count its parameters and check the wrap class and context length without
+downloading anything. tests/test_architectures.py checks them against transformers' own config classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    """Short name used in recipes and `accel-fsdp estimate` (gpt2-xl, llama-3.1-8b)."""
+    hub_id: str
+    """Where the pretrained weights live."""
+    model_type: str
+    """transformers model_type (gpt2, llama)."""
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    context: int
+    intermediate: int
+    tied_embeddings: bool
+    block_class: str
+    """The transformer block: the natural FSDP unit."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Further config keys (rope scaling, norm epsilon)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def config_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `AutoConfig.for_model(model_type, **kwargs)`."""
+        if self.model_type == "gpt2":
+            kw = dict(n_layer=self.layers, n_embd=self.hidden, n_head=self.heads, vocab_size=self.vocab,
+                      n_positions=self.context, n_inner=None)
+        else:
+            kw = dict(num_hidden_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
+                      num_key_value_heads=self.kv_heads, vocab_size=self.vocab, max_position_embeddings=self.context,
+                      intermediate_size=self.intermediate, tie_word_embeddings=self.tied_embeddings,
+                      head_dim=self.head_dim)
+        kw.update(self.extra)
+        return kw
+
+    def param_count(self) -> int:
+        return param_count(self.model_type, layers=self.layers, hidden=self.hidden, heads=self.heads,
+                           kv_heads=self.kv_heads, vocab=self.vocab, context=self.context,
+                           intermediate=self.intermediate, tied=self.tied_embeddings)
+
+    def block_param_count(self) -> int:
+        """Parameters of one transformer block (one FSDP unit under per-block wrapping)."""
+        return block_param_count(self.model_type, hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
+                                 intermediate=self.intermediate)
+
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+_LLAMA31_ROPE = {**_LLAMA3_ROPE, "factor": 8.0}
+
+
+def _gpt2(name, hub, layers, hidden, heads):
+    return Architecture(name, hub, "gpt2", layers, hidden, heads, heads, 50257, 1024, 4 * hidden, True, "GPT2Block")
+
+
+def _llama(name, hub, layers, hidden, heads, intermediate, tied, rope):
+    return Architecture(name, hub, "llama", layers, hidden, heads, 8, 128256, 131072, intermediate, tied,
+                        "LlamaDecoderLayer",
+                        extra={"rms_norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": rope,
+                               "bos_token_id": 128000, "eos_token_id": 128001})
+
+
+KNOWN: dict[str, Architecture] = {a.name: a for a in [
+    _gpt2("gpt2", "openai-community/gpt2", 12, 768, 12),
+    _gpt2("gpt2-medium", "openai-community/gpt2-medium", 24, 1024, 16),
+    _gpt2("gpt2-large", "openai-community/gpt2-large", 36, 1280, 20),
+    _gpt2("gpt2-xl", "openai-community/gpt2-xl", 48, 1600, 25),
+    _llama("llama-3.2-1b", "meta-llama/Llama-3.2-1B", 16, 2048, 32, 8192, True, _LLAMA3_ROPE),
+    _llama("llama-3.2-3b", "meta-llama/Llama-3.2-3B", 28, 3072, 24, 8192, True, _LLAMA3_ROPE),
+    _llama("llama-3.1-8b", "meta-llama/Llama-3.1-8B", 32, 4096, 32, 14336, False, _LLAMA31_ROPE),
+    _llama("llama-3.1-70b", "meta-llama/Llama-3.1-70B", 80, 8192, 64, 28672, False, _LLAMA31_ROPE),
+]}
+
+
+def lookup(name_or_hub_id: str | None) -> Architecture | None:
+    """The known architecture behind a short name or hub id (instruct variants included), else None."""
+    if not name_or_hub_id:
+        return None
+    key = name_or_hub_id.strip().rstrip("/").lower()
+    key = key.split("/")[-1]
+    for suffix in ("-instruct", "-hf"):
+        key = key.removesuffix(suffix)
+    key = key.removeprefix("meta-")
+    if key in KNOWN:
+        return KNOWN[key]
+    for arch in KNOWN.values():
+        if arch.hub_id.lower().split("/")[-1] == key:
+            return arch
+    return None
+
+
+def block_param_count(model_type: str, *, hidden: int, heads: int, kv_heads: int, intermediate: int) -> int:
+    h = hidden
+    if model_type == "gpt2":
+        # ln_1, c_attn (qkv), c_proj, ln_2, c_fc, mlp c_proj; all with biases.
+        return 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + 2 * h + (h * intermediate + intermediate) + (intermediate * h + h)
+    head_dim = h // heads
+    attn = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
+    return attn + 3 * h * intermediate + 2 * h
+
+
+def param_count(model_type: str, *, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int, context: int,
+                intermediate: int, tied: bool) -> int:
+    """Exact parameter count of GPT-2 and Llama models from their shape."""
+    block = block_param_count(model_type, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate)
+    if model_type == "gpt2":
+        return vocab * hidden + context * hidden + layers * block + 2 * hidden + (0 if tied else vocab * hidden)
+    return vocab * hidden + layers * block + hidden + (0 if tied else vocab * hidden)

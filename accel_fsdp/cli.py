@@ -1,0 +1,302 @@
+"""The `accel-fsdp` command line. Thin: each command parses, loads, and calls one library function.
+
+User mistakes are `UserError`s (click exceptions with exit status 2): one message naming the file or key, the
+value and the fix; never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import click
+
+from accel_fsdp import __version__
+from accel_fsdp.errors import Problem, UserError
+
+SET_HELP = "Override a recipe key, typed as YAML: --set training.lr=3e-4 --set model.lora.enabled=true (repeatable)."
+CONFIG_HELP = ("Accelerate config: a shipped name (fsdp_2gpu) or a path. Default: fsdp_cpu (2 CPU ranks) without a "
+               "GPU, else fsdp_1gpu with one process per local GPU.")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="accel-fsdp")
+def main() -> None:
+    """Fine-tune GPT-2 and Llama models with PyTorch FSDP through Hugging Face Accelerate.
+
+    \b
+    accel-fsdp recipe list                      what can be trained
+    accel-fsdp recipe run quickstart            a tiny model, anywhere, in about a minute
+    accel-fsdp recipe run gpt2-xl --accelerate-config fsdp_2gpu
+    accel-fsdp checkpoint consolidate runs/gpt2-xl out/gpt2-xl
+    """
+
+
+# ---------------------------------------------------------------------------------------------- recipe
+
+
+@main.group()
+def recipe() -> None:
+    """List, show, copy, validate and run recipes (what to train)."""
+
+
+@recipe.command("list")
+def recipe_list() -> None:
+    """Shipped recipes: name, model, parameter count, description.
+
+    \b
+    accel-fsdp recipe list
+    """
+    from accel_fsdp.catalog import recipe_rows
+
+    rows = recipe_rows()
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        click.echo(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}")
+
+
+@recipe.command("show")
+@click.argument("name")
+def recipe_show(name: str) -> None:
+    """Print a recipe file (shipped name or path), comments included.
+
+    \b
+    accel-fsdp recipe show gpt2-xl
+    """
+    from accel_fsdp.paths import resolve_recipe
+
+    click.echo(resolve_recipe(name).read_text(), nl=False)
+
+
+@recipe.command("copy")
+@click.argument("name")
+@click.argument("dest", type=click.Path(path_type=Path))
+@click.option("--force", is_flag=True, help="Replace DEST if it exists.")
+def recipe_copy(name: str, dest: Path, force: bool) -> None:
+    """Copy a shipped recipe to DEST (a file or a folder) to edit it.
+
+    \b
+    accel-fsdp recipe copy gpt2-xl my-gpt2.yaml
+    accel-fsdp recipe run my-gpt2.yaml --set data.path=mydata.jsonl
+    """
+    from accel_fsdp.paths import resolve_recipe
+
+    src = resolve_recipe(name)
+    target = dest / src.name if dest.is_dir() else dest
+    if target.exists() and not force:
+        raise UserError(Problem(str(target), "already exists", "choose another name, or add --force to replace it"))
+    if not target.parent.exists():
+        raise UserError(Problem(str(target.parent), "folder does not exist", "create it first"))
+    shutil.copyfile(src, target)
+    click.echo(f"copied {src.name} to {target}")
+
+
+@recipe.command("validate")
+@click.argument("name_or_path")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@click.option("--accelerate-config", "accelerate_config", metavar="NAME|PATH", help=CONFIG_HELP)
+def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_config: str | None) -> None:
+    """Check a recipe with an accelerate config, offline: keys, types, ranges, batch arithmetic, wrap class,
+    context length, data fields. Exit status 2 with every problem listed when something is wrong.
+
+    \b
+    accel-fsdp recipe validate gpt2-xl --accelerate-config fsdp_2gpu
+    accel-fsdp recipe validate my.yaml --set training.global_batch_size=64
+    """
+    from accel_fsdp.preflight import load_config_or_default, preflight
+
+    r = _load_recipe(name_or_path, overrides)
+    config, n, why = load_config_or_default(accelerate_config)
+    report = preflight(r, config, num_processes=n)
+    s = report.settings
+    click.echo(f"ok: {r.source} with {config.label}" + ("" if why == "given" else f" ({why})"))
+    if report.parameters:
+        click.echo(f"  model: {report.model_class}, {report.parameters:,} parameters")
+    t = r.training
+    k = t.global_batch_size // (t.micro_batch_size * s.num_processes.value)
+    click.echo(f"  batch: global {t.global_batch_size} = micro {t.micro_batch_size} x {s.num_processes.value} "
+               f"processes x {k} accumulation steps")
+    if report.data_rows is not None:
+        click.echo(f"  data: {r.data.path}: {report.data_rows:,} rows, format {r.data.format}")
+    click.echo("  FSDP settings (value, source):")
+    click.echo(s.format().replace("\n  ", "\n    ").replace("  ", "    ", 1))
+    for note in report.notes:
+        click.echo(f"  note: {note}")
+
+
+@recipe.command("run")
+@click.argument("name_or_path")
+@click.option("--accelerate-config", "accelerate_config", metavar="NAME|PATH", help=CONFIG_HELP)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@click.option("--output-dir", type=click.Path(path_type=Path), help="Run folder. Default: runs/<recipe name>.")
+@click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint in the run folder.")
+@click.option("--resume-from", type=click.Path(), help="Continue from this checkpoint folder.")
+@click.option("--overwrite", is_flag=True, help="Replace a run already in the run folder.")
+@click.option("--dry-run", is_flag=True, help="Plan only: build the model on the meta device and print the FSDP plan "
+              "(units, per-rank memory); needs no weights and no network.")
+@click.option("--gpu-memory", metavar="SIZE", help="With --dry-run: memory per GPU to check the plan against (80GB).")
+def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, resume_from, overwrite, dry_run,
+               gpu_memory) -> None:
+    """Train a recipe on the hardware an accelerate config describes.
+
+    Outside a distributed launch this launches itself through Accelerate's launcher (one process per rank);
+    under `accelerate launch ... -m accel_fsdp recipe run ...` it trains in each rank.
+
+    \b
+    accel-fsdp recipe run quickstart
+    accel-fsdp recipe run gpt2-xl --accelerate-config fsdp_2gpu --set training.max_steps=500
+    accelerate launch --config_file accelerate_configs/fsdp_2gpu.yaml -m accel_fsdp recipe run gpt2-xl
+    accel-fsdp recipe run quickstart --resume
+    accel-fsdp recipe run llama-3.1-8b --dry-run --accelerate-config llama_fsdp_8gpu --gpu-memory 80GB
+    """
+    from accel_fsdp.launcher import inside_launch
+    from accel_fsdp.rundir import default_run_dir
+
+    if resume and resume_from:
+        raise UserError(Problem("--resume-from", "cannot be combined with --resume", "use one of them"))
+    if overwrite and (resume or resume_from):
+        raise UserError(Problem("--overwrite", "cannot be combined with --resume", "use one of them"))
+    r = _load_recipe(name_or_path, overrides)
+    run_dir = (output_dir or default_run_dir(r)).expanduser().absolute()
+    if dry_run:
+        from accel_fsdp.plan import print_plan
+
+        print_plan(r, accelerate_config, gpu_memory)
+        return
+    if inside_launch():
+        from accel_fsdp.train import RunRequest, run_training
+
+        try:
+            run_training(RunRequest(recipe=r, run_dir=run_dir, resume=resume, resume_from=resume_from,
+                                    overwrite=overwrite))
+        except UserError as e:
+            # Every rank hits the same mistake; rank 0 says it once.
+            if int(os.environ.get("RANK", "0")) == 0 or not e.quiet:
+                e.show()
+            sys.exit(e.exit_code)
+        return
+
+    from accel_fsdp.launcher import launch
+    from accel_fsdp.preflight import load_config_or_default, preflight
+
+    config, n, why = load_config_or_default(accelerate_config)
+    report = preflight(r, config, num_processes=n, run_dir=run_dir, resume=resume or bool(resume_from),
+                       overwrite=overwrite)
+    click.echo(f"accel-fsdp: launching {report.num_processes} process(es) with {config.label}"
+               + ("" if why == "given" else f" ({why})"), err=True)
+    for note in report.notes:
+        click.echo(f"note: {note}", err=True)
+    argv = ["recipe", "run", str(Path(r.source).absolute()), "--output-dir", str(run_dir)]
+    for item in overrides:
+        argv += ["--set", item]
+    argv += ["--resume"] * resume + ["--overwrite"] * overwrite
+    if resume_from:
+        argv += ["--resume-from", str(Path(resume_from).absolute())]
+    sys.exit(launch(config, argv, num_processes=n))
+
+
+def _load_recipe(name_or_path: str, overrides):
+    from accel_fsdp.paths import display, resolve_recipe
+    from accel_fsdp.recipe import load_recipe
+
+    path = resolve_recipe(name_or_path)
+    r = load_recipe(path, overrides)
+    r.source = display(path)
+    return r
+
+
+# ------------------------------------------------------------------------------------------ checkpoint
+
+
+@main.group()
+def checkpoint() -> None:
+    """Inspect checkpoints and consolidate them into Hugging Face model folders."""
+
+
+@checkpoint.command("consolidate")
+@click.argument("checkpoint_or_run", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="Weight dtype of the export. Default: the recipe's checkpoint.export_dtype.")
+@click.option("--max-shard-size", default="2GB", show_default=True, help="Split the weights into files of at most "
+              "this size (with an index file); also bounds the memory used.")
+@click.option("--merge", is_flag=True, help="LoRA checkpoints: also write the base model with the adapter merged "
+              "into OUT_DIR/merged.")
+@click.option("--base-model", help="LoRA with --merge: the base model (default: the one the adapter names).")
+def checkpoint_consolidate(checkpoint_or_run, out_dir, dtype, max_shard_size, merge, base_model) -> None:
+    """Turn a checkpoint (or a run folder's newest complete one) into a folder `from_pretrained` loads.
+
+    \b
+    accel-fsdp checkpoint consolidate runs/gpt2-xl out/gpt2-xl --dtype bf16
+    accel-fsdp checkpoint consolidate runs/x/checkpoints/step-000200 out/x --max-shard-size 500MB
+    """
+    import yaml
+
+    from accel_fsdp.checkpoint import resolve_checkpoint
+    from accel_fsdp.consolidate import consolidate, parse_size
+
+    try:
+        size = parse_size(max_shard_size)
+    except ValueError:
+        raise UserError(Problem("--max-shard-size", f"{max_shard_size!r} is not a size", "e.g. 2GB, 500MB")) from None
+    if size <= 0:
+        raise UserError(Problem("--max-shard-size", f"{max_shard_size!r} must be positive", "e.g. 2GB"))
+    info = resolve_checkpoint(checkpoint_or_run)
+    if dtype is None:
+        saved = yaml.safe_load((info.path / "recipe.yaml").read_text()) or {}
+        dtype = saved.get("checkpoint", {}).get("export_dtype", "fp32")
+    if merge and not info.manifest.get("lora"):
+        raise UserError(Problem("--merge", f"{info.path} is not a LoRA checkpoint", "drop --merge"))
+    click.echo(f"consolidating {info.path} (step {info.manifest.get('step')}, "
+               f"{info.manifest.get('state_dict_type')}) -> {out_dir}")
+    report = consolidate(info, out_dir, dtype=dtype, max_shard_size=size, merge_lora=merge, base_model=base_model)
+    click.echo(report.summary())
+
+
+@checkpoint.command("inspect")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def checkpoint_inspect(path: Path, as_json: bool) -> None:
+    """Describe a checkpoint, or every checkpoint of a run folder: step, world size, type, parameters, bytes,
+    recipe, complete or not.
+
+    \b
+    accel-fsdp checkpoint inspect runs/quickstart
+    """
+    from accel_fsdp.checkpoint import MANIFEST, describe, inspect_checkpoint, list_checkpoints
+
+    if not path.exists():
+        raise UserError(Problem(str(path), "does not exist", "give a checkpoint or run folder"))
+    if (path / MANIFEST).exists() or path.name.startswith(("step-", ".tmp-step-")):
+        infos = [inspect_checkpoint(path)]
+    else:
+        infos = list_checkpoints(path / "checkpoints") or list_checkpoints(path)
+        tmp = [inspect_checkpoint(p) for p in sorted((path / "checkpoints").glob(".tmp-step-*"))]
+        infos += tmp
+    if not infos:
+        raise UserError(Problem(str(path), "holds no checkpoints", "give a run folder or a step-NNNNNN folder"))
+    described = [describe(i) for i in infos]
+    if as_json:
+        click.echo(json.dumps(described if len(described) > 1 else described[0], indent=1))
+        return
+    for d in described:
+        status = "complete" if d["complete"] else f"INCOMPLETE: {d['problem']}"
+        click.echo(f"{d['path']}: {status}")
+        if d.get("step") is None:
+            continue
+        params = f"{d['parameters']:,}" if d.get("parameters") else "?"
+        click.echo(f"  step {d['step']} (epoch {d.get('epoch')}), world size {d.get('world_size')}, "
+                   f"{d.get('state_dict_type')}, FSDP{d.get('fsdp_version')}" + (", LoRA adapter" if d.get("lora") else ""))
+        click.echo(f"  parameters {params}, {d['bytes'] / (1 << 20):,.1f} MB in {d['files']} files, "
+                   f"created {d.get('created')}")
+        if "recipe" in d:
+            rr = d["recipe"]
+            click.echo(f"  recipe {rr['name']}: model {rr['model']}, data {rr['data']}, global batch "
+                       f"{rr['global_batch_size']}, lr {rr['lr']}, max_steps {rr['max_steps']}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,59 @@
+"""User-facing errors.
+
+A mistake of the user's (a bad recipe key, a missing file, batch sizes that do not divide) must end in one
+message that names the file or dotted key, the value and the fix, with exit status 2 and no traceback.
+Everything in the package raises `UserError` for those; the CLI (and the training entry point inside
+distributed ranks) turns it into that message. Never raise it for a bug of ours: those keep their traceback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import click
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with the user's input: where it is, what it holds, and how to fix it."""
+
+    where: str
+    """File and/or dotted key, e.g. `recipes/gpt2.yaml: training.global_batch_size`."""
+    message: str
+    """What is wrong, quoting the value."""
+    fix: str = ""
+    """What to change."""
+
+    def __str__(self) -> str:
+        text = f"{self.where}: {self.message}" if self.where else self.message
+        if self.fix:
+            text += f"\n    fix: {self.fix}"
+        return text
+
+
+class UserError(click.ClickException):
+    """A problem with the user's input. Shown as one message; exit status 2."""
+
+    exit_code = 2
+
+    def __init__(self, problems: list[Problem] | Problem | str, *, title: str | None = None, quiet: bool = False):
+        self.quiet = quiet
+        """An echo of an error another rank reports: not shown again."""
+        if isinstance(problems, (Problem, str)):
+            problems = [problems]
+        self.problems = [p if isinstance(p, Problem) else Problem("", p) for p in problems]
+        if len(self.problems) == 1 and title is None:
+            text = str(self.problems[0])
+        else:
+            head = title or f"{len(self.problems)} problems"
+            text = head + ":\n" + "\n".join(f"  - {p}".replace("\n", "\n  ") for p in self.problems)
+        super().__init__(text)
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True, file=file)
+
+
+def raise_if(problems: list[Problem], title: str) -> None:
+    """Raise one `UserError` listing every problem gathered, or return when there are none."""
+    if problems:
+        raise UserError(problems, title=title if len(problems) > 1 else None)

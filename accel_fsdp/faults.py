@@ -1,0 +1,55 @@
+"""Fault injection, so tests can prove that crashes lose nothing: `ACCEL_FSDP_FAULT=<kind>:<step>[@<rank>]`.
+
+Kinds:
+  kill:N          SIGKILL this process right after optimizer step N (before its checkpoint, if any).
+  kill-in-save:N  SIGKILL while the checkpoint of step N is being written (after the shards, before the rename).
+  enospc-in-save:N  raise "No space left on device" while writing the checkpoint of step N.
+`@R` limits the fault to rank R (default: rank 0). Unset, this module does nothing; it never changes results.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+
+ENV = "ACCEL_FSDP_FAULT"
+KINDS = ("kill", "kill-in-save", "enospc-in-save")
+
+
+class Faults:
+    def __init__(self, spec: str | None, rank: int):
+        self.kind, self.step = None, None
+        if not spec:
+            return
+        target = 0
+        if "@" in spec:
+            spec, target_text = spec.rsplit("@", 1)
+            target = int(target_text)
+        kind, _, step = spec.partition(":")
+        if kind not in KINDS or not step.isdigit():
+            raise ValueError(f"{ENV}={spec!r}: expected one of {', '.join(KINDS)} followed by :STEP")
+        if rank == target:
+            self.kind, self.step = kind, int(step)
+
+    @classmethod
+    def from_env(cls, rank: int) -> "Faults":
+        return cls(os.environ.get(ENV), rank)
+
+    def after_step(self, step: int) -> None:
+        if self.kind == "kill" and step == self.step:
+            self._kill(f"after optimizer step {step}")
+
+    def in_save(self, step: int) -> None:
+        if step != self.step:
+            return
+        if self.kind == "kill-in-save":
+            self._kill(f"while saving the checkpoint of step {step}")
+        if self.kind == "enospc-in-save":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "(injected by ACCEL_FSDP_FAULT)")
+
+    @staticmethod
+    def _kill(when: str) -> None:
+        print(f"[{ENV}] SIGKILL {when}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)

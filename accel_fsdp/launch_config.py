@@ -1,0 +1,468 @@
+"""Accelerate launch configs (hardware) and the effective FSDP settings of a run, each with where it came from.
+
+`accelerate_configs/*.yaml` are plain Accelerate config files: `accelerate launch --config_file` reads them,
+and so does this module, to check them before anything launches and to know how many processes to start.
+Inside a launched rank the same settings are read back from the file (when the CLI launched itself) or from
+the `FSDP_*` variables that `accelerate launch` exported (when the user ran it). The recipe may override the
+few settings that depend on the model (wrap class, state-dict type, activation checkpointing, precision).
+
+The result, `FsdpSettings`, records for every setting its value and its source (config file, recipe, --set,
+default, detected), is printed at the start of a run and saved in the run folder. This module decides; it
+must not build models or touch torch.distributed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from accel_fsdp.errors import Problem, UserError, raise_if
+from accel_fsdp.paths import display, resolve_accelerate_config
+
+CONFIG_PATH_ENV = "ACCEL_FSDP_ACCELERATE_CONFIG"
+"""Set by the CLI when it launches itself, so each rank reads the same file (and can name it in messages)."""
+
+FSDP1_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
+BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
+PRECISION_FROM_ACCELERATE = {"no": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8"}
+
+# Environment variables `accelerate launch` exports for each fsdp_config key (accelerate/utils/launch.py).
+_ENV_OF_KEY = {
+    "fsdp_version": "FSDP_VERSION",
+    "fsdp_sharding_strategy": "FSDP_SHARDING_STRATEGY",
+    "fsdp_reshard_after_forward": "FSDP_RESHARD_AFTER_FORWARD",
+    "fsdp_offload_params": "FSDP_OFFLOAD_PARAMS",
+    "fsdp_min_num_params": "FSDP_MIN_NUM_PARAMS",
+    "fsdp_auto_wrap_policy": "FSDP_AUTO_WRAP_POLICY",
+    "fsdp_transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP",
+    "fsdp_backward_prefetch": "FSDP_BACKWARD_PREFETCH",
+    "fsdp_state_dict_type": "FSDP_STATE_DICT_TYPE",
+    "fsdp_forward_prefetch": "FSDP_FORWARD_PREFETCH",
+    "fsdp_use_orig_params": "FSDP_USE_ORIG_PARAMS",
+    "fsdp_cpu_ram_efficient_loading": "FSDP_CPU_RAM_EFFICIENT_LOADING",
+    "fsdp_sync_module_states": "FSDP_SYNC_MODULE_STATES",
+    "fsdp_activation_checkpointing": "FSDP_ACTIVATION_CHECKPOINTING",
+    "parallelism_config_dp_replicate_size": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
+    "parallelism_config_dp_shard_size": "PARALLELISM_CONFIG_DP_SHARD_SIZE",
+}
+
+
+@lru_cache(maxsize=1)
+def _known_keys() -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+    """Keys Accelerate itself accepts: top level (ClusterConfig), fsdp_config, parallelism_config."""
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    top = frozenset(f.name for f in dataclasses.fields(ClusterConfig))
+    dests = [a.dest for a in launch_command_parser()._actions]
+    fsdp = {d for d in dests if d.startswith("fsdp_")}
+    fsdp |= {"fsdp_" + f.name for f in dataclasses.fields(FullyShardedDataParallelPlugin)}
+    parallel = frozenset(d for d in dests if d.startswith("parallelism_config_"))
+    return top, frozenset(fsdp), parallel
+
+
+@dataclass
+class AccelerateConfig:
+    """An Accelerate config, flattened: top-level keys plus the fsdp_config and parallelism_config keys."""
+
+    values: dict[str, Any]
+    label: str
+    """How to name it in messages: the file, or `accelerate launch environment`."""
+    path: Path | None = None
+
+    def get(self, key: str, default=None):
+        return self.values.get(key, default)
+
+    def where(self, key: str) -> str:
+        return f"{self.label}: {key}"
+
+
+def load_accelerate_config(name_or_path: str | os.PathLike) -> AccelerateConfig:
+    """Read and check an Accelerate config file; raise one `UserError` with every problem."""
+    path = resolve_accelerate_config(str(name_or_path))
+    label = display(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{label}:{mark.line + 1}" if mark else label
+        raise UserError(Problem(where, f"YAML syntax error: {getattr(e, 'problem', e)}",
+                                "fix the YAML at that line")) from None
+    if not isinstance(data, dict):
+        raise UserError(Problem(label, "an accelerate config must be a mapping of keys",
+                                "start from accelerate_configs/fsdp_1gpu.yaml"))
+    top, fsdp_keys, parallel_keys = _known_keys()
+    problems = []
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in top:
+            close = difflib.get_close_matches(str(key), sorted(top), n=1)
+            problems.append(Problem(f"{label}: {key}", "not an Accelerate config key",
+                                    f"did you mean {close[0]}?" if close else "remove it"))
+        elif key in ("fsdp_config", "parallelism_config"):
+            known = fsdp_keys if key == "fsdp_config" else parallel_keys
+            for sub, subval in (value or {}).items():
+                if sub not in known:
+                    close = difflib.get_close_matches(str(sub), sorted(known), n=1)
+                    problems.append(Problem(f"{label}: {key}.{sub}", f"not an Accelerate {key} key",
+                                            f"did you mean {close[0]}?" if close else "remove it"))
+                else:
+                    values[sub] = subval
+        else:
+            values[key] = value
+    config = AccelerateConfig(values=values, label=label, path=path)
+    problems += check_accelerate_config(config)
+    raise_if(problems, f"accelerate config {label} has {len(problems)} problems")
+    return config
+
+
+def config_from_environment(env: os._Environ | dict) -> AccelerateConfig:
+    """The settings `accelerate launch` exported to this rank (when the user ran `accelerate launch` directly)."""
+    values: dict[str, Any] = {}
+    if env.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        values["distributed_type"] = "FSDP"
+    for key, var in _ENV_OF_KEY.items():
+        if var in env:
+            values[key] = env[var]
+    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        values.pop("parallelism_config_dp_replicate_size", None)
+        values.pop("parallelism_config_dp_shard_size", None)
+    if "ACCELERATE_MIXED_PRECISION" in env:
+        values["mixed_precision"] = env["ACCELERATE_MIXED_PRECISION"]
+    if env.get("ACCELERATE_USE_CPU", "false").lower() == "true":
+        values["use_cpu"] = True
+    world = int(env.get("WORLD_SIZE", "1"))
+    local = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+    values["num_processes"] = world
+    values["num_machines"] = max(1, world // max(1, local))
+    return AccelerateConfig(values=values, label="accelerate launch environment")
+
+
+def check_accelerate_config(c: AccelerateConfig) -> list[Problem]:
+    p: list[Problem] = []
+
+    def bad(key, msg, fix):
+        p.append(Problem(c.where(key), msg, fix))
+
+    dt = str(c.get("distributed_type", "NO"))
+    if dt != "FSDP":
+        bad("distributed_type", f"is {dt!r}; accel-fsdp trains with FSDP", "set distributed_type: FSDP")
+    version = _as_int(c.get("fsdp_version", 1))
+    if version not in (1, 2):
+        bad("fsdp_config.fsdp_version", f"{c.get('fsdp_version')!r} is not 1 or 2", "use 2 (FSDP2, the default)")
+    mp = str(c.get("mixed_precision", "no"))
+    if mp not in ("no", "bf16", "fp16"):
+        bad("mixed_precision", f"{mp!r} is not supported", "use bf16, fp16 or no")
+    for key in ("num_processes", "num_machines"):
+        if key in c.values and (_as_int(c.get(key)) is None or _as_int(c.get(key)) < 1):
+            bad(key, f"{c.get(key)!r} must be a whole number of at least 1", f"e.g. {key}: 2")
+    n, m = _as_int(c.get("num_processes", 1)) or 1, _as_int(c.get("num_machines", 1)) or 1
+    if n % m:
+        bad("num_processes", f"{n} processes cannot be split evenly over num_machines = {m}",
+            f"use a multiple of {m} (num_processes counts all ranks on all machines)")
+    rank = _as_int(c.get("machine_rank", 0))
+    if rank is None or not 0 <= rank < m:
+        bad("machine_rank", f"{c.get('machine_rank')!r} must be between 0 and num_machines - 1 = {m - 1}",
+            "set 0 on the main machine, 1..N-1 on the others")
+    if m > 1 and not c.get("main_process_ip"):
+        bad("main_process_ip", f"is not set, but num_machines = {m}",
+            "set the address of the machine with machine_rank 0 (or pass --main_process_ip)")
+    if version == 1:
+        s = str(c.get("fsdp_sharding_strategy", c.get("fsdp_reshard_after_forward", "FULL_SHARD"))).upper()
+        if s not in FSDP1_STRATEGIES and not s.isdigit():
+            bad("fsdp_config.fsdp_sharding_strategy", f"{s!r} is not an FSDP1 strategy", "use " + ", ".join(FSDP1_STRATEGIES[:4]))
+        bp = c.get("fsdp_backward_prefetch")
+        if bp is not None and str(bp).upper() not in BACKWARD_PREFETCH:
+            bad("fsdp_config.fsdp_backward_prefetch", f"{bp!r} is not valid", "use " + ", ".join(BACKWARD_PREFETCH))
+    else:
+        raf = c.get("fsdp_reshard_after_forward", True)
+        if _as_bool(raf) is None:
+            bad("fsdp_config.fsdp_reshard_after_forward", f"{raf!r} is not true or false in FSDP2",
+                "true = FULL_SHARD, false = SHARD_GRAD_OP; HYBRID_SHARD comes from parallelism_config")
+        for key in ("fsdp_backward_prefetch", "fsdp_use_orig_params", "fsdp_sync_module_states",
+                    "fsdp_forward_prefetch"):
+            if key in c.values and c.get(key) not in (None, False, "false", "False", "NO_PREFETCH"):
+                bad(f"fsdp_config.{key}", f"{c.get(key)!r} has no effect in FSDP2 (fsdp_version: 2)",
+                    "remove it, or use fsdp_version: 1 (see accelerate_configs/fsdp1_2gpu.yaml)")
+    sdt = str(c.get("fsdp_state_dict_type", "SHARDED_STATE_DICT")).upper()
+    if sdt not in STATE_DICT_TYPES:
+        bad("fsdp_config.fsdp_state_dict_type", f"{sdt!r} is not supported", "use SHARDED_STATE_DICT or FULL_STATE_DICT")
+    policy = str(c.get("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP")).upper()
+    if policy not in WRAP_POLICIES:
+        bad("fsdp_config.fsdp_auto_wrap_policy", f"{policy!r} is not a wrap policy", "use " + ", ".join(WRAP_POLICIES))
+    for key in ("fsdp_offload_params", "fsdp_activation_checkpointing", "fsdp_cpu_ram_efficient_loading", "use_cpu"):
+        if key in c.values and _as_bool(c.get(key)) is None:
+            bad(key if key == "use_cpu" else f"fsdp_config.{key}", f"{c.get(key)!r} is not true or false", "use true or false")
+    rep, shard = c.get("parallelism_config_dp_replicate_size"), c.get("parallelism_config_dp_shard_size")
+    if rep is not None or shard is not None:
+        if version != 2:
+            bad("parallelism_config", "needs FSDP2", "set fsdp_config.fsdp_version: 2")
+        r, s = _as_int(rep or 1), _as_int(shard or 1)
+        if r is None or s is None or r < 1 or s < 1:
+            bad("parallelism_config", f"dp_replicate_size={rep!r}, dp_shard_size={shard!r} must be whole numbers >= 1",
+                "e.g. dp_replicate_size: 2 (nodes), dp_shard_size: 8 (GPUs per node)")
+        elif r * s != n:
+            bad("parallelism_config", f"dp_replicate_size x dp_shard_size = {r} x {s} = {r * s}, "
+                f"but num_processes = {n}",
+                f"make the product equal the number of processes, e.g. dp_replicate_size: {m}, dp_shard_size: {n // m}")
+    return p
+
+
+# ------------------------------------------------------------------------------------------- settings
+
+
+@dataclass
+class Setting:
+    value: Any
+    source: str
+
+    def __str__(self) -> str:
+        v = ", ".join(self.value) if isinstance(self.value, (list, tuple)) else self.value
+        return f"{v}  ({self.source})"
+
+
+@dataclass
+class FsdpSettings:
+    """Effective distributed settings of a run, each with its source."""
+
+    device: Setting
+    num_processes: Setting
+    num_machines: Setting
+    fsdp_version: Setting
+    sharding_strategy: Setting
+    wrap_policy: Setting
+    wrap_classes: Setting
+    min_num_params: Setting
+    """Smallest module that becomes its own unit under SIZE_BASED_WRAP."""
+    cpu_offload: Setting
+    state_dict_type: Setting
+    activation_checkpointing: Setting
+    mixed_precision: Setting
+    cpu_ram_efficient_loading: Setting
+    dp_replicate_size: Setting
+    dp_shard_size: Setting
+    fsdp1_options: Setting = field(default_factory=lambda: Setting({}, "default"))
+    """backward_prefetch, forward_prefetch, limit_all_gathers, use_orig_params, sync_module_states (FSDP1)."""
+
+    def rows(self) -> list[tuple[str, Setting]]:
+        rows = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+        if self.fsdp_version.value == 2:
+            rows = [r for r in rows if r[0] != "fsdp1_options"]
+        if self.wrap_policy.value != "SIZE_BASED_WRAP":
+            rows = [r for r in rows if r[0] != "min_num_params"]
+        return rows
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: {"value": s.value, "source": s.source} for name, s in self.rows()}
+
+    def format(self) -> str:
+        width = max(len(n) for n, _ in self.rows())
+        return "\n".join(f"  {n:<{width}}  {s}" for n, s in self.rows())
+
+
+def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, num_processes: int | None = None,
+                     num_machines: int | None = None, detected_wrap_classes: list[str] | None = None) -> FsdpSettings:
+    """Combine recipe, accelerate config, detection and defaults; the first that says something wins.
+
+    `num_processes` / `num_machines` are what the launch really has (inside a rank: WORLD_SIZE; for the CLI
+    without a config: the local GPUs); they win over the config's numbers.
+    `detected_wrap_classes` is the model's own `_no_split_modules`, when the model is known.
+    """
+    cfg = config.label
+
+    def from_recipe(key: str) -> str:
+        return "--set" if key in recipe.overridden else f"recipe {recipe.source or recipe.name}"
+
+    def pick(recipe_key: str | None, recipe_value, config_key: str | None, convert, default, default_source="default"):
+        if recipe_key and recipe_value is not None:
+            return Setting(recipe_value, from_recipe(recipe_key))
+        if config_key and config_key in config.values and config.values[config_key] is not None:
+            return Setting(convert(config.values[config_key]), cfg)
+        return Setting(default, default_source)
+
+    use_cpu = _as_bool(config.get("use_cpu", False)) or False
+    if use_cpu:
+        device = Setting("cpu", f"{cfg} (use_cpu)")
+    elif cuda_available:
+        device = Setting("cuda", "detected")
+    else:
+        device = Setting("cpu", "detected: no CUDA device")
+    nproc = pick(None, None, "num_processes", lambda v: _as_int(v) or 1, 1)
+    if num_processes is not None and num_processes != nproc.value:
+        nproc = Setting(num_processes, "detected: the launch's WORLD_SIZE" if "WORLD_SIZE" in os.environ
+                        else "detected: local GPUs")
+    nmach = pick(None, None, "num_machines", lambda v: _as_int(v) or 1, 1)
+    if num_machines is not None and num_machines != nmach.value:
+        nmach = Setting(num_machines, "detected: the launch's WORLD_SIZE / LOCAL_WORLD_SIZE")
+    version = pick(None, None, "fsdp_version", int, 1 if config.values else 2)
+
+    # Sharding strategy: FSDP1 names it; FSDP2 says reshard_after_forward (true = FULL_SHARD, false = SHARD_GRAD_OP)
+    # and gets HYBRID_SHARD from the parallelism config's replicate x shard mesh.
+    rep = _as_int(config.get("parallelism_config_dp_replicate_size") or 1)
+    if version.value == 1:
+        strategy = pick(None, None, "fsdp_sharding_strategy", lambda v: _fsdp1_strategy(v), "FULL_SHARD")
+    elif rep and rep > 1:
+        strategy = Setting("HYBRID_SHARD", f"{cfg} (parallelism_config)")
+    else:
+        strategy = pick(None, None, "fsdp_reshard_after_forward",
+                        lambda v: "FULL_SHARD" if _as_bool(v) in (True, None) else "SHARD_GRAD_OP", "FULL_SHARD")
+    if recipe.fsdp.sharding_strategy is not None:
+        strategy = Setting(recipe.fsdp.sharding_strategy, from_recipe("fsdp.sharding_strategy"))
+    n = nproc.value
+    if strategy.value == "HYBRID_SHARD":
+        if rep and rep > 1 and strategy.source.startswith(cfg):
+            dp_rep = Setting(rep, f"{cfg} (parallelism_config)")
+            dp_shard = Setting(_as_int(config.get("parallelism_config_dp_shard_size") or 1), f"{cfg} (parallelism_config)")
+        else:
+            machines = nmach.value
+            dp_rep = Setting(machines, "derived: one replica per machine")
+            dp_shard = Setting(n // machines, "derived: shard within a machine")
+    elif strategy.value == "NO_SHARD":
+        dp_rep, dp_shard = Setting(n, "derived: every rank holds everything"), Setting(1, "derived")
+    else:
+        dp_rep, dp_shard = Setting(1, "derived"), Setting(n, "derived: shard over all ranks")
+
+    policy = pick(None, None, "fsdp_auto_wrap_policy", lambda v: str(v).upper(), "TRANSFORMER_BASED_WRAP")
+    if recipe.fsdp.wrap_class:
+        classes = Setting(_split(recipe.fsdp.wrap_class), from_recipe("fsdp.wrap_class"))
+        policy = Setting("TRANSFORMER_BASED_WRAP", from_recipe("fsdp.wrap_class"))
+    elif policy.value == "TRANSFORMER_BASED_WRAP" and config.get("fsdp_transformer_layer_cls_to_wrap"):
+        classes = Setting(_split(config.get("fsdp_transformer_layer_cls_to_wrap")), cfg)
+    elif policy.value == "TRANSFORMER_BASED_WRAP":
+        if detected_wrap_classes is not None:
+            classes = Setting(sorted(detected_wrap_classes), "detected: model._no_split_modules")
+        else:
+            classes = Setting(["<model default>"], "default: the model's _no_split_modules")
+    else:
+        classes = Setting([], f"{cfg} ({policy.value})")
+
+    min_params = pick(None, None, "fsdp_min_num_params", lambda v: int(float(v)), 100_000_000)
+    offload = pick("fsdp.cpu_offload", recipe.fsdp.cpu_offload, "fsdp_offload_params", _as_bool, False)
+    sdt = pick("checkpoint.state_dict_type", recipe.checkpoint.state_dict_type, "fsdp_state_dict_type",
+               lambda v: str(v).upper(), "SHARDED_STATE_DICT")
+    ac = pick("model.activation_checkpointing", recipe.model.activation_checkpointing,
+              "fsdp_activation_checkpointing", _as_bool, False)
+    mp = pick("training.mixed_precision", recipe.training.mixed_precision, "mixed_precision",
+              lambda v: PRECISION_FROM_ACCELERATE.get(str(v), str(v)), "bf16")
+    ram = pick(None, None, "fsdp_cpu_ram_efficient_loading", _as_bool, False)
+
+    fsdp1 = {}
+    if version.value == 1:
+        bp = config.get("fsdp_backward_prefetch")
+        fsdp1 = {
+            "backward_prefetch": str(bp).upper() if bp else "NO_PREFETCH",
+            "forward_prefetch": bool(_as_bool(config.get("fsdp_forward_prefetch", False))),
+            "limit_all_gathers": bool(_as_bool(config.get("fsdp_limit_all_gathers", True))),
+            "use_orig_params": bool(_as_bool(config.get("fsdp_use_orig_params", True))),
+            "sync_module_states": bool(_as_bool(config.get("fsdp_sync_module_states", False))),
+        }
+    return FsdpSettings(
+        device=device, num_processes=nproc, num_machines=nmach, fsdp_version=version, sharding_strategy=strategy,
+        wrap_policy=policy, wrap_classes=classes, min_num_params=min_params, cpu_offload=offload, state_dict_type=sdt,
+        activation_checkpointing=ac, mixed_precision=mp, cpu_ram_efficient_loading=ram,
+        dp_replicate_size=dp_rep, dp_shard_size=dp_shard,
+        fsdp1_options=Setting(fsdp1, cfg if fsdp1 else "default"),
+    )
+
+
+def check_settings(settings: FsdpSettings, recipe) -> list[Problem]:
+    """Problems of the combination (recipe x hardware) that neither file shows alone."""
+    p: list[Problem] = []
+    s = settings
+    n, machines = s.num_processes.value, s.num_machines.value
+    t = recipe.training
+    if t.global_batch_size % (t.micro_batch_size * n):
+        per_step = t.micro_batch_size * n
+        lower = max(per_step, (t.global_batch_size // per_step) * per_step)
+        upper = lower + per_step if lower <= t.global_batch_size else lower
+        p.append(Problem(recipe.where("training.global_batch_size"),
+                         f"{t.global_batch_size} is not divisible by micro_batch_size x processes = "
+                         f"{t.micro_batch_size} x {n} = {per_step}, so gradient accumulation steps would not be "
+                         "a whole number",
+                         f"use a multiple of {per_step} (e.g. {lower} or {upper}), or change training.micro_batch_size"))
+    if s.mixed_precision.value == "fp16" and s.device.value == "cpu":
+        p.append(Problem(_where(recipe, s.mixed_precision, "training.mixed_precision"),
+                         "fp16 needs a GPU (its grad scaler does not run on CPU)",
+                         "use bf16 (same memory, no scaler) or fp32"))
+    if s.mixed_precision.value not in ("bf16", "fp32", "fp16"):
+        p.append(Problem(_where(recipe, s.mixed_precision, "mixed_precision"),
+                         f"{s.mixed_precision.value!r} is not supported", "use bf16, fp32 or fp16"))
+    strategy = s.sharding_strategy.value
+    if strategy == "HYBRID_SHARD":
+        if s.dp_replicate_size.value * s.dp_shard_size.value != n:
+            p.append(Problem(_where(recipe, s.sharding_strategy, "fsdp.sharding_strategy"),
+                             f"hybrid group of {s.dp_shard_size.value} x {s.dp_replicate_size.value} replicas "
+                             f"does not match the world size {n}",
+                             "make dp_replicate_size x dp_shard_size equal num_processes"))
+        if s.dp_shard_size.value > n:
+            p.append(Problem(_where(recipe, s.sharding_strategy, "fsdp.sharding_strategy"),
+                             f"hybrid shard group of {s.dp_shard_size.value} ranks is larger than the world size {n}",
+                             f"use a shard group of at most {n} ranks"))
+    if strategy == "NO_SHARD" and s.fsdp_version.value == 2:
+        p.append(Problem(_where(recipe, s.sharding_strategy, "fsdp.sharding_strategy"),
+                         "NO_SHARD is an FSDP1 strategy; FSDP2 has no unsharded mode",
+                         "use accelerate_configs/fsdp1_2gpu.yaml with fsdp_sharding_strategy: NO_SHARD, "
+                         "or SHARD_GRAD_OP (shards gradients and optimizer state only)"))
+    if strategy == "HYBRID_SHARD" and s.fsdp_version.value == 1 and n > 1 and machines == 1 \
+            and s.device.value == "cpu":
+        p.append(Problem(_where(recipe, s.sharding_strategy, "fsdp.sharding_strategy"),
+                         "FSDP1 HYBRID_SHARD needs several machines", "use FSDP2 with a parallelism_config"))
+    if s.cpu_offload.value and s.device.value == "cpu":
+        p.append(Problem(_where(recipe, s.cpu_offload, "fsdp.cpu_offload"),
+                         "CPU offload moves parameters from a GPU to the CPU, but this run is already on the CPU",
+                         "set fsdp.cpu_offload: false (or --set fsdp.cpu_offload=false), or run on a GPU machine"))
+    if recipe.model.lora.enabled and s.fsdp_version.value == 1 and not s.fsdp1_options.value.get("use_orig_params"):
+        p.append(Problem(settings.fsdp1_options.source + ": fsdp_config.fsdp_use_orig_params",
+                         "LoRA with FSDP1 needs use_orig_params (frozen and trainable weights share flat parameters)",
+                         "set fsdp_use_orig_params: true, or use an FSDP2 config"))
+    return p
+
+
+def _where(recipe, setting: Setting, key: str) -> str:
+    if setting.source.startswith("recipe") or setting.source == "--set":
+        return recipe.where(key)
+    return f"{setting.source}: {key}"
+
+
+def _fsdp1_strategy(v) -> str:
+    s = str(v).upper()
+    if s.isdigit():
+        return FSDP1_STRATEGIES[int(s) - 1]
+    return s
+
+
+def _split(v) -> list[str]:
+    if isinstance(v, (list, tuple)):
+        return [str(x).strip() for x in v if str(x).strip()]
+    return [x.strip() for x in str(v).split(",") if x.strip()]
+
+
+def _as_bool(v) -> bool | None:
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip().lower()
+    if s in ("true", "1", "yes"):
+        return True
+    if s in ("false", "0", "no"):
+        return False
+    return None
+
+
+def _as_int(v) -> int | None:
+    if isinstance(v, bool):
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return int(f) if f == int(f) else None

@@ -1,0 +1,237 @@
+"""Model and tokenizer: configs (offline when possible), weights, LoRA, and the wrap-class check.
+
+`model_config(...)` answers "what is this model" without weights: from a local folder, from the known
+architectures table, or from the local hub cache. Training then loads the real weights with
+`build_model(...)`. The same meta-device model serves validation (does the wrap class exist? is seq_len within
+the context?) and the dry run. Loading is the only place that may reach the hub.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from accel_fsdp import architectures
+from accel_fsdp.errors import Problem, UserError
+
+BUILTIN_TOKENIZER = "builtin:quickstart"
+
+
+def is_local(path: str | None) -> bool:
+    return bool(path) and Path(path).expanduser().is_dir()
+
+
+def model_config(recipe, *, tokenizer=None, offline: bool = False):
+    """The transformers config of the recipe's model, with config_overrides applied.
+
+    With `offline=True` the hub is never contacted: a hub id is answered from the known architectures table or
+    the local cache, and `None` is returned when neither knows it.
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    m = recipe.model
+    overrides = dict(m.config_overrides)
+    if m.architecture:
+        arch = architectures.lookup(m.architecture)
+        if arch is not None:
+            kwargs = {**arch.config_kwargs(), **overrides}
+            model_type = arch.model_type
+        elif m.architecture in CONFIG_MAPPING:
+            kwargs, model_type = overrides, m.architecture
+        else:
+            known = ", ".join(list(architectures.KNOWN) + ["or a transformers model_type such as gpt2, llama"])
+            raise UserError(Problem(recipe.where("model.architecture"),
+                                    f"unknown architecture {m.architecture!r}", f"use one of {known}"))
+        if tokenizer is not None:
+            # A model built from scratch takes its vocabulary and special tokens from its tokenizer
+            # (unless config_overrides says otherwise).
+            kwargs["vocab_size"] = overrides.get("vocab_size", len(tokenizer))
+            for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+                value = getattr(tokenizer, key, None)
+                if key == "bos_token_id" and value is None:
+                    value = tokenizer.eos_token_id
+                if value is not None:
+                    kwargs[key] = value
+        try:
+            return AutoConfig.for_model(model_type, **kwargs)
+        except (TypeError, ValueError) as e:
+            raise UserError(Problem(recipe.where("model.config_overrides"), f"rejected by transformers: {e}",
+                                    "check the key names of the model's config class")) from None
+    name = m.name_or_path
+    if is_local(name):
+        if not (Path(name).expanduser() / "config.json").is_file():
+            raise UserError(Problem(recipe.where("model.name_or_path"),
+                                    f"folder {name!r} has no config.json, so it is not a Hugging Face model folder",
+                                    "point it at a folder written by save_pretrained (or `accel-fsdp checkpoint "
+                                    "consolidate`), or at a hub id"))
+        config = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code)
+    else:
+        arch = architectures.lookup(name)
+        config = None
+        if offline:
+            if arch is not None:
+                config = AutoConfig.for_model(arch.model_type, **arch.config_kwargs())
+            else:
+                try:
+                    config = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code,
+                                                        local_files_only=True)
+                except (OSError, ValueError):
+                    return None
+        else:
+            try:
+                config = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code)
+            except OSError as e:
+                raise UserError(Problem(recipe.where("model.name_or_path"),
+                                        f"cannot load {name!r}: {str(e).splitlines()[0]}",
+                                        "check the hub id and your network or HF_TOKEN (gated models such as Llama "
+                                        "need an accepted licence), or give a local folder")) from None
+            except ValueError as e:
+                if "trust_remote_code" in str(e):
+                    raise UserError(Problem(recipe.where("model.trust_remote_code"),
+                                            f"{name!r} ships its own model code", "set model.trust_remote_code: "
+                                            "true if you trust that repository")) from None
+                raise
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def context_length(config) -> int | None:
+    for key in ("n_positions", "max_position_embeddings", "seq_length", "n_ctx"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def meta_model(config, trust_remote_code: bool = False):
+    """The model built on the meta device: its structure and parameter count, with no memory and no weights."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def module_class_names(model: torch.nn.Module) -> set[str]:
+    return {type(m).__name__ for m in model.modules()}
+
+
+def no_split_modules(model: torch.nn.Module) -> list[str]:
+    return sorted(getattr(model, "_no_split_modules", None) or [])
+
+
+def wrap_class_problems(settings, model: torch.nn.Module, recipe) -> list[Problem]:
+    """A wrap class the model does not have would make FSDP wrap nothing (or Accelerate fail later)."""
+    classes = settings.wrap_classes.value
+    if settings.wrap_policy.value != "TRANSFORMER_BASED_WRAP" or classes == ["<model default>"]:
+        if classes == ["<model default>"] and not no_split_modules(model):
+            return [Problem(settings.wrap_classes.source, f"{type(model).__name__} does not name its transformer "
+                            "block (_no_split_modules is empty), so there is no default wrap class",
+                            "set fsdp.wrap_class in the recipe to the model's block class")]
+        return []
+    present = module_class_names(model)
+    missing = [c for c in classes if c not in present]
+    if not missing:
+        return []
+    blocks = no_split_modules(model) or sorted(c for c in present if "Block" in c or "Layer" in c)
+    source = settings.wrap_classes.source
+    where = recipe.where("fsdp.wrap_class") if source.startswith("recipe") or source == "--set" else \
+        f"{source}: fsdp_transformer_layer_cls_to_wrap"
+    suggestion = blocks[0] if blocks else "the model's block class"
+    return [Problem(where, f"wrap class {', '.join(missing)} is not in the model {type(model).__name__} "
+                    f"(its transformer block is {', '.join(blocks) or 'unknown'})",
+                    f"--set fsdp.wrap_class={suggestion} (or in the recipe: fsdp.wrap_class: {suggestion}), "
+                    "or use an accelerate config that names no class (fsdp_cpu.yaml, fsdp_1gpu.yaml, fsdp_8gpu.yaml) "
+                    "so the model's own _no_split_modules is used")]
+
+
+def build_tokenizer(recipe):
+    """The recipe's tokenizer, with a pad token (the EOS token when the tokenizer has none)."""
+    m = recipe.model
+    source = m.tokenizer or m.name_or_path
+    if source == BUILTIN_TOKENIZER:
+        from accel_fsdp.synthetic import build_tokenizer as builtin
+
+        tokenizer = builtin()
+    elif source is None:
+        raise UserError(Problem(recipe.where("model.tokenizer"), "a model built from scratch needs a tokenizer",
+                                f"set model.tokenizer to a hub id, a local folder or {BUILTIN_TOKENIZER}"))
+    else:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=m.trust_remote_code)
+        except (OSError, ValueError) as e:
+            key = "model.tokenizer" if m.tokenizer else "model.name_or_path"
+            raise UserError(Problem(recipe.where(key), f"cannot load a tokenizer from {source!r}: "
+                                    f"{str(e).splitlines()[0]}",
+                                    "give a folder with tokenizer files, a hub id, or builtin:quickstart")) from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_model(recipe, config, *, dtype: torch.dtype = torch.float32):
+    """Weights: pretrained (hub id or folder) or freshly initialized from `config` under the recipe's seed."""
+    from transformers import AutoModelForCausalLM
+
+    m = recipe.model
+    kwargs: dict[str, Any] = {"trust_remote_code": m.trust_remote_code}
+    if m.attn_implementation:
+        kwargs["attn_implementation"] = m.attn_implementation
+    if m.architecture:
+        torch.manual_seed(recipe.training.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(m.name_or_path, config=config, dtype=dtype, **kwargs)
+    model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
+    if m.lora.enabled:
+        model = apply_lora(model, recipe)
+    return model
+
+
+def check_lora_targets(model, recipe) -> None:
+    lora = recipe.model.lora
+    names = {n.split(".")[-1] for n, _ in model.named_modules()}
+    missing = [t for t in lora.target_modules if t not in names]
+    if missing:
+        linear = sorted({n.split(".")[-1] for n, mod in model.named_modules()
+                         if isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D"})
+        raise UserError(Problem(recipe.where("model.lora.target_modules"),
+                                f"{', '.join(missing)} not found in {type(model).__name__}",
+                                f"use some of its linear layers: {', '.join(linear)}"))
+
+
+def apply_lora(model, recipe):
+    from peft import LoraConfig, get_peft_model
+
+    lora = recipe.model.lora
+    check_lora_targets(model, recipe)
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:
+    seen, n = set(), 0
+    for p in model.parameters():
+        if id(p) in seen or (trainable_only and not p.requires_grad):
+            continue
+        seen.add(id(p))
+        n += p.numel()
+    return n
+
+
+def human_count(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}" if n < 10 * div else f"{n / div:.1f}{unit}"
+    return str(n)
+
+
+def hf_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") in ("1", "true", "True")

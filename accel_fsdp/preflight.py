@@ -1,0 +1,143 @@
+"""Everything that can be checked before a single process is launched, offline.
+
+`recipe validate` runs exactly this; `recipe run` runs it before launching, so a user's mistake (a wrap class the
+model lacks, a global batch that does not divide, a seq_len above the context, a data file without the text
+field) is reported once, from one process, in seconds, with exit status 2, instead of from every rank after
+the launch. It never downloads: hub models are answered from the known architectures table or the local
+cache, and what cannot be checked offline is listed as a note.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.launch_config import (AccelerateConfig, FsdpSettings, check_settings, load_accelerate_config,
+                                      resolve_settings)
+from accel_fsdp.paths import shipped_accelerate_configs
+
+
+@dataclass
+class PreflightReport:
+    settings: FsdpSettings
+    config: AccelerateConfig
+    num_processes: int
+    parameters: int | None = None
+    model_class: str | None = None
+    notes: list[str] = field(default_factory=list)
+    data_rows: int | None = None
+
+
+def default_accelerate_config() -> tuple[Path, int | None, str]:
+    """(config file, number of processes to override, why): 2 CPU ranks without a GPU, else one per local GPU."""
+    import torch
+
+    shipped = shipped_accelerate_configs()
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        return shipped["fsdp_1gpu"], n, f"{n} local GPU(s) detected"
+    return shipped["fsdp_cpu"], None, "no GPU detected"
+
+
+def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = None, check_data: bool = True,
+              run_dir: Path | None = None, resume: bool = False, overwrite: bool = False) -> PreflightReport:
+    """Check recipe x accelerate config x model x data; raise one UserError listing every problem."""
+    import torch
+
+    from accel_fsdp import model as model_lib
+
+    settings = resolve_settings(recipe, config, cuda_available=torch.cuda.is_available(), num_processes=num_processes)
+    report = PreflightReport(settings=settings, config=config, num_processes=settings.num_processes.value)
+    problems: list[Problem] = list(check_settings(settings, recipe))
+    if run_dir is not None:
+        from accel_fsdp.rundir import check_run_dir
+
+        try:
+            check_run_dir(run_dir, recipe, resume=resume, overwrite=overwrite)
+        except UserError as e:
+            problems += e.problems
+
+    tokenizer = None
+    try:
+        tokenizer = _offline_tokenizer(recipe)
+        if tokenizer is None:
+            report.notes.append(f"tokenizer {recipe.model.tokenizer or recipe.model.name_or_path!r} is not on this "
+                                "machine: checked when training starts")
+        config_obj = model_lib.model_config(recipe, tokenizer=tokenizer, offline=True)
+    except UserError as e:
+        problems += e.problems
+        config_obj = None
+    if config_obj is None and not problems:
+        report.notes.append(f"model {recipe.model.name_or_path!r} is not a known architecture and not in the local "
+                            "cache: wrap class and context length are checked when training starts")
+    if config_obj is not None:
+        ctx = model_lib.context_length(config_obj)
+        if ctx is not None and recipe.data.seq_len > ctx:
+            problems.append(Problem(recipe.where("data.seq_len"), f"{recipe.data.seq_len} exceeds the model's context "
+                                    f"length of {ctx} tokens", f"use at most {ctx}"))
+        try:
+            meta = model_lib.meta_model(config_obj, recipe.model.trust_remote_code)
+        except Exception as e:  # a model class that cannot be built from this config: report, don't crash
+            problems.append(Problem(recipe.where("model.config_overrides"), f"cannot build the model: {e}",
+                                    "check model.config_overrides"))
+            meta = None
+        if meta is not None:
+            report.model_class = type(meta).__name__
+            report.parameters = model_lib.count_parameters(meta)
+            if settings.wrap_classes.value == ["<model default>"]:
+                settings.wrap_classes.value = model_lib.no_split_modules(meta)
+                settings.wrap_classes.source = "detected: model._no_split_modules"
+            problems += model_lib.wrap_class_problems(settings, meta, recipe)
+            if recipe.model.lora.enabled:
+                try:
+                    model_lib.check_lora_targets(meta, recipe)
+                except UserError as e:
+                    problems += e.problems
+
+    if check_data and not problems:
+        problems += _check_data(recipe, tokenizer, report)
+    if problems:
+        raise UserError(problems, title=f"{len(problems)} problems found before launching")
+    return report
+
+
+def _offline_tokenizer(recipe):
+    from accel_fsdp import model as model_lib
+
+    m = recipe.model
+    source = m.tokenizer or m.name_or_path
+    if source == model_lib.BUILTIN_TOKENIZER or model_lib.is_local(source) or source is None:
+        return model_lib.build_tokenizer(recipe)
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=m.trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _check_data(recipe, tokenizer, report: PreflightReport) -> list[Problem]:
+    from accel_fsdp import data as data_lib
+
+    kind, _ = data_lib.resolve_data_path(recipe)
+    if kind == "hub":
+        report.notes.append(f"hub dataset {recipe.data.path!r}: checked when training starts (needs the network)")
+        return []
+    rows = data_lib.read_rows(recipe)
+    report.data_rows = len(rows)
+    problems = data_lib.check_rows(recipe, rows)
+    if tokenizer is not None:
+        problems += data_lib.check_tokenizer(recipe, tokenizer)
+    return problems
+
+
+def load_config_or_default(name_or_path: str | None) -> tuple[AccelerateConfig, int | None, str]:
+    """The accelerate config to use, the process count to force (GPU default), and why it was chosen."""
+    if name_or_path:
+        return load_accelerate_config(name_or_path), None, "given"
+    path, n, why = default_accelerate_config()
+    return load_accelerate_config(path), n, why

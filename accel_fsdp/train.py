@@ -1,0 +1,442 @@
+"""Training: runs inside every rank of a distributed launch. `setup` builds everything, `fit` is the loop.
+
+recipe -> FSDP settings -> Accelerator (FSDP plugin) -> tokenizer, data -> model -> prepare (shard) ->
+optimizer, schedule -> [resume] -> fit: for each optimizer step, accumulate micro-steps, clip, step, log,
+evaluate, checkpoint -> final checkpoint, sample, export.
+
+Loss normalization: the loss of an optimizer step is the mean over every loss-carrying token of the global
+batch, however the batch is split over ranks and micro-steps. Each micro-step's loss is a token *sum* divided
+by num_items_in_batch = (label tokens of the global batch) / (ranks x accumulation steps): FSDP averages
+gradients over ranks and `accelerator.backward` divides by the accumulation steps, which undoes both factors.
+So k micro-steps of batch b give the same update as one step of k x b (tests/test_training.py checks it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from accel_fsdp import checkpoint as ckpt
+from accel_fsdp import data as data_lib
+from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.launch_config import (CONFIG_PATH_ENV, AccelerateConfig, FsdpSettings, check_settings,
+                                      config_from_environment, load_accelerate_config, resolve_settings)
+from accel_fsdp.metrics import MetricsWriter, device_peak_flops, flops_per_token, peak_memory_bytes, perplexity
+from accel_fsdp.model import (build_model, build_tokenizer, context_length, count_parameters, human_count,
+                              model_config, no_split_modules, wrap_class_problems)
+from accel_fsdp.rundir import check_run_dir, prepare_run_dir
+
+TRACE_ENV = "ACCEL_FSDP_TRACE_ROWS"
+"""Set to 1 to record, per rank and step, the training rows read (in <run>/trace/); used by resume tests."""
+
+
+@dataclass
+class RunRequest:
+    recipe: Any
+    run_dir: Path
+    resume: bool = False
+    resume_from: str | None = None
+    overwrite: bool = False
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built by `setup`."""
+
+    request: RunRequest
+    settings: FsdpSettings
+    accelerator: Any
+    tokenizer: Any
+    data: data_lib.PreparedData
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    sampler: data_lib.GlobalBatchSampler
+    total_steps: int
+    start_step: int
+    metrics: MetricsWriter
+    ckpt_root: Path
+    use_position_ids: bool
+    parameters: int
+    trainable_parameters: int
+    flops_per_token: float
+    faults: Any
+    tokens_seen: int = 0
+    last_saved_step: int | None = None
+    last_eval_step: int | None = None
+    eval_history: list = field(default_factory=list)
+
+
+def current_accelerate_config() -> AccelerateConfig:
+    """The accelerate config this rank was launched with: the file (when the CLI launched itself), else what
+    `accelerate launch` exported, else none (defaults)."""
+    path = os.environ.get(CONFIG_PATH_ENV)
+    if path:
+        return load_accelerate_config(path)
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return config_from_environment(os.environ)
+    return AccelerateConfig(values={}, label="no accelerate config")
+
+
+def setup(request: RunRequest) -> Run:
+    recipe = request.recipe
+    t = recipe.training
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    config = current_accelerate_config()
+    settings = resolve_settings(recipe, config, cuda_available=torch.cuda.is_available(), num_processes=world,
+                                num_machines=max(1, world // local_world))
+    problems = check_settings(settings, recipe)
+    if problems:
+        raise UserError(problems, title=f"{len(problems)} problems with this recipe on this hardware")
+    accumulation = t.global_batch_size // (t.micro_batch_size * world)
+
+    from accel_fsdp.distributed import build_accelerator, expected_shards
+
+    run_dir = request.run_dir
+    accelerator = build_accelerator(settings, gradient_accumulation_steps=accumulation, run_dir=run_dir,
+                                    trackers=recipe.logging.trackers)
+    decision = check_run_dir(run_dir, recipe, resume=request.resume or bool(request.resume_from),
+                             overwrite=request.overwrite)
+    accelerator.wait_for_everyone()  # every rank has looked at the folder before the main process changes it
+    ckpt_root = ckpt.checkpoint_root(recipe, run_dir)
+    if accelerator.is_main_process:
+        prepare_run_dir(run_dir, recipe, settings, decision, ckpt_root)
+    accelerator.wait_for_everyone()
+    say = accelerator.print
+    say(f"accel-fsdp: recipe {recipe.name} ({recipe.source}) -> {run_dir}\n--- resolved recipe ---\n"
+        f"{recipe.to_yaml().rstrip()}\n--- FSDP settings (value, source) ---\n{settings.format()}\n"
+        f"  gradient_accumulation_steps  {accumulation}  (derived: {t.global_batch_size} / ({t.micro_batch_size} x "
+        f"{world}))")
+
+    tokenizer = build_tokenizer(recipe)
+    data = data_lib.prepare_data(recipe, tokenizer, accelerator)
+    say(f"data: {recipe.data.path}: {data.stats.summary()}")
+
+    model_cfg = model_config(recipe, tokenizer=tokenizer)
+    ctx = context_length(model_cfg)
+    if ctx is not None and recipe.data.seq_len > ctx:
+        raise UserError(Problem(recipe.where("data.seq_len"), f"{recipe.data.seq_len} exceeds the model's context "
+                                f"length of {ctx} tokens", f"use at most {ctx}"))
+    model = build_model(recipe, model_cfg)
+    if settings.wrap_classes.value == ["<model default>"]:
+        settings.wrap_classes.value = no_split_modules(model)
+        settings.wrap_classes.source = "detected: model._no_split_modules"
+    problems = wrap_class_problems(settings, model, recipe)
+    if problems:
+        raise UserError(problems)
+    parameters, trainable = count_parameters(model), count_parameters(model, trainable_only=True)
+    say(f"model: {type(model).__name__}, {human_count(parameters)} parameters ({parameters:,}; "
+        f"{trainable:,} trainable)")
+    use_position_ids = "position_ids" in _forward_parameters(model)
+
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                  fused=torch.cuda.is_available() or None)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    from accel_fsdp.cpu_fsdp import check_sharded, local_numel
+
+    check_sharded(accelerator, model, parameters, expected_shards(settings))
+    say(f"sharded: rank {accelerator.process_index} holds {local_numel(model):,} of {parameters:,} parameters "
+        f"({settings.sharding_strategy.value} over {expected_shards(settings)} ranks)")
+
+    sampler = data_lib.GlobalBatchSampler(len(data.train), global_batch=t.global_batch_size,
+                                          micro_batch=t.micro_batch_size, world_size=world,
+                                          rank=accelerator.process_index, seed=t.seed)
+    if sampler.steps_per_epoch == 0:
+        raise UserError(Problem(recipe.where("training.global_batch_size"),
+                                f"{t.global_batch_size} rows per step, but the data has only {len(data.train)} "
+                                f"training sequences", "use a smaller global batch or more data"))
+    total_steps = data_lib.total_steps(recipe, sampler.steps_per_epoch)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lr_schedule(recipe, total_steps))
+
+    from accel_fsdp.faults import Faults
+
+    run = Run(request=request, settings=settings, accelerator=accelerator, tokenizer=tokenizer, data=data,
+              model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler, total_steps=total_steps,
+              start_step=0, metrics=None, ckpt_root=ckpt_root, use_position_ids=use_position_ids,
+              parameters=parameters, trainable_parameters=trainable,
+              flops_per_token=flops_per_token(model_cfg, recipe.data.seq_len, trainable / max(1, parameters)),
+              faults=Faults.from_env(accelerator.process_index))
+    if decision == "resume":
+        _resume(run)
+    run.metrics = MetricsWriter(accelerator, run_dir / "metrics.jsonl", run.start_step)
+    if recipe.logging.trackers:
+        from accel_fsdp.recipe import flatten
+
+        accelerator.init_trackers(recipe.logging.project or recipe.name,
+                                  config={k: v for k, v in flatten(recipe.to_dict()).items()
+                                          if isinstance(v, (int, float, str, bool))})
+    return run
+
+
+def lr_schedule(recipe, total_steps: int):
+    """Linear warm-up to lr, then cosine (or linear) decay to lr x min_lr_ratio at the last step."""
+    t = recipe.training
+
+    def factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / (t.warmup_steps + 1)
+        if t.scheduler == "constant":
+            return 1.0
+        progress = min(1.0, (step - t.warmup_steps) / max(1, total_steps - t.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if t.scheduler == "cosine" else 1 - progress
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * shape
+
+    return factor
+
+
+def _resume(run: Run) -> None:
+    request, recipe, acc = run.request, run.request.recipe, run.accelerator
+    if request.resume_from:
+        info = ckpt.resolve_checkpoint(request.resume_from)
+    else:
+        info = ckpt.latest_complete(run.ckpt_root)
+        if info is None:
+            skipped = [f"{c.name} ({c.reason})" for c in ckpt.list_checkpoints(run.ckpt_root)]
+            raise UserError(Problem(str(run.ckpt_root), "--resume found no complete checkpoint" +
+                                    (f"; incomplete: {', '.join(skipped)}" if skipped else ""),
+                                    "drop --resume and add --overwrite to start over"))
+    for note in ckpt.check_resume(info, recipe, run.settings):
+        acc.print(f"resume: {note}")
+    state = ckpt.load_checkpoint(acc, run.model, run.optimizer, run.scheduler, info, lora=recipe.model.lora.enabled)
+    run.start_step = run.last_saved_step = state["step"]
+    run.tokens_seen = state.get("tokens_seen", 0)
+    acc.print(f"resume: continuing from {info.path} at step {run.start_step} of {run.total_steps} "
+              f"(epoch {state.get('epoch')}, {state.get('rows_consumed', 0):,} rows consumed)")
+
+
+def fit(run: Run) -> None:
+    """The training loop: one optimizer step per iteration, its micro-steps accumulated."""
+    acc, model, optimizer, scheduler, sampler = run.accelerator, run.model, run.optimizer, run.scheduler, run.sampler
+    recipe = run.request.recipe
+    t, log_every = recipe.training, recipe.logging.every_steps
+    world, k = acc.num_processes, sampler.accumulation_steps
+    label_counts, lengths = run.data.train["n_labels"], run.data.train["length"]
+    pad_id = run.tokenizer.pad_token_id
+    max_norm = t.max_grad_norm if t.max_grad_norm is not None else float("inf")
+    trace = _trace_file(run) if os.environ.get(TRACE_ENV) else None
+
+    progress = _progress_bar(acc, run.total_steps, run.start_step)
+    window_loss = torch.zeros((), device=acc.device)
+    window_norm = torch.zeros((), device=acc.device)
+    window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
+    model.train()
+    for step in range(run.start_step, run.total_steps):
+        global_rows = sampler.global_rows(step)
+        # Loss normalization (see the module docstring): every rank computes the global token count from the
+        # dataset's per-row counts, so no communication is needed.
+        num_items = max(1, sum(label_counts[i] for i in global_rows)) / (world * k)
+        micro_batches = sampler.micro_batches(step)
+        for rows in micro_batches:
+            batch = data_lib.collate(run.data.train[rows], pad_id, run.use_position_ids)
+            batch = {name: tensor.to(acc.device, non_blocking=True) for name, tensor in batch.items()}
+            with acc.accumulate(model):
+                with acc.autocast():
+                    loss = model(**batch, num_items_in_batch=num_items).loss
+                acc.backward(loss)
+                if acc.sync_gradients:  # the last micro-step: gradients are now reduced over ranks
+                    grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
+                optimizer.step()  # skipped by Accelerate until the last micro-step
+                optimizer.zero_grad(set_to_none=True)
+            window_loss += loss.detach()
+        scheduler.step()
+        done = step + 1
+        window_norm += _full(grad_norm).detach()
+        window_tokens += sum(lengths[i] for i in global_rows)
+        window_steps += 1
+        if trace:
+            trace.write(json.dumps({"step": done, "rows": [r for rows in micro_batches for r in rows]}) + "\n")
+            trace.flush()
+        run.faults.after_step(done)
+
+        if done % log_every == 0 or done == run.total_steps:
+            # The only synchronizing point of a logging window: reduce the window's sums over ranks.
+            loss_sum = acc.reduce(window_loss, reduction="sum").item()
+            elapsed = time.perf_counter() - window_start
+            run.tokens_seen += window_tokens
+            row = {"kind": "train", "step": done, "loss": loss_sum / (world * k * window_steps),
+                   "lr": scheduler.get_last_lr()[0], "grad_norm": window_norm.item() / window_steps,
+                   "tokens_per_s": window_tokens / elapsed, "tokens_per_s_per_rank": window_tokens / elapsed / world,
+                   "step_time_s": elapsed / window_steps, "tokens_seen": run.tokens_seen,
+                   "peak_memory_bytes": _peak_memory_all_ranks(acc)}
+            peak_flops = device_peak_flops(acc.device)
+            if peak_flops:
+                row["mfu"] = run.flops_per_token * row["tokens_per_s_per_rank"] / peak_flops
+            run.metrics.write(row, done)
+            if progress is not None:
+                progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}",
+                                     tok_s=f"{row['tokens_per_s']:,.0f}")
+            window_loss.zero_()
+            window_norm.zero_()
+            window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
+        if progress is not None:
+            progress.update(1)
+        if t.eval_every_steps and done % t.eval_every_steps == 0 and done != run.total_steps:
+            evaluate(run, done)
+        every = recipe.checkpoint.every_steps
+        if every and done % every == 0 and done != run.total_steps:
+            save(run, done)
+    if progress is not None:
+        progress.close()
+    if trace:
+        trace.close()
+
+
+def evaluate(run: Run, step: int) -> dict | None:
+    """Mean token loss and perplexity on the held-out split, exact over ranks."""
+    if run.data.eval is None or len(run.data.eval) == 0:
+        return None
+    acc, model = run.accelerator, run.model
+    t = run.request.recipe.training
+    total = torch.zeros(2, device=acc.device, dtype=torch.float64)
+    model.eval()
+    with torch.no_grad():
+        for rows in data_lib.iter_eval_batches(run.data.eval, micro_batch=t.micro_batch_size,
+                                               world_size=acc.num_processes, rank=acc.process_index,
+                                               max_batches=t.eval_max_batches):
+            dummy = rows is None  # this rank ran out of rows but must join the collective forward
+            batch = data_lib.collate(run.data.eval[rows or [0]], run.tokenizer.pad_token_id, run.use_position_ids)
+            if dummy:
+                batch["labels"].fill_(data_lib.IGNORE_INDEX)
+            batch = {name: tensor.to(acc.device) for name, tensor in batch.items()}
+            with acc.autocast():
+                loss_sum = model(**batch, num_items_in_batch=1).loss
+            total[0] += loss_sum.double()
+            total[1] += data_lib.label_count(batch["labels"])
+    model.train()
+    total = acc.reduce(total, reduction="sum")
+    loss = (total[0] / total[1].clamp(min=1)).item()
+    row = {"kind": "eval", "step": step, "eval_loss": loss, "eval_ppl": perplexity(loss),
+           "eval_tokens": int(total[1].item())}
+    run.metrics.write(row, step)
+    run.eval_history.append(row)
+    run.last_eval_step = step
+    acc.print(f"eval @ step {step}: loss {loss:.4f}, perplexity {row['eval_ppl']:.2f} ({row['eval_tokens']:,} tokens)")
+    return row
+
+
+def save(run: Run, step: int) -> Path:
+    recipe = run.request.recipe
+    position = run.sampler.position(step)
+    state = {"step": step, **position, "tokens_seen": run.tokens_seen, "total_steps": run.total_steps,
+             "parameters": run.parameters, "trainable_parameters": run.trainable_parameters}
+    path = ckpt.save_checkpoint(run.accelerator, run.model, run.optimizer, run.scheduler, root=run.ckpt_root,
+                                step=step, trainer_state=state, recipe=recipe, settings=run.settings,
+                                tokenizer=run.tokenizer, lora=recipe.model.lora.enabled,
+                                keep_last=recipe.checkpoint.keep_last, faults=run.faults)
+    run.last_saved_step = step
+    run.accelerator.print(f"checkpoint: {path}")
+    return path
+
+
+def finish(run: Run) -> None:
+    """Final evaluation, checkpoint, sample generation; then the main process exports the model alone."""
+    acc, recipe = run.accelerator, run.request.recipe
+    last = run.total_steps
+    if run.last_eval_step != last:
+        evaluate(run, last)
+    if run.last_saved_step != last:
+        save(run, last)
+    sample = None
+    if recipe.logging.sample_prompt:
+        sample = generate_sample(run, recipe.logging.sample_prompt, recipe.logging.sample_max_new_tokens)
+    acc.wait_for_everyone()
+    acc.end_training()  # closes the trackers and destroys the process group
+    if not acc.is_main_process:
+        return
+    # Exported by the main process alone, after the other ranks have left: a long export of a large model
+    # must not hold them at a barrier (and into a collective timeout).
+    if recipe.checkpoint.export_final:
+        from accel_fsdp.consolidate import consolidate
+
+        info = ckpt.latest_complete(run.ckpt_root)
+        report = consolidate(info, run.request.run_dir / "final", dtype=recipe.checkpoint.export_dtype)
+        print(f"export: {report.summary()}")
+    if sample is not None:
+        print(f"sample: {recipe.logging.sample_prompt!r} -> {sample!r}")
+    print(f"done: {run.total_steps} steps; run folder {run.request.run_dir}")
+
+
+def generate_sample(run: Run, prompt: str, max_new_tokens: int) -> str:
+    """Greedy continuation with the sharded model (every rank takes part in each forward)."""
+    tok, model, acc = run.tokenizer, run.model, run.accelerator
+    ids = tok(prompt, return_tensors="pt")["input_ids"].to(acc.device)
+    model.eval()
+    with torch.no_grad(), acc.autocast():
+        for _ in range(max_new_tokens):  # a fixed number of steps: every rank must run the same forwards
+            logits = model(input_ids=ids).logits[:, -1, :]
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+    model.train()
+    new = ids[0, -max_new_tokens:].tolist()
+    if tok.eos_token_id in new:
+        new = new[:new.index(tok.eos_token_id)]
+    return tok.decode(new, skip_special_tokens=True).strip()
+
+
+def run_training(request: RunRequest) -> None:
+    """Entry point inside each rank."""
+    _quiet_libraries()
+    run = setup(request)
+    fit(run)
+    finish(run)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _forward_parameters(model) -> set[str]:
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return set(inspect.signature(base.forward).parameters)
+
+
+def _full(t):
+    """A DTensor's full value (clip_grad_norm_ returns one under FSDP2)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _peak_memory_all_ranks(acc) -> list[int]:
+    mine = torch.tensor([peak_memory_bytes(acc.device)], device=acc.device, dtype=torch.int64)
+    return [int(x) for x in acc.gather(mine).tolist()]
+
+
+def _progress_bar(acc, total: int, initial: int):
+    if not acc.is_main_process:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="training", unit="step", dynamic_ncols=True, mininterval=1.0)
+
+
+def _trace_file(run: Run):
+    folder = run.request.run_dir / "trace"
+    folder.mkdir(parents=True, exist_ok=True)
+    return (folder / f"rows-rank{run.accelerator.process_index}.jsonl").open("a")
+
+
+def _quiet_libraries() -> None:
+    import logging
+    import warnings
+
+    import datasets
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    for pattern in ("TypedStorage is deprecated", ".*FSDP.state_dict_type.*", ".*set_state_dict_type.*",
+                    ".*_get_pg_default_device.*", ".*torch.distributed.checkpoint.*"):
+        warnings.filterwarnings("ignore", message=pattern)
