@@ -110,7 +110,7 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
 
     r = _load_recipe(name_or_path, overrides)
     config, n, why = load_config_or_default(accelerate_config)
-    report = preflight(r, config, num_processes=n)
+    report = preflight(r, config, num_processes=n, for_target_hardware=True)
     s = report.settings
     click.echo(f"ok: {r.source} with {config.label}" + ("" if why == "given" else f" ({why})"))
     if report.parameters:
@@ -174,7 +174,7 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
                                     overwrite=overwrite))
         except UserError as e:
             # Every rank hits the same mistake; rank 0 says it once.
-            if int(os.environ.get("RANK", "0")) == 0 or not e.quiet:
+            if int(os.environ.get("RANK", "0")) == 0 or e.rank_local:
                 e.show()
             sys.exit(e.exit_code)
         return

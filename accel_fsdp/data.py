@@ -423,12 +423,13 @@ def prepare_data(recipe, tokenizer, accelerator=None) -> PreparedData:
         try:
             _build(recipe, tokenizer, folder, key)
         except UserError as e:
+            e.rank_local = accelerator is not None and not accelerator.is_main_process  # another machine's builder
             error = e
     if accelerator is not None and accelerator.num_processes > 1:
         from accelerate.utils import gather_object
 
         if not all(gather_object([error is None])) and error is None:
-            raise UserError("the main process could not prepare the data (its message is above)", quiet=True)
+            raise UserError("the main process could not prepare the data (its message is above)")
     if error is not None:
         raise error
     stats = DataStats(**json.loads((folder / "stats.json").read_text()))

@@ -16,7 +16,9 @@ from accel_fsdp.launch_config import FsdpSettings
 _ACCELERATE_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
 
 
-def build_fsdp_plugin(settings: FsdpSettings):
+def build_fsdp_plugin(settings: FsdpSettings, *, for_planning: bool = False):
+    """Accelerate's FSDP plugin. `for_planning`: only to ask it for the wrap policy (the dry run), so leave out
+    the options that look for a device."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     s = settings
@@ -28,7 +30,7 @@ def build_fsdp_plugin(settings: FsdpSettings):
         fsdp_version=version,
         auto_wrap_policy=policy,
         transformer_cls_names_to_wrap=named if policy == "transformer_based_wrap" else None,
-        cpu_offload=bool(s.cpu_offload.value),
+        cpu_offload=_cpu_offload(s),
         state_dict_type=s.state_dict_type.value,
         activation_checkpointing=bool(s.activation_checkpointing.value),
         cpu_ram_efficient_loading=bool(s.cpu_ram_efficient_loading.value),
@@ -40,12 +42,27 @@ def build_fsdp_plugin(settings: FsdpSettings):
         kwargs["reshard_after_forward"] = s.sharding_strategy.value in ("FULL_SHARD", "HYBRID_SHARD")
     else:
         o = s.fsdp1_options.value
-        kwargs.update(sharding_strategy=s.sharding_strategy.value, backward_prefetch=o["backward_prefetch"],
+        kwargs.update(reshard_after_forward=s.sharding_strategy.value, backward_prefetch=o["backward_prefetch"],
                       forward_prefetch=o["forward_prefetch"], limit_all_gathers=o["limit_all_gathers"],
                       use_orig_params=o["use_orig_params"], sync_module_states=o["sync_module_states"])
         if kwargs["cpu_ram_efficient_loading"]:
             kwargs["sync_module_states"] = True
+    if for_planning:
+        kwargs.update(cpu_ram_efficient_loading=False, cpu_offload=False)
+        if version == 1:
+            kwargs["sync_module_states"] = False
     return FullyShardedDataParallelPlugin(**kwargs)
+
+
+def _cpu_offload(settings: FsdpSettings):
+    if not settings.cpu_offload.value:
+        return False
+    if settings.device.value == "cpu" and settings.fsdp_version.value == 2:
+        # Without an accelerator there is no pinned memory; the offload path still runs (CPU to CPU copies).
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        return CPUOffloadPolicy(pin_memory=False)
+    return True
 
 
 def _mixed_precision_policy(version: int, precision: str):

@@ -36,13 +36,15 @@ class UserError(click.ClickException):
 
     exit_code = 2
 
-    def __init__(self, problems: list[Problem] | Problem | str, *, title: str | None = None, quiet: bool = False):
-        self.quiet = quiet
-        """An echo of an error another rank reports: not shown again."""
+    def __init__(self, problems: list[Problem] | Problem | str, *, title: str | None = None,
+                 rank_local: bool = False):
+        self.rank_local = rank_local
+        """Found by this rank alone (rank 0 may not know it), so this rank shows it. Errors every rank finds
+        alike are shown by rank 0 only."""
         if isinstance(problems, (Problem, str)):
             problems = [problems]
         self.problems = [p if isinstance(p, Problem) else Problem("", p) for p in problems]
-        if len(self.problems) == 1 and title is None:
+        if len(self.problems) == 1:
             text = str(self.problems[0])
         else:
             head = title or f"{len(self.problems)} problems"

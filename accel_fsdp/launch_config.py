@@ -357,6 +357,7 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
     ram = pick(None, None, "fsdp_cpu_ram_efficient_loading", _as_bool, False)
 
     fsdp1 = {}
+    fsdp1_source = cfg
     if version.value == 1:
         bp = config.get("fsdp_backward_prefetch")
         fsdp1 = {
@@ -366,12 +367,17 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
             "use_orig_params": bool(_as_bool(config.get("fsdp_use_orig_params", True))),
             "sync_module_states": bool(_as_bool(config.get("fsdp_sync_module_states", False))),
         }
+        if device.value == "cpu" and (fsdp1["sync_module_states"] or ram.value):
+            # Accelerate's FSDP1 plugin looks for a GPU to broadcast from; on CPU every rank loads the weights.
+            fsdp1["sync_module_states"] = False
+            ram = Setting(False, f"{cfg}; off on CPU (Accelerate's FSDP1 broadcast needs a GPU)")
+            fsdp1_source = f"{cfg}; sync_module_states off on CPU"
     return FsdpSettings(
         device=device, num_processes=nproc, num_machines=nmach, fsdp_version=version, sharding_strategy=strategy,
         wrap_policy=policy, wrap_classes=classes, min_num_params=min_params, cpu_offload=offload, state_dict_type=sdt,
         activation_checkpointing=ac, mixed_precision=mp, cpu_ram_efficient_loading=ram,
         dp_replicate_size=dp_rep, dp_shard_size=dp_shard,
-        fsdp1_options=Setting(fsdp1, cfg if fsdp1 else "default"),
+        fsdp1_options=Setting(fsdp1, fsdp1_source if fsdp1 else "default"),
     )
 
 
@@ -381,15 +387,15 @@ def check_settings(settings: FsdpSettings, recipe) -> list[Problem]:
     s = settings
     n, machines = s.num_processes.value, s.num_machines.value
     t = recipe.training
-    if t.global_batch_size % (t.micro_batch_size * n):
-        per_step = t.micro_batch_size * n
-        lower = max(per_step, (t.global_batch_size // per_step) * per_step)
-        upper = lower + per_step if lower <= t.global_batch_size else lower
+    per_step = t.micro_batch_size * n
+    if t.global_batch_size % per_step:
+        down = t.global_batch_size // per_step * per_step
+        examples = " or ".join(str(x) for x in (down, down + per_step) if x > 0)
         p.append(Problem(recipe.where("training.global_batch_size"),
                          f"{t.global_batch_size} is not divisible by micro_batch_size x processes = "
                          f"{t.micro_batch_size} x {n} = {per_step}, so gradient accumulation steps would not be "
                          "a whole number",
-                         f"use a multiple of {per_step} (e.g. {lower} or {upper}), or change training.micro_batch_size"))
+                         f"use a multiple of {per_step} (e.g. {examples}), or change training.micro_batch_size"))
     if s.mixed_precision.value == "fp16" and s.device.value == "cpu":
         p.append(Problem(_where(recipe, s.mixed_precision, "training.mixed_precision"),
                          "fp16 needs a GPU (its grad scaler does not run on CPU)",
@@ -417,10 +423,6 @@ def check_settings(settings: FsdpSettings, recipe) -> list[Problem]:
             and s.device.value == "cpu":
         p.append(Problem(_where(recipe, s.sharding_strategy, "fsdp.sharding_strategy"),
                          "FSDP1 HYBRID_SHARD needs several machines", "use FSDP2 with a parallelism_config"))
-    if s.cpu_offload.value and s.device.value == "cpu":
-        p.append(Problem(_where(recipe, s.cpu_offload, "fsdp.cpu_offload"),
-                         "CPU offload moves parameters from a GPU to the CPU, but this run is already on the CPU",
-                         "set fsdp.cpu_offload: false (or --set fsdp.cpu_offload=false), or run on a GPU machine"))
     if recipe.model.lora.enabled and s.fsdp_version.value == 1 and not s.fsdp1_options.value.get("use_orig_params"):
         p.append(Problem(settings.fsdp1_options.source + ": fsdp_config.fsdp_use_orig_params",
                          "LoRA with FSDP1 needs use_orig_params (frozen and trainable weights share flat parameters)",

@@ -30,11 +30,11 @@ def accelerate_configs_dir() -> Path:
 
 def shipped_recipes() -> dict[str, Path]:
     """Shipped recipe name -> file, sorted by name."""
-    return {p.stem: p for p in sorted(recipes_dir().glob("*.yaml"))}
+    return {p.stem: p for p in sorted(recipes_dir().glob("*.yaml"), key=lambda p: p.stem)}
 
 
 def shipped_accelerate_configs() -> dict[str, Path]:
-    return {p.stem: p for p in sorted(accelerate_configs_dir().glob("*.yaml"))}
+    return {p.stem: p for p in sorted(accelerate_configs_dir().glob("*.yaml"), key=lambda p: p.stem)}
 
 
 def _resolve(name_or_path: str, shipped: dict[str, Path], folder: str, what: str, list_command: str) -> Path:

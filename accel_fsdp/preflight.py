@@ -41,13 +41,20 @@ def default_accelerate_config() -> tuple[Path, int | None, str]:
 
 
 def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = None, check_data: bool = True,
-              run_dir: Path | None = None, resume: bool = False, overwrite: bool = False) -> PreflightReport:
-    """Check recipe x accelerate config x model x data; raise one UserError listing every problem."""
+              run_dir: Path | None = None, resume: bool = False, overwrite: bool = False,
+              for_target_hardware: bool = False) -> PreflightReport:
+    """Check recipe x accelerate config x model x data; raise one UserError listing every problem.
+
+    `for_target_hardware`: judge the config on the hardware it is written for (GPUs unless it says use_cpu),
+    not on this machine: `recipe validate` of a GPU config on a laptop."""
     import torch
 
     from accel_fsdp import model as model_lib
 
-    settings = resolve_settings(recipe, config, cuda_available=torch.cuda.is_available(), num_processes=num_processes)
+    cuda = torch.cuda.is_available() or (for_target_hardware and not config.get("use_cpu"))
+    settings = resolve_settings(recipe, config, cuda_available=cuda, num_processes=num_processes)
+    if for_target_hardware and cuda and not torch.cuda.is_available():
+        settings.device.source = "the config's target hardware (this machine has no GPU)"
     report = PreflightReport(settings=settings, config=config, num_processes=settings.num_processes.value)
     problems: list[Problem] = list(check_settings(settings, recipe))
     if run_dir is not None:

@@ -310,11 +310,12 @@ def recipe_from_text(text: str, *, source: str, overrides=(), default_name: str 
 
     located = Recipe(source=source, overridden=tuple(overridden), lines=lines)
     recipe = _build(Recipe, raw, "", located.where, problems)
-    if not problems:
-        recipe.source, recipe.overridden, recipe.lines = source, tuple(overridden), lines
-        if not recipe.name:
-            recipe.name = default_name
-        problems.extend(check_recipe(recipe))
+    recipe.source, recipe.overridden, recipe.lines = source, tuple(overridden), lines
+    if not recipe.name:
+        recipe.name = default_name
+    # Range checks run too (on defaults where a value had the wrong type), so one pass reports everything.
+    reported = {p.where for p in problems}
+    problems.extend(p for p in check_recipe(recipe) if p.where not in reported)
     if problems:
         raise UserError(problems, title=f"recipe {source} has {len(problems)} problems")
     return recipe
@@ -449,7 +450,7 @@ def check_recipe(r: Recipe) -> list[Problem]:
     need(t.lr > 0, "training.lr", f"{t.lr} must be positive", "typical: 1e-5 to 3e-4 for fine-tuning")
     need(0 <= t.min_lr_ratio <= 1, "training.min_lr_ratio", f"{t.min_lr_ratio} is outside [0, 1]", "e.g. 0.1")
     need(t.warmup_steps >= 0, "training.warmup_steps", f"{t.warmup_steps} must be 0 or more", "e.g. 100")
-    if t.max_steps is not None and t.warmup_steps > t.max_steps:
+    if t.max_steps is not None and t.max_steps >= 1 and t.warmup_steps > t.max_steps:
         p.append(Problem(where("training.warmup_steps"),
                          f"{t.warmup_steps} warm-up steps exceed training.max_steps = {t.max_steps}",
                          "use fewer warm-up steps than training steps"))

@@ -3,6 +3,7 @@
     <run>/run.json             identity: recipe name and fingerprint, accel-fsdp version, start time
     <run>/recipe.yaml          the resolved recipe (every default filled in)
     <run>/fsdp_settings.json   effective FSDP settings, each with its source
+    <run>/sharding.json        parameters each rank holds after sharding
     <run>/metrics.jsonl        one row per logged step (see metrics.py)
     <run>/checkpoints/         step-NNNNNN checkpoints (see checkpoint.py)
     <run>/final/               the consolidated Hugging Face export of the last step
@@ -22,8 +23,8 @@ from pathlib import Path
 from accel_fsdp.errors import Problem, UserError
 
 RUN_FILE = "run.json"
-OWNED = ("run.json", "recipe.yaml", "fsdp_settings.json", "metrics.jsonl", "checkpoints", "final", "logs", "trace",
-         "loss_curve.png", "report.json")
+OWNED = ("run.json", "recipe.yaml", "fsdp_settings.json", "sharding.json", "metrics.jsonl", "checkpoints", "final",
+         "logs", "trace", "loss_curve.png", "report.json")
 
 
 def default_run_dir(recipe) -> Path:

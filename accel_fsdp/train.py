@@ -30,7 +30,7 @@ from accel_fsdp.launch_config import (CONFIG_PATH_ENV, AccelerateConfig, FsdpSet
                                       config_from_environment, load_accelerate_config, resolve_settings)
 from accel_fsdp.metrics import MetricsWriter, device_peak_flops, flops_per_token, peak_memory_bytes, perplexity
 from accel_fsdp.model import (build_model, build_tokenizer, context_length, count_parameters, human_count,
-                              model_config, no_split_modules, wrap_class_problems)
+                              meta_model, model_config, no_split_modules, wrap_class_problems)
 from accel_fsdp.rundir import check_run_dir, prepare_run_dir
 
 TRACE_ENV = "ACCEL_FSDP_TRACE_ROWS"
@@ -106,6 +106,23 @@ def setup(request: RunRequest) -> Run:
     decision = check_run_dir(run_dir, recipe, resume=request.resume or bool(request.resume_from),
                              overwrite=request.overwrite)
     accelerator.wait_for_everyone()  # every rank has looked at the folder before the main process changes it
+
+    # What the model is, before loading any weights: context length and wrap class are checked on a meta model.
+    tokenizer = build_tokenizer(recipe)
+    model_cfg = model_config(recipe, tokenizer=tokenizer)
+    ctx = context_length(model_cfg)
+    if ctx is not None and recipe.data.seq_len > ctx:
+        raise UserError(Problem(recipe.where("data.seq_len"), f"{recipe.data.seq_len} exceeds the model's context "
+                                f"length of {ctx} tokens", f"use at most {ctx}"))
+    skeleton = meta_model(model_cfg, recipe.model.trust_remote_code)
+    if settings.wrap_classes.value == ["<model default>"]:
+        settings.wrap_classes.value = no_split_modules(skeleton)
+        settings.wrap_classes.source = "detected: model._no_split_modules"
+    problems = wrap_class_problems(settings, skeleton, recipe)
+    if problems:
+        raise UserError(problems)
+    del skeleton
+
     ckpt_root = ckpt.checkpoint_root(recipe, run_dir)
     if accelerator.is_main_process:
         prepare_run_dir(run_dir, recipe, settings, decision, ckpt_root)
@@ -116,22 +133,9 @@ def setup(request: RunRequest) -> Run:
         f"  gradient_accumulation_steps  {accumulation}  (derived: {t.global_batch_size} / ({t.micro_batch_size} x "
         f"{world}))")
 
-    tokenizer = build_tokenizer(recipe)
     data = data_lib.prepare_data(recipe, tokenizer, accelerator)
     say(f"data: {recipe.data.path}: {data.stats.summary()}")
-
-    model_cfg = model_config(recipe, tokenizer=tokenizer)
-    ctx = context_length(model_cfg)
-    if ctx is not None and recipe.data.seq_len > ctx:
-        raise UserError(Problem(recipe.where("data.seq_len"), f"{recipe.data.seq_len} exceeds the model's context "
-                                f"length of {ctx} tokens", f"use at most {ctx}"))
     model = build_model(recipe, model_cfg)
-    if settings.wrap_classes.value == ["<model default>"]:
-        settings.wrap_classes.value = no_split_modules(model)
-        settings.wrap_classes.source = "detected: model._no_split_modules"
-    problems = wrap_class_problems(settings, model, recipe)
-    if problems:
-        raise UserError(problems)
     parameters, trainable = count_parameters(model), count_parameters(model, trainable_only=True)
     say(f"model: {type(model).__name__}, {human_count(parameters)} parameters ({parameters:,}; "
         f"{trainable:,} trainable)")
@@ -147,8 +151,13 @@ def setup(request: RunRequest) -> Run:
     from accel_fsdp.cpu_fsdp import check_sharded, local_numel
 
     check_sharded(accelerator, model, parameters, expected_shards(settings))
-    say(f"sharded: rank {accelerator.process_index} holds {local_numel(model):,} of {parameters:,} parameters "
-        f"({settings.sharding_strategy.value} over {expected_shards(settings)} ranks)")
+    held = accelerator.gather(torch.tensor([local_numel(model)], device=accelerator.device)).tolist()
+    say(f"sharded: ranks hold {' / '.join(f'{n:,}' for n in held)} of {parameters:,} parameters "
+        f"({settings.sharding_strategy.value}, each tensor split over {expected_shards(settings)} ranks)")
+    if accelerator.is_main_process:
+        (run_dir / "sharding.json").write_text(json.dumps(
+            {"parameters": parameters, "local_parameters": held, "expected_shards": expected_shards(settings),
+             "strategy": settings.sharding_strategy.value}, indent=1) + "\n")
 
     sampler = data_lib.GlobalBatchSampler(len(data.train), global_batch=t.global_batch_size,
                                           micro_batch=t.micro_batch_size, world_size=world,
@@ -434,9 +443,12 @@ def _quiet_libraries() -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     datasets.logging.set_verbosity_error()
     datasets.disable_progress_bars()
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    # Deprecation notices from inside torch/accelerate that a user can do nothing about.
     for pattern in ("TypedStorage is deprecated", ".*FSDP.state_dict_type.*", ".*set_state_dict_type.*",
-                    ".*_get_pg_default_device.*", ".*torch.distributed.checkpoint.*"):
+                    ".*_get_pg_default_device.*", ".*torch.distributed.checkpoint.*", "Multiple backends are registered",
+                    "Please use DTensor instead", ".*torch.distributed is disabled.*"):
         warnings.filterwarnings("ignore", message=pattern)

@@ -1,0 +1,150 @@
+"""Per-rank memory of FSDP training: the arithmetic behind `accel-fsdp estimate` and `recipe run --dry-run`.
+
+Model state (ZeRO paper, Rajbhandari et al. 2020): AdamW keeps per trainable parameter an fp32 master weight
+(4 bytes), an fp32 gradient (4) and two fp32 moments (8): 16 bytes. FSDP shards it over the S ranks of a shard
+group:
+    NO_SHARD (DDP-like)       params 4P      grads 4T     optimizer 8T      (nothing sharded)
+    SHARD_GRAD_OP (ZeRO-2)    params 4P/S    grads 4T/S   optimizer 8T/S   + the whole model gathered in the
+                                                                              compute dtype from forward to backward
+    FULL_SHARD (ZeRO-3)       params 4P/S    grads 4T/S   optimizer 8T/S   + gathered units, freed after use
+    HYBRID_SHARD              like FULL_SHARD with S = ranks per shard group (one machine); replicas across
+P = all parameters, T = trainable ones (T = P for a full fine-tune, the adapters for LoRA: frozen weights
+need no gradient and no optimizer state).
+
+Peak (FSDP paper, Zhao et al. 2023): sharded state + the largest unit gathered. We count two units in flight
+(the current one and the prefetched next one) in the compute dtype c, plus the unit's unsharded gradient
+(c bytes) and its fp32 copy for the reduce-scatter (4 bytes): (3c + 4) x largest unit.
+
+CPU offload moves parameters, gradients and optimizer state to host memory: the GPU keeps only gathered units
+and activations.
+
+Activations (Korthikanti et al. 2022, without sequence parallelism, with a fused attention kernel so no
+s x s score matrix is stored): per layer about s b c (8h + q + 2kv + m I) bytes, where q + 2kv is the QKV
+projection width, I the MLP width and m = 2 (GELU MLP) or 3 (SwiGLU). For GPT-2 this is 38 s b h bytes at
+16-bit, close to their 34 s b h. With activation checkpointing only each block's input (s b h c) is kept, plus
+one block recomputed at a time. The logits add b s V (c + 8) bytes (fp32 upcast for the loss and its gradient).
+
+The simple mode reproduces the seeds' calculator: 16 bytes per parameter, divided by the number of GPUs with
+FSDP, in GiB.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 1024**3
+STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
+# Communication per step, in multiples of the model size (ZeRO paper): DDP/NO_SHARD all-reduce = 2;
+# ZeRO-2 reduce-scatter + all-gather = 2; ZeRO-3 adds a second all-gather for the backward = 3.
+COMMUNICATION = {"NO_SHARD": 2.0, "SHARD_GRAD_OP": 2.0, "HYBRID_SHARD": 3.0, "FULL_SHARD": 3.0}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What activations depend on."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    gated_mlp: bool
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    params: int
+    trainable: int
+    largest_unit: int
+    """Parameters of the largest FSDP unit (one transformer block under per-block wrapping)."""
+    world: int
+    shard_group: int
+    """Ranks each tensor is sharded over: world for FULL_SHARD / SHARD_GRAD_OP, the machine for HYBRID_SHARD."""
+    strategy: str = "FULL_SHARD"
+    precision: str = "bf16-mixed"
+    """fp32 or bf16-mixed (bf16 compute, fp32 master weights)."""
+    offload: bool = False
+    activation_checkpointing: bool = False
+    micro_batch: int = 0
+    seq_len: int = 0
+    shape: Shape | None = None
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    params: float
+    grads: float
+    optimizer: float
+    gathered: float
+    activations: float
+    host: float
+    """Bytes per rank in CPU memory (offloaded state)."""
+
+    @property
+    def model_state(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        """Peak bytes on the device (GPU) per rank."""
+        return self.params + self.grads + self.optimizer + self.gathered + self.activations
+
+
+def compute_bytes(precision: str) -> int:
+    return 2 if precision in ("bf16-mixed", "bf16", "fp16") else 4
+
+
+def estimate(m: MemoryInputs) -> MemoryBreakdown:
+    c = compute_bytes(m.precision)
+    s = 1 if m.strategy == "NO_SHARD" else max(1, m.shard_group)
+    params, grads, optimizer = 4.0 * m.params / s, 4.0 * m.trainable / s, 8.0 * m.trainable / s
+    if m.strategy == "SHARD_GRAD_OP":
+        gathered = c * m.params + (c + 4) * m.largest_unit  # the whole model stays gathered until backward
+    elif m.strategy == "NO_SHARD":
+        gathered = float(c * m.largest_unit) if c < 4 else 0.0  # a low-precision copy of the unit in use
+    else:
+        gathered = (3 * c + 4) * m.largest_unit
+    host = 0.0
+    if m.offload:
+        host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
+    return MemoryBreakdown(params, grads, optimizer, gathered, activation_bytes(m), host)
+
+
+def activation_bytes(m: MemoryInputs) -> float:
+    if not m.micro_batch or not m.seq_len or m.shape is None:
+        return 0.0
+    sh, c = m.shape, compute_bytes(m.precision)
+    tokens = m.micro_batch * m.seq_len
+    head_dim = sh.hidden // sh.heads
+    qkv = sh.heads * head_dim + 2 * sh.kv_heads * head_dim
+    per_layer = tokens * c * (8 * sh.hidden + qkv + (3 if sh.gated_mlp else 2) * sh.intermediate)
+    if m.activation_checkpointing:
+        layers = sh.layers * tokens * sh.hidden * c + per_layer
+    else:
+        layers = sh.layers * per_layer
+    logits = tokens * sh.vocab * (c + 8)
+    return float(layers + logits)
+
+
+def seeds_simple(params: int, gpus: int, fsdp: bool) -> float:
+    """The seeds' calculator, exactly: 16 bytes per parameter (fp32 weights, gradients, Adam), divided by the
+    number of GPUs with FSDP, in GiB."""
+    total = params * 4 + params * 4 + params * 8
+    if fsdp:
+        total /= gpus
+    return total / GiB
+
+
+def parse_bytes(text: str) -> float:
+    """'80GB' -> bytes. GB and GiB are both read as 2**30 (GPU marketing sizes are GiB-ish in practice)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(T|G|M|K)?I?B?\s*", text.upper())
+    if not m:
+        raise ValueError(text)
+    return float(m.group(1)) * {None: 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2)]
+
+
+def gib(x: float) -> str:
+    return f"{x / GiB:,.2f}"

@@ -1,0 +1,128 @@
+"""Shared fixtures: tiny models saved with save_pretrained, generated data, and a runner for the real CLI.
+
+Nothing here downloads: the models are built from configs and saved into temporary folders, the tokenizer is
+the project's built-in one, the data is generated. Multi-process tests run `accel-fsdp` in a subprocess, which
+launches 2 real FSDP ranks on the CPU over gloo.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    """One cache per test session (built-in data, tokenized datasets), never the user's."""
+    cache = tmp_path_factory.mktemp("accel_fsdp_cache")
+    old = os.environ.get("ACCEL_FSDP_CACHE")
+    os.environ["ACCEL_FSDP_CACHE"] = str(cache)
+    os.environ["HF_HUB_OFFLINE"] = "1"  # a test that tried to download would fail loudly
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    yield cache
+    if old is None:
+        os.environ.pop("ACCEL_FSDP_CACHE", None)
+    else:
+        os.environ["ACCEL_FSDP_CACHE"] = old
+
+
+def run_cli(*args, cwd=None, env=None, timeout=600, check=None):
+    """Run `python -m accel_fsdp ARGS` as a user would; return the CompletedProcess (text output)."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    proc = subprocess.run([sys.executable, "-m", "accel_fsdp", *map(str, args)], cwd=cwd or REPO, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check is not None and proc.returncode != check:
+        raise AssertionError(f"exit status {proc.returncode} (expected {check})\n--- stdout ---\n{proc.stdout[-6000:]}"
+                             f"\n--- stderr ---\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def save_tiny_model(folder: Path, kind: str) -> Path:
+    """A 2-layer, width-64 GPT-2 or Llama with the built-in tokenizer, saved like a hub model."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from accel_fsdp.synthetic import build_tokenizer
+
+    tok = build_tokenizer()
+    common = dict(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                  bos_token_id=tok.eos_token_id)
+    if kind == "gpt2":
+        config = AutoConfig.for_model("gpt2", n_layer=2, n_embd=64, n_head=4, n_positions=128, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    else:
+        config = AutoConfig.for_model("llama", num_hidden_layers=2, hidden_size=64, intermediate_size=176,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      tie_word_embeddings=False, **common)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-gpt2"), "gpt2")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def stories(tmp_path_factory) -> Path:
+    """2,000 built-in stories as a plain .jsonl file (text format)."""
+    import random
+
+    from accel_fsdp.synthetic import story
+
+    rng = random.Random(1)
+    return write_jsonl(tmp_path_factory.mktemp("data") / "stories.jsonl", [{"text": story(rng)[0]} for _ in range(2000)])
+
+
+def tiny_recipe(path: Path, model: Path, data_path: Path, **sections) -> Path:
+    """A small recipe file for tests: a few steps of a tiny model, overridable per section."""
+    import yaml
+
+    recipe = {
+        "name": path.stem,
+        "model": {"name_or_path": str(model)},
+        "data": {"path": str(data_path), "seq_len": 64, "eval_fraction": 0.05},
+        "training": {"micro_batch_size": 4, "global_batch_size": 8, "max_steps": 8, "lr": 3e-3, "warmup_steps": 0,
+                     "seed": 7},
+        "checkpoint": {"keep_last": None},
+        "logging": {"every_steps": 1, "sample_prompt": None},
+    }
+    for section, values in sections.items():
+        recipe.setdefault(section, {}).update(values)
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def load_weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
