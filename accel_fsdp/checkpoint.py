@@ -5,8 +5,8 @@ Layout of `<run>/checkpoints/step-000200/`:
     trainer_state.json     step, epoch and position in the data, LR scheduler, tokens seen
     recipe.yaml            the resolved recipe; fsdp_settings.json the effective FSDP settings
     pytorch_model_fsdp_0/  model: torch.distributed.checkpoint shards (SHARDED_STATE_DICT; also readable by
-                           `accelerate merge-weights`), or pytorch_model_fsdp_0.bin (FULL_STATE_DICT)
-    optimizer_0/           optimizer state, same type (optimizer_0.bin for FULL_STATE_DICT)
+                           `accelerate merge-weights`), or pytorch_model_fsdp.bin (FULL_STATE_DICT)
+    optimizer_0/           optimizer state, same type (optimizer.bin for FULL_STATE_DICT)
     rng_state_<rank>.pt    RNG states of every rank; scaler.pt for fp16
     hf/                    config.json, generation_config.json, tokenizer files, adapter_config.json (LoRA):
                            what `accel-fsdp checkpoint consolidate` needs to write a Hugging Face folder
@@ -40,9 +40,7 @@ FORMAT = "accel-fsdp-checkpoint/1"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 MODEL_DIR = "pytorch_model_fsdp_0"
-MODEL_FILE = "pytorch_model_fsdp_0.bin"
-OPTIMIZER_DIR = "optimizer_0"
-OPTIMIZER_FILE = "optimizer_0.bin"
+MODEL_FILE = "pytorch_model_fsdp.bin"
 HF_DIR = "hf"
 _NAME = re.compile(r"^step-(\d{6,})$")
 
@@ -274,7 +272,7 @@ def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint") -> Checkpo
     p = Path(path).expanduser()
     if not p.exists():
         raise UserError(Problem(str(p), f"no such {what}", "give a step-NNNNNN folder or a run folder"))
-    if _NAME.match(p.name) or (p / MANIFEST).exists():
+    if _NAME.match(p.name) or p.name.startswith(".tmp-step-") or (p / MANIFEST).exists():
         info = inspect_checkpoint(p)
         if not info.complete:
             raise UserError(Problem(str(p), f"incomplete or corrupt checkpoint: {info.reason}",
@@ -293,6 +291,19 @@ def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint") -> Checkpo
 
 
 # ------------------------------------------------------------------------------------------------- load
+
+
+def checkpoint_to_resume(root: Path, resume_from: str | None) -> CheckpointInfo:
+    """--resume-from PATH, or --resume: the newest complete checkpoint under the run's checkpoint folder."""
+    if resume_from:
+        return resolve_checkpoint(resume_from)
+    info = latest_complete(root)
+    if info is None:
+        skipped = [f"{c.name} ({c.reason})" for c in list_checkpoints(root)]
+        raise UserError(Problem(str(root), "--resume found no complete checkpoint" +
+                                (f"; incomplete: {', '.join(skipped)}" if skipped else ""),
+                                "drop --resume and add --overwrite to start over"))
+    return info
 
 
 def check_resume(info: CheckpointInfo, recipe, settings) -> list[str]:

@@ -183,7 +183,7 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     from accel_fsdp.preflight import load_config_or_default, preflight
 
     config, n, why = load_config_or_default(accelerate_config)
-    report = preflight(r, config, num_processes=n, run_dir=run_dir, resume=resume or bool(resume_from),
+    report = preflight(r, config, num_processes=n, run_dir=run_dir, resume=resume, resume_from=resume_from,
                        overwrite=overwrite)
     click.echo(f"accel-fsdp: launching {report.num_processes} process(es) with {config.label}"
                + ("" if why == "given" else f" ({why})"), err=True)

@@ -41,8 +41,8 @@ def default_accelerate_config() -> tuple[Path, int | None, str]:
 
 
 def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = None, check_data: bool = True,
-              run_dir: Path | None = None, resume: bool = False, overwrite: bool = False,
-              for_target_hardware: bool = False) -> PreflightReport:
+              run_dir: Path | None = None, resume: bool = False, resume_from: str | None = None,
+              overwrite: bool = False, for_target_hardware: bool = False) -> PreflightReport:
     """Check recipe x accelerate config x model x data; raise one UserError listing every problem.
 
     `for_target_hardware`: judge the config on the hardware it is written for (GPUs unless it says use_cpu),
@@ -61,7 +61,9 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
         from accel_fsdp.rundir import check_run_dir
 
         try:
-            check_run_dir(run_dir, recipe, resume=resume, overwrite=overwrite)
+            check_run_dir(run_dir, recipe, resume=resume, resume_from=bool(resume_from), overwrite=overwrite)
+            if resume or resume_from:
+                report.notes += _check_resume(recipe, settings, run_dir, resume_from)
         except UserError as e:
             problems += e.problems
 
@@ -107,6 +109,14 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
     if problems:
         raise UserError(problems, title=f"{len(problems)} problems found before launching")
     return report
+
+
+def _check_resume(recipe, settings, run_dir: Path, resume_from: str | None) -> list[str]:
+    """The checkpoint to resume exists, is complete, and was made by a compatible recipe."""
+    from accel_fsdp import checkpoint as ckpt
+
+    info = ckpt.checkpoint_to_resume(ckpt.checkpoint_root(recipe, run_dir), resume_from)
+    return [f"resuming from {info.path}"] + ckpt.check_resume(info, recipe, settings)
 
 
 def _offline_tokenizer(recipe):

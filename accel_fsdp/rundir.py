@@ -31,8 +31,11 @@ def default_run_dir(recipe) -> Path:
     return Path(recipe.output_dir or f"runs/{recipe.name}")
 
 
-def check_run_dir(run_dir: Path, recipe, *, resume: bool, overwrite: bool) -> str:
-    """Decide what to do with the folder: 'new', 'resume' or 'overwrite'. Raises a UserError to refuse."""
+def check_run_dir(run_dir: Path, recipe, *, resume: bool, overwrite: bool, resume_from: bool = False) -> str:
+    """Decide what to do with the folder: 'new', 'resume' or 'overwrite'. Raises a UserError to refuse.
+
+    `resume`: continue the run in this folder. `resume_from`: start from a given checkpoint, writing into this
+    folder (a new one, or the run the checkpoint belongs to)."""
     if not run_dir.exists():
         if resume:
             raise UserError(Problem(str(run_dir), "--resume was given, but the run folder does not exist",
@@ -52,7 +55,7 @@ def check_run_dir(run_dir: Path, recipe, *, resume: bool, overwrite: bool) -> st
     info = json.loads(info_file.read_text())
     if overwrite:
         return "overwrite"
-    if resume:
+    if resume or resume_from:
         return "resume"
     same = info.get("recipe_fingerprint") == recipe.fingerprint()
     what = "a run of this same recipe" if same else \

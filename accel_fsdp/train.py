@@ -103,7 +103,7 @@ def setup(request: RunRequest) -> Run:
     run_dir = request.run_dir
     accelerator = build_accelerator(settings, gradient_accumulation_steps=accumulation, run_dir=run_dir,
                                     trackers=recipe.logging.trackers)
-    decision = check_run_dir(run_dir, recipe, resume=request.resume or bool(request.resume_from),
+    decision = check_run_dir(run_dir, recipe, resume=request.resume, resume_from=bool(request.resume_from),
                              overwrite=request.overwrite)
     accelerator.wait_for_everyone()  # every rank has looked at the folder before the main process changes it
 
@@ -177,7 +177,11 @@ def setup(request: RunRequest) -> Run:
               parameters=parameters, trainable_parameters=trainable,
               flops_per_token=flops_per_token(model_cfg, recipe.data.seq_len, trainable / max(1, parameters)),
               faults=Faults.from_env(accelerator.process_index))
-    if decision == "resume":
+    from accelerate.utils import set_seed
+
+    # Dropout and any other randomness of the loop: seeded, different on each rank, and saved in checkpoints.
+    set_seed(t.seed, device_specific=True)
+    if decision == "resume" or request.resume_from:
         _resume(run)
     run.metrics = MetricsWriter(accelerator, run_dir / "metrics.jsonl", run.start_step)
     if recipe.logging.trackers:
@@ -207,15 +211,7 @@ def lr_schedule(recipe, total_steps: int):
 
 def _resume(run: Run) -> None:
     request, recipe, acc = run.request, run.request.recipe, run.accelerator
-    if request.resume_from:
-        info = ckpt.resolve_checkpoint(request.resume_from)
-    else:
-        info = ckpt.latest_complete(run.ckpt_root)
-        if info is None:
-            skipped = [f"{c.name} ({c.reason})" for c in ckpt.list_checkpoints(run.ckpt_root)]
-            raise UserError(Problem(str(run.ckpt_root), "--resume found no complete checkpoint" +
-                                    (f"; incomplete: {', '.join(skipped)}" if skipped else ""),
-                                    "drop --resume and add --overwrite to start over"))
+    info = ckpt.checkpoint_to_resume(run.ckpt_root, request.resume_from)
     for note in ckpt.check_resume(info, recipe, run.settings):
         acc.print(f"resume: {note}")
     state = ckpt.load_checkpoint(acc, run.model, run.optimizer, run.scheduler, info, lora=recipe.model.lora.enabled)
@@ -262,7 +258,9 @@ def fit(run: Run) -> None:
         scheduler.step()
         done = step + 1
         window_norm += _full(grad_norm).detach()
-        window_tokens += sum(lengths[i] for i in global_rows)
+        step_tokens = sum(lengths[i] for i in global_rows)
+        window_tokens += step_tokens
+        run.tokens_seen += step_tokens
         window_steps += 1
         if trace:
             trace.write(json.dumps({"step": done, "rows": [r for rows in micro_batches for r in rows]}) + "\n")
@@ -273,7 +271,6 @@ def fit(run: Run) -> None:
             # The only synchronizing point of a logging window: reduce the window's sums over ranks.
             loss_sum = acc.reduce(window_loss, reduction="sum").item()
             elapsed = time.perf_counter() - window_start
-            run.tokens_seen += window_tokens
             row = {"kind": "train", "step": done, "loss": loss_sum / (world * k * window_steps),
                    "lr": scheduler.get_last_lr()[0], "grad_norm": window_norm.item() / window_steps,
                    "tokens_per_s": window_tokens / elapsed, "tokens_per_s_per_rank": window_tokens / elapsed / world,
@@ -450,5 +447,6 @@ def _quiet_libraries() -> None:
     # Deprecation notices from inside torch/accelerate that a user can do nothing about.
     for pattern in ("TypedStorage is deprecated", ".*FSDP.state_dict_type.*", ".*set_state_dict_type.*",
                     ".*_get_pg_default_device.*", ".*torch.distributed.checkpoint.*", "Multiple backends are registered",
-                    "Please use DTensor instead", ".*torch.distributed is disabled.*"):
+                    "Please use DTensor instead", ".*torch.distributed is disabled.*",
+                    ".*is_gradient_checkpointing.*"):
         warnings.filterwarnings("ignore", message=pattern)

@@ -96,13 +96,13 @@ def stories(tmp_path_factory) -> Path:
     return write_jsonl(tmp_path_factory.mktemp("data") / "stories.jsonl", [{"text": story(rng)[0]} for _ in range(2000)])
 
 
-def tiny_recipe(path: Path, model: Path, data_path: Path, **sections) -> Path:
+def tiny_recipe(path: Path, model_path: Path, data_path: Path, **sections) -> Path:
     """A small recipe file for tests: a few steps of a tiny model, overridable per section."""
     import yaml
 
     recipe = {
         "name": path.stem,
-        "model": {"name_or_path": str(model)},
+        "model": {"name_or_path": str(model_path)},
         "data": {"path": str(data_path), "seq_len": 64, "eval_fraction": 0.05},
         "training": {"micro_batch_size": 4, "global_batch_size": 8, "max_steps": 8, "lr": 3e-3, "warmup_steps": 0,
                      "seed": 7},

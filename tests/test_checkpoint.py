@@ -1,0 +1,266 @@
+"""Checkpoints through the real CLI on 2 CPU ranks: exact resume after SIGKILL, crashes during a save, fewer ranks,
+full vs sharded saves, consolidation into a Hugging Face folder, LoRA adapters, and every way it can go wrong."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import load_weights, read_metrics, run_cli, tiny_recipe
+
+pytestmark = pytest.mark.multiprocess
+STEPS = 12
+TRACE = {"ACCEL_FSDP_TRACE_ROWS": "1"}
+
+
+def make_recipe(folder: Path, model: Path, data: Path, **overrides) -> Path:
+    sections = {
+        "model": {"config_overrides": {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}},  # RNG matters
+        "training": {"max_steps": STEPS, "mixed_precision": "fp32", "eval_every_steps": 5},
+        "checkpoint": {"every_steps": 3, "keep_last": None, "export_dtype": "fp32"},
+    }
+    for section, values in overrides.items():
+        sections.setdefault(section, {}).update(values)
+    return tiny_recipe(folder / "recipe.yaml", model, data, **sections)
+
+
+def rows_by_step(run: Path) -> dict[int, list[int]]:
+    """Rows read at each step over all ranks; for a resumed run the last attempt of a step counts (the killed
+    attempt's work past its checkpoint was lost with it)."""
+    per_step: dict[int, dict[int, list[int]]] = {}
+    for f in sorted((run / "trace").glob("rows-rank*.jsonl")):
+        rank = int(f.stem.removeprefix("rows-rank"))
+        for line in f.read_text().splitlines():
+            row = json.loads(line)
+            per_step.setdefault(row["step"], {})[rank] = row["rows"]
+    return {step: sorted(r for ranks in by_rank.values() for r in ranks) for step, by_rank in per_step.items()}
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = load_weights(a), load_weights(b)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_gpt2, stories) -> Path:
+    """An uninterrupted run: the yardstick of every resume test."""
+    folder = tmp_path_factory.mktemp("reference")
+    run_cli("recipe", "run", make_recipe(folder, tiny_gpt2, stories), "--output-dir", folder / "run", env=TRACE,
+            check=0)
+    return folder / "run"
+
+
+def test_sigkill_at_a_random_step_then_resume_equals_uninterrupted(tmp_path, reference, tiny_gpt2, stories):
+    step = random.randint(4, STEPS - 1)
+    recipe = make_recipe(tmp_path, tiny_gpt2, stories)
+    run = tmp_path / "run"
+    killed = run_cli("recipe", "run", recipe, "--output-dir", run, env={**TRACE, "ACCEL_FSDP_FAULT": f"kill:{step}"})
+    assert killed.returncode == 1, killed.stderr[-3000:]
+    assert "rank 0 was killed by SIGKILL" in killed.stderr
+    assert not (run / "final").exists()
+    resumed = run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", env=TRACE, check=0)
+    last_saved = (step - 1) // 3 * 3  # the kill comes before the checkpoint of its own step
+    assert f"continuing from {run / 'checkpoints' / f'step-{last_saved:06d}'} at step {last_saved}" in resumed.stdout
+    assert_same_weights(run / "final", reference / "final")
+    # Every training row in the same order: none repeated, none skipped.
+    assert rows_by_step(run) == rows_by_step(reference), f"killed after step {step}"
+    assert sorted(rows_by_step(run)) == list(range(1, STEPS + 1))
+    # The metrics file holds one row per step, the interrupted attempt's extra steps dropped.
+    train_steps = [r["step"] for r in read_metrics(run) if r["kind"] == "train"]
+    assert train_steps == sorted(set(train_steps)) and train_steps[-1] == STEPS
+
+
+def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path, reference, tiny_gpt2, stories):
+    recipe = make_recipe(tmp_path, tiny_gpt2, stories)
+    run = tmp_path / "run"
+    killed = run_cli("recipe", "run", recipe, "--output-dir", run, env={"ACCEL_FSDP_FAULT": "kill-in-save:6"})
+    assert killed.returncode == 1
+    ckpts = run / "checkpoints"
+    assert (ckpts / "step-000003" / "manifest.json").exists()
+    assert not (ckpts / "step-000006").exists() and (ckpts / ".tmp-step-000006").exists()
+    inspected = run_cli("checkpoint", "inspect", run, check=0).stdout
+    assert "step-000003: complete" in inspected
+    assert ".tmp-step-000006: INCOMPLETE: a save that never finished" in inspected
+    msg = run_cli("checkpoint", "consolidate", ckpts / ".tmp-step-000006", tmp_path / "out", check=2).stderr
+    assert "incomplete or corrupt checkpoint: a save that never finished" in msg
+    run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", check=0)
+    assert not (ckpts / ".tmp-step-000006").exists()
+    assert_same_weights(run / "final", reference / "final")
+
+
+def test_resume_on_one_rank_from_a_two_rank_checkpoint(tmp_path, reference, tiny_gpt2, stories):
+    recipe = make_recipe(tmp_path, tiny_gpt2, stories, training={"micro_batch_size": 8})  # same global batch
+    run = tmp_path / "run"
+    proc = run_cli("recipe", "run", recipe, "--output-dir", run, "--accelerate-config", "fsdp_1gpu",
+                   "--resume-from", reference / "checkpoints" / "step-000006", env=TRACE, check=0)
+    assert "resharding from 2 to 1 ranks" in proc.stdout
+    expected = {s: rows for s, rows in rows_by_step(reference).items() if s > 6}
+    assert rows_by_step(run) == expected
+    # Model and optimizer state arrive intact on one rank: training carries on where it was. (Not bitwise: the
+    # dropout streams of two ranks cannot be replayed by one.)
+    ours = [r for r in read_metrics(run) if r["kind"] == "eval"][-1]["eval_loss"]
+    theirs = [r for r in read_metrics(reference) if r["kind"] == "eval"][-1]["eval_loss"]
+    assert ours == pytest.approx(theirs, rel=0.02)
+    first = [r for r in read_metrics(run) if r["kind"] == "train"][0]
+    expected_first = next(r for r in read_metrics(reference) if r["kind"] == "train" and r["step"] == 7)
+    assert first["step"] == 7 and first["loss"] == pytest.approx(expected_first["loss"], rel=0.02)
+
+
+def test_full_and_sharded_checkpoints_hold_the_same_model(tmp_path, reference, tiny_gpt2, stories):
+    recipe = make_recipe(tmp_path, tiny_gpt2, stories, checkpoint={"state_dict_type": "FULL_STATE_DICT"})
+    run = tmp_path / "run"
+    run_cli("recipe", "run", recipe, "--output-dir", run, check=0)
+    described = json.loads(run_cli("checkpoint", "inspect", run / "checkpoints" / "step-000012", "--json",
+                                   check=0).stdout)
+    assert described["state_dict_type"] == "FULL_STATE_DICT" and described["complete"]
+    assert (run / "checkpoints" / "step-000012" / "pytorch_model_fsdp.bin").exists()
+    assert_same_weights(run / "final", reference / "final")
+    # and a FULL checkpoint resumes like a sharded one
+    resumed = run_cli("recipe", "run", recipe, "--output-dir", tmp_path / "again", "--set", "training.max_steps=12",
+                      "--resume-from", run / "checkpoints" / "step-000009", check=0)
+    assert "at step 9" in resumed.stdout
+    assert_same_weights(tmp_path / "again" / "final", reference / "final")
+
+
+def test_consolidate_streams_shards_and_transformers_loads_the_same_logits(tmp_path, reference):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt = reference / "checkpoints" / "step-000012"
+    out = tmp_path / "hf"
+    proc = run_cli("checkpoint", "consolidate", reference, out, "--max-shard-size", "100KB", check=0)
+    assert "peak memory" in proc.stdout and "largest shard" in proc.stdout
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (out / "model.safetensors.index.json").exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"]  # tied to transformer.wte.weight: written once
+    for f in ["config.json", "generation_config.json", "tokenizer.json", "recipe.yaml"]:
+        assert (out / f).exists(), f
+
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    # Reference: torch's own DCP -> state dict conversion, loaded into the same architecture.
+    dcp_to_torch_save(ckpt / "pytorch_model_fsdp_0", tmp_path / "full.pt")
+    state = {k.removeprefix("model."): v for k, v in torch.load(tmp_path / "full.pt")["model"].items()}
+    expected = AutoModelForCausalLM.from_pretrained(out)
+    expected.load_state_dict(state)
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok("alice has a red cat . the cat is", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected.eval()(ids).logits, rtol=0, atol=0)
+
+    # bf16 export halves the bytes; the final export of the run equals a consolidation of its last checkpoint
+    run_cli("checkpoint", "consolidate", ckpt, tmp_path / "bf16", "--dtype", "bf16", check=0)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+    assert_same_weights(out, reference / "final")
+
+
+def test_accelerate_merge_weights_reads_the_model_shards(tmp_path, reference):
+    shards = reference / "checkpoints" / "step-000012" / "pytorch_model_fsdp_0"
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "merge-weights", str(shards),
+                           str(tmp_path / "merged")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    merged = load_weights(tmp_path / "merged")
+    ours = load_weights(reference / "final")
+    for key, tensor in ours.items():
+        assert torch.equal(merged[key], tensor), key
+
+
+def test_lora_checkpoints_hold_the_adapter_and_export_peft_and_merged(tmp_path, tiny_llama, stories):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    recipe = tiny_recipe(tmp_path / "lora.yaml", tiny_llama, stories,
+                         model={"lora": {"enabled": True, "r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}},
+                         training={"max_steps": 10, "lr": 1e-2, "mixed_precision": "fp32"},
+                         checkpoint={"every_steps": 5, "export_dtype": "fp32"}, logging={"every_steps": 5})
+    run = tmp_path / "run"
+    run_cli("recipe", "run", recipe, "--output-dir", run, check=0)
+    rows = [r for r in read_metrics(run) if r["kind"] == "train"]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    manifest = json.loads((run / "checkpoints" / "step-000010" / "manifest.json").read_text())
+    assert manifest["lora"] and manifest["trainable_parameters"] < manifest["parameters"] / 10
+    import torch.distributed.checkpoint as dcp
+
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        keys = dcp.FileSystemReader(str(run / "checkpoints" / "step-000010" / part)).read_metadata().state_dict_metadata
+        tensor_keys = [k for k in keys if not k.startswith("optimizer.param_groups")]
+        assert tensor_keys and all("lora_" in k for k in tensor_keys), part  # the adapter only
+
+    assert (run / "final" / "adapter_config.json").exists() and (run / "final" / "adapter_model.safetensors").exists()
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    adapted = PeftModel.from_pretrained(base, run / "final").eval()
+    ids = torch.tensor([[5, 9, 14, 20, 31]])
+    with torch.no_grad():
+        adapted_logits = adapted(ids).logits
+        base_logits = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()(ids).logits
+    assert not torch.allclose(adapted_logits, base_logits)  # the adapter learned something
+
+    run_cli("checkpoint", "consolidate", run, tmp_path / "export", "--merge", check=0)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "merged").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapted_logits, rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------- faults
+
+
+def test_consolidating_missing_corrupt_or_empty_input(tmp_path, reference):
+    msg = run_cli("checkpoint", "consolidate", tmp_path / "nope", tmp_path / "out", check=2).stderr
+    assert "nope: no such checkpoint" in msg
+    broken = tmp_path / "step-000012"
+    shutil.copytree(reference / "checkpoints" / "step-000012", broken)
+    shard = next((broken / "pytorch_model_fsdp_0").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    msg = run_cli("checkpoint", "consolidate", broken, tmp_path / "out", check=2).stderr
+    assert "incomplete or corrupt checkpoint: pytorch_model_fsdp_0/" in msg and "the manifest says" in msg
+    (tmp_path / "empty-run").mkdir()
+    msg = run_cli("checkpoint", "consolidate", tmp_path / "empty-run", tmp_path / "out", check=2).stderr
+    assert "no complete checkpoint found" in msg
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    msg = run_cli("checkpoint", "consolidate", reference, tmp_path / "mine", check=2).stderr
+    assert "exists and is not an earlier export of accel-fsdp" in msg
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+    assert not (tmp_path / "out").exists()
+
+
+def test_resume_with_a_changed_model_is_refused_naming_the_keys(tmp_path, reference):
+    recipe = Path(reference / "recipe.yaml")
+    msg = run_cli("recipe", "run", recipe, "--output-dir", tmp_path / "x", "--resume-from",
+                  reference / "checkpoints" / "step-000006", "--set", "model.config_overrides.n_layer=3",
+                  "--set", "training.lr=0.1", check=2).stderr
+    assert "was made by an incompatible recipe" in msg
+    assert "model.config_overrides: checkpoint has" in msg and "training.lr: checkpoint has 0.003, this run has 0.1" in msg
+    assert not (tmp_path / "x").exists()
+
+
+def test_disk_full_during_a_save_stops_cleanly(tmp_path, tiny_gpt2, stories):
+    recipe = make_recipe(tmp_path, tiny_gpt2, stories, training={"max_steps": 6})
+    run = tmp_path / "run"
+    proc = run_cli("recipe", "run", recipe, "--output-dir", run, env={"ACCEL_FSDP_FAULT": "enospc-in-save:6"},
+                   check=2)
+    assert "saving the checkpoint failed: No space left on device; the previous checkpoint step-000003 is intact" \
+        in proc.stderr
+    assert "free disk space" in proc.stderr and "Traceback" not in proc.stderr
+    assert not list((run / "checkpoints").glob(".tmp-*")) and not (run / "checkpoints" / "step-000006").exists()
+    assert (run / "checkpoints" / "step-000003" / "manifest.json").exists()
+
+
+def test_inspect_describes_every_checkpoint(reference):
+    out = json.loads(run_cli("checkpoint", "inspect", reference, "--json", check=0).stdout)
+    assert [d["step"] for d in out] == [3, 6, 9, 12]
+    last = out[-1]
+    assert last["complete"] and last["world_size"] == 2 and last["state_dict_type"] == "SHARDED_STATE_DICT"
+    assert last["parameters"] > 0 and last["bytes"] > 0 and last["recipe"]["global_batch_size"] == 8
+    text = run_cli("checkpoint", "inspect", reference / "checkpoints" / "step-000006", check=0).stdout
+    assert "step 6 (epoch 0), world size 2, SHARDED_STATE_DICT, FSDP2" in text
