@@ -1,0 +1,58 @@
+"""README.md is the contract: its commands name real recipes, configs and options, and CI runs its test command."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from click.testing import CliRunner
+
+from accel_fsdp.cli import main
+from accel_fsdp.paths import shipped_accelerate_configs, shipped_recipes
+
+from conftest import REPO
+
+README = (REPO / "README.md").read_text()
+
+
+def readme_commands() -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", README, re.S)
+    return [line.split("#")[0].strip() for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def test_ci_runs_the_readme_test_command():
+    test_command = next(c for c in readme_commands() if "pytest" in c)
+    ci = (REPO / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == test_command
+    assert "torch==2.13.0" in (REPO / ".ci" / "run").read_text()
+    install = next(c for c in readme_commands() if c.startswith("pip install"))
+    assert "torch==2.13.0" in install and '-e ".[dev]"' in install
+
+
+def test_readme_accel_fsdp_commands_parse_and_name_shipped_files():
+    for command in readme_commands():
+        if not command.startswith(("accel-fsdp", "accelerate launch")):
+            continue
+        words = shlex.split(command)
+        if words[0] == "accelerate":
+            config = words[words.index("--config_file") + 1]
+            assert (REPO / config).exists(), command
+            words = ["accel-fsdp"] + words[words.index("accel_fsdp") + 1:]
+        args = words[1:]
+        # Each command's options exist: run it with --help appended after the subcommand path.
+        path = [a for a in args if not a.startswith("-")][:2]
+        result = CliRunner().invoke(main, path + ["--help"])
+        assert result.exit_code == 0, (command, result.output)
+        for option in (a.split("=")[0] for a in args if a.startswith("--")):
+            assert option in result.output, (command, option)
+        for word in args:
+            if word in ("run", "validate", "copy", "show") and args.index(word) + 1 < len(args):
+                name = args[args.index(word) + 1]
+                assert name in shipped_recipes() or name.endswith(".yaml"), command
+        if "--accelerate-config" in args:
+            assert args[args.index("--accelerate-config") + 1] in shipped_accelerate_configs(), command
+
+
+def test_readme_lists_every_shipped_config():
+    for name in shipped_accelerate_configs():
+        assert f"`{name}`" in README, name
