@@ -33,6 +33,9 @@ def main() -> None:
     accel-fsdp recipe run gpt2-xl --accelerate-config fsdp_2gpu
     accel-fsdp checkpoint consolidate runs/gpt2-xl out/gpt2-xl
     """
+    from accel_fsdp.quiet import quiet_warnings
+
+    quiet_warnings()
 
 
 # ---------------------------------------------------------------------------------------------- recipe
@@ -163,6 +166,9 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     run_dir = (output_dir or default_run_dir(r)).expanduser().absolute()
     if dry_run:
         from accel_fsdp.plan import print_plan
+        from accel_fsdp.quiet import quiet_libraries
+
+        quiet_libraries()
 
         print_plan(r, accelerate_config, gpu_memory)
         return
@@ -296,6 +302,38 @@ def checkpoint_inspect(path: Path, as_json: bool) -> None:
             rr = d["recipe"]
             click.echo(f"  recipe {rr['name']}: model {rr['model']}, data {rr['data']}, global batch "
                        f"{rr['global_batch_size']}, lr {rr['lr']}, max_steps {rr['max_steps']}")
+
+
+# -------------------------------------------------------------------------------------------- generate
+
+
+@main.command("generate")
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("--prompt", required=True, help="Text to continue (with --chat: the user's message).")
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 100_000))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0, 10.0),
+              help="0 is greedy; above 0 samples.")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True),
+              help="Nucleus sampling: keep the most likely tokens up to this probability mass.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed for sampling.")
+@click.option("--chat", is_flag=True, help="Render the prompt as a user turn with the tokenizer's chat template.")
+@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+def generate_command(model_dir, prompt, max_new_tokens, temperature, top_p, seed, chat, device) -> None:
+    """Sample from an exported model (a run folder, a consolidated folder, or a LoRA adapter folder).
+
+    \b
+    accel-fsdp generate runs/quickstart --prompt "alice has a"
+    accel-fsdp generate out/llama-lora --chat --prompt "Name three prime numbers." --temperature 0.7 --top-p 0.9
+    """
+    from accel_fsdp.generate import generate, load_model, resolve_model_dir
+    from accel_fsdp.quiet import quiet_libraries
+
+    quiet_libraries()
+    folder = resolve_model_dir(model_dir)
+    model, tokenizer = load_model(folder, device)
+    text = generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                    seed=seed, chat=chat)
+    click.echo(f"{prompt} {text}" if not chat else text)
 
 
 if __name__ == "__main__":  # pragma: no cover

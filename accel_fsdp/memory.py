@@ -9,7 +9,7 @@ group:
     FULL_SHARD (ZeRO-3)       params 4P/S    grads 4T/S   optimizer 8T/S   + gathered units, freed after use
     HYBRID_SHARD              like FULL_SHARD with S = ranks per shard group (one machine); replicas across
 P = all parameters, T = trainable ones (T = P for a full fine-tune, the adapters for LoRA: frozen weights
-need no gradient and no optimizer state).
+need no gradient and no optimizer state, and are kept in the compute dtype: c bytes instead of 4).
 
 Peak (FSDP paper, Zhao et al. 2023): sharded state + the largest unit gathered. We count two units in flight
 (the current one and the prefetched next one) in the compute dtype c, plus the unit's unsharded gradient
@@ -69,6 +69,8 @@ class MemoryInputs:
     micro_batch: int = 0
     seq_len: int = 0
     shape: Shape | None = None
+    frozen_bytes: int = 4
+    """Bytes per frozen parameter: 4 (fp32) for full fine-tunes, the compute dtype's 2 for LoRA bases."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,8 @@ def compute_bytes(precision: str) -> int:
 def estimate(m: MemoryInputs) -> MemoryBreakdown:
     c = compute_bytes(m.precision)
     s = 1 if m.strategy == "NO_SHARD" else max(1, m.shard_group)
-    params, grads, optimizer = 4.0 * m.params / s, 4.0 * m.trainable / s, 8.0 * m.trainable / s
+    weights = 4.0 * m.trainable + m.frozen_bytes * (m.params - m.trainable)
+    params, grads, optimizer = weights / s, 4.0 * m.trainable / s, 8.0 * m.trainable / s
     if m.strategy == "SHARD_GRAD_OP":
         gathered = c * m.params + (c + 4) * m.largest_unit  # the whole model stays gathered until backward
     elif m.strategy == "NO_SHARD":

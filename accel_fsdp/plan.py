@@ -131,7 +131,8 @@ def build_plan(recipe, config, *, num_processes: int | None = None) -> Plan:
         world=settings.num_processes.value, shard_group=shard_group, strategy=strategy,
         precision="fp32" if settings.mixed_precision.value == "fp32" else "bf16-mixed",
         offload=bool(settings.cpu_offload.value), activation_checkpointing=bool(settings.activation_checkpointing.value),
-        micro_batch=recipe.training.micro_batch_size, seq_len=recipe.data.seq_len, shape=shape_of(config_obj))
+        micro_batch=recipe.training.micro_batch_size, seq_len=recipe.data.seq_len, shape=shape_of(config_obj),
+        frozen_bytes=(2 if settings.mixed_precision.value in ("bf16", "fp16") else 4) if recipe.model.lora.enabled else 4)
     return Plan(recipe, settings, config.label, type(meta).__name__, parameters, trainable, units, estimate(inputs),
                 inputs, report.notes)
 

@@ -31,6 +31,7 @@ from accel_fsdp.launch_config import (CONFIG_PATH_ENV, AccelerateConfig, FsdpSet
 from accel_fsdp.metrics import MetricsWriter, device_peak_flops, flops_per_token, peak_memory_bytes, perplexity
 from accel_fsdp.model import (build_model, build_tokenizer, context_length, count_parameters, human_count,
                               meta_model, model_config, no_split_modules, wrap_class_problems)
+from accel_fsdp.quiet import quiet_libraries
 from accel_fsdp.rundir import check_run_dir, prepare_run_dir
 
 TRACE_ENV = "ACCEL_FSDP_TRACE_ROWS"
@@ -135,7 +136,9 @@ def setup(request: RunRequest) -> Run:
 
     data = data_lib.prepare_data(recipe, tokenizer, accelerator)
     say(f"data: {recipe.data.path}: {data.stats.summary()}")
-    model = build_model(recipe, model_cfg)
+    # LoRA keeps the frozen base weights in the compute dtype (no fp32 master copy needed: they never change).
+    frozen_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(settings.mixed_precision.value, torch.float32)
+    model = build_model(recipe, model_cfg, dtype=frozen_dtype if recipe.model.lora.enabled else torch.float32)
     parameters, trainable = count_parameters(model), count_parameters(model, trainable_only=True)
     say(f"model: {type(model).__name__}, {human_count(parameters)} parameters ({parameters:,}; "
         f"{trainable:,} trainable)")
@@ -392,7 +395,7 @@ def generate_sample(run: Run, prompt: str, max_new_tokens: int) -> str:
 
 def run_training(request: RunRequest) -> None:
     """Entry point inside each rank."""
-    _quiet_libraries()
+    quiet_libraries()
     run = setup(request)
     fit(run)
     finish(run)
@@ -430,23 +433,3 @@ def _trace_file(run: Run):
     folder = run.request.run_dir / "trace"
     folder.mkdir(parents=True, exist_ok=True)
     return (folder / f"rows-rank{run.accelerator.process_index}.jsonl").open("a")
-
-
-def _quiet_libraries() -> None:
-    import logging
-    import warnings
-
-    import datasets
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    datasets.logging.set_verbosity_error()
-    datasets.disable_progress_bars()
-    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
-    # Deprecation notices from inside torch/accelerate that a user can do nothing about.
-    for pattern in ("TypedStorage is deprecated", ".*FSDP.state_dict_type.*", ".*set_state_dict_type.*",
-                    ".*_get_pg_default_device.*", ".*torch.distributed.checkpoint.*", "Multiple backends are registered",
-                    "Please use DTensor instead", ".*torch.distributed is disabled.*",
-                    ".*is_gradient_checkpointing.*"):
-        warnings.filterwarnings("ignore", message=pattern)

@@ -1,0 +1,59 @@
+"""Sampling from an exported model (a Hugging Face folder or a PEFT adapter folder), to see what a fine-tune
+learned: greedy by default, or temperature / top-p sampling with a seed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from accel_fsdp.errors import Problem, UserError
+
+
+def resolve_model_dir(path: Path) -> Path:
+    """A model folder, or a run folder (its final export)."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(Problem(str(path), "does not exist", "give an exported model folder or a run folder"))
+    for candidate in (path, path / "final"):
+        if (candidate / "config.json").exists() or (candidate / "adapter_config.json").exists():
+            return candidate
+    raise UserError(Problem(str(path), "is not a model folder (no config.json or adapter_config.json)",
+                            "give the folder written by `accel-fsdp checkpoint consolidate`, a run folder, or any "
+                            "save_pretrained folder"))
+
+
+def load_model(folder: Path, device: str = "auto"):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if (folder / "adapter_config.json").exists():
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    return model.to(device).eval(), AutoTokenizer.from_pretrained(folder)
+
+
+def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+             seed: int = 0, chat: bool = False) -> str:
+    """The continuation of `prompt` (only the new text)."""
+    if chat:
+        if not tokenizer.chat_template:
+            raise UserError(Problem("--chat", "the tokenizer of this model has no chat template",
+                                    "drop --chat to continue the prompt as plain text"))
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    else:
+        inputs = tokenizer(prompt, return_tensors="pt")
+    inputs = {k: v.to(model.device) for k, v in inputs.items()}
+    torch.manual_seed(seed)
+    sampling = temperature > 0
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=sampling,
+                             temperature=temperature if sampling else None, top_p=top_p if sampling else None,
+                             top_k=None, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
