@@ -304,6 +304,62 @@ def checkpoint_inspect(path: Path, as_json: bool) -> None:
                        f"{rr['global_batch_size']}, lr {rr['lr']}, max_steps {rr['max_steps']}")
 
 
+# -------------------------------------------------------------------------------------------- estimate
+
+
+@main.command("estimate")
+@click.argument("what", metavar="MODEL|RECIPE|PARAM_COUNT")
+@click.option("--gpus", default=1, show_default=True, type=click.IntRange(1, 4096), help="GPUs per node.")
+@click.option("--nodes", default=1, show_default=True, type=click.IntRange(1, 4096))
+@click.option("--gpu-memory", default="80GB", show_default=True, metavar="SIZE", help="Memory of one GPU.")
+@click.option("--precision", default="bf16-mixed", show_default=True, type=click.Choice(["fp32", "bf16-mixed"]))
+@click.option("--strategy", "strategies", multiple=True,
+              type=click.Choice(["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"]),
+              help="Only these strategies (repeatable). Default: all.")
+@click.option("--offload/--no-offload", default=None, help="Only with (or without) CPU offload. Default: both.")
+@click.option("--activation-checkpointing/--no-activation-checkpointing", default=None,
+              help="Keep only each block's input for the backward. Default: the recipe's setting, else off.")
+@click.option("--micro-batch", type=click.IntRange(0, 1 << 20), help="Rows per GPU per micro-step (0: no "
+              "activations). Default: the recipe's, 1 for a model, 0 for a bare count.")
+@click.option("--seq-len", type=click.IntRange(1, 1 << 24), help="Tokens per row. Default: the recipe's, else "
+              "min(context, 2048).")
+def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offload, activation_checkpointing,
+                     micro_batch, seq_len) -> None:
+    """Per-rank memory of each FSDP strategy (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, with and
+    without CPU offload), which fit, and the cheapest that fits with the accelerate config to use.
+
+    \b
+    accel-fsdp estimate 104960000 --gpus 4 --precision fp32      # the seeds' calculator: 1.56 / 0.39 GiB
+    accel-fsdp estimate gpt2-xl --gpus 2 --gpu-memory 24GB --micro-batch 4 --seq-len 1024
+    accel-fsdp estimate llama-3.1-70b --gpus 8 --nodes 4 --activation-checkpointing
+    accel-fsdp estimate llama-3.1-8b-lora --gpus 1 --gpu-memory 40GB
+    """
+    from accel_fsdp.estimate import format_report, resolve_target, table
+    from accel_fsdp.memory import STRATEGIES, parse_bytes
+
+    try:
+        budget = parse_bytes(gpu_memory)
+    except ValueError:
+        raise UserError(Problem("--gpu-memory", f"{gpu_memory!r} is not a size", "e.g. 80GB or 24GiB")) from None
+    if "HYBRID_SHARD" in strategies and nodes == 1:
+        raise UserError(Problem("--strategy HYBRID_SHARD", "needs more than one node (it shards within a node and "
+                                "replicates across nodes)", "add --nodes 2 or more, or use FULL_SHARD"))
+    if what not in ("",) and not what[0].isdigit():
+        from accel_fsdp.quiet import quiet_libraries
+
+        quiet_libraries()
+    target = resolve_target(what, micro_batch, seq_len)
+    if activation_checkpointing is None:
+        activation_checkpointing = target.activation_checkpointing
+    if target.micro_batch and target.shape is None:
+        raise UserError(Problem("--micro-batch", "activations need the model's shape, and a bare parameter count "
+                                "has none", "name a model (gpt2-xl, llama-3.1-8b) or a recipe, or drop --micro-batch"))
+    rows = table(target, gpus=gpus, nodes=nodes, precision=precision, activation_checkpointing=activation_checkpointing,
+                 strategies=list(strategies) or list(STRATEGIES), offload=offload, gpu_memory=budget)
+    click.echo(format_report(target, rows, gpus=gpus, nodes=nodes, precision=precision, gpu_memory=budget,
+                             activation_checkpointing=activation_checkpointing))
+
+
 # -------------------------------------------------------------------------------------------- generate
 
 

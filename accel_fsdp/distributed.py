@@ -42,7 +42,8 @@ def build_fsdp_plugin(settings: FsdpSettings, *, for_planning: bool = False):
         kwargs["reshard_after_forward"] = s.sharding_strategy.value in ("FULL_SHARD", "HYBRID_SHARD")
     else:
         o = s.fsdp1_options.value
-        kwargs.update(reshard_after_forward=s.sharding_strategy.value, backward_prefetch=o["backward_prefetch"],
+        # Named explicitly: left unset, Accelerate would take FSDP_SHARDING_STRATEGY from the launch environment.
+        kwargs.update(sharding_strategy=s.sharding_strategy.value, backward_prefetch=o["backward_prefetch"],
                       forward_prefetch=o["forward_prefetch"], limit_all_gathers=o["limit_all_gathers"],
                       use_orig_params=o["use_orig_params"], sync_module_states=o["sync_module_states"])
         if kwargs["cpu_ram_efficient_loading"]:

@@ -34,9 +34,6 @@ from dataclasses import dataclass
 
 GiB = 1024**3
 STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
-# Communication per step, in multiples of the model size (ZeRO paper): DDP/NO_SHARD all-reduce = 2;
-# ZeRO-2 reduce-scatter + all-gather = 2; ZeRO-3 adds a second all-gather for the backward = 3.
-COMMUNICATION = {"NO_SHARD": 2.0, "SHARD_GRAD_OP": 2.0, "HYBRID_SHARD": 3.0, "FULL_SHARD": 3.0}
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ def quiet_warnings() -> None:
     for pattern in _INTERNAL_NOTICES:
         warnings.filterwarnings("ignore", message=pattern)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    # "sharding_strategy is deprecated in favor of reshard_after_forward": we name FSDP1's strategy on purpose.
+    logging.getLogger("accelerate.utils.dataclasses").setLevel(logging.ERROR)
 
 
 def quiet_libraries() -> None:

@@ -256,6 +256,8 @@ def fit(run: Run) -> None:
                 if acc.sync_gradients:  # the last micro-step: gradients are now reduced over ranks
                     grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
                 optimizer.step()  # skipped by Accelerate until the last micro-step
+                if acc.sync_gradients and step == run.start_step:
+                    _record_state_bytes(run)  # gradients and optimizer state both exist only here
                 optimizer.zero_grad(set_to_none=True)
             window_loss += loss.detach()
         scheduler.step()
@@ -409,6 +411,44 @@ def _forward_parameters(model) -> set[str]:
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return set(inspect.signature(base.forward).parameters)
+
+
+def state_bytes(optimizer) -> dict[str, int]:
+    """Bytes this rank stores for the parameters the optimizer updates, their gradients and the optimizer state
+    (local shards only), plus frozen parameters: what the memory estimate predicts per rank."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t) -> int:
+        if t is None or not isinstance(t, torch.Tensor):
+            return 0
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    out = {"params": 0, "grads": 0, "optimizer": 0}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            out["params"] += local(p)
+            out["grads"] += local(p.grad)
+            out["optimizer"] += sum(local(v) for v in optimizer.state.get(p, {}).values() if getattr(v, "ndim", 0))
+    return out
+
+
+def _record_state_bytes(run: Run) -> None:
+    acc = run.accelerator
+    mine = state_bytes(run.optimizer)
+    trainable = {id(p) for g in run.optimizer.param_groups for p in g["params"]}
+    from torch.distributed.tensor import DTensor
+
+    mine["frozen_params"] = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+                                for p in run.model.parameters() if id(p) not in trainable)
+    keys = sorted(mine)
+    gathered = acc.gather(torch.tensor([mine[k] for k in keys], device=acc.device, dtype=torch.int64))
+    if acc.is_main_process:
+        per_rank = gathered.view(acc.num_processes, len(keys)).tolist()
+        path = run.request.run_dir / "sharding.json"
+        info = json.loads(path.read_text())
+        info["state_bytes"] = [dict(zip(keys, row)) for row in per_rank]
+        path.write_text(json.dumps(info, indent=1) + "\n")
 
 
 def _full(t):
