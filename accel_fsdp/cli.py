@@ -141,8 +141,10 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
 @click.option("--dry-run", is_flag=True, help="Plan only: build the model on the meta device and print the FSDP plan "
               "(units, per-rank memory); needs no weights and no network.")
 @click.option("--gpu-memory", metavar="SIZE", help="With --dry-run: memory per GPU to check the plan against (80GB).")
+@click.option("--benchmark", is_flag=True, hidden=True, help="(accel-fsdp bench) No final evaluation, checkpoint or "
+              "export.")
 def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, resume_from, overwrite, dry_run,
-               gpu_memory) -> None:
+               gpu_memory, benchmark) -> None:
     """Train a recipe on the hardware an accelerate config describes.
 
     Outside a distributed launch this launches itself through Accelerate's launcher (one process per rank);
@@ -177,13 +179,13 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
 
         try:
             run_training(RunRequest(recipe=r, run_dir=run_dir, resume=resume, resume_from=resume_from,
-                                    overwrite=overwrite))
+                                    overwrite=overwrite, benchmark=benchmark))
         except UserError as e:
             # Every rank hits the same mistake; rank 0 says it once.
             if int(os.environ.get("RANK", "0")) == 0 or e.rank_local:
                 e.show()
-            sys.exit(e.exit_code)
-        return
+            _leave_rank(e.exit_code)
+        _leave_rank(0)
 
     from accel_fsdp.launcher import launch
     from accel_fsdp.preflight import load_config_or_default, preflight
@@ -198,10 +200,23 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     argv = ["recipe", "run", str(Path(r.source).absolute()), "--output-dir", str(run_dir)]
     for item in overrides:
         argv += ["--set", item]
-    argv += ["--resume"] * resume + ["--overwrite"] * overwrite
+    argv += ["--resume"] * resume + ["--overwrite"] * overwrite + ["--benchmark"] * benchmark
     if resume_from:
         argv += ["--resume-from", str(Path(resume_from).absolute())]
     sys.exit(launch(config, argv, num_processes=n))
+
+
+def _leave_rank(status: int) -> None:
+    """End a rank: destroy the process group, flush, and exit without interpreter finalization, where gloo's
+    worker threads can still hold tensors and abort the process (SIGABRT, "terminate called without an active
+    exception"; see pytorch/pytorch#179291) after the work is done and saved."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _load_recipe(name_or_path: str, overrides):
@@ -358,6 +373,105 @@ def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offlo
                  strategies=list(strategies) or list(STRATEGIES), offload=offload, gpu_memory=budget)
     click.echo(format_report(target, rows, gpus=gpus, nodes=nodes, precision=precision, gpu_memory=budget,
                              activation_checkpointing=activation_checkpointing))
+
+
+# ----------------------------------------------------------------------------------------------- bench
+
+
+@main.command("bench")
+@click.argument("name_or_path")
+@click.option("--accelerate-config", "accelerate_config", metavar="NAME|PATH", help=CONFIG_HELP)
+@click.option("--steps", default=10, show_default=True, type=click.IntRange(1, 100_000),
+              help="Optimizer steps measured, after the warm-up.")
+@click.option("--warmup", default=3, show_default=True, type=click.IntRange(1, 1000))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@click.option("--compare-baseline", is_flag=True, help="Also run a minimal hand-written Accelerate FSDP loop on the "
+              "same model, batch and config, alternating the two, and print the throughput ratio ours / baseline.")
+@click.option("--compare", "compare", type=click.Choice(["strategies", "wrapping"]),
+              help="strategies: NO_SHARD vs SHARD_GRAD_OP vs FULL_SHARD; wrapping: per block vs whole model vs "
+              "per Linear.")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, 50),
+              help="With --compare-baseline: alternate ours and the baseline this many times; medians are reported.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def bench_command(name_or_path, accelerate_config, steps, warmup, overrides, compare_baseline, compare, rounds,
+                  as_json) -> None:
+    """Measure tokens/s per rank, step time, peak memory per rank (and MFU on GPUs) of a recipe.
+
+    \b
+    accel-fsdp bench quickstart --steps 20
+    accel-fsdp bench quickstart --compare-baseline --rounds 3
+    accel-fsdp bench quickstart --compare strategies
+    accel-fsdp bench gpt2-xl --accelerate-config fsdp_1gpu --set data.path=builtin:quickstart --steps 20
+    """
+    import statistics
+    import tempfile
+
+    from accel_fsdp import bench
+    from accel_fsdp.preflight import load_config_or_default, preflight
+
+    r = _load_recipe(name_or_path, overrides)
+    config, n, _ = load_config_or_default(accelerate_config)
+    preflight(r, config, num_processes=n)
+    recipe_path = str(Path(r.source).absolute())
+    result: dict = {"recipe": r.name, "config": config.label}
+    with tempfile.TemporaryDirectory(prefix="accel-fsdp-bench-") as tmp:
+        work = Path(tmp)
+        if compare == "strategies":
+            rows = bench.compare_strategies(recipe_path, config.path, list(overrides), steps, warmup, work)
+            result["strategies"] = rows
+            text = bench.format_measurements(rows, f"strategies on {config.label} ({r.name}):")
+            text += "\n" + "\n".join(bench.strategy_summary(rows))
+        elif compare == "wrapping":
+            from accel_fsdp.model import meta_model, model_config
+            from accel_fsdp.preflight import _offline_tokenizer
+
+            skeleton = meta_model(model_config(r, tokenizer=_offline_tokenizer(r), offline=True))
+            rows = bench.compare_wrapping(recipe_path, config.path, list(overrides), steps, warmup, work,
+                                          bench.linear_classes(skeleton))
+            result["wrapping"] = rows
+            text = bench.format_measurements(rows, f"wrapping on {config.label} ({r.name}):")
+        elif compare_baseline:
+            ours, base = [], []
+            for i in range(rounds):  # alternate, so drifts in machine load hit both sides alike
+                ours.append(bench.measure_ours(recipe_path, str(config.path), list(overrides), steps, warmup,
+                                               f"accel-fsdp (round {i + 1})", work))
+                base.append(bench.measure_baseline(recipe_path, config.path, list(overrides), steps, warmup, work))
+            ratio = statistics.median(o.tokens_per_s for o in ours) / statistics.median(b.tokens_per_s for b in base)
+            result.update(ours=ours, baseline=base, ratio=ratio)
+            text = bench.format_measurements(ours + base, f"ours vs a hand-written Accelerate FSDP loop on "
+                                             f"{config.label} ({r.name}), {rounds} alternating rounds:")
+            text += f"\nthroughput ratio ours / baseline (medians): {ratio:.3f}"
+        else:
+            m = bench.measure_ours(recipe_path, str(config.path), list(overrides), steps, warmup, r.name, work)
+            result["measurement"] = m
+            text = bench.format_measurements([m], f"{r.name} on {config.label}, {steps} steps after {warmup} warm-up:")
+    click.echo(bench.to_json(result) if as_json else text)
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+@main.command("report")
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def report_command(run_dir: Path, as_json: bool) -> None:
+    """Summarize a run (steps, final and best eval loss, tokens/s, peak memory) and draw its loss curve into
+    RUN_DIR/loss_curve.png (needs matplotlib: pip install "accel-fsdp[plot]").
+
+    \b
+    accel-fsdp report runs/quickstart
+    """
+    from accel_fsdp.report import format_summary, plot, summarize
+
+    summary = summarize(run_dir)
+    png = plot(run_dir)
+    summary["loss_curve"] = str(png) if png else None
+    (run_dir / "report.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if as_json:
+        click.echo(json.dumps(summary, indent=1))
+        return
+    click.echo(format_summary(summary))
+    click.echo(f"  loss curve: {png}" if png else '  loss curve: install matplotlib (pip install "accel-fsdp[plot]")')
 
 
 # -------------------------------------------------------------------------------------------- generate

@@ -45,6 +45,8 @@ class RunRequest:
     resume: bool = False
     resume_from: str | None = None
     overwrite: bool = False
+    benchmark: bool = False
+    """accel-fsdp bench: skip the final evaluation, checkpoint, sample and export."""
 
 
 @dataclass
@@ -355,6 +357,10 @@ def finish(run: Run) -> None:
     """Final evaluation, checkpoint, sample generation; then the main process exports the model alone."""
     acc, recipe = run.accelerator, run.request.recipe
     last = run.total_steps
+    if run.request.benchmark:
+        acc.wait_for_everyone()
+        acc.end_training()
+        return
     if run.last_eval_step != last:
         evaluate(run, last)
     if run.last_saved_step != last:

@@ -1,0 +1,69 @@
+"""Benchmarks and reports through the CLI. The figures are machine-dependent; the tests hold the structure, the
+comparisons' invariants (FULL_SHARD stores half of NO_SHARD's state on 2 ranks) and that numbers are sane."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from accel_fsdp.cli import main
+
+from conftest import run_cli, tiny_recipe
+
+
+@pytest.fixture(scope="module")
+def bench_recipe(tmp_path_factory, tiny_gpt2, stories):
+    return tiny_recipe(tmp_path_factory.mktemp("bench") / "bench.yaml", tiny_gpt2, stories)
+
+
+@pytest.mark.multiprocess
+def test_bench_reports_throughput_memory_and_baseline_ratio(bench_recipe):
+    out = json.loads(run_cli("bench", bench_recipe, "--steps", "4", "--warmup", "1", "--compare-baseline",
+                             "--rounds", "1", "--json", check=0).stdout)
+    ours, base = out["ours"][0], out["baseline"][0]
+    assert ours["tokens_per_s"] > 0 and base["tokens_per_s"] > 0 and ours["step_time_s"] > 0
+    assert len(ours["peak_memory_bytes"]) == 2 and all(b > 0 for b in ours["peak_memory_bytes"])
+    assert ours["mfu"] is None  # MFU only on GPUs
+    assert 0.3 < out["ratio"] < 3.0  # same work on the same machine: the same order of magnitude
+
+
+@pytest.mark.multiprocess
+def test_bench_compares_strategies_like_the_seeds(bench_recipe):
+    text = run_cli("bench", bench_recipe, "--steps", "3", "--warmup", "1", "--compare", "strategies", check=0).stdout
+    assert "NO_SHARD (FSDP1)" in text and "SHARD_GRAD_OP (FSDP2)" in text and "FULL_SHARD (FSDP2)" in text
+    line = next(l for l in text.splitlines() if l.startswith("FULL_SHARD (FSDP2): model state per rank"))
+    assert "MB unsharded" in line and "% saved" in line
+    fraction = float(line.split("(")[2].split(" of NO_SHARD")[0])
+    assert fraction <= 0.55  # the issue's target at 2 ranks
+
+
+@pytest.mark.multiprocess
+def test_bench_compares_wrapping(bench_recipe):
+    text = run_cli("bench", bench_recipe, "--steps", "3", "--warmup", "1", "--compare", "wrapping", check=0).stdout
+    for label in ("per block (transformer layer)", "whole model (no wrap)", "per Linear (Conv1D)"):
+        assert label in text
+
+
+def test_report_summarizes_and_plots(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"recipe_name": "demo"}))
+    rows = [{"kind": "train", "step": s, "loss": 5.0 - 0.4 * s, "tokens_per_s": 1000.0 + s,
+             "tokens_per_s_per_rank": 500.0, "step_time_s": 0.1, "tokens_seen": 100 * s,
+             "peak_memory_bytes": [10 << 20, 12 << 20]} for s in range(1, 11)]
+    rows += [{"kind": "eval", "step": 5, "eval_loss": 3.5, "eval_ppl": 33.1},
+             {"kind": "eval", "step": 10, "eval_loss": 3.6, "eval_ppl": 36.6}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = CliRunner().invoke(main, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    assert "10 steps, 1,000 tokens" in result.output and "train loss 4.6000 -> 1.0000" in result.output
+    assert "best 3.5000 at step 5" in result.output and "peak memory per rank: 10 MB, 12 MB" in result.output
+    png = run / "loss_curve.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((run / "report.json").read_text())["best_eval_step"] == 5
+    result = CliRunner().invoke(main, ["report", str(tmp_path / "nope")])
+    assert result.exit_code == 2 and "does not exist" in result.output
+    result = CliRunner().invoke(main, ["report", str(tmp_path)])
+    assert result.exit_code == 2 and "has no metrics.jsonl" in result.output
