@@ -141,10 +141,18 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
 @click.option("--dry-run", is_flag=True, help="Plan only: build the model on the meta device and print the FSDP plan "
               "(units, per-rank memory); needs no weights and no network.")
 @click.option("--gpu-memory", metavar="SIZE", help="With --dry-run: memory per GPU to check the plan against (80GB).")
+@click.option("--machine-rank", type=click.IntRange(0, 4095), help="Multi-machine: this machine's rank (0 on the "
+              "main one). Overrides the config's machine_rank.")
+@click.option("--main-process-ip", help="Multi-machine: address of machine 0. Overrides the config.")
+@click.option("--main-process-port", type=click.IntRange(1, 65535), help="Multi-machine: port on machine 0.")
+@click.option("--num-machines", type=click.IntRange(1, 4096), help="Multi-machine: how many. Overrides the config.")
+@click.option("--rendezvous-timeout", default=300, show_default=True, type=click.IntRange(1, 86400),
+              help="Multi-machine: seconds to wait for the main process and for all machines to join.")
 @click.option("--benchmark", is_flag=True, hidden=True, help="(accel-fsdp bench) No final evaluation, checkpoint or "
               "export.")
 def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, resume_from, overwrite, dry_run,
-               gpu_memory, benchmark) -> None:
+               gpu_memory, machine_rank, main_process_ip, main_process_port, num_machines, rendezvous_timeout,
+               benchmark) -> None:
     """Train a recipe on the hardware an accelerate config describes.
 
     Outside a distributed launch this launches itself through Accelerate's launcher (one process per rank);
@@ -181,18 +189,22 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
             run_training(RunRequest(recipe=r, run_dir=run_dir, resume=resume, resume_from=resume_from,
                                     overwrite=overwrite, benchmark=benchmark))
         except UserError as e:
-            # Every rank hits the same mistake; rank 0 says it once.
-            if int(os.environ.get("RANK", "0")) == 0 or e.rank_local:
+            # Every rank hits the same mistake; the first rank of each machine says it once.
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0 or e.rank_local:
                 e.show()
             _leave_rank(e.exit_code)
         _leave_rank(0)
 
-    from accel_fsdp.launcher import launch
+    from accel_fsdp.launcher import MachineOptions, launch
     from accel_fsdp.preflight import load_config_or_default, preflight
 
     config, n, why = load_config_or_default(accelerate_config)
-    report = preflight(r, config, num_processes=n, run_dir=run_dir, resume=resume, resume_from=resume_from,
-                       overwrite=overwrite)
+    machine = MachineOptions(machine_rank, main_process_ip, main_process_port, num_machines, rendezvous_timeout)
+    machine.apply(config)
+    main_machine = int(config.get("machine_rank", 0) or 0) == 0
+    # Only the main machine looks at the (shared) run folder: the others would race with its ranks writing there.
+    report = preflight(r, config, num_processes=n, run_dir=run_dir if main_machine else None, resume=resume,
+                       resume_from=resume_from, overwrite=overwrite)
     click.echo(f"accel-fsdp: launching {report.num_processes} process(es) with {config.label}"
                + ("" if why == "given" else f" ({why})"), err=True)
     for note in report.notes:
@@ -203,7 +215,7 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     argv += ["--resume"] * resume + ["--overwrite"] * overwrite + ["--benchmark"] * benchmark
     if resume_from:
         argv += ["--resume-from", str(Path(resume_from).absolute())]
-    sys.exit(launch(config, argv, num_processes=n))
+    sys.exit(launch(config, argv, num_processes=n, machine=machine))
 
 
 def _leave_rank(status: int) -> None:
@@ -446,6 +458,65 @@ def bench_command(name_or_path, accelerate_config, steps, warmup, overrides, com
             result["measurement"] = m
             text = bench.format_measurements([m], f"{r.name} on {config.label}, {steps} steps after {warmup} warm-up:")
     click.echo(bench.to_json(result) if as_json else text)
+
+
+# ----------------------------------------------------------------------------------------------- slurm
+
+
+@main.command("slurm")
+@click.argument("name_or_path")
+@click.option("--nodes", required=True, type=click.IntRange(1, 4096), help="Machines to allocate.")
+@click.option("--gpus-per-node", required=True, type=click.IntRange(1, 64))
+@click.option("--global-batch-size", type=click.IntRange(1, 1 << 24), help="Override the recipe's global batch.")
+@click.option("--time", "time_limit", default="24:00:00", show_default=True, help="Wall-clock limit (HH:MM:SS).")
+@click.option("--partition", help="SLURM partition.")
+@click.option("--cpus-per-node", default=32, show_default=True, type=click.IntRange(1, 1024),
+              help="CPU cores per node (data loading, tokenization, offload).")
+@click.option("--accelerate-config", "accelerate_config", default="fsdp_multinode", show_default=True,
+              metavar="NAME|PATH", help="Accelerate config; node counts and addresses are set by the script.")
+@click.option("--output-dir", type=click.Path(path_type=Path), help="Run folder, on a filesystem every node sees. "
+              "Default: runs/<recipe name>.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@click.option("-o", "--output", "script", type=click.Path(path_type=Path), default=None,
+              help="Where to write the script. Default: <recipe name>.sbatch.")
+def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_limit, partition, cpus_per_node,
+                  accelerate_config, output_dir, overrides, script) -> None:
+    """Write an sbatch script that trains a recipe on N nodes x G GPUs (one `accelerate launch` per node),
+    checks the batch arithmetic first, prints the configuration at job start, and resumes when requeued.
+
+    \b
+    accel-fsdp slurm llama-3.1-8b --nodes 4 --gpus-per-node 8 --time 12:00:00 --partition gpu -o job.sbatch
+    accel-fsdp slurm gpt2-xl --nodes 2 --gpus-per-node 8 --accelerate-config fsdp_hybrid_multinode
+    sbatch job.sbatch
+    """
+    import shlex
+
+    from accel_fsdp.launch_config import load_accelerate_config
+    from accel_fsdp.preflight import preflight
+    from accel_fsdp.rundir import default_run_dir
+    from accel_fsdp.slurm import render
+
+    all_overrides = list(overrides) + ([f"training.global_batch_size={global_batch_size}"]
+                                       if global_batch_size else [])
+    r = _load_recipe(name_or_path, all_overrides)
+    config = load_accelerate_config(accelerate_config)
+    config.values.update(num_machines=nodes, machine_rank=0)
+    script = script or Path(f"{r.name}.sbatch")
+    run_dir = (output_dir or default_run_dir(r)).expanduser().absolute()
+    text = render(r, config, nodes=nodes, gpus_per_node=gpus_per_node, global_batch=global_batch_size,
+                  time_limit=time_limit, partition=partition, output_dir=run_dir, overrides=list(overrides),
+                  script_name=script.name, command=shlex.join(["accel-fsdp", "slurm"] + sys.argv[2:]),
+                  cpus_per_task=cpus_per_node)
+    preflight(r, config, num_processes=nodes * gpus_per_node, for_target_hardware=True)
+    if script.exists() and script.is_dir():
+        raise UserError(Problem(str(script), "is a folder", "give a file name for the script (-o job.sbatch)"))
+    script.write_text(text)
+    script.chmod(0o755)
+    t = r.training
+    k = t.global_batch_size // (t.micro_batch_size * nodes * gpus_per_node)
+    click.echo(f"wrote {script}: {nodes} node(s) x {gpus_per_node} GPU(s), global batch {t.global_batch_size} = micro "
+               f"{t.micro_batch_size} x {nodes * gpus_per_node} GPUs x {k} accumulation steps; run folder {run_dir}")
+    click.echo(f"submit with: sbatch {script}")
 
 
 # ---------------------------------------------------------------------------------------------- report

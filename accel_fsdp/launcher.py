@@ -11,10 +11,15 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 
+from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.launch_config import CONFIG_PATH_ENV, AccelerateConfig
+
 
 
 def inside_launch() -> bool:
@@ -22,18 +27,47 @@ def inside_launch() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | None = None) -> int:
+@dataclass
+class MachineOptions:
+    """Per-machine launch settings that override the config (what differs between the machines of one job)."""
+
+    machine_rank: int | None = None
+    main_process_ip: str | None = None
+    main_process_port: int | None = None
+    num_machines: int | None = None
+    rendezvous_timeout: int = 300
+
+    def apply(self, config: AccelerateConfig) -> None:
+        """Overlay the options on the config's values (the file itself is not changed)."""
+        for key in ("machine_rank", "main_process_ip", "main_process_port", "num_machines"):
+            if getattr(self, key) is not None:
+                config.values[key] = getattr(self, key)
+
+
+def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | None = None,
+           machine: MachineOptions | None = None) -> int:
     """Run `python -m accel_fsdp <argv>` in every rank the config asks for; return the exit status."""
     from accelerate.commands.launch import launch_command, launch_command_parser
 
+    machine = machine or MachineOptions()
+    machines = int(config.get("num_machines", 1) or 1)
     args = ["--config_file", str(config.path)]
     if num_processes is not None:
         args += ["--num_processes", str(num_processes)]
-    if int(config.get("num_machines", 1) or 1) == 1 and not config.get("main_process_port"):
+    for key in ("machine_rank", "main_process_ip", "main_process_port", "num_machines"):
+        if getattr(machine, key) is not None:
+            args += [f"--{key}", str(getattr(machine, key))]
+    if machines == 1 and not config.get("main_process_port"):
         args += ["--main_process_port", "0"]  # a free port: two runs on one machine must not collide
+    if machines > 1:
+        args += ["--rdzv_conf", f"timeout={machine.rendezvous_timeout}"]
+        address = (str(config.get("main_process_ip")), int(config.get("main_process_port") or 29500))
+        if int(config.get("machine_rank", 0) or 0) > 0:
+            wait_for_main(*address, timeout=machine.rendezvous_timeout)
     if config.get("use_cpu") and not os.environ.get("OMP_NUM_THREADS"):
         # One thread per rank unless told otherwise: CPU ranks share the cores.
-        args += ["--num_cpu_threads_per_process", str(max(1, (os.cpu_count() or 1) // int(config.get("num_processes", 1) or 1)))]
+        per_machine = max(1, int(config.get("num_processes", 1) or 1) // machines)
+        args += ["--num_cpu_threads_per_process", str(max(1, (os.cpu_count() or 1) // per_machine))]
     args += ["-m", "accel_fsdp", *argv]
     parsed = launch_command_parser().parse_args(args)
     os.environ[CONFIG_PATH_ENV] = str(config.path.resolve())
@@ -44,9 +78,16 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
         launch_command(parsed)
     except subprocess.CalledProcessError as e:  # the single-process launcher
         return _status(e.returncode)
-    except Exception as e:  # torchrun's ChildFailedError
+    except Exception as e:  # torchrun's ChildFailedError, or a rendezvous that never completed
         failures = getattr(e, "failures", None)
         if not failures:
+            if machines > 1 and _is_timeout(e):
+                raise UserError(Problem(
+                    f"{config.get('main_process_ip')}:{config.get('main_process_port') or 29500}",
+                    f"not all {machines} machines joined within {machine.rendezvous_timeout}s ({_first_line(e)})",
+                    "start the same command on every machine with its --machine-rank (0 to "
+                    f"{machines - 1}), check that they can reach this address and port, or raise "
+                    "--rendezvous-timeout")) from None
             raise
         codes = [f.exitcode for f in failures.values()]
         if 2 in codes:
@@ -58,6 +99,36 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
                 print(f"error: rank {rank} exited with status {f.exitcode} (see its output above)", file=sys.stderr)
         return 1
     return 0
+
+
+def wait_for_main(host: str, port: int, *, timeout: float, interval: float = 1.0) -> None:
+    """Before a non-main machine launches: the main process must be reachable, else one clear error instead of a
+    silent wait. The main machine may start later, so keep trying until `timeout`."""
+    deadline = time.monotonic() + timeout
+    last: OSError | None = None
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(5.0, max(0.5, timeout))):
+                return
+        except OSError as e:
+            last = e
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(interval)
+    raise UserError(Problem(f"{host}:{port}", f"cannot reach the main process (machine_rank 0) within {timeout:.0f}s "
+                            f"({last.strerror or last})",
+                            "start machine_rank 0 first (or together), check main_process_ip / main_process_port "
+                            "(--main-process-ip, --main-process-port) and that the port is open between the "
+                            "machines; --rendezvous-timeout waits longer"))
+
+
+def _is_timeout(e: BaseException) -> bool:
+    text = f"{type(e).__name__} {e}".lower()
+    return "timeout" in text or "timed out" in text
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def _status(code: int) -> int:

@@ -153,16 +153,19 @@ def setup(request: RunRequest) -> Run:
                                   lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                   fused=torch.cuda.is_available() or None)
     model, optimizer = accelerator.prepare(model, optimizer)
-    from accel_fsdp.cpu_fsdp import check_sharded, local_numel
+    from accel_fsdp.cpu_fsdp import check_sharded
 
     check_sharded(accelerator, model, parameters, expected_shards(settings))
-    held = accelerator.gather(torch.tensor([local_numel(model)], device=accelerator.device)).tolist()
+    layout = _shard_layout(accelerator, model)
+    held = [int(row[0]) for row in layout]
     say(f"sharded: ranks hold {' / '.join(f'{n:,}' for n in held)} of {parameters:,} parameters "
         f"({settings.sharding_strategy.value}, each tensor split over {expected_shards(settings)} ranks)")
     if accelerator.is_main_process:
         (run_dir / "sharding.json").write_text(json.dumps(
             {"parameters": parameters, "local_parameters": held, "expected_shards": expected_shards(settings),
-             "strategy": settings.sharding_strategy.value}, indent=1) + "\n")
+             "strategy": settings.sharding_strategy.value,
+             "ranks": [{"rank": r, "replica": int(row[2]), "shard": int(row[3]), "checksum": row[1]}
+                       for r, row in enumerate(layout)]}, indent=1) + "\n")
 
     sampler = data_lib.GlobalBatchSampler(len(data.train), global_batch=t.global_batch_size,
                                           micro_batch=t.micro_batch_size, world_size=world,
@@ -363,6 +366,14 @@ def finish(run: Run) -> None:
         return
     if run.last_eval_step != last:
         evaluate(run, last)
+    # Where every rank stands after training: replicas must still agree (their gradients were all-reduced).
+    layout = _shard_layout(acc, run.model)
+    if acc.is_main_process:
+        path = run.request.run_dir / "sharding.json"
+        info = json.loads(path.read_text())
+        info["ranks_after_training"] = [{"rank": r, "replica": int(row[2]), "shard": int(row[3]), "checksum": row[1]}
+                                        for r, row in enumerate(layout)]
+        path.write_text(json.dumps(info, indent=1) + "\n")
     if run.last_saved_step != last:
         save(run, last)
     sample = None
@@ -417,6 +428,25 @@ def _forward_parameters(model) -> set[str]:
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return set(inspect.signature(base.forward).parameters)
+
+
+def _shard_layout(acc, model) -> list[list[float]]:
+    """Per rank: parameters held, a checksum of them, and its (replica, shard) coordinates in the device mesh.
+    Replicas of one shard hold identical values; the ranks of a shard group hold different pieces."""
+    from accel_fsdp.cpu_fsdp import local_numel
+    from torch.distributed.tensor import DTensor
+
+    checksum = sum(float((p.to_local() if isinstance(p, DTensor) else p).detach().double().sum())
+                   for p in model.parameters())
+    mesh = getattr(acc, "torch_device_mesh", None)
+    if mesh is not None and "dp_replicate" in (mesh.mesh_dim_names or ()):
+        coordinate = mesh.get_coordinate()
+        names = list(mesh.mesh_dim_names)
+        replica, shard = coordinate[names.index("dp_replicate")], coordinate[names.index("dp_shard")]
+    else:
+        replica, shard = 0, acc.process_index
+    mine = torch.tensor([local_numel(model), checksum, replica, shard], device=acc.device, dtype=torch.float64)
+    return acc.gather(mine).view(acc.num_processes, 4).tolist()
 
 
 def state_bytes(optimizer) -> dict[str, int]:

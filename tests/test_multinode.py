@@ -1,0 +1,180 @@
+"""Beyond one machine, proven on one box: two "machines" on loopback, hybrid sharding on 4 CPU ranks, the SLURM
+script run under stand-in srun/scontrol, and the errors users hit when machines do not find each other."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from accel_fsdp.cli import main
+
+from conftest import REPO, read_metrics, run_cli, tiny_recipe
+
+pytestmark = pytest.mark.multiprocess
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_config(path: Path, **values) -> Path:
+    config = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "use_cpu": True,
+              "num_machines": 1, "num_processes": 2, "machine_rank": 0, "mixed_precision": "bf16",
+              "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                              "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "SHARDED_STATE_DICT"}}
+    config.update(values)
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def cli_process(*args, env=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "accel_fsdp", *map(str, args)], cwd=REPO,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def two_machines(config: Path, *args) -> list[tuple[int, str, str]]:
+    """Start machine 1 and machine 0 of a 2-machine job on this box; wait for both."""
+    procs = [cli_process(*args, "--accelerate-config", config, "--machine-rank", rank) for rank in (1, 0)]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=600)
+        out.append((p.returncode, stdout, stderr))
+    return out
+
+
+def test_two_machines_on_loopback_train_checkpoint_and_resume(tmp_path, tiny_gpt2, stories):
+    config = cpu_config(tmp_path / "two.yaml", num_machines=2, num_processes=2, main_process_ip="127.0.0.1",
+                        main_process_port=free_port(), rdzv_backend="static", same_network=True)
+    recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, stories, training={"max_steps": 6},
+                         checkpoint={"every_steps": 3})
+    run = tmp_path / "run"
+    for code, stdout, stderr in two_machines(config, "recipe", "run", recipe, "--output-dir", run):
+        assert code == 0, stderr[-3000:]
+    info = json.loads((run / "sharding.json").read_text())
+    assert len(info["local_parameters"]) == 2 and info["strategy"] == "FULL_SHARD"  # one shard per machine
+    assert (run / "checkpoints" / "step-000006" / "manifest.json").exists()
+    manifest = json.loads((run / "checkpoints" / "step-000006" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and any(f.endswith("__1_0.distcp") for f in manifest["files"])
+
+    # Resume on both machines with a longer schedule.
+    results = two_machines(config, "recipe", "run", recipe, "--output-dir", run, "--resume",
+                           "--set", "training.max_steps=9")
+    for code, stdout, stderr in results:
+        assert code == 0, stderr[-3000:]
+    assert "continuing from" in results[1][1] and "at step 6" in results[1][1]
+    assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"][-1] == 9
+
+
+def test_hybrid_sharding_on_4_ranks_replicates_across_and_shards_within(tmp_path, tiny_gpt2, stories):
+    config = cpu_config(tmp_path / "hybrid.yaml", num_processes=4,
+                        parallelism_config={"parallelism_config_dp_replicate_size": 2,
+                                            "parallelism_config_dp_shard_size": 2})
+    recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, stories, training={"max_steps": 4, "micro_batch_size": 2})
+    run = tmp_path / "run"
+    run_cli("recipe", "run", recipe, "--output-dir", run, "--accelerate-config", config, check=0)
+    info = json.loads((run / "sharding.json").read_text())
+    assert info["strategy"] == "HYBRID_SHARD" and info["expected_shards"] == 2
+    total = info["parameters"]
+    for layout in (info["ranks"], info["ranks_after_training"]):
+        by = {(r["replica"], r["shard"]): r for r in layout}
+        assert sorted(by) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        for shard in (0, 1):  # the two replicas of a shard hold the same values (also after training)
+            assert by[(0, shard)]["checksum"] == pytest.approx(by[(1, shard)]["checksum"], rel=1e-9, abs=1e-9)
+        for replica in (0, 1):  # inside a replica, the ranks hold different pieces
+            assert by[(replica, 0)]["checksum"] != by[(replica, 1)]["checksum"]
+    for n in info["local_parameters"]:
+        assert abs(n - total / 2) <= 0.01 * total  # each rank holds half: sharded over 2, not 4
+
+
+def test_unreachable_main_process_fails_fast_naming_address_and_port(tmp_path):
+    port = free_port()
+    config = cpu_config(tmp_path / "two.yaml", num_machines=2, num_processes=2, main_process_ip="127.0.0.1",
+                        main_process_port=port, rdzv_backend="static", same_network=True)
+    start = time.monotonic()
+    proc = run_cli("recipe", "run", "quickstart", "--output-dir", tmp_path / "run", "--accelerate-config", config,
+                   "--machine-rank", "1", "--rendezvous-timeout", "3", check=2)
+    assert time.monotonic() - start < 60
+    assert f"127.0.0.1:{port}: cannot reach the main process (machine_rank 0) within 3s" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_main_machine_waiting_for_a_missing_machine_times_out_clearly(tmp_path):
+    port = free_port()
+    config = cpu_config(tmp_path / "two.yaml", num_machines=2, num_processes=2, main_process_ip="127.0.0.1",
+                        main_process_port=port, rdzv_backend="static", same_network=True)
+    proc = run_cli("recipe", "run", "quickstart", "--output-dir", tmp_path / "run", "--accelerate-config", config,
+                   "--machine-rank", "0", "--rendezvous-timeout", "4", check=2)
+    assert f"127.0.0.1:{port}: not all 2 machines joined within 4s" in proc.stderr
+    assert "--machine-rank (0 to 1)" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_hybrid_group_larger_than_the_world_is_refused(tmp_path):
+    config = cpu_config(tmp_path / "bad.yaml", num_processes=2,
+                        parallelism_config={"parallelism_config_dp_replicate_size": 1,
+                                            "parallelism_config_dp_shard_size": 4})
+    result = CliRunner().invoke(main, ["recipe", "validate", "quickstart", "--accelerate-config", str(config)])
+    assert result.exit_code == 2
+    assert "dp_replicate_size x dp_shard_size = 1 x 4 = 4, but num_processes = 2" in result.output
+    config = cpu_config(tmp_path / "one.yaml", num_processes=2)
+    result = CliRunner().invoke(main, ["recipe", "validate", "quickstart", "--accelerate-config", str(config),
+                                       "--set", "fsdp.sharding_strategy=HYBRID_SHARD", "--set",
+                                       "training.micro_batch_size=1"])
+    assert result.exit_code == 0, result.output  # one machine: the hybrid group is that machine's 2 ranks
+
+
+def test_slurm_script_checks_batch_and_layout_when_generated(tmp_path):
+    result = CliRunner().invoke(main, ["slurm", "gpt2-xl", "--nodes", "3", "--gpus-per-node", "8", "-o",
+                                       str(tmp_path / "job.sbatch")])
+    assert result.exit_code == 2
+    assert "64 is not divisible by micro_batch_size x GPUs = 4 x 3 x 8 = 96" in result.output
+    assert not (tmp_path / "job.sbatch").exists()
+    result = CliRunner().invoke(main, ["slurm", "gpt2-xl", "--nodes", "4", "--gpus-per-node", "8",
+                                       "--accelerate-config", "fsdp_hybrid_multinode", "--global-batch-size", "128",
+                                       "--time", "1 day", "-o", str(tmp_path / "job.sbatch")])
+    assert result.exit_code == 2
+    assert "hybrid layout 2 replicas x 8 GPUs does not match --nodes 4 x --gpus-per-node 8" in result.output
+    assert "'1 day' is not a SLURM time" in result.output
+
+
+def test_slurm_script_runs_and_resumes_when_requeued(tmp_path, tiny_gpt2, stories):
+    """The generated sbatch script, run by bash with stand-ins for srun and scontrol (one node, 2 CPU ranks):
+    it prints its configuration, trains, and when run again after a crash resumes from the checkpoint."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho localhost\n")
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
+                                  'export SLURM_NODEID=0\nexec "$@"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, stories, training={"max_steps": 6},
+                         checkpoint={"every_steps": 3})
+    script = tmp_path / "job.sbatch"
+    run = tmp_path / "run"
+    run_cli("slurm", recipe, "--nodes", "1", "--gpus-per-node", "2", "--accelerate-config", "fsdp_cpu",
+            "--output-dir", run, "--set", "logging.sample_prompt=alice has a", "-o", script, check=0)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="localhost",
+               SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="1", SLURM_CPUS_PER_TASK="2", MAIN_PORT=str(free_port()),
+               PYTHONUNBUFFERED="1")
+    crashed = subprocess.run(["bash", str(script)], env=dict(env, ACCEL_FSDP_FAULT="kill:5"), capture_output=True,
+                             text=True, timeout=600)
+    assert crashed.returncode != 0
+    assert "batch:         global 8 = micro 4 x 2 GPUs x 1 accumulation steps" in crashed.stdout
+    assert "run folder:    " in crashed.stdout and "(new run)" in crashed.stdout
+    requeued = subprocess.run(["bash", str(script)], env=dict(env, SLURM_RESTART_COUNT="1"), capture_output=True,
+                              text=True, timeout=600)
+    assert requeued.returncode == 0, requeued.stderr[-3000:]
+    assert "(restart 1)" in requeued.stdout and "--resume" in requeued.stdout
+    assert "at step 3" in requeued.stdout and "sample: 'alice has a' -> " in requeued.stdout
+    assert (run / "final" / "model.safetensors").exists()
