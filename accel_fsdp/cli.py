@@ -61,6 +61,27 @@ def recipe_list() -> None:
         click.echo(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}")
 
 
+@recipe.command("keys")
+@click.option("--markdown", is_flag=True, help="As the table in docs/RECIPES.md.")
+def recipe_keys(markdown: bool) -> None:
+    """Every recipe key with its type, default and meaning.
+
+    \b
+    accel-fsdp recipe keys | grep lora
+    """
+    from accel_fsdp.recipe import key_reference
+
+    rows = key_reference()
+    if markdown:
+        click.echo("| key | type | default | meaning |\n|---|---|---|---|")
+        for key, typ, default, doc in rows:
+            click.echo(f"| `{key}` | {typ.replace(' | ', ' or ')} | `{default}` | {doc.replace('|', '/')} |")
+        return
+    width = max(len(r[0]) for r in rows)
+    for key, typ, default, doc in rows:
+        click.echo(f"{key:<{width}}  {typ} = {default}\n{'':<{width}}  {doc}")
+
+
 @recipe.command("show")
 @click.argument("name")
 def recipe_show(name: str) -> None:

@@ -512,21 +512,42 @@ def field_docs(cls) -> dict[str, str]:
 
 def all_field_docs() -> dict[str, str]:
     """Every dotted recipe key -> its one-line documentation."""
-    out: dict[str, str] = {}
+    return {key: doc for key, _, _, doc in key_reference()}
+
+
+def key_reference() -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default, documentation) of every recipe key, in schema order."""
+    out = []
 
     def walk(cls, prefix):
         docs = field_docs(cls)
+        defaults = cls()
         for f in dataclasses.fields(cls):
             if f.metadata.get("internal"):
                 continue
-            typ = _strip_optional(_hints(cls)[f.name])
-            if _is_dataclass_type(typ):
-                walk(typ, f"{prefix}{f.name}.")
+            typ = _hints(cls)[f.name]
+            if _is_dataclass_type(_strip_optional(typ)):
+                walk(_strip_optional(typ), f"{prefix}{f.name}.")
             else:
-                out[f"{prefix}{f.name}"] = docs.get(f.name, "")
+                default = yaml.safe_dump(_to_plain(getattr(defaults, f.name)), default_flow_style=True).strip()
+                default = default.removesuffix("...").strip()
+                out.append((f"{prefix}{f.name}", _type_name(typ), default, docs.get(f.name, "")))
 
     walk(Recipe, "")
     return out
+
+
+def _type_name(typ) -> str:
+    origin = _origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(typ))
+    if origin is Literal:
+        return " | ".join(str(a) for a in typing.get_args(typ))
+    if origin is list:
+        return f"list[{_type_name(typing.get_args(typ)[0])}]"
+    if origin is dict:
+        return "mapping"
+    return "null" if typ is type(None) else getattr(typ, "__name__", str(typ))
 
 
 def _to_plain(v: Any) -> Any:

@@ -235,7 +235,7 @@ def fit(run: Run) -> None:
     recipe = run.request.recipe
     t, log_every = recipe.training, recipe.logging.every_steps
     world, k = acc.num_processes, sampler.accumulation_steps
-    label_counts, lengths = run.data.train["n_labels"], run.data.train["length"]
+    label_counts, lengths = list(run.data.train["n_labels"]), list(run.data.train["length"])  # plain lists: O(1)
     pad_id = run.tokenizer.pad_token_id
     max_norm = t.max_grad_norm if t.max_grad_norm is not None else float("inf")
     trace = _trace_file(run) if os.environ.get(TRACE_ENV) else None

@@ -56,3 +56,8 @@ def test_readme_accel_fsdp_commands_parse_and_name_shipped_files():
 def test_readme_lists_every_shipped_config():
     for name in shipped_accelerate_configs():
         assert f"`{name}`" in README, name
+
+
+def test_recipe_key_table_is_current():
+    table = CliRunner().invoke(main, ["recipe", "keys", "--markdown"]).output
+    assert table.strip() in (REPO / "docs" / "RECIPES.md").read_text(), "regenerate: accel-fsdp recipe keys --markdown"
