@@ -2,8 +2,9 @@
 
 Same Accelerator and FSDP plugin as a real run (built from the same resolved settings, so both shard the same
 way), the same model, micro batch, sequence length, accumulation and precision; but no data pipeline, no loss
-normalization over the global batch, no metrics, no checkpoints: random token rows straight into
-`model(input_ids, labels)`. Whatever our loop costs on top of Accelerate shows up as the ratio of the two.
+normalization over the global batch, no metrics files, no checkpoints: random token rows straight into
+`model(input_ids, labels)`, and the global loss all-reduced every step (as `bench` makes our loop log every
+step). Whatever our loop costs on top of Accelerate shows up as the ratio of the two.
 
 Run inside a launch: `python -m accel_fsdp.baseline RECIPE_PATH OUT_JSON --steps N --warmup W [--set ...]`.
 """
@@ -65,7 +66,7 @@ def main() -> None:
                     acc.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf"))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-        loss.item()  # the step is done on the device (the same sync point as our loop's metrics)
+        acc.reduce(loss.detach(), reduction="sum").item()  # log the global loss every step, as bench runs ours
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
     acc.wait_for_everyone()

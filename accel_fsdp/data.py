@@ -561,26 +561,19 @@ def total_steps(recipe, steps_per_epoch: int) -> int:
 def collate(rows: dict[str, list], pad_id: int, use_position_ids: bool, multiple_of: int = 8) -> dict[str, torch.Tensor]:
     """Right-pad a micro-batch (columns as returned by `dataset[indices]`) to its longest row, rounded up to
     `multiple_of`. With position ids, padding is its own document, so no real token attends to it."""
-    ids_list = rows["input_ids"]
-    longest = max(len(r) for r in ids_list)
-    length = int(math.ceil(longest / multiple_of) * multiple_of)
-    n_rows = len(ids_list)
-    ids = torch.full((n_rows, length), pad_id, dtype=torch.long)
-    labels = torch.full((n_rows, length), IGNORE_INDEX, dtype=torch.long)
-    pos = torch.zeros((n_rows, length), dtype=torch.long)
-    mask = torch.zeros((n_rows, length), dtype=torch.long)
-    for i in range(n_rows):
-        n = len(ids_list[i])
-        ids[i, :n] = torch.tensor(ids_list[i])
-        labels[i, :n] = torch.tensor(rows["labels"][i])
-        pos[i, :n] = torch.tensor(rows["position_ids"][i])
-        pos[i, n:] = torch.arange(length - n)
-        mask[i, :rows["length"][i]] = 1
-    batch = {"input_ids": ids, "labels": labels}
+    ids = rows["input_ids"]
+    length = int(math.ceil(max(len(r) for r in ids) / multiple_of) * multiple_of)
+
+    def pad(column, value):
+        return torch.tensor([r + [value] * (length - len(r)) for r in column], dtype=torch.long)
+
+    batch = {"input_ids": pad(ids, pad_id), "labels": pad(rows["labels"], IGNORE_INDEX)}
     if use_position_ids:
-        batch["position_ids"] = pos
+        batch["position_ids"] = torch.tensor([p + list(range(length - len(p))) for p in rows["position_ids"]],
+                                             dtype=torch.long)
     else:
-        batch["attention_mask"] = mask
+        batch["attention_mask"] = torch.tensor([[1] * n + [0] * (length - n) for n in rows["length"]],
+                                               dtype=torch.long)
     return batch
 
 

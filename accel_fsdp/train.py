@@ -17,15 +17,20 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import set_seed
+from torch.distributed.tensor import DTensor
 
 from accel_fsdp import checkpoint as ckpt
 from accel_fsdp import data as data_lib
+from accel_fsdp.cpu_fsdp import check_sharded, local_numel
+from accel_fsdp.distributed import build_accelerator, expected_shards
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.faults import Faults
 from accel_fsdp.launch_config import (CONFIG_PATH_ENV, AccelerateConfig, FsdpSettings, check_settings,
                                       config_from_environment, load_accelerate_config, resolve_settings)
 from accel_fsdp.metrics import MetricsWriter, device_peak_flops, flops_per_token, peak_memory_bytes, perplexity
@@ -74,7 +79,6 @@ class Run:
     tokens_seen: int = 0
     last_saved_step: int | None = None
     last_eval_step: int | None = None
-    eval_history: list = field(default_factory=list)
 
 
 def current_accelerate_config() -> AccelerateConfig:
@@ -100,9 +104,6 @@ def setup(request: RunRequest) -> Run:
     if problems:
         raise UserError(problems, title=f"{len(problems)} problems with this recipe on this hardware")
     accumulation = t.global_batch_size // (t.micro_batch_size * world)
-
-    from accel_fsdp.distributed import build_accelerator, expected_shards
-
     run_dir = request.run_dir
     accelerator = build_accelerator(settings, gradient_accumulation_steps=accumulation, run_dir=run_dir,
                                     trackers=recipe.logging.trackers)
@@ -153,19 +154,16 @@ def setup(request: RunRequest) -> Run:
                                   lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                   fused=torch.cuda.is_available() or None)
     model, optimizer = accelerator.prepare(model, optimizer)
-    from accel_fsdp.cpu_fsdp import check_sharded
-
     check_sharded(accelerator, model, parameters, expected_shards(settings))
     layout = _shard_layout(accelerator, model)
     held = [int(row[0]) for row in layout]
     say(f"sharded: ranks hold {' / '.join(f'{n:,}' for n in held)} of {parameters:,} parameters "
         f"({settings.sharding_strategy.value}, each tensor split over {expected_shards(settings)} ranks)")
     if accelerator.is_main_process:
-        (run_dir / "sharding.json").write_text(json.dumps(
-            {"parameters": parameters, "local_parameters": held, "expected_shards": expected_shards(settings),
-             "strategy": settings.sharding_strategy.value,
-             "ranks": [{"rank": r, "replica": int(row[2]), "shard": int(row[3]), "checksum": row[1]}
-                       for r, row in enumerate(layout)]}, indent=1) + "\n")
+        (run_dir / "sharding.json").unlink(missing_ok=True)  # a resumed or overwritten run starts it afresh
+        _record_sharding(run_dir, parameters=parameters, local_parameters=held,
+                         expected_shards=expected_shards(settings), strategy=settings.sharding_strategy.value,
+                         ranks=_layout_rows(layout))
 
     sampler = data_lib.GlobalBatchSampler(len(data.train), global_batch=t.global_batch_size,
                                           micro_batch=t.micro_batch_size, world_size=world,
@@ -177,16 +175,12 @@ def setup(request: RunRequest) -> Run:
     total_steps = data_lib.total_steps(recipe, sampler.steps_per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lr_schedule(recipe, total_steps))
 
-    from accel_fsdp.faults import Faults
-
     run = Run(request=request, settings=settings, accelerator=accelerator, tokenizer=tokenizer, data=data,
               model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler, total_steps=total_steps,
               start_step=0, metrics=None, ckpt_root=ckpt_root, use_position_ids=use_position_ids,
               parameters=parameters, trainable_parameters=trainable,
               flops_per_token=flops_per_token(model_cfg, recipe.data.seq_len, trainable / max(1, parameters)),
               faults=Faults.from_env(accelerator.process_index))
-    from accelerate.utils import set_seed
-
     # Dropout and any other randomness of the loop: seeded, different on each rank, and saved in checkpoints.
     set_seed(t.seed, device_specific=True)
     if decision == "resume" or request.resume_from:
@@ -336,7 +330,6 @@ def evaluate(run: Run, step: int) -> dict | None:
     row = {"kind": "eval", "step": step, "eval_loss": loss, "eval_ppl": perplexity(loss),
            "eval_tokens": int(total[1].item())}
     run.metrics.write(row, step)
-    run.eval_history.append(row)
     run.last_eval_step = step
     acc.print(f"eval @ step {step}: loss {loss:.4f}, perplexity {row['eval_ppl']:.2f} ({row['eval_tokens']:,} tokens)")
     return row
@@ -369,11 +362,7 @@ def finish(run: Run) -> None:
     # Where every rank stands after training: replicas must still agree (their gradients were all-reduced).
     layout = _shard_layout(acc, run.model)
     if acc.is_main_process:
-        path = run.request.run_dir / "sharding.json"
-        info = json.loads(path.read_text())
-        info["ranks_after_training"] = [{"rank": r, "replica": int(row[2]), "shard": int(row[3]), "checksum": row[1]}
-                                        for r, row in enumerate(layout)]
-        path.write_text(json.dumps(info, indent=1) + "\n")
+        _record_sharding(run.request.run_dir, ranks_after_training=_layout_rows(layout))
     if run.last_saved_step != last:
         save(run, last)
     sample = None
@@ -430,12 +419,21 @@ def _forward_parameters(model) -> set[str]:
     return set(inspect.signature(base.forward).parameters)
 
 
+def _record_sharding(run_dir: Path, **fields) -> None:
+    """Add fields to <run>/sharding.json (main process): what each rank holds, and what it stores."""
+    path = run_dir / "sharding.json"
+    info = json.loads(path.read_text()) if path.exists() else {}
+    info.update(fields)
+    path.write_text(json.dumps(info, indent=1) + "\n")
+
+
+def _layout_rows(layout: list[list[float]]) -> list[dict]:
+    return [{"rank": r, "replica": int(row[2]), "shard": int(row[3]), "checksum": row[1]} for r, row in enumerate(layout)]
+
+
 def _shard_layout(acc, model) -> list[list[float]]:
     """Per rank: parameters held, a checksum of them, and its (replica, shard) coordinates in the device mesh.
     Replicas of one shard hold identical values; the ranks of a shard group hold different pieces."""
-    from accel_fsdp.cpu_fsdp import local_numel
-    from torch.distributed.tensor import DTensor
-
     checksum = sum(float((p.to_local() if isinstance(p, DTensor) else p).detach().double().sum())
                    for p in model.parameters())
     mesh = getattr(acc, "torch_device_mesh", None)
@@ -452,8 +450,6 @@ def _shard_layout(acc, model) -> list[list[float]]:
 def state_bytes(optimizer) -> dict[str, int]:
     """Bytes this rank stores for the parameters the optimizer updates, their gradients and the optimizer state
     (local shards only), plus frozen parameters: what the memory estimate predicts per rank."""
-    from torch.distributed.tensor import DTensor
-
     def local(t) -> int:
         if t is None or not isinstance(t, torch.Tensor):
             return 0
@@ -473,18 +469,13 @@ def _record_state_bytes(run: Run) -> None:
     acc = run.accelerator
     mine = state_bytes(run.optimizer)
     trainable = {id(p) for g in run.optimizer.param_groups for p in g["params"]}
-    from torch.distributed.tensor import DTensor
-
     mine["frozen_params"] = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
                                 for p in run.model.parameters() if id(p) not in trainable)
     keys = sorted(mine)
     gathered = acc.gather(torch.tensor([mine[k] for k in keys], device=acc.device, dtype=torch.int64))
     if acc.is_main_process:
         per_rank = gathered.view(acc.num_processes, len(keys)).tolist()
-        path = run.request.run_dir / "sharding.json"
-        info = json.loads(path.read_text())
-        info["state_bytes"] = [dict(zip(keys, row)) for row in per_rank]
-        path.write_text(json.dumps(info, indent=1) + "\n")
+        _record_sharding(run.request.run_dir, state_bytes=[dict(zip(keys, row)) for row in per_rank])
 
 
 def _full(t):
