@@ -222,6 +222,10 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     config, n, why = load_config_or_default(accelerate_config)
     machine = MachineOptions(machine_rank, main_process_ip, main_process_port, num_machines, rendezvous_timeout)
     machine.apply(config)
+    from accel_fsdp.errors import raise_if
+    from accel_fsdp.launch_config import check_accelerate_config
+
+    raise_if(check_accelerate_config(config), f"{config.label} with these options has problems")
     main_machine = int(config.get("machine_rank", 0) or 0) == 0
     # Only the main machine looks at the (shared) run folder: the others would race with its ranks writing there.
     report = preflight(r, config, num_processes=n, run_dir=run_dir if main_machine else None, resume=resume,

@@ -215,6 +215,10 @@ def check_accelerate_config(c: AccelerateConfig) -> list[Problem]:
             bad("parallelism_config", f"dp_replicate_size x dp_shard_size = {r} x {s} = {r * s}, "
                 f"but num_processes = {n}",
                 f"make the product equal the number of processes, e.g. dp_replicate_size: {m}, dp_shard_size: {n // m}")
+        elif m > 1 and s != n // m:
+            bad("parallelism_config", f"the hybrid shard group of {s} ranks does not match the {n // m} ranks of each "
+                f"machine (num_processes {n} / num_machines {m}), so shards would cross machines",
+                f"for {m} machines set dp_replicate_size: {m} and dp_shard_size: {n // m}, or run on {n // s} machines")
     return p
 
 

@@ -67,6 +67,7 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
         except UserError as e:
             problems += e.problems
 
+    problems += _tracker_problems(recipe)
     tokenizer = None
     try:
         tokenizer = _offline_tokenizer(recipe)
@@ -109,6 +110,21 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
     if problems:
         raise UserError(problems, title=f"{len(problems)} problems found before launching")
     return report
+
+
+def _tracker_problems(recipe) -> list[Problem]:
+    """Trackers are optional packages: say which one is missing and how to get it, before launching."""
+    import importlib.util
+
+    packages = {"tensorboard": ("tensorboard", 'pip install "accel-fsdp[tensorboard]"'),
+                "wandb": ("wandb", "pip install wandb (and `wandb login`, or WANDB_MODE=offline)")}
+    out = []
+    for tracker in recipe.logging.trackers:
+        module, fix = packages[tracker]
+        if importlib.util.find_spec(module) is None:
+            out.append(Problem(recipe.where("logging.trackers"), f"tracker {tracker!r} needs the {module} package, "
+                               "which is not installed", fix))
+    return out
 
 
 def _check_resume(recipe, settings, run_dir: Path, resume_from: str | None) -> list[str]:

@@ -128,6 +128,19 @@ def test_resume_on_one_rank_from_a_two_rank_checkpoint(tmp_path, reference, tiny
     assert first["step"] == 7 and first["loss"] == pytest.approx(expected_first["loss"], rel=0.02)
 
 
+def test_resume_on_two_ranks_from_a_one_rank_checkpoint(tmp_path, reference, tiny_gpt2, stories):
+    """1 -> 2: a 1-rank run's checkpoint continues on 2 ranks with the same rows per step."""
+    one = tmp_path / "one"
+    recipe = make_recipe(tmp_path, tiny_gpt2, stories, training={"micro_batch_size": 8, "max_steps": 6})
+    run_cli("recipe", "run", recipe, "--output-dir", one, "--accelerate-config", "fsdp_1gpu", check=0)
+    assert json.loads((one / "checkpoints" / "step-000006" / "manifest.json").read_text())["world_size"] == 1
+    two = tmp_path / "two"
+    proc = run_cli("recipe", "run", recipe, "--output-dir", two, "--resume-from", one / "checkpoints" / "step-000006",
+                   "--set", "training.micro_batch_size=4", "--set", "training.max_steps=9", env=TRACE, check=0)
+    assert "resharding from 1 to 2 ranks" in proc.stdout
+    assert rows_by_step(two) == {s: rows for s, rows in rows_by_step(reference).items() if 6 < s <= 9}
+
+
 def test_full_and_sharded_checkpoints_hold_the_same_model(tmp_path, reference, tiny_gpt2, stories):
     recipe = make_recipe(tmp_path, tiny_gpt2, stories, checkpoint={"state_dict_type": "FULL_STATE_DICT"})
     run = tmp_path / "run"
@@ -277,3 +290,20 @@ def test_inspect_describes_every_checkpoint(reference):
     assert last["parameters"] > 0 and last["bytes"] > 0 and last["recipe"]["global_batch_size"] == 8
     text = run_cli("checkpoint", "inspect", reference / "checkpoints" / "step-000006", check=0).stdout
     assert "step 6 (epoch 0), world size 2, SHARDED_STATE_DICT, FSDP2" in text
+
+
+def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path):
+    from accel_fsdp.checkpoint import FORMAT, latest_complete, list_checkpoints, rotate
+
+    for step in (3, 6, 9, 12):
+        folder = tmp_path / f"step-{step:06d}"
+        folder.mkdir()
+        (folder / "weights").write_bytes(b"x" * step)
+        (folder / "manifest.json").write_text(json.dumps({"format": FORMAT, "step": step, "files": {"weights": step}}))
+    (tmp_path / "step-000015").mkdir()  # a save that lost its manifest: never counted, never deleted by rotation
+    removed = rotate(tmp_path, keep_last=2)
+    assert sorted(p.name for p in removed) == ["step-000003", "step-000006"]
+    assert [c.name for c in list_checkpoints(tmp_path)] == ["step-000009", "step-000012", "step-000015"]
+    assert latest_complete(tmp_path).name == "step-000012"
+    (tmp_path / "step-000012" / "weights").write_bytes(b"x")  # truncated after the fact: no longer complete
+    assert latest_complete(tmp_path).name == "step-000009"

@@ -134,6 +134,13 @@ def test_hybrid_group_larger_than_the_world_is_refused(tmp_path):
     assert result.exit_code == 0, result.output  # one machine: the hybrid group is that machine's 2 ranks
 
 
+def test_machine_count_that_does_not_match_the_hybrid_config_is_refused(tmp_path):
+    proc = run_cli("recipe", "run", "quickstart", "--accelerate-config", "fsdp_hybrid_multinode", "--num-machines",
+                   "4", "--output-dir", tmp_path / "run", check=2)
+    assert "the hybrid shard group of 8 ranks does not match the 4 ranks of each machine" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_slurm_script_checks_batch_and_layout_when_generated(tmp_path):
     result = CliRunner().invoke(main, ["slurm", "gpt2-xl", "--nodes", "3", "--gpus-per-node", "8", "-o",
                                        str(tmp_path / "job.sbatch")])

@@ -56,10 +56,19 @@ def test_tiny_gpt2_trains_and_each_rank_holds_only_its_shard(tmp_path, tiny_gpt2
 
 def test_tiny_llama_trains_with_its_decoder_layer_as_unit(tmp_path, tiny_llama, stories):
     recipe = tiny_recipe(tmp_path / "llama.yaml", tiny_llama, stories, training={"max_steps": 20},
-                         logging={"every_steps": 5})
+                         logging={"every_steps": 5, "trackers": ["tensorboard"]})
     run = tmp_path / "run"
     run_cli("recipe", "run", recipe, "--output-dir", run, "--accelerate-config", "fsdp_2gpu",
             "--set", "fsdp.wrap_class=LlamaDecoderLayer", check=0)
+    # The tracker got the same numbers through Accelerate's tracker API.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars = {}
+    for events in (run / "logs").rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        scalars.update({tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]})
+    assert scalars["train/loss"] == [5, 10, 15, 20] and "eval/eval_loss" in scalars
     settings = json.loads((run / "fsdp_settings.json").read_text())
     assert settings["wrap_classes"] == {"value": ["LlamaDecoderLayer"], "source": "--set"}
     assert settings["device"]["value"] == "cpu"
