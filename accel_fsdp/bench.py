@@ -176,3 +176,41 @@ def to_json(result: dict) -> str:
         return v
 
     return json.dumps(plain(result), indent=1)
+
+
+def run(recipe, config, overrides: list[str], *, steps: int, warmup: int, compare: str | None,
+        baseline_rounds: int) -> tuple[dict, str]:
+    """One `accel-fsdp bench` invocation: (results for --json, the table to print)."""
+    recipe_path = str(Path(recipe.source).absolute())
+    result: dict = {"recipe": recipe.name, "config": config.label}
+    with tempfile.TemporaryDirectory(prefix="accel-fsdp-bench-") as tmp:
+        work = Path(tmp)
+        if compare == "strategies":
+            rows = compare_strategies(recipe_path, config.path, overrides, steps, warmup, work)
+            result["strategies"] = rows
+            text = format_measurements(rows, f"strategies on {config.label} ({recipe.name}):")
+            text += "\n" + "\n".join(strategy_summary(rows))
+        elif compare == "wrapping":
+            from accel_fsdp.model import meta_model, model_config
+            from accel_fsdp.preflight import _offline_tokenizer
+
+            skeleton = meta_model(model_config(recipe, tokenizer=_offline_tokenizer(recipe), offline=True))
+            rows = compare_wrapping(recipe_path, config.path, overrides, steps, warmup, work, linear_classes(skeleton))
+            result["wrapping"] = rows
+            text = format_measurements(rows, f"wrapping on {config.label} ({recipe.name}):")
+        elif baseline_rounds:
+            ours, base = [], []
+            for i in range(baseline_rounds):  # alternate, so drifts in machine load hit both sides alike
+                ours.append(measure_ours(recipe_path, str(config.path), overrides, steps, warmup,
+                                         f"accel-fsdp (round {i + 1})", work))
+                base.append(measure_baseline(recipe_path, config.path, overrides, steps, warmup, work))
+            ratio = statistics.median(o.tokens_per_s for o in ours) / statistics.median(b.tokens_per_s for b in base)
+            result.update(ours=ours, baseline=base, ratio=ratio)
+            text = format_measurements(ours + base, f"ours vs a hand-written Accelerate FSDP loop on {config.label} "
+                                       f"({recipe.name}), {baseline_rounds} alternating rounds:")
+            text += f"\nthroughput ratio ours / baseline (medians): {ratio:.3f}"
+        else:
+            m = measure_ours(recipe_path, str(config.path), overrides, steps, warmup, recipe.name, work)
+            result["measurement"] = m
+            text = format_measurements([m], f"{recipe.name} on {config.label}, {steps} steps after {warmup} warm-up:")
+    return result, text

@@ -382,3 +382,20 @@ def describe(info: CheckpointInfo) -> dict[str, Any]:
                          "data": r.get("data", {}).get("path"), "global_batch_size": t.get("global_batch_size"),
                          "max_steps": t.get("max_steps"), "lr": t.get("lr")}
     return out
+
+
+def format_description(d: dict[str, Any]) -> str:
+    status = "complete" if d["complete"] else f"INCOMPLETE: {d['problem']}"
+    lines = [f"{d['path']}: {status}"]
+    if d.get("step") is None:
+        return lines[0]
+    params = f"{d['parameters']:,}" if d.get("parameters") else "?"
+    lines.append(f"  step {d['step']} (epoch {d.get('epoch')}), world size {d.get('world_size')}, "
+                 f"{d.get('state_dict_type')}, FSDP{d.get('fsdp_version')}" + (", LoRA adapter" if d.get("lora") else ""))
+    lines.append(f"  parameters {params}, {d['bytes'] / (1 << 20):,.1f} MB in {d['files']} files, "
+                 f"created {d.get('created')}")
+    if "recipe" in d:
+        r = d["recipe"]
+        lines.append(f"  recipe {r['name']}: model {r['model']}, data {r['data']}, global batch "
+                     f"{r['global_batch_size']}, lr {r['lr']}, max_steps {r['max_steps']}")
+    return "\n".join(lines)

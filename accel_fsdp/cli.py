@@ -214,6 +214,8 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
             if int(os.environ.get("LOCAL_RANK", "0")) == 0 or e.rank_local:
                 e.show()
             _leave_rank(e.exit_code)
+        except KeyboardInterrupt:  # Ctrl-C reaches every rank; the launcher says what to do next
+            _leave_rank(130)
         _leave_rank(0)
 
     from accel_fsdp.launcher import MachineOptions, launch
@@ -324,7 +326,7 @@ def checkpoint_inspect(path: Path, as_json: bool) -> None:
     \b
     accel-fsdp checkpoint inspect runs/quickstart
     """
-    from accel_fsdp.checkpoint import MANIFEST, describe, inspect_checkpoint, list_checkpoints
+    from accel_fsdp.checkpoint import MANIFEST, describe, format_description, inspect_checkpoint, list_checkpoints
 
     if not path.exists():
         raise UserError(Problem(str(path), "does not exist", "give a checkpoint or run folder"))
@@ -340,20 +342,7 @@ def checkpoint_inspect(path: Path, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(described if len(described) > 1 else described[0], indent=1))
         return
-    for d in described:
-        status = "complete" if d["complete"] else f"INCOMPLETE: {d['problem']}"
-        click.echo(f"{d['path']}: {status}")
-        if d.get("step") is None:
-            continue
-        params = f"{d['parameters']:,}" if d.get("parameters") else "?"
-        click.echo(f"  step {d['step']} (epoch {d.get('epoch')}), world size {d.get('world_size')}, "
-                   f"{d.get('state_dict_type')}, FSDP{d.get('fsdp_version')}" + (", LoRA adapter" if d.get("lora") else ""))
-        click.echo(f"  parameters {params}, {d['bytes'] / (1 << 20):,.1f} MB in {d['files']} files, "
-                   f"created {d.get('created')}")
-        if "recipe" in d:
-            rr = d["recipe"]
-            click.echo(f"  recipe {rr['name']}: model {rr['model']}, data {rr['data']}, global batch "
-                       f"{rr['global_batch_size']}, lr {rr['lr']}, max_steps {rr['max_steps']}")
+    click.echo("\n".join(format_description(d) for d in described))
 
 
 # -------------------------------------------------------------------------------------------- estimate
@@ -440,48 +429,14 @@ def bench_command(name_or_path, accelerate_config, steps, warmup, overrides, com
     accel-fsdp bench quickstart --compare strategies
     accel-fsdp bench gpt2-xl --accelerate-config fsdp_1gpu --set data.path=builtin:quickstart --steps 20
     """
-    import statistics
-    import tempfile
-
     from accel_fsdp import bench
     from accel_fsdp.preflight import load_config_or_default, preflight
 
     r = _load_recipe(name_or_path, overrides)
     config, n, _ = load_config_or_default(accelerate_config)
     preflight(r, config, num_processes=n)
-    recipe_path = str(Path(r.source).absolute())
-    result: dict = {"recipe": r.name, "config": config.label}
-    with tempfile.TemporaryDirectory(prefix="accel-fsdp-bench-") as tmp:
-        work = Path(tmp)
-        if compare == "strategies":
-            rows = bench.compare_strategies(recipe_path, config.path, list(overrides), steps, warmup, work)
-            result["strategies"] = rows
-            text = bench.format_measurements(rows, f"strategies on {config.label} ({r.name}):")
-            text += "\n" + "\n".join(bench.strategy_summary(rows))
-        elif compare == "wrapping":
-            from accel_fsdp.model import meta_model, model_config
-            from accel_fsdp.preflight import _offline_tokenizer
-
-            skeleton = meta_model(model_config(r, tokenizer=_offline_tokenizer(r), offline=True))
-            rows = bench.compare_wrapping(recipe_path, config.path, list(overrides), steps, warmup, work,
-                                          bench.linear_classes(skeleton))
-            result["wrapping"] = rows
-            text = bench.format_measurements(rows, f"wrapping on {config.label} ({r.name}):")
-        elif compare_baseline:
-            ours, base = [], []
-            for i in range(rounds):  # alternate, so drifts in machine load hit both sides alike
-                ours.append(bench.measure_ours(recipe_path, str(config.path), list(overrides), steps, warmup,
-                                               f"accel-fsdp (round {i + 1})", work))
-                base.append(bench.measure_baseline(recipe_path, config.path, list(overrides), steps, warmup, work))
-            ratio = statistics.median(o.tokens_per_s for o in ours) / statistics.median(b.tokens_per_s for b in base)
-            result.update(ours=ours, baseline=base, ratio=ratio)
-            text = bench.format_measurements(ours + base, f"ours vs a hand-written Accelerate FSDP loop on "
-                                             f"{config.label} ({r.name}), {rounds} alternating rounds:")
-            text += f"\nthroughput ratio ours / baseline (medians): {ratio:.3f}"
-        else:
-            m = bench.measure_ours(recipe_path, str(config.path), list(overrides), steps, warmup, r.name, work)
-            result["measurement"] = m
-            text = bench.format_measurements([m], f"{r.name} on {config.label}, {steps} steps after {warmup} warm-up:")
+    result, text = bench.run(r, config, list(overrides), steps=steps, warmup=warmup, compare=compare,
+                             baseline_rounds=rounds if compare_baseline else 0)
     click.echo(bench.to_json(result) if as_json else text)
 
 

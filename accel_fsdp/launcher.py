@@ -78,7 +78,11 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
         launch_command(parsed)
     except subprocess.CalledProcessError as e:  # the single-process launcher
         return _status(e.returncode)
+    except KeyboardInterrupt:
+        return _interrupted("SIGINT")
     except Exception as e:  # torchrun's ChildFailedError, or a rendezvous that never completed
+        if type(e).__name__ == "SignalException":  # torchrun turns SIGINT/SIGTERM into this
+            return _interrupted(signal.Signals(getattr(e, "sigval", signal.SIGTERM)).name)
         failures = getattr(e, "failures", None)
         if not failures:
             if machines > 1 and _is_timeout(e):
@@ -120,6 +124,12 @@ def wait_for_main(host: str, port: int, *, timeout: float, interval: float = 1.0
                             "start machine_rank 0 first (or together), check main_process_ip / main_process_port "
                             "(--main-process-ip, --main-process-port) and that the port is open between the "
                             "machines; --rendezvous-timeout waits longer"))
+
+
+def _interrupted(name: str) -> int:
+    print(f"interrupted ({name}): the ranks were stopped. Run the same command with --resume to continue from the "
+          "newest complete checkpoint.", file=sys.stderr)
+    return 128 + getattr(signal, name, signal.SIGINT).value
 
 
 def _is_timeout(e: BaseException) -> bool:

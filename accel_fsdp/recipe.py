@@ -444,7 +444,7 @@ def check_recipe(r: Recipe) -> list[Problem]:
              f"use a multiple of {t.micro_batch_size} x processes, e.g. {_round_up(t.global_batch_size, t.micro_batch_size)}")
     if t.max_steps is not None and t.epochs is not None:
         p.append(Problem(where("training.max_steps"), f"both max_steps ({t.max_steps}) and epochs ({t.epochs}) are set",
-                         "keep one of them"))
+                         "keep one of them (on the command line: --set training.max_steps=null)"))
     need(t.max_steps is None or t.max_steps >= 1, "training.max_steps", f"{t.max_steps} must be at least 1", "or null")
     need(t.epochs is None or t.epochs > 0, "training.epochs", f"{t.epochs} must be positive", "e.g. 1 or 0.5")
     need(t.lr > 0, "training.lr", f"{t.lr} must be positive", "typical: 1e-5 to 3e-4 for fine-tuning")
