@@ -109,7 +109,9 @@ def block_param_count(model_type: str, *, hidden: int, heads: int, kv_heads: int
     h = hidden
     if model_type == "gpt2":
         # ln_1, c_attn (qkv), c_proj, ln_2, c_fc, mlp c_proj; all with biases.
-        return 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + 2 * h + (h * intermediate + intermediate) + (intermediate * h + h)
+        attention = (h * 3 * h + 3 * h) + (h * h + h)
+        mlp = (h * intermediate + intermediate) + (intermediate * h + h)
+        return 2 * h + attention + 2 * h + mlp
     head_dim = h // heads
     attn = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
     return attn + 3 * h * intermediate + 2 * h

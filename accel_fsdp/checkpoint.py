@@ -390,8 +390,9 @@ def format_description(d: dict[str, Any]) -> str:
     if d.get("step") is None:
         return lines[0]
     params = f"{d['parameters']:,}" if d.get("parameters") else "?"
+    lora = ", LoRA adapter" if d.get("lora") else ""
     lines.append(f"  step {d['step']} (epoch {d.get('epoch')}), world size {d.get('world_size')}, "
-                 f"{d.get('state_dict_type')}, FSDP{d.get('fsdp_version')}" + (", LoRA adapter" if d.get("lora") else ""))
+                 f"{d.get('state_dict_type')}, FSDP{d.get('fsdp_version')}{lora}")
     lines.append(f"  parameters {params}, {d['bytes'] / (1 << 20):,.1f} MB in {d['files']} files, "
                  f"created {d.get('created')}")
     if "recipe" in d:

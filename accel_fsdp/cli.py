@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from accel_fsdp import __version__
-from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.errors import Problem, UserError, raise_if
 
 SET_HELP = "Override a recipe key, typed as YAML: --set training.lr=3e-4 --set model.lora.enabled=true (repeatable)."
 CONFIG_HELP = ("Accelerate config: a shipped name (fsdp_2gpu) or a path. Default: fsdp_cpu (2 CPU ranks) without a "
@@ -200,7 +200,6 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
         from accel_fsdp.quiet import quiet_libraries
 
         quiet_libraries()
-
         print_plan(r, accelerate_config, gpu_memory)
         return
     if inside_launch():
@@ -218,21 +217,22 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
             _leave_rank(130)
         _leave_rank(0)
 
+    from accel_fsdp.launch_config import check_accelerate_config
     from accel_fsdp.launcher import MachineOptions, launch
     from accel_fsdp.preflight import load_config_or_default, preflight
 
     config, n, why = load_config_or_default(accelerate_config)
     machine = MachineOptions(machine_rank, main_process_ip, main_process_port, num_machines, rendezvous_timeout)
     machine.apply(config)
-    from accel_fsdp.errors import raise_if
-    from accel_fsdp.launch_config import check_accelerate_config
-
     raise_if(check_accelerate_config(config), f"{config.label} with these options has problems")
-    main_machine = int(config.get("machine_rank", 0) or 0) == 0
+    machines, rank = int(config.get("num_machines", 1) or 1), int(config.get("machine_rank", 0) or 0)
+    main_machine = rank == 0
     # Only the main machine looks at the (shared) run folder: the others would race with its ranks writing there.
     report = preflight(r, config, num_processes=n, run_dir=run_dir if main_machine else None, resume=resume,
                        resume_from=resume_from, overwrite=overwrite)
-    click.echo(f"accel-fsdp: launching {report.num_processes} process(es) with {config.label}"
+    where = f" ({report.num_processes // machines} on this machine, machine_rank {rank} of {machines})" \
+        if machines > 1 else ""
+    click.echo(f"accel-fsdp: launching {report.num_processes} process(es){where} with {config.label}"
                + ("" if why == "given" else f" ({why})"), err=True)
     for note in report.notes:
         click.echo(f"note: {note}", err=True)

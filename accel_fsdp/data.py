@@ -77,10 +77,6 @@ class DataStats:
 # ------------------------------------------------------------------------------------------------- reading
 
 
-def source_description(recipe) -> str:
-    return recipe.data.path
-
-
 def resolve_data_path(recipe) -> tuple[str, str | None]:
     """(kind, local path) where kind is builtin, hub or file."""
     path = recipe.data.path
@@ -206,7 +202,8 @@ def check_rows(recipe, ds) -> list[Problem]:
             if bad is not None:
                 p.append(Problem(where, f"{row_name} {bad + 1}: field {d.text_field!r} is not text", "use strings"))
     elif d.format == "instruction":
-        ok = need_column("data.instruction_field", d.instruction_field) & need_column("data.output_field", d.output_field)
+        ok = need_column("data.instruction_field", d.instruction_field)
+        ok = need_column("data.output_field", d.output_field) and ok
         if ok:
             for col in (d.instruction_field, d.output_field):
                 bad = _first(ds[col], lambda v: not isinstance(v, str) or not v.strip())
@@ -558,7 +555,8 @@ def total_steps(recipe, steps_per_epoch: int) -> int:
     return max(1, math.ceil((t.epochs if t.epochs is not None else 1.0) * steps_per_epoch))
 
 
-def collate(rows: dict[str, list], pad_id: int, use_position_ids: bool, multiple_of: int = 8) -> dict[str, torch.Tensor]:
+def collate(rows: dict[str, list], pad_id: int, use_position_ids: bool,
+            multiple_of: int = 8) -> dict[str, torch.Tensor]:
     """Right-pad a micro-batch (columns as returned by `dataset[indices]`) to its longest row, rounded up to
     `multiple_of`. With position ids, padding is its own document, so no real token attends to it."""
     ids = rows["input_ids"]

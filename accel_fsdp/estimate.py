@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from accel_fsdp import architectures
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.memory import GiB, MemoryBreakdown, MemoryInputs, Shape, estimate, gib, seeds_simple
+from accel_fsdp.memory import MemoryBreakdown, MemoryInputs, Shape, estimate, gib, seeds_simple
 
 HEADROOM = 0.9  # keep 10% of the GPU for the CUDA context, NCCL buffers and allocator fragmentation
 
@@ -153,8 +153,9 @@ def format_report(target: Target, rows: list[Row], *, gpus: int, nodes: int, pre
              + (", activation checkpointing" if activation_checkpointing else "")]
     if target.note:
         lines.append(f"  ({target.note})")
-    lines.append(f"seeds' arithmetic, fp32 AdamW at 16 bytes/parameter: {seeds_simple(target.params, 1, False):,.2f} GiB "
-                 f"on 1 GPU; {seeds_simple(target.params, world, True):,.2f} GiB per GPU with FSDP on {world}")
+    one, each = seeds_simple(target.params, 1, False), seeds_simple(target.params, world, True)
+    lines.append(f"seeds' arithmetic, fp32 AdamW at 16 bytes/parameter: {one:,.2f} GiB on 1 GPU; "
+                 f"{each:,.2f} GiB per GPU with FSDP on {world}")
     head = (f"{'strategy':<24}{'params':>9}{'grads':>9}{'optim':>9}{'gathered':>10}{'activ.':>9}{'GPU total':>11}"
             f"{'CPU':>9}  fits {gib(gpu_memory)} GiB")
     lines += ["per-rank memory in GiB:", head, "-" * len(head)]
@@ -170,7 +171,3 @@ def format_report(target: Target, rows: list[Row], *, gpus: int, nodes: int, pre
         lines.append(f"cheapest that fits (least communication first): {best.label}, "
                      f"{gib(best.memory.total)} GiB per GPU -> {config_for(best, gpus, nodes)}")
     return "\n".join(lines)
-
-
-def default_gpu_memory() -> float:
-    return 80 * GiB

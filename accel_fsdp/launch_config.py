@@ -180,7 +180,8 @@ def check_accelerate_config(c: AccelerateConfig) -> list[Problem]:
     if version == 1:
         s = str(c.get("fsdp_sharding_strategy", c.get("fsdp_reshard_after_forward", "FULL_SHARD"))).upper()
         if s not in FSDP1_STRATEGIES and not s.isdigit():
-            bad("fsdp_config.fsdp_sharding_strategy", f"{s!r} is not an FSDP1 strategy", "use " + ", ".join(FSDP1_STRATEGIES[:4]))
+            bad("fsdp_config.fsdp_sharding_strategy", f"{s!r} is not an FSDP1 strategy",
+                "use " + ", ".join(FSDP1_STRATEGIES[:4]))
         bp = c.get("fsdp_backward_prefetch")
         if bp is not None and str(bp).upper() not in BACKWARD_PREFETCH:
             bad("fsdp_config.fsdp_backward_prefetch", f"{bp!r} is not valid", "use " + ", ".join(BACKWARD_PREFETCH))
@@ -196,13 +197,15 @@ def check_accelerate_config(c: AccelerateConfig) -> list[Problem]:
                     "remove it, or use fsdp_version: 1 (see accelerate_configs/fsdp1_2gpu.yaml)")
     sdt = str(c.get("fsdp_state_dict_type", "SHARDED_STATE_DICT")).upper()
     if sdt not in STATE_DICT_TYPES:
-        bad("fsdp_config.fsdp_state_dict_type", f"{sdt!r} is not supported", "use SHARDED_STATE_DICT or FULL_STATE_DICT")
+        bad("fsdp_config.fsdp_state_dict_type", f"{sdt!r} is not supported",
+            "use SHARDED_STATE_DICT or FULL_STATE_DICT")
     policy = str(c.get("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP")).upper()
     if policy not in WRAP_POLICIES:
         bad("fsdp_config.fsdp_auto_wrap_policy", f"{policy!r} is not a wrap policy", "use " + ", ".join(WRAP_POLICIES))
     for key in ("fsdp_offload_params", "fsdp_activation_checkpointing", "fsdp_cpu_ram_efficient_loading", "use_cpu"):
         if key in c.values and _as_bool(c.get(key)) is None:
-            bad(key if key == "use_cpu" else f"fsdp_config.{key}", f"{c.get(key)!r} is not true or false", "use true or false")
+            bad(key if key == "use_cpu" else f"fsdp_config.{key}", f"{c.get(key)!r} is not true or false",
+                "use true or false")
     rep, shard = c.get("parallelism_config_dp_replicate_size"), c.get("parallelism_config_dp_shard_size")
     if rep is not None or shard is not None:
         if version != 2:
@@ -326,7 +329,8 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
     if strategy.value == "HYBRID_SHARD":
         if rep and rep > 1 and strategy.source.startswith(cfg):
             dp_rep = Setting(rep, f"{cfg} (parallelism_config)")
-            dp_shard = Setting(_as_int(config.get("parallelism_config_dp_shard_size") or 1), f"{cfg} (parallelism_config)")
+            dp_shard = Setting(_as_int(config.get("parallelism_config_dp_shard_size") or 1),
+                               f"{cfg} (parallelism_config)")
         else:
             machines = nmach.value
             dp_rep = Setting(machines, "derived: one replica per machine")

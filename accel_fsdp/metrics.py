@@ -45,9 +45,9 @@ def flops_per_token(config, seq_len: int, trainable_fraction: float = 1.0) -> fl
     """Training FLOPs per token: 6 x dense parameters (forward 2N, backward 4N) plus attention 12 x L x H x S
     (the PaLM appendix B accounting; embeddings excluded). LoRA skips the weight-gradient half of the
     backward of frozen weights: about 4N instead of 6N."""
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
     kv = getattr(config, "num_key_value_heads", None) or heads
     inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
     head_dim = getattr(config, "head_dim", None) or hidden // heads

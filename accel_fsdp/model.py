@@ -8,7 +8,6 @@ the context?) and the dry run. Loading is the only place that may reach the hub.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -231,7 +230,3 @@ def human_count(n: int) -> str:
         if n >= div:
             return f"{n / div:.2f}{unit}" if n < 10 * div else f"{n / div:.1f}{unit}"
     return str(n)
-
-
-def hf_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0") in ("1", "true", "True")

@@ -114,8 +114,8 @@ def build_plan(recipe, config, *, num_processes: int | None = None) -> Plan:
     config_obj = model_lib.model_config(recipe, tokenizer=_offline_tokenizer(recipe), offline=True)
     if config_obj is None:
         raise UserError(Problem(recipe.where("model.name_or_path"),
-                                f"{recipe.model.name_or_path!r} is not a known architecture and not in the local cache, "
-                                "so it cannot be planned offline",
+                                f"{recipe.model.name_or_path!r} is not a known architecture and not in the local "
+                                "cache, so it cannot be planned offline",
                                 "use a known name (accel-fsdp estimate --help lists them), a local folder, or "
                                 "model.architecture"))
     meta = model_lib.meta_model(config_obj, recipe.model.trust_remote_code)
@@ -126,24 +126,28 @@ def build_plan(recipe, config, *, num_processes: int | None = None) -> Plan:
     units = fsdp_units(meta, settings)
     strategy = settings.sharding_strategy.value
     shard_group = settings.dp_shard_size.value if strategy == "HYBRID_SHARD" else settings.num_processes.value
+    lora_bytes = 2 if settings.mixed_precision.value in ("bf16", "fp16") else 4  # frozen base in the compute dtype
+    frozen_bytes = lora_bytes if recipe.model.lora.enabled else 4
     inputs = MemoryInputs(
         params=parameters, trainable=trainable, largest_unit=max(u.params for u in units),
         world=settings.num_processes.value, shard_group=shard_group, strategy=strategy,
         precision="fp32" if settings.mixed_precision.value == "fp32" else "bf16-mixed",
-        offload=bool(settings.cpu_offload.value), activation_checkpointing=bool(settings.activation_checkpointing.value),
+        offload=bool(settings.cpu_offload.value),
+        activation_checkpointing=bool(settings.activation_checkpointing.value),
         micro_batch=recipe.training.micro_batch_size, seq_len=recipe.data.seq_len, shape=shape_of(config_obj),
-        frozen_bytes=(2 if settings.mixed_precision.value in ("bf16", "fp16") else 4) if recipe.model.lora.enabled else 4)
+        frozen_bytes=frozen_bytes)
     return Plan(recipe, settings, config.label, type(meta).__name__, parameters, trainable, units, estimate(inputs),
                 inputs, report.notes)
 
 
 def shape_of(config) -> Shape:
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
     return Shape(layers=layers, hidden=hidden, heads=heads,
                  kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                 intermediate=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden,
+                 intermediate=(getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+                               or 4 * hidden),
                  vocab=config.vocab_size, gated_mlp=getattr(config, "model_type", "") != "gpt2")
 
 

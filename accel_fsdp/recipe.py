@@ -29,10 +29,6 @@ import yaml
 
 from accel_fsdp.errors import Problem, UserError
 
-PRECISIONS = ("bf16", "fp32", "fp16")
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
-STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
-DATA_FORMATS = ("text", "instruction", "chat")
 TRACKERS = ("tensorboard", "wandb")
 
 
@@ -332,7 +328,8 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, dict[str, int]]:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         context = getattr(e, "context", None)
         msg = f"YAML syntax error: {problem}" + (f" ({context})" if context else "")
-        raise UserError(Problem(where, msg, "fix the YAML at that line (indentation, a missing ':' or quote)")) from None
+        fix = "fix the YAML at that line (indentation, a missing ':' or quote)"
+        raise UserError(Problem(where, msg, fix)) from None
     lines: dict[str, int] = {}
 
     def walk(n, prefix):
@@ -441,7 +438,8 @@ def check_recipe(r: Recipe) -> list[Problem]:
     if t.micro_batch_size >= 1 and t.global_batch_size >= 1:
         need(t.global_batch_size % t.micro_batch_size == 0, "training.global_batch_size",
              f"{t.global_batch_size} is not a multiple of training.micro_batch_size = {t.micro_batch_size}",
-             f"use a multiple of {t.micro_batch_size} x processes, e.g. {_round_up(t.global_batch_size, t.micro_batch_size)}")
+             f"use a multiple of {t.micro_batch_size} x processes, "
+             f"e.g. {_round_up(t.global_batch_size, t.micro_batch_size)}")
     if t.max_steps is not None and t.epochs is not None:
         p.append(Problem(where("training.max_steps"), f"both max_steps ({t.max_steps}) and epochs ({t.epochs}) are set",
                          "keep one of them (on the command line: --set training.max_steps=null)"))

@@ -428,7 +428,8 @@ def _record_sharding(run_dir: Path, **fields) -> None:
 
 
 def _layout_rows(layout: list[list[float]]) -> list[dict]:
-    return [{"rank": r, "replica": int(row[2]), "shard": int(row[3]), "checksum": row[1]} for r, row in enumerate(layout)]
+    return [{"rank": r, "replica": int(row[2]), "shard": int(row[3]), "checksum": row[1]}
+            for r, row in enumerate(layout)]
 
 
 def _shard_layout(acc, model) -> list[list[float]]:

@@ -93,7 +93,8 @@ def stories(tmp_path_factory) -> Path:
     from accel_fsdp.synthetic import story
 
     rng = random.Random(1)
-    return write_jsonl(tmp_path_factory.mktemp("data") / "stories.jsonl", [{"text": story(rng)[0]} for _ in range(2000)])
+    rows = [{"text": story(rng)[0]} for _ in range(2000)]
+    return write_jsonl(tmp_path_factory.mktemp("data") / "stories.jsonl", rows)
 
 
 def tiny_recipe(path: Path, model_path: Path, data_path: Path, **sections) -> Path:

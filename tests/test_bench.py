@@ -33,7 +33,7 @@ def test_bench_reports_throughput_memory_and_baseline_ratio(bench_recipe):
 def test_bench_compares_strategies_like_the_seeds(bench_recipe):
     text = run_cli("bench", bench_recipe, "--steps", "3", "--warmup", "1", "--compare", "strategies", check=0).stdout
     assert "NO_SHARD (FSDP1)" in text and "SHARD_GRAD_OP (FSDP2)" in text and "FULL_SHARD (FSDP2)" in text
-    line = next(l for l in text.splitlines() if l.startswith("FULL_SHARD (FSDP2): model state per rank"))
+    line = next(x for x in text.splitlines() if x.startswith("FULL_SHARD (FSDP2): model state per rank"))
     assert "MB unsharded" in line and "% saved" in line
     fraction = float(line.split("(")[2].split(" of NO_SHARD")[0])
     assert fraction <= 0.55  # the target at 2 ranks

@@ -90,7 +90,8 @@ def test_fp16_needs_a_gpu():
 def test_invalid_config_lists_every_problem(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("distributed_type: MULTI_GPU\nnum_processes: 3\nnum_machines: 2\nfsdp_config:\n"
-                   "  fsdp_version: 2\n  fsdp_state_dict_type: LOCAL\n  fsdp_offload_param: true\nmixed_precison: bf16\n")
+                   "  fsdp_version: 2\n  fsdp_state_dict_type: LOCAL\n  fsdp_offload_param: true\n"
+                   "mixed_precison: bf16\n")
     with pytest.raises(UserError) as e:
         load_accelerate_config(bad)
     msg = e.value.format_message()

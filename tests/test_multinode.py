@@ -60,7 +60,7 @@ def test_two_machines_on_loopback_train_checkpoint_and_resume(tmp_path, tiny_gpt
     recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, stories, training={"max_steps": 6},
                          checkpoint={"every_steps": 3})
     run = tmp_path / "run"
-    for code, stdout, stderr in two_machines(config, "recipe", "run", recipe, "--output-dir", run):
+    for code, _, stderr in two_machines(config, "recipe", "run", recipe, "--output-dir", run):
         assert code == 0, stderr[-3000:]
     info = json.loads((run / "sharding.json").read_text())
     assert len(info["local_parameters"]) == 2 and info["strategy"] == "FULL_SHARD"  # one shard per machine
@@ -71,7 +71,7 @@ def test_two_machines_on_loopback_train_checkpoint_and_resume(tmp_path, tiny_gpt
     # Resume on both machines with a longer schedule.
     results = two_machines(config, "recipe", "run", recipe, "--output-dir", run, "--resume",
                            "--set", "training.max_steps=9")
-    for code, stdout, stderr in results:
+    for code, _, stderr in results:
         assert code == 0, stderr[-3000:]
     assert "continuing from" in results[1][1] and "at step 6" in results[1][1]
     assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"][-1] == 9

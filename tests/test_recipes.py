@@ -13,7 +13,7 @@ from accel_fsdp.architectures import KNOWN, lookup
 from accel_fsdp.cli import main
 from accel_fsdp.paths import shipped_recipes
 
-from conftest import read_metrics, run_cli, tiny_recipe, write_jsonl
+from conftest import read_metrics, run_cli, tiny_recipe
 
 
 def paired_config(name: str) -> str:

@@ -96,7 +96,8 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, tiny_gpt2):
                 training={"global_batch_size": 8, "max_steps": 3, "mixed_precision": "fp32", "lr": 1e-3},
                 checkpoint={"export_dtype": "fp32"})
     runs = {}
-    for name, micro, config in [("2ranks-k1", 4, "fsdp_cpu"), ("2ranks-k4", 1, "fsdp_cpu"), ("1rank-k4", 2, "fsdp_1gpu")]:
+    variants = [("2ranks-k1", 4, "fsdp_cpu"), ("2ranks-k4", 1, "fsdp_cpu"), ("1rank-k4", 2, "fsdp_1gpu")]
+    for name, micro, config in variants:
         recipe = tiny_recipe(tmp_path / f"{name}.yaml", tiny_gpt2, data, **base)
         run_cli("recipe", "run", recipe, "--output-dir", tmp_path / name, "--accelerate-config", config,
                 "--set", f"training.micro_batch_size={micro}", check=0)
