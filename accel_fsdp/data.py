@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -96,6 +97,8 @@ def resolve_data_path(recipe) -> tuple[str, str | None]:
         alt = Path(recipe.source).parent / p
         if alt.exists():
             p = alt
+    if not p.exists() and p.suffix.lower() not in _FORMATS and re.fullmatch(r"[\w.-]+/[\w.-]+", path):
+        return "hub", None  # owner/name with no such local file: a hub dataset
     return "file", str(p)
 
 
@@ -113,7 +116,7 @@ def read_rows(recipe, *, max_rows: int | None = None):
         local = str(write_builtin(d.path.split(":", 1)[1]))
         builder = "json"
     elif kind == "hub":
-        name = d.path.split(":", 1)[1]
+        name = d.path.removeprefix("hub:")
         try:
             ds = datasets.load_dataset(name, d.hub_config, split=d.split)
         except Exception as e:  # the hub raises many types; all mean "could not get it"

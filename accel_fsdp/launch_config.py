@@ -202,6 +202,12 @@ def check_accelerate_config(c: AccelerateConfig) -> list[Problem]:
     policy = str(c.get("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP")).upper()
     if policy not in WRAP_POLICIES:
         bad("fsdp_config.fsdp_auto_wrap_policy", f"{policy!r} is not a wrap policy", "use " + ", ".join(WRAP_POLICIES))
+    elif policy == "SIZE_BASED_WRAP" and version == 2:
+        # Accelerate's size-based policy under FSDP2 also picks ModuleList containers, which fully_shard refuses.
+        bad("fsdp_config.fsdp_auto_wrap_policy", "SIZE_BASED_WRAP does not work with FSDP2 through Accelerate (it "
+            "would shard the ModuleList of blocks, which fully_shard refuses)",
+            "use TRANSFORMER_BASED_WRAP (one unit per block, or name the classes you want as units in "
+            "fsdp_transformer_layer_cls_to_wrap), or fsdp_version: 1 for size-based wrapping")
     for key in ("fsdp_offload_params", "fsdp_activation_checkpointing", "fsdp_cpu_ram_efficient_loading", "use_cpu"):
         if key in c.values and _as_bool(c.get(key)) is None:
             bad(key if key == "use_cpu" else f"fsdp_config.{key}", f"{c.get(key)!r} is not true or false",

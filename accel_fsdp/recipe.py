@@ -77,7 +77,7 @@ class DataConfig:
     """What the model learns from."""
 
     path: str = ""
-    """Local .jsonl/.json/.csv/.parquet/.txt file, hub:<dataset name>, or builtin:quickstart."""
+    """Local .jsonl/.json/.csv/.parquet/.txt file, a hub dataset (owner/name or hub:name), or builtin:quickstart."""
     format: Literal["text", "instruction", "chat"] = "text"
     """text: language modelling on text_field; instruction: alpaca rows, loss on the response only;
     chat: a list of messages rendered with the tokenizer's chat template, loss on assistant turns only."""
