@@ -437,10 +437,15 @@ def check_settings(settings: FsdpSettings, recipe) -> list[Problem]:
             and s.device.value == "cpu":
         p.append(Problem(_where(recipe, s.sharding_strategy, "fsdp.sharding_strategy"),
                          "FSDP1 HYBRID_SHARD needs several machines", "use FSDP2 with a parallelism_config"))
-    if recipe.model.lora.enabled and s.fsdp_version.value == 1 and not s.fsdp1_options.value.get("use_orig_params"):
-        p.append(Problem(settings.fsdp1_options.source + ": fsdp_config.fsdp_use_orig_params",
-                         "LoRA with FSDP1 needs use_orig_params (frozen and trainable weights share flat parameters)",
-                         "set fsdp_use_orig_params: true, or use an FSDP2 config"))
+    if s.fsdp_version.value == 1 and not s.fsdp1_options.value.get("use_orig_params"):
+        where = settings.fsdp1_options.source + ": fsdp_config.fsdp_use_orig_params"
+        if recipe.model.lora.enabled:
+            p.append(Problem(where, "LoRA with FSDP1 needs use_orig_params (frozen and trainable weights would share "
+                             "flat parameters)", "set fsdp_use_orig_params: true, or use an FSDP2 config"))
+        if t.weight_decay:
+            p.append(Problem(where, f"false flattens every weight into one parameter, so weight decay "
+                             f"({t.weight_decay}) could not skip biases and norms",
+                             "set fsdp_use_orig_params: true, or training.weight_decay: 0"))
     return p
 
 

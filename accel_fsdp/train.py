@@ -147,13 +147,13 @@ def setup(request: RunRequest) -> Run:
         f"{trainable:,} trainable)")
     use_position_ids = "position_ids" in _forward_parameters(model)
 
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                  fused=torch.cuda.is_available() or None)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if settings.fsdp_version.value == 1:
+        # FSDP1 replaces the parameters when it wraps the model: the optimizer is built from the wrapped one.
+        model = accelerator.prepare(model)
+        optimizer = accelerator.prepare(build_optimizer(model, recipe, settings))
+    else:
+        # FSDP2 takes both at once and swaps the optimizer's parameters for the sharded DTensors.
+        model, optimizer = accelerator.prepare(model, build_optimizer(model, recipe, settings))
     check_sharded(accelerator, model, parameters, expected_shards(settings))
     layout = _shard_layout(accelerator, model)
     held = [int(row[0]) for row in layout]
@@ -193,6 +193,18 @@ def setup(request: RunRequest) -> Run:
                                   config={k: v for k, v in flatten(recipe.to_dict()).items()
                                           if isinstance(v, (int, float, str, bool))})
     return run
+
+
+def build_optimizer(model, recipe, settings) -> torch.optim.AdamW:
+    """AdamW with decoupled weight decay on matrices only (not on biases and norm weights)."""
+    t = recipe.training
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    # The fused kernel needs the parameters on the GPU: not with CPU offload (the step runs on the CPU).
+    fused = torch.cuda.is_available() and settings.device.value == "cuda" and not settings.cpu_offload.value
+    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, fused=fused or None)
 
 
 def lr_schedule(recipe, total_steps: int):
