@@ -100,10 +100,10 @@ def test_unknown_key_wrong_type_and_range_together(tmp_path):
 
 
 def test_global_batch_not_divisible():
-    msg = user_error("recipe", "validate", "quickstart", "--set", "training.global_batch_size=24")
-    assert ("--set training.global_batch_size: 24 is not divisible by micro_batch_size x processes = 8 x 2 = 16"
+    msg = user_error("recipe", "validate", "quickstart", "--set", "training.global_batch_size=20")
+    assert ("--set training.global_batch_size: 20 is not divisible by micro_batch_size x processes = 4 x 2 = 8"
             in msg)
-    assert "use a multiple of 16 (e.g. 16 or 32)" in msg
+    assert "use a multiple of 8 (e.g. 16 or 24)" in msg
 
 
 def test_wrap_class_not_in_model_fails_before_training(tmp_path):
