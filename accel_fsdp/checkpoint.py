@@ -71,7 +71,9 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, ste
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     accelerator.wait_for_everyone()
-    error: OSError | None = None
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    error: BaseException | None = None
     try:
         plugin = accelerator.state.fsdp_plugin
         save_fsdp_model(plugin, accelerator, model, str(tmp), adapter_only=lora)
@@ -87,7 +89,7 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, ste
             (tmp / "recipe.yaml").write_text(recipe.to_yaml())
             (tmp / "fsdp_settings.json").write_text(json.dumps(settings.to_dict(), indent=1, default=str))
             _save_hf_files(accelerator, model, tokenizer, tmp / HF_DIR)
-    except OSError as e:
+    except (OSError, CheckpointException) as e:  # DCP reports a failed write on any rank to every rank
         error = e
     if accelerator.num_processes > 1:
         from accelerate.utils import gather_object
@@ -100,10 +102,10 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, ste
             shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_complete(root)
         kept = f"the previous checkpoint {previous.path.name} is intact" if previous else "no earlier checkpoint exists"
-        cause = f"{error.strerror or error}" if error else f"rank(s) {failed} failed"
+        cause = _save_error_cause(error) if error else f"rank(s) {failed} failed"
         raise UserError(Problem(str(final), f"saving the checkpoint failed: {cause}; {kept}",
                                 "free disk space (or set checkpoint.dir to a larger disk) and restart with --resume"),
-                        ) from None
+                        rank_local=error is not None) from None  # the rank that hit the error says why
     accelerator.wait_for_everyone()  # every rank's shards are on disk
     if main:
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -130,6 +132,16 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, ste
         rotate(root, keep_last)
     accelerator.wait_for_everyone()
     return final
+
+
+def _save_error_cause(error: BaseException) -> str:
+    """'No space left on device', from an OSError or from the first failure a DCP CheckpointException carries."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        error = next(iter(failures.values()))[0]
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return str(error).splitlines()[0][:200] if str(error) else type(error).__name__
 
 
 def _save_hf_files(accelerator, model, tokenizer, folder: Path) -> None:
