@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from accel_fsdp import architectures
 from accel_fsdp.errors import UserError
-from accel_fsdp.model import count_parameters, human_count, meta_model, model_config, BUILTIN_TOKENIZER
+from accel_fsdp.model import count_parameters, human_count, meta_model, model_config
 from accel_fsdp.paths import shipped_recipes
 from accel_fsdp.recipe import load_recipe
 
@@ -17,12 +17,9 @@ def parameter_count(recipe) -> int | None:
     arch = architectures.lookup(m.architecture or m.name_or_path)
     if arch is not None and not m.config_overrides:
         return arch.param_count()
-    tokenizer = None
-    if m.tokenizer == BUILTIN_TOKENIZER:
-        from accel_fsdp.synthetic import build_tokenizer
+    from accel_fsdp.preflight import offline_tokenizer
 
-        tokenizer = build_tokenizer()
-    config = model_config(recipe, tokenizer=tokenizer, offline=True)
+    config = model_config(recipe, tokenizer=offline_tokenizer(recipe), offline=True)
     return count_parameters(meta_model(config)) if config is not None else None
 
 

@@ -146,7 +146,7 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
     if report.data_rows is not None:
         click.echo(f"  data: {r.data.path}: {report.data_rows:,} rows, format {r.data.format}")
     click.echo("  FSDP settings (value, source):")
-    click.echo(s.format().replace("\n  ", "\n    ").replace("  ", "    ", 1))
+    click.echo(s.format(indent=4))
     for note in report.notes:
         click.echo(f"  note: {note}")
 
@@ -482,14 +482,15 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     config = load_accelerate_config(accelerate_config)
     config.values.update(num_machines=nodes, machine_rank=0)
     script = script or Path(f"{r.name}.sbatch")
+    if script.is_dir() or not script.parent.is_dir():
+        raise UserError(Problem(str(script), "is a folder" if script.is_dir() else "is in a folder that does not exist",
+                                "give the path of the script file to write (-o job.sbatch)"))
     run_dir = (output_dir or default_run_dir(r)).expanduser().absolute()
     text = render(r, config, nodes=nodes, gpus_per_node=gpus_per_node, global_batch=global_batch_size,
                   time_limit=time_limit, partition=partition, output_dir=run_dir, overrides=list(overrides),
                   script_name=script.name, command=shlex.join(["accel-fsdp", "slurm"] + sys.argv[2:]),
                   cpus_per_task=cpus_per_node)
     preflight(r, config, num_processes=nodes * gpus_per_node, for_target_hardware=True)
-    if script.exists() and script.is_dir():
-        raise UserError(Problem(str(script), "is a folder", "give a file name for the script (-o job.sbatch)"))
     script.write_text(text)
     script.chmod(0o755)
     t = r.training

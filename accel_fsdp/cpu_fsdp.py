@@ -53,10 +53,11 @@ def check_sharded(accelerator, model: torch.nn.Module, total: int, expected_shar
         return
     local = local_numel(model)
     if local > total / expected_shards * 1.25 + 4096:
-        raise RuntimeError(
-            f"FSDP on CPU did not shard: rank {accelerator.process_index} holds {local:,} of {total:,} parameters "
-            f"(expected about {total // expected_shards:,}). The installed Accelerate may have changed the internals "
-            f"accel_fsdp/cpu_fsdp.py relies on (checked with {CHECKED_WITH}).")
+        on_cpu = accelerator.device.type == "cpu"
+        why = (f"The installed Accelerate may have changed the internals accel_fsdp/cpu_fsdp.py relies on (checked "
+               f"with {CHECKED_WITH})." if on_cpu else "Check the FSDP plugin Accelerate received.")
+        raise RuntimeError(f"FSDP did not shard: rank {accelerator.process_index} holds {local:,} of {total:,} "
+                           f"parameters (expected about {total // expected_shards:,}). {why}")
 
 
 def local_numel(model: torch.nn.Module) -> int:

@@ -58,7 +58,6 @@ class DataStats:
     packing_efficiency: float = 1.0
     """Share of non-padding tokens in the training sequences."""
     packed: bool = False
-    cached: bool = False
 
     def summary(self) -> str:
         parts = [f"{self.rows_read:,} rows read", f"{self.train_rows:,} train / {self.eval_rows:,} held out",
@@ -432,8 +431,8 @@ def prepare_data(recipe, tokenizer, accelerator=None) -> PreparedData:
             raise UserError("the main process could not prepare the data (its message is above)")
     if error is not None:
         raise error
-    stats = DataStats(**json.loads((folder / "stats.json").read_text()))
-    stats.cached = True
+    stats = DataStats(**{k: v for k, v in json.loads((folder / "stats.json").read_text()).items()
+                         if k in DataStats.__dataclass_fields__})
     train = datasets.load_from_disk(str(folder / "train"))
     evaluation = datasets.load_from_disk(str(folder / "eval")) if (folder / "eval").exists() else None
     return PreparedData(train=train.with_format("python"), eval=evaluation, stats=stats)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from accel_fsdp.launch_config import FsdpSettings
+from accel_fsdp.launch_config import MODEL_DEFAULT, FsdpSettings
 
 _ACCELERATE_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
 
@@ -24,7 +24,7 @@ def build_fsdp_plugin(settings: FsdpSettings, *, for_planning: bool = False):
     s = settings
     version = s.fsdp_version.value
     classes = s.wrap_classes.value
-    named = [c for c in classes if c != "<model default>"] or None
+    named = [c for c in classes if c != MODEL_DEFAULT] or None
     policy = s.wrap_policy.value.lower()
     kwargs = dict(
         fsdp_version=version,

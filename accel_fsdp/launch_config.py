@@ -33,6 +33,8 @@ FSDP1_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "
 STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
+MODEL_DEFAULT = "<model default>"
+"""wrap_classes before the model is known: its own _no_split_modules."""
 PRECISION_FROM_ACCELERATE = {"no": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8"}
 
 # Environment variables `accelerate launch` exports for each fsdp_config key (accelerate/utils/launch.py).
@@ -278,18 +280,18 @@ class FsdpSettings:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: {"value": s.value, "source": s.source} for name, s in self.rows()}
 
-    def format(self) -> str:
+    def format(self, indent: int = 2) -> str:
         width = max(len(n) for n, _ in self.rows())
-        return "\n".join(f"  {n:<{width}}  {s}" for n, s in self.rows())
+        return "\n".join(f"{'':<{indent}}{n:<{width}}  {s}" for n, s in self.rows())
 
 
 def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, num_processes: int | None = None,
-                     num_machines: int | None = None, detected_wrap_classes: list[str] | None = None) -> FsdpSettings:
+                     num_machines: int | None = None) -> FsdpSettings:
     """Combine recipe, accelerate config, detection and defaults; the first that says something wins.
 
     `num_processes` / `num_machines` are what the launch really has (inside a rank: WORLD_SIZE; for the CLI
-    without a config: the local GPUs); they win over the config's numbers.
-    `detected_wrap_classes` is the model's own `_no_split_modules`, when the model is known.
+    without a config: the local GPUs); they win over the config's numbers. With no wrap class named anywhere,
+    `wrap_classes` is left as MODEL_DEFAULT until `detect_wrap_classes` sees the model.
     """
     cfg = config.label
 
@@ -353,10 +355,7 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
     elif policy.value == "TRANSFORMER_BASED_WRAP" and config.get("fsdp_transformer_layer_cls_to_wrap"):
         classes = Setting(_split(config.get("fsdp_transformer_layer_cls_to_wrap")), cfg)
     elif policy.value == "TRANSFORMER_BASED_WRAP":
-        if detected_wrap_classes is not None:
-            classes = Setting(sorted(detected_wrap_classes), "detected: model._no_split_modules")
-        else:
-            classes = Setting(["<model default>"], "default: the model's _no_split_modules")
+        classes = Setting([MODEL_DEFAULT], "default: the model's _no_split_modules")
     else:
         classes = Setting([], f"{cfg} ({policy.value})")
 
@@ -395,21 +394,40 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
     )
 
 
+def batch_problem(where: str, global_batch: int, micro_batch: int, ranks: list[int], ranks_name: str
+                  ) -> Problem | None:
+    """The seeds' batch arithmetic: global / (micro x ranks) gradient accumulation steps must be a whole number.
+    `ranks` are the factors of the rank count as the user sees them ([2] processes, or [nodes, gpus])."""
+    total = 1
+    for r in ranks:
+        total *= r
+    per_step = micro_batch * total
+    if global_batch % per_step == 0:
+        return None
+    down = global_batch // per_step * per_step
+    examples = " or ".join(str(x) for x in (down, down + per_step) if x > 0)
+    factors = " x ".join(str(r) for r in [micro_batch, *ranks])
+    return Problem(where, f"{global_batch} is not divisible by micro_batch_size x {ranks_name} = {factors} = "
+                   f"{per_step}, so gradient accumulation steps would not be a whole number",
+                   f"use a multiple of {per_step} (e.g. {examples}), or change training.micro_batch_size")
+
+
+def detect_wrap_classes(settings: FsdpSettings, no_split_modules: list[str]) -> None:
+    """Fill in the model's own block classes where nothing named a wrap class."""
+    if settings.wrap_classes.value == [MODEL_DEFAULT]:
+        settings.wrap_classes = Setting(sorted(no_split_modules), "detected: model._no_split_modules")
+
+
 def check_settings(settings: FsdpSettings, recipe) -> list[Problem]:
     """Problems of the combination (recipe x hardware) that neither file shows alone."""
     p: list[Problem] = []
     s = settings
     n, machines = s.num_processes.value, s.num_machines.value
     t = recipe.training
-    per_step = t.micro_batch_size * n
-    if t.global_batch_size % per_step:
-        down = t.global_batch_size // per_step * per_step
-        examples = " or ".join(str(x) for x in (down, down + per_step) if x > 0)
-        p.append(Problem(recipe.where("training.global_batch_size"),
-                         f"{t.global_batch_size} is not divisible by micro_batch_size x processes = "
-                         f"{t.micro_batch_size} x {n} = {per_step}, so gradient accumulation steps would not be "
-                         "a whole number",
-                         f"use a multiple of {per_step} (e.g. {examples}), or change training.micro_batch_size"))
+    batch = batch_problem(recipe.where("training.global_batch_size"), t.global_batch_size, t.micro_batch_size,
+                          [n], "processes")
+    if batch:
+        p.append(batch)
     if s.mixed_precision.value == "fp16" and s.device.value == "cpu":
         p.append(Problem(_where(recipe, s.mixed_precision, "training.mixed_precision"),
                          "fp16 needs a GPU (its grad scaler does not run on CPU)",

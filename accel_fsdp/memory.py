@@ -49,6 +49,18 @@ class Shape:
     gated_mlp: bool
 
 
+def shape_of(config) -> Shape:
+    """What the memory and FLOP formulas need from a transformers config (GPT-2 or Llama naming)."""
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    return Shape(layers=layers, hidden=hidden, heads=heads,
+                 kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                 intermediate=(getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+                               or 4 * hidden),
+                 vocab=config.vocab_size, gated_mlp=getattr(config, "model_type", "") != "gpt2")
+
+
 @dataclass(frozen=True)
 class MemoryInputs:
     params: int

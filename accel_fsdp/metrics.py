@@ -45,19 +45,15 @@ def flops_per_token(config, seq_len: int, trainable_fraction: float = 1.0) -> fl
     """Training FLOPs per token: 6 x dense parameters (forward 2N, backward 4N) plus attention 12 x L x H x S
     (the PaLM appendix B accounting; embeddings excluded). LoRA skips the weight-gradient half of the
     backward of frozen weights: about 4N instead of 6N."""
-    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
-    hidden = getattr(config, "hidden_size", None) or config.n_embd
-    heads = getattr(config, "num_attention_heads", None) or config.n_head
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    vocab = config.vocab_size
-    gated = getattr(config, "model_type", "") != "gpt2"
-    attn = hidden * heads * head_dim * 2 + hidden * kv * head_dim * 2
-    mlp = (3 if gated else 2) * hidden * inter
-    dense = layers * (attn + mlp) + vocab * hidden  # the output projection counts, the embedding lookup does not
+    from accel_fsdp.memory import shape_of
+
+    s = shape_of(config)
+    head_dim = s.hidden // s.heads
+    attn = s.hidden * s.heads * head_dim * 2 + s.hidden * s.kv_heads * head_dim * 2
+    mlp = (3 if s.gated_mlp else 2) * s.hidden * s.intermediate
+    dense = s.layers * (attn + mlp) + s.vocab * s.hidden  # the output projection counts, the embedding lookup not
     per_param = 6.0 if trainable_fraction >= 0.5 else 4.0
-    return per_param * dense + 12.0 * layers * heads * head_dim * seq_len
+    return per_param * dense + 12.0 * s.layers * s.heads * head_dim * seq_len
 
 
 class MetricsWriter:
@@ -85,9 +81,15 @@ def perplexity(loss: float) -> float:
 
 
 def read_metrics(path: Path) -> list[dict]:
+    """The rows of a metrics file. A last line cut short (the run was killed while writing it) is skipped."""
+    if not path.exists():
+        return []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
     rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                rows.append(json.loads(line))
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise
     return rows

@@ -107,6 +107,15 @@ def context_length(config) -> int | None:
     return None
 
 
+def context_problems(recipe, config) -> list[Problem]:
+    """data.seq_len must fit in the model's context (position embeddings / rotary range)."""
+    ctx = context_length(config)
+    if ctx is not None and recipe.data.seq_len > ctx:
+        return [Problem(recipe.where("data.seq_len"), f"{recipe.data.seq_len} exceeds the model's context length "
+                        f"of {ctx} tokens", f"use at most {ctx}")]
+    return []
+
+
 def meta_model(config, trust_remote_code: bool = False):
     """The model built on the meta device: its structure and parameter count, with no memory and no weights."""
     from transformers import AutoModelForCausalLM
@@ -125,13 +134,17 @@ def no_split_modules(model: torch.nn.Module) -> list[str]:
 
 def wrap_class_problems(settings, model: torch.nn.Module, recipe) -> list[Problem]:
     """A wrap class the model does not have would make FSDP wrap nothing (or Accelerate fail later)."""
+    from accel_fsdp.launch_config import MODEL_DEFAULT
+
     classes = settings.wrap_classes.value
-    if settings.wrap_policy.value != "TRANSFORMER_BASED_WRAP" or classes == ["<model default>"]:
-        if classes == ["<model default>"] and not no_split_modules(model):
-            return [Problem(settings.wrap_classes.source, f"{type(model).__name__} does not name its transformer "
-                            "block (_no_split_modules is empty), so there is no default wrap class",
-                            "set fsdp.wrap_class in the recipe to the model's block class")]
+    if settings.wrap_policy.value != "TRANSFORMER_BASED_WRAP":
         return []
+    if classes in ([MODEL_DEFAULT], []):  # nothing named: the model's own blocks, if it names them
+        if no_split_modules(model):
+            return []
+        return [Problem(settings.wrap_classes.source, f"{type(model).__name__} does not name its transformer "
+                        "block (_no_split_modules is empty), so there is no default wrap class",
+                        "set fsdp.wrap_class in the recipe to the model's block class")]
     present = module_class_names(model)
     missing = [c for c in classes if c not in present]
     if not missing:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import click
 
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.memory import MemoryBreakdown, MemoryInputs, Shape, estimate, gib, parse_bytes
+from accel_fsdp.memory import MemoryBreakdown, MemoryInputs, estimate, gib, parse_bytes, shape_of
 
 
 @dataclass
@@ -72,7 +72,7 @@ def fsdp_units(model, settings) -> list[Unit]:
 
     if policy is not None:
         for module in get_module_children_bottom_up(model)[:-1]:
-            if policy(module) and not any(u.name == names[module] for u in units):
+            if policy(module):
                 claim(names[module], type(getattr(module, "_checkpoint_wrapped_module", module)).__name__, [module])
     if settings.fsdp_version.value == 2:
         embed = getattr(model, "get_input_embeddings", lambda: None)()
@@ -107,11 +107,11 @@ def _fsdp1_policy(plugin):
 
 def build_plan(recipe, config, *, num_processes: int | None = None) -> Plan:
     from accel_fsdp import model as model_lib
-    from accel_fsdp.preflight import _offline_tokenizer, preflight
+    from accel_fsdp.preflight import offline_tokenizer, preflight
 
     report = preflight(recipe, config, num_processes=num_processes, check_data=False, for_target_hardware=True)
     settings = report.settings
-    config_obj = model_lib.model_config(recipe, tokenizer=_offline_tokenizer(recipe), offline=True)
+    config_obj = model_lib.model_config(recipe, tokenizer=offline_tokenizer(recipe), offline=True)
     if config_obj is None:
         raise UserError(Problem(recipe.where("model.name_or_path"),
                                 f"{recipe.model.name_or_path!r} is not a known architecture and not in the local "
@@ -138,17 +138,6 @@ def build_plan(recipe, config, *, num_processes: int | None = None) -> Plan:
         frozen_bytes=frozen_bytes)
     return Plan(recipe, settings, config.label, type(meta).__name__, parameters, trainable, units, estimate(inputs),
                 inputs, report.notes)
-
-
-def shape_of(config) -> Shape:
-    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
-    hidden = getattr(config, "hidden_size", None) or config.n_embd
-    heads = getattr(config, "num_attention_heads", None) or config.n_head
-    return Shape(layers=layers, hidden=hidden, heads=heads,
-                 kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                 intermediate=(getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
-                               or 4 * hidden),
-                 vocab=config.vocab_size, gated_mlp=getattr(config, "model_type", "") != "gpt2")
 
 
 def format_plan(plan: Plan, gpu_memory: float | None) -> str:

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.launch_config import (AccelerateConfig, FsdpSettings, check_settings, load_accelerate_config,
-                                      resolve_settings)
+from accel_fsdp.launch_config import (AccelerateConfig, FsdpSettings, check_settings, detect_wrap_classes,
+                                      load_accelerate_config, resolve_settings)
 from accel_fsdp.paths import shipped_accelerate_configs
 
 
@@ -70,7 +70,7 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
     problems += _tracker_problems(recipe)
     tokenizer = None
     try:
-        tokenizer = _offline_tokenizer(recipe)
+        tokenizer = offline_tokenizer(recipe)
         if tokenizer is None:
             report.notes.append(f"tokenizer {recipe.model.tokenizer or recipe.model.name_or_path!r} is not on this "
                                 "machine: checked when training starts")
@@ -82,10 +82,7 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
         report.notes.append(f"model {recipe.model.name_or_path!r} is not a known architecture and not in the local "
                             "cache: wrap class and context length are checked when training starts")
     if config_obj is not None:
-        ctx = model_lib.context_length(config_obj)
-        if ctx is not None and recipe.data.seq_len > ctx:
-            problems.append(Problem(recipe.where("data.seq_len"), f"{recipe.data.seq_len} exceeds the model's context "
-                                    f"length of {ctx} tokens", f"use at most {ctx}"))
+        problems += model_lib.context_problems(recipe, config_obj)
         try:
             meta = model_lib.meta_model(config_obj, recipe.model.trust_remote_code)
         except Exception as e:  # a model class that cannot be built from this config: report, don't crash
@@ -95,9 +92,7 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
         if meta is not None:
             report.model_class = type(meta).__name__
             report.parameters = model_lib.count_parameters(meta)
-            if settings.wrap_classes.value == ["<model default>"]:
-                settings.wrap_classes.value = model_lib.no_split_modules(meta)
-                settings.wrap_classes.source = "detected: model._no_split_modules"
+            detect_wrap_classes(settings, model_lib.no_split_modules(meta))
             problems += model_lib.wrap_class_problems(settings, meta, recipe)
             if recipe.model.lora.enabled:
                 try:
@@ -135,7 +130,8 @@ def _check_resume(recipe, settings, run_dir: Path, resume_from: str | None) -> l
     return [f"resuming from {info.path}"] + ckpt.check_resume(info, recipe, settings)
 
 
-def _offline_tokenizer(recipe):
+def offline_tokenizer(recipe):
+    """The recipe's tokenizer if it is on this machine (built-in, a local folder, the hub cache), else None."""
     from accel_fsdp import model as model_lib
 
     m = recipe.model

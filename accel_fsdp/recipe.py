@@ -226,12 +226,9 @@ class Recipe:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
 
-    def fingerprint(self, keys: tuple[str, ...] | None = None) -> str:
-        """Stable hash of the recipe (or of the given dotted keys)."""
-        flat = flatten(self.to_dict())
-        if keys is not None:
-            flat = {k: v for k, v in flat.items() if k in keys}
-        blob = json.dumps(flat, sort_keys=True, default=str)
+    def fingerprint(self) -> str:
+        """Stable hash of the resolved recipe."""
+        blob = json.dumps(flatten(self.to_dict()), sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def where(self, key: str) -> str:
@@ -506,11 +503,6 @@ def field_docs(cls) -> dict[str, str]:
                 and isinstance(getattr(nxt, "value", None), ast.Constant) and isinstance(nxt.value.value, str):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
-
-
-def all_field_docs() -> dict[str, str]:
-    """Every dotted recipe key -> its one-line documentation."""
-    return {key: doc for key, _, _, doc in key_reference()}
 
 
 def key_reference() -> list[tuple[str, str, str, str]]:

@@ -95,17 +95,14 @@ def render(recipe, config, *, nodes: int, gpus_per_node: int, global_batch: int 
     problems = []
     if not _TIME.match(time_limit):
         problems.append(Problem("--time", f"{time_limit!r} is not a SLURM time", "use HH:MM:SS or D-HH:MM:SS"))
+    from accel_fsdp.launch_config import batch_problem
+
     t = recipe.training
     batch = global_batch or t.global_batch_size
-    total = nodes * gpus_per_node
-    if batch % (t.micro_batch_size * total):
-        per_step = t.micro_batch_size * total
-        down = batch // per_step * per_step
-        examples = " or ".join(str(x) for x in (down, down + per_step) if x > 0)
-        where = "--global-batch-size" if global_batch else recipe.where("training.global_batch_size")
-        problems.append(Problem(where, f"{batch} is not divisible by micro_batch_size x GPUs = {t.micro_batch_size} x "
-                                f"{nodes} x {gpus_per_node} = {per_step}, so gradient accumulation steps would not be a "
-                                "whole number", f"use a multiple of {per_step} (e.g. {examples})"))
+    where = "--global-batch-size" if global_batch else recipe.where("training.global_batch_size")
+    problem = batch_problem(where, batch, t.micro_batch_size, [nodes, gpus_per_node], "GPUs")
+    if problem:
+        problems.append(problem)
     rep, shard = config.get("parallelism_config_dp_replicate_size"), config.get("parallelism_config_dp_shard_size")
     if rep is not None and (int(rep), int(shard or 1)) != (nodes, gpus_per_node):
         problems.append(Problem(f"{config.label}: parallelism_config",

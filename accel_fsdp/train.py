@@ -32,9 +32,10 @@ from accel_fsdp.distributed import build_accelerator, expected_shards
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.faults import Faults
 from accel_fsdp.launch_config import (CONFIG_PATH_ENV, AccelerateConfig, FsdpSettings, check_settings,
-                                      config_from_environment, load_accelerate_config, resolve_settings)
+                                      config_from_environment, detect_wrap_classes, load_accelerate_config,
+                                      resolve_settings)
 from accel_fsdp.metrics import MetricsWriter, device_peak_flops, flops_per_token, peak_memory_bytes, perplexity
-from accel_fsdp.model import (build_model, build_tokenizer, context_length, count_parameters, human_count,
+from accel_fsdp.model import (build_model, build_tokenizer, context_problems, count_parameters, human_count,
                               meta_model, model_config, no_split_modules, wrap_class_problems)
 from accel_fsdp.quiet import quiet_libraries
 from accel_fsdp.rundir import check_run_dir, prepare_run_dir
@@ -114,15 +115,9 @@ def setup(request: RunRequest) -> Run:
     # What the model is, before loading any weights: context length and wrap class are checked on a meta model.
     tokenizer = build_tokenizer(recipe)
     model_cfg = model_config(recipe, tokenizer=tokenizer)
-    ctx = context_length(model_cfg)
-    if ctx is not None and recipe.data.seq_len > ctx:
-        raise UserError(Problem(recipe.where("data.seq_len"), f"{recipe.data.seq_len} exceeds the model's context "
-                                f"length of {ctx} tokens", f"use at most {ctx}"))
     skeleton = meta_model(model_cfg, recipe.model.trust_remote_code)
-    if settings.wrap_classes.value == ["<model default>"]:
-        settings.wrap_classes.value = no_split_modules(skeleton)
-        settings.wrap_classes.source = "detected: model._no_split_modules"
-    problems = wrap_class_problems(settings, skeleton, recipe)
+    detect_wrap_classes(settings, no_split_modules(skeleton))
+    problems = context_problems(recipe, model_cfg) + wrap_class_problems(settings, skeleton, recipe)
     if problems:
         raise UserError(problems)
     del skeleton

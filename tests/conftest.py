@@ -117,7 +117,9 @@ def tiny_recipe(path: Path, model_path: Path, data_path: Path, **sections) -> Pa
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    from accel_fsdp.metrics import read_metrics as read
+
+    return read(run_dir / "metrics.jsonl")
 
 
 def load_weights(folder: Path) -> dict:

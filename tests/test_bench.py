@@ -63,6 +63,9 @@ def test_report_summarizes_and_plots(tmp_path):
     png = run / "loss_curve.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((run / "report.json").read_text())["best_eval_step"] == 5
+    with (run / "metrics.jsonl").open("a") as f:  # a run killed while writing its last row
+        f.write('{"kind": "train", "st')
+    assert CliRunner().invoke(main, ["report", str(run)]).exit_code == 0
     result = CliRunner().invoke(main, ["report", str(tmp_path / "nope")])
     assert result.exit_code == 2 and "does not exist" in result.output
     result = CliRunner().invoke(main, ["report", str(tmp_path)])
