@@ -1,7 +1,8 @@
 """Checkpoints: complete training state, written atomically, described by a manifest, resumable exactly.
 
 Layout of `<run>/checkpoints/step-000200/`:
-    manifest.json          step, world size, state-dict type, recipe hash, every file with its size
+    manifest.json          step, world size, state-dict type, recipe hash, run id, every file with its size and
+                           CRC-32 (computed at save time, split over the ranks; checked before a resume reads it)
     trainer_state.json     step, epoch and position in the data, LR scheduler, tokens seen
     recipe.yaml            the resolved recipe; fsdp_settings.json the effective FSDP settings
     pytorch_model_fsdp_0/  model: torch.distributed.checkpoint shards (SHARDED_STATE_DICT; also readable by
@@ -49,16 +50,12 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def checkpoint_root(recipe, run_dir: Path) -> Path:
-    d = Path(recipe.checkpoint.dir).expanduser()
-    return d if d.is_absolute() else run_dir / d
-
-
 # --------------------------------------------------------------------------------------------------- save
 
 
 def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, step: int, trainer_state: dict,
-                    recipe, settings, tokenizer, lora: bool, keep_last: int | None, faults=None) -> Path:
+                    recipe, settings, tokenizer, lora: bool, keep_last: int | None, faults=None,
+                    run_id: str | None = None) -> Path:
     """Write the checkpoint of optimizer step `step` atomically; rotate old ones. Collective: all ranks call it."""
     from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
 
@@ -107,8 +104,9 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, ste
                                 "free disk space (or set checkpoint.dir to a larger disk) and restart with --resume"),
                         rank_local=error is not None) from None  # the rank that hit the error says why
     accelerator.wait_for_everyone()  # every rank's shards are on disk
+    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    checksums = _checksums_over_ranks(accelerator, tmp, sorted(files))
     if main:
-        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {
             "format": FORMAT,
             "step": step,
@@ -118,20 +116,70 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, ste
             "fsdp_version": settings.fsdp_version.value,
             "lora": lora,
             "recipe_fingerprint": recipe.fingerprint(),
+            "run_id": run_id,
             "parameters": trainer_state.get("parameters"),
             "trainable_parameters": trainer_state.get("trainable_parameters"),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "versions": _versions(),
             "files": files,
+            "crc32": checksums,
         }
         _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1))
         if final.exists():  # the same step saved again (e.g. the end of a resumed run): replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(root)
-        rotate(root, keep_last)
     accelerator.wait_for_everyone()
+    if main:
+        # After the barrier, and in the background: deleting large old checkpoints must not hold the other ranks
+        # at a barrier (into the collective timeout), nor this one at the next step.
+        rotate(root, keep_last, background=True)
     return final
+
+
+def crc32_of(path: Path, chunk: int = 1 << 22) -> str:
+    import zlib
+
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
+def _checksums_over_ranks(accelerator, folder: Path, names: list[str]) -> dict[str, str]:
+    """CRC-32 of every file, each rank hashing every world-size-th one (the files were just written: they are read
+    back from the page cache). Collective."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    mine = {n: crc32_of(folder / n) for i, n in enumerate(names) if i % world == rank}
+    if world == 1:
+        return mine
+    from accelerate.utils import gather_object
+
+    out: dict[str, str] = {}
+    for part in gather_object([mine]):
+        out.update(part)
+    return out
+
+
+def verify_files(info: CheckpointInfo, accelerator=None) -> None:
+    """Compare every file of a checkpoint with the CRC-32 its manifest recorded; raise a UserError naming the damaged
+    file(s) before anything reads them. With an `accelerator` (collective), the ranks share the reading."""
+    sums: dict[str, str] = info.manifest.get("crc32") or {}
+    names = sorted(sums)
+    world = accelerator.num_processes if accelerator is not None else 1
+    rank = accelerator.process_index if accelerator is not None else 0
+    bad = [n for i, n in enumerate(names) if i % world == rank and crc32_of(info.path / n) != sums[n]]
+    if world > 1:
+        from accelerate.utils import gather_object
+
+        bad = sorted(n for part in gather_object([bad]) for n in part)
+    if bad:
+        earlier = [c for c in list_checkpoints(info.path.parent) if c.complete and (c.step or 0) < (info.step or 0)]
+        fix = (f"resume from the previous checkpoint: --resume-from {earlier[-1].path}" if earlier else
+               "no earlier checkpoint is complete: start again (--overwrite)")
+        raise UserError(Problem(str(info.path), f"{', '.join(bad[:5])}{' and more' if len(bad) > 5 else ''} "
+                                f"changed since it was saved (CRC-32 differs from the manifest's)", fix))
 
 
 def _save_error_cause(error: BaseException) -> str:
@@ -155,16 +203,47 @@ def _save_hf_files(accelerator, model, tokenizer, folder: Path) -> None:
         unwrapped.peft_config["default"].save_pretrained(folder)
 
 
-def rotate(root: Path, keep_last: int | None) -> list[Path]:
-    """Delete all but the newest `keep_last` complete checkpoints. Returns what was removed."""
+_ROTATIONS: list = []
+
+
+def rotate(root: Path, keep_last: int | None, *, background: bool = False) -> list[Path]:
+    """Delete all but the newest `keep_last` complete checkpoints. Returns what was removed.
+
+    Each one is first renamed to `.trash-step-N` (atomic: never again seen as a checkpoint), then deleted; with
+    `background`, the deletion runs in a thread (`wait_for_rotations` joins it before the process ends)."""
     if not keep_last:
         return []
     complete = [c for c in list_checkpoints(root) if c.complete]
-    removed = []
+    trashed = []
     for c in complete[:-keep_last]:
-        shutil.rmtree(c.path, ignore_errors=True)
-        removed.append(c.path)
-    return removed
+        trash = c.path.with_name(".trash-" + c.path.name)
+        try:
+            os.rename(c.path, trash)
+        except OSError:
+            continue
+        trashed.append((c.path, trash))
+    for stale in root.glob(".trash-step-*"):  # left by a process that ended while deleting
+        if all(stale != t for _, t in trashed):
+            trashed.append((stale, stale))
+
+    def delete() -> None:
+        for _, trash in trashed:
+            shutil.rmtree(trash, ignore_errors=True)
+
+    if background and trashed:
+        import threading
+
+        thread = threading.Thread(target=delete, name="accel-fsdp-rotate", daemon=True)
+        thread.start()
+        _ROTATIONS.append(thread)
+    else:
+        delete()
+    return [original for original, trash in trashed if original != trash]
+
+
+def wait_for_rotations() -> None:
+    while _ROTATIONS:
+        _ROTATIONS.pop().join()
 
 
 def _rng_state() -> dict[str, Any]:
@@ -239,8 +318,8 @@ class CheckpointInfo:
         return self.path.name
 
 
-def inspect_checkpoint(path: Path) -> CheckpointInfo:
-    """Read the manifest and check every file it lists is there with its size."""
+def inspect_checkpoint(path: Path, *, verify: bool = False) -> CheckpointInfo:
+    """Read the manifest and check every file it lists is there with its size; with `verify`, also its CRC-32."""
     path = Path(path)
     m = _NAME.match(path.name)
     step = int(m.group(1)) if m else None
@@ -262,6 +341,12 @@ def inspect_checkpoint(path: Path) -> CheckpointInfo:
         if f.stat().st_size != size:
             return CheckpointInfo(path, manifest.get("step"), False,
                                   f"{rel} has {f.stat().st_size} bytes, the manifest says {size}", manifest)
+    if verify:
+        for rel, crc in (manifest.get("crc32") or {}).items():
+            if crc32_of(path / rel) != crc:
+                return CheckpointInfo(path, manifest.get("step"), False,
+                                      f"{rel} changed since it was saved (CRC-32 differs from the manifest's)",
+                                      manifest)
     return CheckpointInfo(path, manifest.get("step"), True, "", manifest)
 
 
@@ -279,27 +364,47 @@ def latest_complete(root: Path) -> CheckpointInfo | None:
     return complete[-1] if complete else None
 
 
-def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint") -> CheckpointInfo:
+def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint", verify: bool = False) -> CheckpointInfo:
     """A checkpoint folder, or a run folder / checkpoints folder (its newest complete checkpoint)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise UserError(Problem(str(p), f"no such {what}", "give a step-NNNNNN folder or a run folder"))
+    if not p.is_dir():
+        raise UserError(Problem(str(p), f"is a file, not a {what} folder", "give a step-NNNNNN folder or a run folder"))
     if _NAME.match(p.name) or p.name.startswith(".tmp-step-") or (p / MANIFEST).exists():
-        info = inspect_checkpoint(p)
+        info = inspect_checkpoint(p, verify=verify)
         if not info.complete:
             raise UserError(Problem(str(p), f"incomplete or corrupt checkpoint: {info.reason}",
                                     "use an earlier complete checkpoint (see `accel-fsdp checkpoint inspect` "
                                     "on the run folder)"))
         return info
-    for candidate in (p / "checkpoints", p):
+    for candidate in _checkpoint_folders_of(p):
         found = latest_complete(candidate)
         if found:
+            if verify:
+                verify_files(found)
             return found
-    roots = [p / "checkpoints", p]
-    seen = [c for r in roots for c in list_checkpoints(r)]
+    seen = [c for r in _checkpoint_folders_of(p) for c in list_checkpoints(r)]
     detail = "; ".join(f"{c.name}: {c.reason}" for c in seen) or "no step-NNNNNN folders"
     raise UserError(Problem(str(p), f"no complete checkpoint found ({detail})",
                             "train with checkpoint.every_steps set, or give a checkpoint folder"))
+
+
+def _checkpoint_folders_of(path: Path) -> list[Path]:
+    """Where a run folder keeps its checkpoints (run.json knows, also when checkpoint.dir moved them), or a
+    checkpoint folder itself."""
+    folders = []
+    from accel_fsdp.rundir import RUN_FILE, RunIdentity
+
+    if (path / RUN_FILE).is_file():
+        try:
+            recorded = RunIdentity.read(path / RUN_FILE).checkpoint_dir
+        except UserError:
+            recorded = None
+        if recorded:
+            folders.append(Path(recorded))
+    folders += [path / "checkpoints", path]
+    return list(dict.fromkeys(folders))
 
 
 # ------------------------------------------------------------------------------------------------- load
@@ -324,7 +429,13 @@ def check_resume(info: CheckpointInfo, recipe, settings) -> list[str]:
 
     from accel_fsdp.recipe import incompatible_keys
 
-    saved = yaml.safe_load((info.path / "recipe.yaml").read_text())
+    try:
+        saved = yaml.safe_load((info.path / "recipe.yaml").read_text())
+        if not isinstance(saved, dict):
+            raise ValueError("not a mapping")
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
+        raise UserError(Problem(str(info.path / "recipe.yaml"), f"is unreadable ({type(e).__name__}), so the recipe "
+                                "that made this checkpoint is unknown", "use another checkpoint")) from None
     diff = incompatible_keys(saved, recipe.to_dict())
     if diff:
         lines = [f"{k}: checkpoint has {old!r}, this run has {new!r}" for k, old, new in diff]

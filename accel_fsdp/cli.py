@@ -122,7 +122,11 @@ def recipe_copy(name: str, dest: Path, force: bool) -> None:
 @click.argument("name_or_path")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--accelerate-config", "accelerate_config", metavar="NAME|PATH", help=CONFIG_HELP)
-def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_config: str | None) -> None:
+@click.option("--num-processes", type=click.IntRange(1, 1 << 20), help="All ranks of the job, overriding the config "
+              "(what the SLURM script passes for its allocation).")
+@click.option("--num-machines", type=click.IntRange(1, 4096), help="Machines of the job, overriding the config.")
+def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_config: str | None,
+                    num_processes: int | None, num_machines: int | None) -> None:
     """Check a recipe with an accelerate config, offline: keys, types, ranges, batch arithmetic, wrap class,
     context length, data fields. Exit status 2 with every problem listed when something is wrong.
 
@@ -134,6 +138,10 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
 
     r = _load_recipe(name_or_path, overrides)
     config, n, why = load_config_or_default(accelerate_config)
+    if num_machines is not None:
+        config.values["num_machines"] = num_machines
+    if num_processes is not None:
+        config.values["num_processes"] = n = num_processes
     report = preflight(r, config, num_processes=n, for_target_hardware=True)
     s = report.settings
     click.echo(f"ok: {r.source} with {config.label}" + ("" if why == "given" else f" ({why})"))
@@ -156,7 +164,10 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
 @click.option("--accelerate-config", "accelerate_config", metavar="NAME|PATH", help=CONFIG_HELP)
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--output-dir", type=click.Path(path_type=Path), help="Run folder. Default: runs/<recipe name>.")
-@click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint in the run folder.")
+@click.option("--resume", type=click.Choice(["latest", "auto"]), is_flag=False, flag_value="latest", default=None,
+              help="Continue this run from its newest complete checkpoint. --resume auto: continue if the run folder "
+              "holds this run with a complete checkpoint, else start it; refuse a folder of another run (what "
+              "requeued SLURM jobs use).")
 @click.option("--resume-from", type=click.Path(), help="Continue from this checkpoint folder.")
 @click.option("--overwrite", is_flag=True, help="Replace a run already in the run folder.")
 @click.option("--dry-run", is_flag=True, help="Plan only: build the model on the meta device and print the FSDP plan "
@@ -167,13 +178,15 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
 @click.option("--main-process-ip", help="Multi-machine: address of machine 0. Overrides the config.")
 @click.option("--main-process-port", type=click.IntRange(1, 65535), help="Multi-machine: port on machine 0.")
 @click.option("--num-machines", type=click.IntRange(1, 4096), help="Multi-machine: how many. Overrides the config.")
+@click.option("--num-processes", type=click.IntRange(1, 1 << 20), help="All ranks of the job on all machines. "
+              "Overrides the config (the SLURM script passes its allocation's).")
 @click.option("--rendezvous-timeout", default=300, show_default=True, type=click.IntRange(1, 86400),
               help="Multi-machine: seconds to wait for the main process and for all machines to join.")
 @click.option("--benchmark", is_flag=True, hidden=True, help="(accel-fsdp bench) No final evaluation, checkpoint or "
               "export.")
 def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, resume_from, overwrite, dry_run,
-               gpu_memory, machine_rank, main_process_ip, main_process_port, num_machines, rendezvous_timeout,
-               benchmark) -> None:
+               gpu_memory, machine_rank, main_process_ip, main_process_port, num_machines, num_processes,
+               rendezvous_timeout, benchmark) -> None:
     """Train a recipe on the hardware an accelerate config describes.
 
     Outside a distributed launch this launches itself through Accelerate's launcher (one process per rank);
@@ -187,14 +200,15 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     accel-fsdp recipe run llama-3.1-8b --dry-run --accelerate-config llama_fsdp_8gpu --gpu-memory 80GB
     """
     from accel_fsdp.launcher import inside_launch
-    from accel_fsdp.rundir import default_run_dir
+    from accel_fsdp.rundir import RunLayout
 
     if resume and resume_from:
         raise UserError(Problem("--resume-from", "cannot be combined with --resume", "use one of them"))
     if overwrite and (resume or resume_from):
-        raise UserError(Problem("--overwrite", "cannot be combined with --resume", "use one of them"))
+        raise UserError(Problem("--overwrite", f"cannot be combined with {'--resume' if resume else '--resume-from'}",
+                                "use one of them"))
     r = _load_recipe(name_or_path, overrides)
-    run_dir = (output_dir or default_run_dir(r)).expanduser().absolute()
+    run_dir = RunLayout.of(r, output_dir).root
     if dry_run:
         from accel_fsdp.plan import print_plan
         from accel_fsdp.quiet import quiet_libraries
@@ -205,6 +219,9 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     if inside_launch():
         from accel_fsdp.train import RunRequest, run_training
 
+        from accel_fsdp.lifetime import PREEMPTED, Preempted, die_with_launcher
+
+        die_with_launcher()
         try:
             run_training(RunRequest(recipe=r, run_dir=run_dir, resume=resume, resume_from=resume_from,
                                     overwrite=overwrite, benchmark=benchmark))
@@ -213,6 +230,13 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
             if int(os.environ.get("LOCAL_RANK", "0")) == 0 or e.rank_local:
                 e.show()
             _leave_rank(e.exit_code)
+        except Preempted as p:
+            from accel_fsdp.launch_config import CONFIG_PATH_ENV
+
+            if int(os.environ.get("RANK", "0")) == 0 and CONFIG_PATH_ENV not in os.environ:  # else our launcher says it
+                click.echo(f"preempted ({p.signal_name}) after step {p.step}: checkpoint {p.checkpoint}; continue "
+                           "with the same command and --resume (or --resume auto)", err=True)
+            _leave_rank(PREEMPTED)
         except KeyboardInterrupt:  # Ctrl-C reaches every rank; the launcher says what to do next
             _leave_rank(130)
         _leave_rank(0)
@@ -222,6 +246,8 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     from accel_fsdp.preflight import load_config_or_default, preflight
 
     config, n, why = load_config_or_default(accelerate_config)
+    if num_processes is not None:
+        config.values["num_processes"] = n = num_processes
     machine = MachineOptions(machine_rank, main_process_ip, main_process_port, num_machines, rendezvous_timeout)
     machine.apply(config)
     raise_if(check_accelerate_config(config), f"{config.label} with these options has problems")
@@ -239,10 +265,10 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     argv = ["recipe", "run", str(Path(r.source).absolute()), "--output-dir", str(run_dir)]
     for item in overrides:
         argv += ["--set", item]
-    argv += ["--resume"] * resume + ["--overwrite"] * overwrite + ["--benchmark"] * benchmark
+    argv += ["--resume", resume] * bool(resume) + ["--overwrite"] * overwrite + ["--benchmark"] * benchmark
     if resume_from:
         argv += ["--resume-from", str(Path(resume_from).absolute())]
-    sys.exit(launch(config, argv, num_processes=n, machine=machine))
+    sys.exit(launch(config, argv, num_processes=n, machine=machine, run_dir=run_dir))
 
 
 def _leave_rank(status: int) -> None:
@@ -296,18 +322,22 @@ def checkpoint_consolidate(checkpoint_or_run, out_dir, dtype, max_shard_size, me
     import yaml
 
     from accel_fsdp.checkpoint import resolve_checkpoint
-    from accel_fsdp.consolidate import consolidate, parse_size
+    from accel_fsdp.consolidate import consolidate
+    from accel_fsdp.memory import parse_bytes, size_problem
 
     try:
-        size = parse_size(max_shard_size)
+        size = parse_bytes(max_shard_size)
     except ValueError:
-        raise UserError(Problem("--max-shard-size", f"{max_shard_size!r} is not a size", "e.g. 2GB, 500MB")) from None
-    if size <= 0:
-        raise UserError(Problem("--max-shard-size", f"{max_shard_size!r} must be positive", "e.g. 2GB"))
-    info = resolve_checkpoint(checkpoint_or_run)
+        raise UserError(size_problem("--max-shard-size", max_shard_size, "2GB or 500MB")) from None
+    info = resolve_checkpoint(checkpoint_or_run, verify=True)
+    if out_dir.resolve().is_relative_to(info.path.resolve()):
+        raise UserError(Problem(str(out_dir), f"is inside the checkpoint {info.path}", "write the export elsewhere"))
     if dtype is None:
-        saved = yaml.safe_load((info.path / "recipe.yaml").read_text()) or {}
-        dtype = saved.get("checkpoint", {}).get("export_dtype", "fp32")
+        try:
+            saved = yaml.safe_load((info.path / "recipe.yaml").read_text()) or {}
+            dtype = saved.get("checkpoint", {}).get("export_dtype", "fp32")
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+            dtype = "fp32"
     if merge and not info.manifest.get("lora"):
         raise UserError(Problem("--merge", f"{info.path} is not a LoRA checkpoint", "drop --merge"))
     click.echo(f"consolidating {info.path} (step {info.manifest.get('step')}, "
@@ -326,16 +356,20 @@ def checkpoint_inspect(path: Path, as_json: bool) -> None:
     \b
     accel-fsdp checkpoint inspect runs/quickstart
     """
-    from accel_fsdp.checkpoint import MANIFEST, describe, format_description, inspect_checkpoint, list_checkpoints
+    from accel_fsdp.checkpoint import (MANIFEST, _checkpoint_folders_of, describe, format_description,
+                                       inspect_checkpoint, list_checkpoints)
 
     if not path.exists():
         raise UserError(Problem(str(path), "does not exist", "give a checkpoint or run folder"))
+    if not path.is_dir():
+        raise UserError(Problem(str(path), "is a file, not a checkpoint or run folder",
+                                "give a step-NNNNNN folder or a run folder"))
     if (path / MANIFEST).exists() or path.name.startswith(("step-", ".tmp-step-")):
-        infos = [inspect_checkpoint(path)]
+        infos = [inspect_checkpoint(path, verify=True)]
     else:
-        infos = list_checkpoints(path / "checkpoints") or list_checkpoints(path)
-        tmp = [inspect_checkpoint(p) for p in sorted((path / "checkpoints").glob(".tmp-step-*"))]
-        infos += tmp
+        folder = next((f for f in _checkpoint_folders_of(path) if list_checkpoints(f)), path / "checkpoints")
+        infos = [inspect_checkpoint(c.path, verify=True) for c in list_checkpoints(folder)]
+        infos += [inspect_checkpoint(p) for p in sorted(folder.glob(".tmp-step-*"))]
     if not infos:
         raise UserError(Problem(str(path), "holds no checkpoints", "give a run folder or a step-NNNNNN folder"))
     described = [describe(i) for i in infos]
@@ -348,7 +382,20 @@ def checkpoint_inspect(path: Path, as_json: bool) -> None:
 # -------------------------------------------------------------------------------------------- estimate
 
 
-@main.command("estimate")
+class _NegativeNumberArgument(click.Command):
+    """`estimate -5` would be read as an option "-5" with no fix offered: name it as the bad count it is."""
+
+    def parse_args(self, ctx, args):
+        import re
+
+        for arg in args:
+            if re.fullmatch(r"-[\d.,_]+(e\d+)?[KMBTkmbt]?", arg):
+                raise UserError(Problem(arg, "is not a parameter count: it must be positive",
+                                        "give e.g. 7B or 104960000, a model name (gpt2-xl) or a recipe"))
+        return super().parse_args(ctx, args)
+
+
+@main.command("estimate", cls=_NegativeNumberArgument)
 @click.argument("what", metavar="MODEL|RECIPE|PARAM_COUNT")
 @click.option("--gpus", default=1, show_default=True, type=click.IntRange(1, 4096), help="GPUs per node.")
 @click.option("--nodes", default=1, show_default=True, type=click.IntRange(1, 4096))
@@ -364,8 +411,10 @@ def checkpoint_inspect(path: Path, as_json: bool) -> None:
               "activations). Default: the recipe's, 1 for a model, 0 for a bare count.")
 @click.option("--seq-len", type=click.IntRange(1, 1 << 24), help="Tokens per row. Default: the recipe's, else "
               "min(context, 2048).")
+@click.option("--defer-reduce", is_flag=True, help="Gradient accumulation with fsdp.reduce_every_micro_step: false: "
+              "count the unsharded fp32 gradients every rank holds between micro-steps.")
 def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offload, activation_checkpointing,
-                     micro_batch, seq_len) -> None:
+                     micro_batch, seq_len, defer_reduce) -> None:
     """Per-rank memory of each FSDP strategy (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, with and
     without CPU offload), which fit, and the cheapest that fits with the accelerate config to use.
 
@@ -376,12 +425,12 @@ def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offlo
     accel-fsdp estimate llama-3.1-8b-lora --gpus 1 --gpu-memory 40GB
     """
     from accel_fsdp.estimate import format_report, resolve_target, table
-    from accel_fsdp.memory import STRATEGIES, parse_bytes
+    from accel_fsdp.memory import STRATEGIES, parse_bytes, size_problem
 
     try:
         budget = parse_bytes(gpu_memory)
     except ValueError:
-        raise UserError(Problem("--gpu-memory", f"{gpu_memory!r} is not a size", "e.g. 80GB or 24GiB")) from None
+        raise UserError(size_problem("--gpu-memory", gpu_memory)) from None
     if "HYBRID_SHARD" in strategies and nodes == 1:
         raise UserError(Problem("--strategy HYBRID_SHARD", "needs more than one node (it shards within a node and "
                                 "replicates across nodes)", "add --nodes 2 or more, or use FULL_SHARD"))
@@ -396,9 +445,10 @@ def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offlo
         raise UserError(Problem("--micro-batch", "activations need the model's shape, and a bare parameter count "
                                 "has none", "name a model (gpt2-xl, llama-3.1-8b) or a recipe, or drop --micro-batch"))
     rows = table(target, gpus=gpus, nodes=nodes, precision=precision, activation_checkpointing=activation_checkpointing,
-                 strategies=list(strategies) or list(STRATEGIES), offload=offload, gpu_memory=budget)
+                 strategies=list(strategies) or list(STRATEGIES), offload=offload, gpu_memory=budget,
+                 deferred_reduce=defer_reduce)
     click.echo(format_report(target, rows, gpus=gpus, nodes=nodes, precision=precision, gpu_memory=budget,
-                             activation_checkpointing=activation_checkpointing))
+                             activation_checkpointing=activation_checkpointing, deferred_reduce=defer_reduce))
 
 
 # ----------------------------------------------------------------------------------------------- bench
@@ -452,6 +502,9 @@ def bench_command(name_or_path, accelerate_config, steps, warmup, overrides, com
 @click.option("--partition", help="SLURM partition.")
 @click.option("--cpus-per-node", default=32, show_default=True, type=click.IntRange(1, 1024),
               help="CPU cores per node (data loading, tokenization, offload).")
+@click.option("--signal-lead", default=300, show_default=True, type=click.IntRange(30, 86400),
+              help="Seconds before the time limit at which SLURM signals the job to checkpoint and requeue: more "
+              "than one optimizer step plus one checkpoint save.")
 @click.option("--accelerate-config", "accelerate_config", default="fsdp_multinode", show_default=True,
               metavar="NAME|PATH", help="Accelerate config; node counts and addresses are set by the script.")
 @click.option("--output-dir", type=click.Path(path_type=Path), help="Run folder, on a filesystem every node sees. "
@@ -460,9 +513,10 @@ def bench_command(name_or_path, accelerate_config, steps, warmup, overrides, com
 @click.option("-o", "--output", "script", type=click.Path(path_type=Path), default=None,
               help="Where to write the script. Default: <recipe name>.sbatch.")
 def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_limit, partition, cpus_per_node,
-                  accelerate_config, output_dir, overrides, script) -> None:
+                  signal_lead, accelerate_config, output_dir, overrides, script) -> None:
     """Write an sbatch script that trains a recipe on N nodes x G GPUs (one `accelerate launch` per node),
-    checks the batch arithmetic first, prints the configuration at job start, and resumes when requeued.
+    checks the recipe on the allocation at job start, checkpoints and requeues itself on SLURM's warning signal
+    before the time limit, and resumes when requeued (`--resume auto`: the CLI decides, never bash).
 
     \b
     accel-fsdp slurm llama-3.1-8b --nodes 4 --gpus-per-node 8 --time 12:00:00 --partition gpu -o job.sbatch
@@ -471,9 +525,9 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     """
     import shlex
 
-    from accel_fsdp.launch_config import load_accelerate_config
+    from accel_fsdp.launch_config import batch_problem, load_accelerate_config
     from accel_fsdp.preflight import preflight
-    from accel_fsdp.rundir import default_run_dir
+    from accel_fsdp.rundir import RunLayout
     from accel_fsdp.slurm import render
 
     all_overrides = list(overrides) + ([f"training.global_batch_size={global_batch_size}"]
@@ -485,15 +539,22 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     if script.is_dir() or not script.parent.is_dir():
         raise UserError(Problem(str(script), "is a folder" if script.is_dir() else "is in a folder that does not exist",
                                 "give the path of the script file to write (-o job.sbatch)"))
-    run_dir = (output_dir or default_run_dir(r)).expanduser().absolute()
-    text = render(r, config, nodes=nodes, gpus_per_node=gpus_per_node, global_batch=global_batch_size,
-                  time_limit=time_limit, partition=partition, output_dir=run_dir, overrides=list(overrides),
-                  script_name=script.name, command=shlex.join(["accel-fsdp", "slurm"] + sys.argv[2:]),
-                  cpus_per_task=cpus_per_node)
+    run_dir = RunLayout.of(r, output_dir).root
+    t = r.training
+    where = "--global-batch-size" if global_batch_size else r.where("training.global_batch_size")
+    batch = batch_problem(where, t.global_batch_size, t.micro_batch_size, [nodes, gpus_per_node], "GPUs")
+    problems = [batch] if batch else []
+    try:
+        text = render(r, config, nodes=nodes, gpus_per_node=gpus_per_node, time_limit=time_limit,
+                      partition=partition, output_dir=run_dir, overrides=all_overrides, script_name=script.name,
+                      command=shlex.join(["accel-fsdp", "slurm"] + sys.argv[2:]), cpus_per_task=cpus_per_node,
+                      signal_lead=signal_lead)
+    except UserError as e:
+        problems += e.problems
+    raise_if(problems, f"{len(problems)} problems with this job")
     preflight(r, config, num_processes=nodes * gpus_per_node, for_target_hardware=True)
     script.write_text(text)
     script.chmod(0o755)
-    t = r.training
     k = t.global_batch_size // (t.micro_batch_size * nodes * gpus_per_node)
     click.echo(f"wrote {script}: {nodes} node(s) x {gpus_per_node} GPU(s), global batch {t.global_batch_size} = micro "
                f"{t.micro_batch_size} x {nodes * gpus_per_node} GPUs x {k} accumulation steps; run folder {run_dir}")
@@ -516,9 +577,14 @@ def report_command(run_dir: Path, as_json: bool) -> None:
     from accel_fsdp.report import format_summary, plot, summarize
 
     summary = summarize(run_dir)
-    png = plot(run_dir)
+    try:
+        png = plot(run_dir)
+        (run_dir / "report.json").write_text(json.dumps({**summary, "loss_curve": str(png) if png else None},
+                                                        indent=1) + "\n")
+    except OSError as e:  # a read-only run folder (someone else's run): report, write nothing
+        png = None
+        click.echo(f"note: cannot write report.json / loss_curve.png into {run_dir} ({e.strerror or e})", err=True)
     summary["loss_curve"] = str(png) if png else None
-    (run_dir / "report.json").write_text(json.dumps(summary, indent=1) + "\n")
     if as_json:
         click.echo(json.dumps(summary, indent=1))
         return
@@ -550,6 +616,8 @@ def generate_command(model_dir, prompt, max_new_tokens, temperature, top_p, seed
     from accel_fsdp.generate import generate, load_model, resolve_model_dir
     from accel_fsdp.quiet import quiet_libraries
 
+    if not prompt.strip():
+        raise UserError(Problem("--prompt", "is empty", 'give some text to continue, e.g. --prompt "alice has a"'))
     quiet_libraries()
     folder = resolve_model_dir(model_dir)
     model, tokenizer = load_model(folder, device)

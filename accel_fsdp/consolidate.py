@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import shutil
 import time
 import warnings
@@ -28,6 +27,7 @@ import torch
 
 from accel_fsdp.checkpoint import HF_DIR, MODEL_DIR, MODEL_FILE, CheckpointInfo
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.metrics import PeakMemory
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MARKER = "accel_fsdp_export.json"
@@ -52,14 +52,6 @@ class ExportReport:
                 f"({(self.peak_rss_bytes - self.baseline_rss_bytes) / mb:,.0f} MB above the "
                 f"{self.baseline_rss_bytes / mb:,.0f} MB held before reading weights; largest shard "
                 f"{self.largest_shard_bytes / mb:,.1f} MB)")
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(text).upper())
-    if not m:
-        raise ValueError(text)
-    unit = m.group(2).rstrip("B").rstrip("I")
-    return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit])
 
 
 def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max_shard_size: int = 2 << 30,
@@ -234,34 +226,3 @@ def _merge_lora(adapter_dir: Path, out: Path, dtype: str, base_model: str | None
     merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     merged.to(DTYPES[dtype]).save_pretrained(out)
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out)
-
-
-class PeakMemory:
-    """Resident memory of this process, sampled every few milliseconds by a background thread from now until
-    `stop()`: the peak of this operation alone, not of whatever the process did before."""
-
-    def __init__(self, interval: float = 0.002):
-        import threading
-
-        self.baseline = self.peak = _rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, args=(interval,), daemon=True)
-        self._thread.start()
-
-    def _sample(self, interval: float) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss())
-            self._stop.wait(interval)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss())
-
-
-def _rss() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

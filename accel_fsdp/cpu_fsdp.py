@@ -27,12 +27,14 @@ import torch
 CHECKED_WITH = "accelerate 1.15.0, torch 2.13.0"
 
 
-def init_cpu_fsdp_state(plugin, *, mixed_precision: str, parallelism_config=None) -> None:
-    """Create Accelerate's shared state for FSDP on CPU ranks. Call before constructing the `Accelerator`."""
+def init_cpu_fsdp_state(plugin, *, mixed_precision: str, parallelism_config=None,
+                        process_group: dict | None = None) -> None:
+    """Create Accelerate's shared state for FSDP on CPU ranks. Call before constructing the `Accelerator`.
+    `process_group`: keyword arguments of init_process_group (the gloo backend and the collective timeout)."""
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType, TorchDynamoPlugin
 
-    PartialState(cpu=True)
+    PartialState(cpu=True, **(process_group or {}))
     state = AcceleratorState(cpu=True, mixed_precision=mixed_precision, fsdp_plugin=plugin,
                              parallelism_config=parallelism_config, dynamo_plugin=TorchDynamoPlugin(),
                              _from_accelerator=True)

@@ -55,9 +55,23 @@ class DataStats:
     """Examples cut at seq_len (their tail is lost); reported, never silently dropped."""
     no_label_rows: int = 0
     """Examples with no loss-carrying token left after truncation."""
+    examples: int = 0
+    """Training examples tokenized (non-empty rows)."""
     packing_efficiency: float = 1.0
     """Share of non-padding tokens in the training sequences."""
     packed: bool = False
+
+    TRUNCATION_WARNING = 0.05
+
+    def warnings(self, recipe) -> list[str]:
+        """What the user should know before training on this data."""
+        out = []
+        share = self.no_label_rows / max(1, self.examples)
+        if share >= self.TRUNCATION_WARNING:
+            out.append(f"{100 * share:.0f}% of the training examples ({self.no_label_rows:,} of {self.examples:,}) "
+                       f"lost all their loss-carrying tokens to truncation at data.seq_len = {recipe.data.seq_len}: "
+                       "they are trained on nothing (raise data.seq_len, or shorten the prompts)")
+        return out
 
     def summary(self) -> str:
         parts = [f"{self.rows_read:,} rows read", f"{self.train_rows:,} train / {self.eval_rows:,} held out",
@@ -137,11 +151,17 @@ def read_rows(recipe, *, max_rows: int | None = None):
                                     f"use one of {', '.join(_FORMATS)}"))
         if p.stat().st_size == 0 or (builder != "parquet" and not p.read_text(errors="replace").strip()):
             raise UserError(Problem(where, f"data file {local!r} is empty", "put training rows in it"))
+        if builder != "parquet":
+            problem = not_utf8(p)
+            if problem:
+                raise UserError(Problem(f"{where} ({local})", problem, "save the file as UTF-8, e.g. iconv -f "
+                                        "latin1 -t utf-8 FILE > FILE.utf8 (or -f utf-16)"))
     kwargs: dict[str, Any] = {}
     if builder == "text":
         kwargs["sample_by"] = "paragraph"
     try:
-        ds = datasets.load_dataset(builder, data_files=local, split="train", **kwargs)
+        with _library_logs_silenced():  # datasets logs its own error line before raising: one message per mistake
+            ds = datasets.load_dataset(builder, data_files=local, split="train", **kwargs)
     except Exception as e:
         detail = _find_bad_json_line(local) if builder == "json" else None
         msg = detail or f"cannot read it as {builder}: {_root_cause(e)}"
@@ -150,6 +170,38 @@ def read_rows(recipe, *, max_rows: int | None = None):
     if len(ds) == 0:
         raise UserError(Problem(where, f"data file {local!r} has no rows", "put training rows in it"))
     return _limit(ds, max_rows or d.max_rows)
+
+
+def not_utf8(path: Path) -> str | None:
+    """Where a text file stops being UTF-8 ("line 3, byte 0xe9 at column 7: the file is probably Latin-1"), or None."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+        if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+            return "the file is UTF-16 (it starts with a UTF-16 byte-order mark), not UTF-8"
+        f.seek(0)
+        for number, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                byte = line[e.start]
+                guess = "UTF-16" if b"\x00" in line else "Latin-1 or Windows-1252"
+                return (f"line {number} is not UTF-8 (byte 0x{byte:02x} at column {e.start + 1}); the file is "
+                        f"probably {guess}")
+    return None
+
+
+class _library_logs_silenced:
+    """datasets logs an ERROR line of its own before it raises; ours says the same thing with the fix."""
+
+    def __enter__(self):
+        import logging
+
+        self.logger = logging.getLogger("datasets")
+        self.level = self.logger.level
+        self.logger.setLevel(logging.CRITICAL)
+
+    def __exit__(self, *exc):
+        self.logger.setLevel(self.level)
 
 
 def _limit(ds, n):
@@ -342,11 +394,15 @@ def _tokenize_batch(recipe, tokenizer, seq_len: int, pad_id: int, packing: bool,
             ids += [pad_id] * pad
             labels += [IGNORE_INDEX] * pad
             pos += list(range(pad))
+        # A document's first token is predicted by nothing of its own: in a packed row the shift would make the
+        # previous document's last token predict it. Masking it makes a packed row's loss the sum of its
+        # documents' losses run alone, and rows can be concatenated (padding-free batches) safely.
+        labels = [IGNORE_INDEX if p == 0 else y for p, y in zip(pos, labels)]
         out["input_ids"].append(ids)
         out["labels"].append(labels)
         out["position_ids"].append(pos)
         out["length"].append(length)
-        out["n_labels"].append(sum(1 for x in labels[1:] if x != IGNORE_INDEX))
+        out["n_labels"].append(sum(1 for x in labels if x != IGNORE_INDEX))
         # Per-batch counters ride on the first row of the batch (datasets maps return rows, not totals).
         out["n_truncated"].append(truncated if k == 0 else 0)
         out["n_no_label"].append(no_label if k == 0 else 0)
@@ -404,7 +460,7 @@ class PreparedData:
     stats: DataStats
 
 
-def prepare_data(recipe, tokenizer, accelerator=None) -> PreparedData:
+def prepare_data(recipe, tokenizer, accelerator=None, *, rows=None) -> PreparedData:
     """Read, check, split, tokenize and pack the recipe's data; cached, built once by the main process.
 
     With an `accelerator`, the main process builds while the others wait, and a failure on the main process
@@ -420,7 +476,7 @@ def prepare_data(recipe, tokenizer, accelerator=None) -> PreparedData:
     error: UserError | None = None
     if builds and not (folder / "stats.json").exists():
         try:
-            _build(recipe, tokenizer, folder, key)
+            _build(recipe, tokenizer, folder, key, rows)
         except UserError as e:
             e.rank_local = accelerator is not None and not accelerator.is_main_process  # another machine's builder
             error = e
@@ -438,11 +494,11 @@ def prepare_data(recipe, tokenizer, accelerator=None) -> PreparedData:
     return PreparedData(train=train.with_format("python"), eval=evaluation, stats=stats)
 
 
-def _build(recipe, tokenizer, folder: Path, key: str) -> None:
+def _build(recipe, tokenizer, folder: Path, key: str, rows=None) -> None:
     import shutil
 
     d = recipe.data
-    rows = read_rows(recipe)
+    rows = read_rows(recipe) if rows is None else rows
     problems = check_rows(recipe, rows) + check_tokenizer(recipe, tokenizer)
     if problems:
         raise UserError(problems, title=f"data {d.path} has {len(problems)} problems")
@@ -468,10 +524,16 @@ def _build(recipe, tokenizer, folder: Path, key: str) -> None:
     train, counters = tokenize(train_rows, "train")
     stats.truncated, stats.no_label_rows, stats.empty_rows = counters["n_truncated"], counters["n_no_label"], \
         counters["n_empty"]
-    stats.train_rows = len(train_rows) - counters["n_empty"]
+    stats.train_rows = stats.examples = len(train_rows) - counters["n_empty"]
     if len(train) == 0:
         raise UserError(Problem(recipe.where("data.path"), f"{d.path} has no non-empty training rows",
                                 "put text in the rows"))
+    if counters["n_labels"] == 0:
+        fields = {"instruction": f"data.output_field ({d.output_field!r})", "chat": "the assistant messages"}
+        raise UserError(Problem(recipe.where("data.path"), f"no training example keeps a token that carries a loss "
+                                f"({counters['n_no_label']:,} of {len(train_rows):,} lost it to truncation at "
+                                f"data.seq_len = {d.seq_len}, or have none), so nothing would be learned",
+                                f"raise data.seq_len, or check {fields.get(d.format, 'the data')}"))
     stats.train_sequences = len(train)
     lengths = train["length"]
     stats.train_tokens = int(sum(lengths))
@@ -506,7 +568,7 @@ def _cache_key(recipe, tokenizer) -> str:
         source = [d.path, d.hub_config, d.split]
     tok = tokenizer.backend_tokenizer.to_str() if hasattr(tokenizer, "backend_tokenizer") else repr(tokenizer)
     parts = {
-        "version": 3, "source": source, "data": asdict(d) | {"num_proc": None}, "packing": recipe.packing,
+        "version": 5, "source": source, "data": asdict(d) | {"num_proc": None}, "packing": recipe.packing,
         "seed": recipe.training.seed, "tokenizer": hashlib.sha256(tok.encode()).hexdigest(),
         "chat_template": tokenizer.chat_template, "special": [tokenizer.eos_token_id, tokenizer.pad_token_id,
                                                               tokenizer.bos_token_id],
@@ -557,10 +619,34 @@ def total_steps(recipe, steps_per_epoch: int) -> int:
     return max(1, math.ceil((t.epochs if t.epochs is not None else 1.0) * steps_per_epoch))
 
 
-def collate(rows: dict[str, list], pad_id: int, use_position_ids: bool,
-            multiple_of: int = 8) -> dict[str, torch.Tensor]:
-    """Right-pad a micro-batch (columns as returned by `dataset[indices]`) to its longest row, rounded up to
-    `multiple_of`. With position ids, padding is its own document, so no real token attends to it."""
+PADDED, PADDING_FREE = "padded", "padding-free"
+
+
+def batch_layout(attn_implementation: str | None, use_position_ids: bool) -> str:
+    """How a micro-batch is laid out for the model's attention kernel.
+
+    padded: one row per sequence, right-padded; documents packed into a row are kept apart by their restarting
+    position ids, from which transformers builds a block-diagonal mask for SDPA and eager attention at any batch
+    size (masking_utils.py, find_packed_sequence_indices, checked with 5.23.0), provided no attention mask and no
+    KV cache is passed (the forward calls pass use_cache=False).
+    padding-free: the micro-batch flattened into one row with cu_seq_lens, for varlen flash attention.
+    transformers derives varlen boundaries from position ids only at batch size 1 and otherwise runs FA2 without
+    any mask (modeling_flash_attention_utils.py, _is_packed_sequence; masking_utils.py, flash_attention_mask), so a
+    padded batch of packed rows would let documents attend to each other: flash kernels always get this layout.
+    """
+    if attn_implementation and "flash" in attn_implementation and use_position_ids:
+        return PADDING_FREE
+    return PADDED
+
+
+def collate(rows: dict[str, list], pad_id: int, use_position_ids: bool, multiple_of: int = 8,
+            layout: str = PADDED) -> dict[str, torch.Tensor]:
+    """A micro-batch (columns as returned by `dataset[indices]`) as model inputs, in the given layout.
+
+    Padded: right-pad to the longest row, rounded up to `multiple_of`. With position ids, padding is its own
+    document, so no real token attends to it. Padding-free: see `collate_padding_free`."""
+    if layout == PADDING_FREE:
+        return collate_padding_free(rows)
     ids = rows["input_ids"]
     length = int(math.ceil(max(len(r) for r in ids) / multiple_of) * multiple_of)
 
@@ -577,9 +663,30 @@ def collate(rows: dict[str, list], pad_id: int, use_position_ids: bool,
     return batch
 
 
+def collate_padding_free(rows: dict[str, list]) -> dict[str, torch.Tensor]:
+    """The micro-batch's tokens (no padding) concatenated into one row of shape (1, T), with the varlen
+    attention arguments FA2 takes (as TRL's padding_free and DataCollatorWithFlattening build them):
+    cu_seq_lens_q/k = cumulative document lengths [0, l1, l1+l2, ..., T] (int32), max_length_q/k = the longest
+    document. Every document starts at position 0, and its first label is masked (see `_tokenize_batch`), so no
+    token predicts across a document boundary."""
+    ids, labels, pos = [], [], []
+    for r_ids, r_labels, r_pos, n in zip(rows["input_ids"], rows["labels"], rows["position_ids"], rows["length"]):
+        ids += r_ids[:n]
+        labels += r_labels[:n]
+        pos += r_pos[:n]
+    position_ids = torch.tensor([pos], dtype=torch.long)
+    starts = torch.nonzero(position_ids[0] == 0).flatten().tolist() + [len(pos)]
+    cu = torch.tensor(starts, dtype=torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return {"input_ids": torch.tensor([ids], dtype=torch.long), "labels": torch.tensor([labels], dtype=torch.long),
+            "position_ids": position_ids, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone(),
+            "max_length_q": longest, "max_length_k": longest}
+
+
 def label_count(labels: torch.Tensor) -> int:
-    """Tokens that carry a loss after the causal shift (the first position predicts nothing)."""
-    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+    """Tokens that carry a loss: every document's first token is masked in the data, so this equals the count
+    after the model's causal shift."""
+    return int((labels != IGNORE_INDEX).sum())
 
 
 def iter_eval_batches(dataset, *, micro_batch: int, world_size: int, rank: int,

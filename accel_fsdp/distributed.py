@@ -7,6 +7,7 @@ path shard for real.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -32,7 +33,11 @@ def build_fsdp_plugin(settings: FsdpSettings, *, for_planning: bool = False):
         transformer_cls_names_to_wrap=named if policy == "transformer_based_wrap" else None,
         cpu_offload=_cpu_offload(s),
         state_dict_type=s.state_dict_type.value,
-        activation_checkpointing=bool(s.activation_checkpointing.value),
+        # FSDP2: Accelerate would wrap blocks with checkpoint_wrapper(preserve_rng_state=False)
+        # (accelerate/utils/fsdp_utils.py, fsdp2_apply_ac, checked with 1.15.0), so the recompute would draw new
+        # dropout masks and the gradient would not be the gradient of the loss. `apply_activation_checkpointing`
+        # below wraps them itself, keeping the RNG. FSDP1's path (apply_activation_checkpointing) keeps it.
+        activation_checkpointing=bool(s.activation_checkpointing.value) and version == 1,
         cpu_ram_efficient_loading=bool(s.cpu_ram_efficient_loading.value),
         mixed_precision_policy=_mixed_precision_policy(version, s.mixed_precision.value),
     )
@@ -80,6 +85,55 @@ def _mixed_precision_policy(version: int, precision: str):
     return MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype)
 
 
+def process_group_kwargs(settings: FsdpSettings):
+    """How the process group is created: its backend(s) and the timeout of every collective.
+
+    On CUDA the group always gets both backends, `cuda:nccl,cpu:gloo`. Accelerate adds the CPU one only when the
+    *launcher* exported FSDP_OFFLOAD_PARAMS=true or FSDP_STATE_DICT_TYPE=FULL_STATE_DICT (accelerate/state.py,
+    PartialState.__init__, checked with 1.15.0); CPU offload or a full state dict asked for by the recipe would
+    then reduce CPU tensors over NCCL ("No backend type associated with device type cpu", pytorch#148532). The
+    CPU backend also carries our small control messages (preemption flags) without a GPU sync.
+    """
+    from accelerate.utils import InitProcessGroupKwargs
+
+    timeout = timedelta(minutes=settings.collective_timeout_minutes.value)
+    backend = "cuda:nccl,cpu:gloo" if settings.device.value == "cuda" else "gloo"
+    return InitProcessGroupKwargs(backend=backend, timeout=timeout)
+
+
+def gradient_accumulation_plugin(settings: FsdpSettings, steps: int):
+    """`sync_each_batch=True`: reduce-scatter after every micro-step. Without it, `accumulate()` runs the
+    non-final micro-steps under no_sync, where FSDP2 keeps each unit's unsharded gradient, upcast to the fp32
+    reduce dtype, until the last micro-step (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py,
+    post_backward, checked with torch 2.13.0): a whole fp32 model of gradients on every rank."""
+    from accelerate.utils import GradientAccumulationPlugin
+
+    return GradientAccumulationPlugin(num_steps=steps, sync_each_batch=bool(settings.reduce_every_micro_step.value),
+                                      sync_with_dataloader=False)
+
+
+def apply_activation_checkpointing(model, settings: FsdpSettings):
+    """Wrap every FSDP unit class (the wrap classes) in a non-reentrant checkpoint that restores the RNG state
+    for the recompute, so dropout draws the same masks as in the forward. Only for FSDP2 (before `prepare`,
+    in the order Accelerate uses: checkpoint first, then `fully_shard` of the wrapped block)."""
+    if not settings.activation_checkpointing.value or settings.fsdp_version.value != 2:
+        return model
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from accelerate.utils.other import get_module_children_bottom_up
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    plugin = build_fsdp_plugin(settings, for_planning=True)
+    plugin.set_auto_wrap_policy(model)
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    if policy is None:
+        return model
+    for name, module in get_module_children_bottom_up(model, return_fqns=True)[:-1]:
+        if policy(module):
+            model.set_submodule(name, checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                                         preserve_rng_state=True))
+    return model
+
+
 def build_parallelism_config(settings: FsdpSettings):
     """Hybrid sharding under FSDP2: shard inside a group of dp_shard_size ranks, replicate across groups."""
     if settings.fsdp_version.value != 2 or settings.sharding_strategy.value != "HYBRID_SHARD":
@@ -98,18 +152,21 @@ def build_accelerator(settings: FsdpSettings, *, gradient_accumulation_steps: in
     plugin = build_fsdp_plugin(settings)
     parallelism = build_parallelism_config(settings)
     precision = _ACCELERATE_PRECISION[settings.mixed_precision.value]
+    group = process_group_kwargs(settings)
     cpu = settings.device.value == "cpu"
     if cpu:
         from accel_fsdp.cpu_fsdp import init_cpu_fsdp_state
 
-        init_cpu_fsdp_state(plugin, mixed_precision=precision, parallelism_config=parallelism)
+        init_cpu_fsdp_state(plugin, mixed_precision=precision, parallelism_config=parallelism,
+                            process_group=group.to_kwargs())
     project = ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / "logs")) if run_dir else None
     return Accelerator(
         cpu=cpu,
         mixed_precision=precision,
         fsdp_plugin=plugin,
         parallelism_config=parallelism,
-        gradient_accumulation_steps=gradient_accumulation_steps,
+        gradient_accumulation_plugin=gradient_accumulation_plugin(settings, gradient_accumulation_steps),
+        kwargs_handlers=[group],
         log_with=list(trackers) or None,
         project_config=project,
         # The LR scheduler is stepped by the loop once per optimizer step; it is not prepared.

@@ -39,11 +39,14 @@ def parse_count(text: str) -> int | None:
         value = float(t)
     except ValueError:
         return None
-    return int(value) if value >= 1 else None
+    return int(value) if value == value and abs(value) != float("inf") else None
 
 
 def resolve_target(what: str, micro_batch: int | None, seq_len: int | None) -> Target:
     count = parse_count(what)
+    if count is not None and count < 1:
+        raise UserError(Problem(what, "is not a parameter count: it must be at least 1",
+                                "give e.g. 7B or 104960000, a model name (gpt2-xl) or a recipe"))
     if count is not None:
         return Target(f"{count:,} parameters", count, count, 0, None, micro_batch or 0, seq_len or 0,
                       note="a bare parameter count: no activations or gathered units unless a model is named")
@@ -93,12 +96,13 @@ class Row:
 
 
 def table(target: Target, *, gpus: int, nodes: int, precision: str, activation_checkpointing: bool,
-          strategies: list[str], offload: bool | None, gpu_memory: float) -> list[Row]:
+          strategies: list[str], offload: bool | None, gpu_memory: float, deferred_reduce: bool = False) -> list[Row]:
     world = gpus * nodes
     base = MemoryInputs(params=target.params, trainable=target.trainable, largest_unit=target.largest_unit,
                         world=world, shard_group=world, precision=precision,
                         activation_checkpointing=activation_checkpointing, micro_batch=target.micro_batch,
-                        seq_len=target.seq_len, shape=target.shape, frozen_bytes=target.frozen_bytes)
+                        seq_len=target.seq_len, shape=target.shape, frozen_bytes=target.frozen_bytes,
+                        deferred_reduce=deferred_reduce)
     rows = []
     for strategy in strategies:
         if strategy == "HYBRID_SHARD" and nodes == 1:
@@ -145,12 +149,14 @@ def config_for(row: Row, gpus: int, nodes: int) -> str:
 
 
 def format_report(target: Target, rows: list[Row], *, gpus: int, nodes: int, precision: str, gpu_memory: float,
-                  activation_checkpointing: bool) -> str:
+                  activation_checkpointing: bool, deferred_reduce: bool = False) -> str:
     world = gpus * nodes
     lines = [f"estimate: {target.name}: {target.params:,} parameters ({target.trainable:,} trainable) on {nodes} "
              f"node(s) x {gpus} GPU(s), {precision}"
              + (f", micro batch {target.micro_batch} x {target.seq_len} tokens" if target.micro_batch else "")
-             + (", activation checkpointing" if activation_checkpointing else "")]
+             + (", activation checkpointing" if activation_checkpointing else "")
+             + (", gradient reduction deferred to the last micro-step (unsharded fp32 gradients held)"
+                if deferred_reduce else "")]
     if target.note:
         lines.append(f"  ({target.note})")
     one, each = seeds_simple(target.params, 1, False), seeds_simple(target.params, world, True)

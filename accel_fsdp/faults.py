@@ -4,6 +4,9 @@ Kinds:
   kill:N          SIGKILL this process right after optimizer step N (before its checkpoint, if any).
   kill-in-save:N  SIGKILL while the checkpoint of step N is being written (after the shards, before the rename).
   enospc-in-save:N  raise "No space left on device" while writing the checkpoint of step N.
+  sigterm:N       send SIGTERM to this rank right after optimizer step N (a preemption of one rank).
+  sigusr1-launcher:N  send SIGUSR1 to the launcher (this rank's parent) after optimizer step N (SLURM's warning).
+  hang:N          stop making progress after optimizer step N (sleep), as a stuck rank would.
 `@R` limits the fault to rank R (default: rank 0). Unset, this module does nothing; it never changes results.
 """
 
@@ -13,9 +16,10 @@ import errno
 import os
 import signal
 import sys
+import time
 
 ENV = "ACCEL_FSDP_FAULT"
-KINDS = ("kill", "kill-in-save", "enospc-in-save")
+KINDS = ("kill", "kill-in-save", "enospc-in-save", "sigterm", "sigusr1-launcher", "hang")
 
 
 class Faults:
@@ -38,8 +42,18 @@ class Faults:
         return cls(os.environ.get(ENV), rank)
 
     def after_step(self, step: int) -> None:
-        if self.kind == "kill" and step == self.step:
+        if step != self.step:
+            return
+        if self.kind == "kill":
             self._kill(f"after optimizer step {step}")
+        elif self.kind == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif self.kind == "sigusr1-launcher":
+            os.kill(os.getppid(), signal.SIGUSR1)
+        elif self.kind == "hang":
+            print(f"[{ENV}] hanging after optimizer step {step}", file=sys.stderr, flush=True)
+            while True:
+                time.sleep(3600)
 
     def in_save(self, step: int) -> None:
         if step != self.step:

@@ -24,17 +24,41 @@ def resolve_model_dir(path: Path) -> Path:
 
 
 def load_model(folder: Path, device: str = "auto"):
+    """The model and its tokenizer; the tokenizer first (cheap), and a UserError naming what is missing or damaged."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError(Problem("--device cuda", "no CUDA device is available", "use --device cpu (or auto)"))
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    if (folder / "adapter_config.json").exists():
-        from peft import AutoPeftModelForCausalLM
+    from accel_fsdp.model import tokenizer_files_problem
 
-        model = AutoPeftModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    return model.to(device).eval(), AutoTokenizer.from_pretrained(folder)
+    fix = ("give the run folder or a `checkpoint consolidate` export (both carry the tokenizer files), or copy "
+           "tokenizer.json and tokenizer_config.json into it")
+    missing = tokenizer_files_problem(folder)
+    if missing:
+        raise UserError(Problem(str(folder), missing, fix))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as e:  # transformers raises OSError, ValueError, TypeError... for a folder without a tokenizer
+        raise UserError(Problem(str(folder), f"has no usable tokenizer ({_first_line(e)})", fix)) from None
+    try:
+        if (folder / "adapter_config.json").exists():
+            from peft import AutoPeftModelForCausalLM
+
+            model = AutoPeftModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    except Exception as e:  # safetensors' own error type, OSError, ValueError, RuntimeError for shape mismatches
+        raise UserError(Problem(str(folder), f"its weights cannot be loaded ({type(e).__name__}: {_first_line(e)})",
+                                "the files are incomplete or damaged: export again with `accel-fsdp checkpoint "
+                                "consolidate RUN OUT`")) from None
+    return model.to(device).eval(), tokenizer
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:200]
 
 
 def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,

@@ -21,10 +21,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from accel_fsdp.errors import Problem, UserError, raise_if
 from accel_fsdp.paths import display, resolve_accelerate_config
+from accel_fsdp.yaml_file import load_yaml
 
 CONFIG_PATH_ENV = "ACCEL_FSDP_ACCELERATE_CONFIG"
 """Set by the CLI when it launches itself, so each rank reads the same file (and can name it in messages)."""
@@ -94,17 +94,16 @@ def load_accelerate_config(name_or_path: str | os.PathLike) -> AccelerateConfig:
     path = resolve_accelerate_config(str(name_or_path))
     label = display(path)
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{label}:{mark.line + 1}" if mark else label
-        raise UserError(Problem(where, f"YAML syntax error: {getattr(e, 'problem', e)}",
-                                "fix the YAML at that line")) from None
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(Problem(label, f"cannot read the accelerate config ({e.__class__.__name__})",
+                                "give a readable UTF-8 .yaml file")) from None
+    data, _, duplicates = load_yaml(text, label)
     if not isinstance(data, dict):
         raise UserError(Problem(label, "an accelerate config must be a mapping of keys",
                                 "start from accelerate_configs/fsdp_1gpu.yaml"))
     top, fsdp_keys, parallel_keys = _known_keys()
-    problems = []
+    problems = list(duplicates)
     values: dict[str, Any] = {}
     for key, value in data.items():
         if key not in top:
@@ -266,6 +265,10 @@ class FsdpSettings:
     cpu_ram_efficient_loading: Setting
     dp_replicate_size: Setting
     dp_shard_size: Setting
+    reduce_every_micro_step: Setting
+    """Reduce-scatter gradients after every micro-step (each rank holds only its gradient shard)."""
+    collective_timeout_minutes: Setting
+    """Timeout of every collective, passed to the process group with its backend."""
     fsdp1_options: Setting = field(default_factory=lambda: Setting({}, "default"))
     """backward_prefetch, forward_prefetch, limit_all_gathers, use_orig_params, sync_module_states (FSDP1)."""
 
@@ -368,6 +371,12 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
     mp = pick("training.mixed_precision", recipe.training.mixed_precision, "mixed_precision",
               lambda v: PRECISION_FROM_ACCELERATE.get(str(v), str(v)), "bf16")
     ram = pick(None, None, "fsdp_cpu_ram_efficient_loading", _as_bool, False)
+    reduce_each = Setting(recipe.fsdp.reduce_every_micro_step,
+                          from_recipe("fsdp.reduce_every_micro_step") if "fsdp.reduce_every_micro_step" in
+                          recipe.overridden or "fsdp.reduce_every_micro_step" in recipe.lines else "default")
+    timeout = Setting(recipe.fsdp.collective_timeout_minutes,
+                      from_recipe("fsdp.collective_timeout_minutes") if "fsdp.collective_timeout_minutes" in
+                      recipe.overridden or "fsdp.collective_timeout_minutes" in recipe.lines else "default")
 
     fsdp1 = {}
     fsdp1_source = cfg
@@ -389,8 +398,8 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
         device=device, num_processes=nproc, num_machines=nmach, fsdp_version=version, sharding_strategy=strategy,
         wrap_policy=policy, wrap_classes=classes, min_num_params=min_params, cpu_offload=offload, state_dict_type=sdt,
         activation_checkpointing=ac, mixed_precision=mp, cpu_ram_efficient_loading=ram,
-        dp_replicate_size=dp_rep, dp_shard_size=dp_shard,
-        fsdp1_options=Setting(fsdp1, fsdp1_source if fsdp1 else "default"),
+        dp_replicate_size=dp_rep, dp_shard_size=dp_shard, reduce_every_micro_step=reduce_each,
+        collective_timeout_minutes=timeout, fsdp1_options=Setting(fsdp1, fsdp1_source if fsdp1 else "default"),
     )
 
 
@@ -418,8 +427,11 @@ def detect_wrap_classes(settings: FsdpSettings, no_split_modules: list[str]) -> 
         settings.wrap_classes = Setting(sorted(no_split_modules), "detected: model._no_split_modules")
 
 
-def check_settings(settings: FsdpSettings, recipe) -> list[Problem]:
-    """Problems of the combination (recipe x hardware) that neither file shows alone."""
+def check_settings(settings: FsdpSettings, recipe, *, visible_gpus: int | None = None) -> list[Problem]:
+    """Problems of the combination (recipe x hardware) that neither file shows alone.
+
+    `visible_gpus`: the GPUs this machine shows (CUDA_VISIBLE_DEVICES applied), when the run is about to start
+    here; None when judging a config for other hardware (`recipe validate` on a laptop)."""
     p: list[Problem] = []
     s = settings
     n, machines = s.num_processes.value, s.num_machines.value
@@ -455,16 +467,44 @@ def check_settings(settings: FsdpSettings, recipe) -> list[Problem]:
             and s.device.value == "cpu":
         p.append(Problem(_where(recipe, s.sharding_strategy, "fsdp.sharding_strategy"),
                          "FSDP1 HYBRID_SHARD needs several machines", "use FSDP2 with a parallelism_config"))
-    if s.fsdp_version.value == 1 and not s.fsdp1_options.value.get("use_orig_params"):
+    if s.device.value == "cuda" and visible_gpus is not None:
+        p += gpu_count_problems(settings, visible_gpus)
+    if s.fsdp_version.value == 1 and recipe.model.lora.enabled:
+        # FSDP1 flattens each unit into one parameter of one dtype: the frozen base would be upcast to fp32 and
+        # get gradients for every element (use_orig_params only hides it), which is what LoRA exists to avoid.
+        p.append(Problem(f"{s.fsdp_version.source}: fsdp_config.fsdp_version",
+                         "LoRA with FSDP1 upcasts the frozen base weights to fp32 and computes gradients for the "
+                         "whole flat parameter of each unit", "use an FSDP2 config (fsdp_version: 2, e.g. "
+                         "fsdp_2gpu.yaml, llama_fsdp_8gpu.yaml, fsdp_multinode.yaml)"))
+    elif s.fsdp_version.value == 1 and not s.fsdp1_options.value.get("use_orig_params"):
         where = settings.fsdp1_options.source + ": fsdp_config.fsdp_use_orig_params"
-        if recipe.model.lora.enabled:
-            p.append(Problem(where, "LoRA with FSDP1 needs use_orig_params (frozen and trainable weights would share "
-                             "flat parameters)", "set fsdp_use_orig_params: true, or use an FSDP2 config"))
         if t.weight_decay:
             p.append(Problem(where, f"false flattens every weight into one parameter, so weight decay "
                              f"({t.weight_decay}) could not skip biases and norms",
                              "set fsdp_use_orig_params: true, or training.weight_decay: 0"))
     return p
+
+
+def gpu_count_problems(settings: FsdpSettings, visible_gpus: int) -> list[Problem]:
+    """One process per GPU: more processes than visible GPUs put two ranks on one device (NCCL then fails with
+    "Duplicate GPU detected" at the first collective); fewer leave GPUs idle, which is allowed but said."""
+    per_machine = settings.num_processes.value // max(1, settings.num_machines.value)
+    source = settings.num_processes.source
+    if per_machine > visible_gpus:
+        return [Problem(f"{source}: num_processes", f"{per_machine} processes per machine, but this machine shows "
+                        f"{visible_gpus} GPU(s) (CUDA_VISIBLE_DEVICES="
+                        f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})",
+                        f"use one process per GPU: num_processes: {visible_gpus * settings.num_machines.value} "
+                        f"(or an accelerate config for {visible_gpus} GPU(s)), or make more GPUs visible")]
+    return []
+
+
+def idle_gpu_note(settings: FsdpSettings, visible_gpus: int) -> str | None:
+    per_machine = settings.num_processes.value // max(1, settings.num_machines.value)
+    if settings.device.value == "cuda" and 0 < per_machine < visible_gpus:
+        return (f"{per_machine} process(es) per machine on {visible_gpus} visible GPUs: {visible_gpus - per_machine} "
+                f"GPU(s) stay idle (num_processes: {visible_gpus * settings.num_machines.value} would use them all)")
+    return None
 
 
 def _where(recipe, setting: Setting, key: str) -> str:

@@ -16,9 +16,11 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.launch_config import CONFIG_PATH_ENV, AccelerateConfig
+from accel_fsdp.lifetime import PREEMPTED
 
 
 
@@ -45,8 +47,12 @@ class MachineOptions:
 
 
 def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | None = None,
-           machine: MachineOptions | None = None) -> int:
-    """Run `python -m accel_fsdp <argv>` in every rank the config asks for; return the exit status."""
+           machine: MachineOptions | None = None, run_dir: Path | None = None) -> int:
+    """Run `python -m accel_fsdp <argv>` in every rank the config asks for; return the exit status.
+
+    A preemption signal (SIGTERM, SIGUSR1) to this process reaches every rank, which finishes its step and writes a
+    checkpoint; the status is then PREEMPTED (75). Ctrl-C stops the ranks at once (130)."""
+    from accel_fsdp.lifetime import launcher_environment
     from accelerate.commands.launch import launch_command, launch_command_parser
 
     machine = machine or MachineOptions()
@@ -71,6 +77,7 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
     args += ["-m", "accel_fsdp", *argv]
     parsed = launch_command_parser().parse_args(args)
     os.environ[CONFIG_PATH_ENV] = str(config.path.resolve())
+    os.environ.update(launcher_environment(os.environ))
     # torchrun's agent logs every child failure with a banner; our ranks already said what went wrong.
     for name in ("torch.distributed.elastic", "torch.distributed.run", "accelerate"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -81,8 +88,9 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
     except KeyboardInterrupt:
         return _interrupted("SIGINT")
     except Exception as e:  # torchrun's ChildFailedError, or a rendezvous that never completed
-        if type(e).__name__ == "SignalException":  # torchrun turns SIGINT/SIGTERM into this
-            return _interrupted(signal.Signals(getattr(e, "sigval", signal.SIGTERM)).name)
+        if type(e).__name__ == "SignalException":  # torchrun turns the signals it handles into this
+            name = signal.Signals(getattr(e, "sigval", signal.SIGTERM)).name
+            return _preempted(name, run_dir) if name in ("SIGTERM", "SIGUSR1") else _interrupted(name)
         failures = getattr(e, "failures", None)
         if not failures:
             if machines > 1 and _is_timeout(e):
@@ -96,6 +104,8 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
         codes = [f.exitcode for f in failures.values()]
         if 2 in codes:
             return 2  # a user error, already explained by rank 0
+        if all(code == PREEMPTED for code in codes):
+            return _preempted(None, run_dir)  # a rank got the signal; the ranks checkpointed
         for rank, f in sorted(failures.items()):
             if f.exitcode < 0:
                 print(f"error: rank {rank} was killed by {signal.Signals(-f.exitcode).name}", file=sys.stderr)
@@ -124,6 +134,25 @@ def wait_for_main(host: str, port: int, *, timeout: float, interval: float = 1.0
                             "start machine_rank 0 first (or together), check main_process_ip / main_process_port "
                             "(--main-process-ip, --main-process-port) and that the port is open between the "
                             "machines; --rendezvous-timeout waits longer"))
+
+
+def _preempted(name: str | None, run_dir: Path | None) -> int:
+    """The run stopped on a preemption signal (to this launcher, which forwarded it, or to a rank): the ranks
+    checkpointed and exited; say where, from the record the main rank wrote."""
+    import json
+
+    where = ""
+    marker = run_dir / "preempted.json" if run_dir else None
+    if marker is not None and marker.exists():
+        try:
+            info = json.loads(marker.read_text())
+            where = f": the ranks stopped after step {info['step']} with checkpoint {info['checkpoint']}"
+            name = name or info.get("signal")
+        except (ValueError, KeyError, OSError):
+            pass
+    print(f"preempted ({name}){where}. Continue with the same command and --resume (or --resume auto).",
+          file=sys.stderr)
+    return PREEMPTED
 
 
 def _interrupted(name: str) -> int:

@@ -18,6 +18,10 @@ Peak (FSDP paper, Zhao et al. 2023): sharded state + the largest unit gathered. 
 CPU offload moves parameters, gradients and optimizer state to host memory: the GPU keeps only gathered units
 and activations.
 
+Gradient accumulation with the reduction deferred to the last micro-step (`fsdp.reduce_every_micro_step: false`):
+between micro-steps every rank holds each unit's unsharded gradient in the fp32 reduce dtype, 4T bytes, on the
+GPU even with offload. The default reduce-scatters after every micro-step and holds only the 4T/S shard.
+
 Activations (Korthikanti et al. 2022, without sequence parallelism, with a fused attention kernel so no
 s x s score matrix is stored): per layer about s b c (8h + q + 2kv + m I) bytes, where q + 2kv is the QKV
 projection width, I the MLP width and m = 2 (GELU MLP) or 3 (SwiGLU). For GPT-2 this is 38 s b h bytes at
@@ -80,6 +84,8 @@ class MemoryInputs:
     shape: Shape | None = None
     frozen_bytes: int = 4
     """Bytes per frozen parameter: 4 (fp32) for full fine-tunes, the compute dtype's 2 for LoRA bases."""
+    deferred_reduce: bool = False
+    """Gradient accumulation that keeps unsharded fp32 gradients until the last micro-step (no_sync)."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,8 @@ def estimate(m: MemoryInputs) -> MemoryBreakdown:
     host = 0.0
     if m.offload:
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
+    if m.deferred_reduce and s > 1:
+        grads = 4.0 * m.trainable  # every unit's unsharded fp32 gradient, on the device (offload or not)
     return MemoryBreakdown(params, grads, optimizer, gathered, activation_bytes(m), host)
 
 
@@ -148,14 +156,25 @@ def seeds_simple(params: int, gpus: int, fsdp: bool) -> float:
     return total / GiB
 
 
-def parse_bytes(text: str) -> float:
-    """'80GB' -> bytes. GB and GiB are both read as 2**30 (GPU marketing sizes are GiB-ish in practice)."""
+def parse_bytes(text: str) -> int:
+    """'80GB' -> bytes. GB and GiB are both read as 2**30 (GPU marketing sizes are GiB-ish in practice). The unit is
+    required (a bare 24 would be 24 bytes): ValueError for anything else."""
     import re
 
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(T|G|M|K)?I?B?\s*", text.upper())
-    if not m:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(T|G|M|K)I?B?\s*", str(text).upper())
+    if not m or float(m.group(1)) <= 0:
         raise ValueError(text)
-    return float(m.group(1)) * {None: 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2)]
+    return int(float(m.group(1)) * {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2)])
+
+
+def size_problem(option: str, text: str, example: str = "80GB"):
+    """The one message for a size that is not one (no unit, zero, garbage)."""
+    from accel_fsdp.errors import Problem
+
+    bare = str(text).strip().replace(".", "", 1).isdigit()
+    why = "has no unit" if bare else "is not a size"
+    hint = f" (did you mean {str(text).strip()}GB?)" if bare else ""
+    return Problem(option, f"{text!r} {why}{hint}", f"give a positive size with a unit, e.g. {example}")
 
 
 def gib(x: float) -> str:

@@ -55,6 +55,7 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
                     value = tokenizer.eos_token_id
                 if value is not None:
                     kwargs[key] = value
+        unknown_override_problems(recipe, CONFIG_MAPPING[model_type], overrides)
         try:
             return AutoConfig.for_model(model_type, **kwargs)
         except (TypeError, ValueError) as e:
@@ -94,9 +95,33 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
                                             f"{name!r} ships its own model code", "set model.trust_remote_code: "
                                             "true if you trust that repository")) from None
                 raise
+    if config is not None:
+        unknown_override_problems(recipe, type(config), overrides)
     for key, value in overrides.items():
         setattr(config, key, value)
     return config
+
+
+def unknown_override_problems(recipe, config_class, overrides: dict) -> None:
+    """Every model.config_overrides key must be a field of the model's config class: transformers would keep an
+    unknown one as an inert attribute, so a typo (n_layers for n_layer) would silently train another model."""
+    import difflib
+
+    try:
+        defaults = config_class().to_dict()
+    except Exception:  # a config class that cannot be built without arguments: nothing to check against
+        return
+    known = set(defaults) | set(getattr(config_class, "attribute_map", {}) or {})
+    problems = []
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            problems.append(Problem(recipe.where(f"model.config_overrides.{key}"),
+                                    f"{config_class.__name__} has no setting {key!r}, so it would be ignored",
+                                    f"did you mean {close[0]}?" if close else
+                                    f"use a key of {config_class.__name__} (see its documentation)"))
+    if problems:
+        raise UserError(problems)
 
 
 def context_length(config) -> int | None:
@@ -161,6 +186,17 @@ def wrap_class_problems(settings, model: torch.nn.Module, recipe) -> list[Proble
                     "so the model's own _no_split_modules is used")]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt", "tiktoken.model")
+
+
+def tokenizer_files_problem(folder: Path) -> str | None:
+    """A local folder without any vocabulary file: transformers 5 would build an empty tokenizer from it silently
+    (one token, every text encoded as nothing; checked with 5.23.0)."""
+    if Path(folder).is_dir() and not any((Path(folder) / name).exists() for name in TOKENIZER_FILES):
+        return f"has no tokenizer files (none of {', '.join(TOKENIZER_FILES)})"
+    return None
+
+
 def build_tokenizer(recipe):
     """The recipe's tokenizer, with a pad token (the EOS token when the tokenizer has none)."""
     m = recipe.model
@@ -175,6 +211,12 @@ def build_tokenizer(recipe):
     else:
         from transformers import AutoTokenizer
 
+        key = "model.tokenizer" if m.tokenizer else "model.name_or_path"
+        missing = tokenizer_files_problem(Path(source).expanduser()) if is_local(source) else None
+        if missing:
+            raise UserError(Problem(recipe.where(key), f"{source!r} {missing}",
+                                    "set model.tokenizer to a folder or hub id with a tokenizer, or "
+                                    "builtin:quickstart"))
         try:
             tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=m.trust_remote_code)
         except (OSError, ValueError) as e:
@@ -187,22 +229,61 @@ def build_tokenizer(recipe):
     return tokenizer
 
 
-def build_model(recipe, config, *, dtype: torch.dtype = torch.float32):
-    """Weights: pretrained (hub id or folder) or freshly initialized from `config` under the recipe's seed."""
+def build_model(recipe, config, *, dtype: torch.dtype = torch.float32, empty: bool = False):
+    """Weights: pretrained (hub id or folder) or freshly initialized from `config` under the recipe's seed.
+
+    `empty`: build the structure on the meta device and load nothing (LoRA adapters included): the rank will
+    receive its shards from global rank 0 when the model is sharded (`fsdp_cpu_ram_efficient_loading`). Only
+    buffers are real (rotary frequencies and the like are computed, not loaded). transformers 5.x would otherwise
+    read every weight on every rank (modeling_utils.py, `_load_pretrained_model`, checked with 5.23.0): N copies
+    of the model in the host memory of one machine.
+    """
     from transformers import AutoModelForCausalLM
 
     m = recipe.model
     kwargs: dict[str, Any] = {"trust_remote_code": m.trust_remote_code}
     if m.attn_implementation:
         kwargs["attn_implementation"] = m.attn_implementation
+    # Every rank draws the same fresh weights (from-scratch models, LoRA adapters): their shards must fit together.
+    torch.manual_seed(recipe.training.seed)
+    if empty:
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+        # init_empty_weights re-creates every registered parameter on meta (accelerate/big_modeling.py,
+        # register_empty_parameter), so `lm_head.weight = wte.weight` no longer shares one object: tie again.
+        model.tie_weights()
+        model.config.use_cache = False
+        if m.lora.enabled:
+            model = apply_lora(model, recipe)
+        return _unwritten_parameters(model)
     if m.architecture:
-        torch.manual_seed(recipe.training.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(m.name_or_path, config=config, dtype=dtype, **kwargs)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
     if m.lora.enabled:
         model = apply_lora(model, recipe)
+    return model
+
+
+def _unwritten_parameters(model: torch.nn.Module) -> torch.nn.Module:
+    """Replace meta parameters by CPU tensors that are allocated but never written (tied ones stay shared).
+
+    Accelerate's FSDP2 `prepare` maps the optimizer's parameters to the sharded ones by `data_ptr()`
+    (accelerator.py, _prepare_fsdp2 and fsdp2_switch_optimizer_parameters, checked with 1.15.0), and every meta
+    tensor's is 0. Untouched allocations are virtual: the kernel maps their pages only when written, so resident
+    memory does not grow; `prepare` then moves the model to meta and fills it from rank 0's broadcast."""
+    fresh: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.device.type != "meta":
+                continue
+            if id(param) not in fresh:
+                fresh[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="cpu"),
+                                                      requires_grad=param.requires_grad)
+            module._parameters[name] = fresh[id(param)]
     return model
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import click
 
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.memory import MemoryBreakdown, MemoryInputs, estimate, gib, parse_bytes, shape_of
+from accel_fsdp.memory import MemoryBreakdown, MemoryInputs, estimate, gib, parse_bytes, shape_of, size_problem
 
 
 @dataclass
@@ -135,7 +135,9 @@ def build_plan(recipe, config, *, num_processes: int | None = None) -> Plan:
         offload=bool(settings.cpu_offload.value),
         activation_checkpointing=bool(settings.activation_checkpointing.value),
         micro_batch=recipe.training.micro_batch_size, seq_len=recipe.data.seq_len, shape=shape_of(config_obj),
-        frozen_bytes=frozen_bytes)
+        frozen_bytes=frozen_bytes,
+        deferred_reduce=not settings.reduce_every_micro_step.value and recipe.training.global_batch_size >
+        recipe.training.micro_batch_size * settings.num_processes.value)
     return Plan(recipe, settings, config.label, type(meta).__name__, parameters, trainable, units, estimate(inputs),
                 inputs, report.notes)
 
@@ -170,6 +172,9 @@ def format_plan(plan: Plan, gpu_memory: float | None) -> str:
         if m.total > 0.9 * gpu_memory:
             lines.append("  try: model.activation_checkpointing: true, a smaller micro batch, more GPUs, or CPU "
                          "offload (accelerate_configs/fsdp_2gpu_offload.yaml); `accel-fsdp estimate` compares them")
+    if plan.memory_inputs.deferred_reduce:
+        lines.append(f"note: fsdp.reduce_every_micro_step is false: grads above are the unsharded fp32 gradients of "
+                     f"the whole model, held between micro-steps ({gib(m.grads)} GiB per rank)")
     for note in plan.notes:
         if "tokenizer" not in note and "dataset" not in note:
             lines.append(f"note: {note}")
@@ -184,6 +189,6 @@ def print_plan(recipe, accelerate_config: str | None, gpu_memory: str | None) ->
         try:
             budget = parse_bytes(gpu_memory)
         except ValueError:
-            raise UserError(Problem("--gpu-memory", f"{gpu_memory!r} is not a size", "e.g. 80GB or 24GiB")) from None
+            raise UserError(size_problem("--gpu-memory", gpu_memory)) from None
     config, n, _ = load_config_or_default(accelerate_config)
     click.echo(format_plan(build_plan(recipe, config, num_processes=n), budget))

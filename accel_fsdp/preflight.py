@@ -27,6 +27,7 @@ class PreflightReport:
     model_class: str | None = None
     notes: list[str] = field(default_factory=list)
     data_rows: int | None = None
+    data_stats: object | None = None
 
 
 def default_accelerate_config() -> tuple[Path, int | None, str]:
@@ -41,7 +42,7 @@ def default_accelerate_config() -> tuple[Path, int | None, str]:
 
 
 def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = None, check_data: bool = True,
-              run_dir: Path | None = None, resume: bool = False, resume_from: str | None = None,
+              run_dir: Path | None = None, resume: str | None = None, resume_from: str | None = None,
               overwrite: bool = False, for_target_hardware: bool = False) -> PreflightReport:
     """Check recipe x accelerate config x model x data; raise one UserError listing every problem.
 
@@ -56,16 +57,32 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
     if for_target_hardware and cuda and not torch.cuda.is_available():
         settings.device.source = "the config's target hardware (this machine has no GPU)"
     report = PreflightReport(settings=settings, config=config, num_processes=settings.num_processes.value)
-    problems: list[Problem] = list(check_settings(settings, recipe))
-    if run_dir is not None:
-        from accel_fsdp.rundir import check_run_dir
+    here = torch.cuda.device_count() if torch.cuda.is_available() else None
+    problems: list[Problem] = list(check_settings(settings, recipe, visible_gpus=None if for_target_hardware else here))
+    if here is not None:
+        from accel_fsdp.launch_config import gpu_count_problems, idle_gpu_note
 
-        try:
-            check_run_dir(run_dir, recipe, resume=resume, resume_from=bool(resume_from), overwrite=overwrite)
-            if resume or resume_from:
-                report.notes += _check_resume(recipe, settings, run_dir, resume_from)
-        except UserError as e:
-            problems += e.problems
+        if for_target_hardware:  # judged for other hardware: what this machine would do is only a note
+            report.notes += [f"on this machine: {p.message}" for p in gpu_count_problems(settings, here)]
+        note = idle_gpu_note(settings, here)
+        if note:
+            report.notes.append(note)
+    if run_dir is not None:
+        from accel_fsdp.rundir import Decision, RunLayout, decide, lock_problems, writable_problems
+
+        layout = RunLayout.of(recipe, run_dir)
+        locked = lock_problems(layout)
+        problems += locked + writable_problems(layout)
+        if not locked:
+            try:
+                decision = decide(layout, recipe, resume=resume, resume_from=resume_from, overwrite=overwrite)
+                if decision == Decision.RESUME or resume_from:
+                    report.notes += _check_resume(recipe, settings, layout, resume_from)
+                elif decision == Decision.RESTART:
+                    report.notes.append(f"--resume auto: {layout.root} holds this run without a complete checkpoint; "
+                                        "starting it again")
+            except UserError as e:
+                problems += e.problems
 
     problems += _tracker_problems(recipe)
     tokenizer = None
@@ -122,11 +139,11 @@ def _tracker_problems(recipe) -> list[Problem]:
     return out
 
 
-def _check_resume(recipe, settings, run_dir: Path, resume_from: str | None) -> list[str]:
+def _check_resume(recipe, settings, layout, resume_from: str | None) -> list[str]:
     """The checkpoint to resume exists, is complete, and was made by a compatible recipe."""
     from accel_fsdp import checkpoint as ckpt
 
-    info = ckpt.checkpoint_to_resume(ckpt.checkpoint_root(recipe, run_dir), resume_from)
+    info = ckpt.checkpoint_to_resume(layout.checkpoints, resume_from)
     return [f"resuming from {info.path}"] + ckpt.check_resume(info, recipe, settings)
 
 
@@ -161,7 +178,17 @@ def _check_data(recipe, tokenizer, report: PreflightReport) -> list[Problem]:
     problems = data_lib.check_rows(recipe, rows)
     if tokenizer is not None:
         problems += data_lib.check_tokenizer(recipe, tokenizer)
-    return problems
+    if problems or tokenizer is None:
+        return problems
+    # Tokenize and pack now (cached: the ranks read the result): what only tokenizing finds (no example keeps a
+    # loss token, responses truncated away) stops here, before anything launches.
+    try:
+        data = data_lib.prepare_data(recipe, tokenizer, rows=rows)
+    except UserError as e:
+        return e.problems
+    report.data_stats = data.stats
+    report.notes += data.stats.warnings(recipe)
+    return []
 
 
 def load_config_or_default(name_or_path: str | None) -> tuple[AccelerateConfig, int | None, str]:

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import yaml
 
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.yaml_file import load_yaml
 
 TRACKERS = ("tensorboard", "wandb")
 
@@ -160,6 +161,14 @@ class FsdpConfig:
     """Override the accelerate config's strategy. Default: the accelerate config."""
     cpu_offload: bool | None = None
     """Keep parameters, gradients and optimizer state in CPU memory. Default: the accelerate config."""
+    reduce_every_micro_step: bool = True
+    """Reduce-scatter gradients after every micro-step, so each rank only ever holds its gradient shard. false
+    defers the reduction to the last micro-step of an optimizer step: less communication, but between micro-steps
+    every rank holds the unsharded fp32 gradients of the whole model (on the GPU even with CPU offload): only for
+    models small enough that this fits."""
+    collective_timeout_minutes: int = 60
+    """How long a collective (all-gather, barrier, broadcast) may wait before the run fails. Generous, because
+    the first run tokenizes the data on one rank while the others wait, and large checkpoints take time."""
 
 
 @dataclass(kw_only=True)
@@ -287,13 +296,13 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 
 
 def recipe_from_text(text: str, *, source: str, overrides=(), default_name: str = "") -> Recipe:
-    raw, lines = _parse_yaml(text, source)
+    raw, lines, duplicates = load_yaml(text, source)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise UserError(Problem(source, f"the recipe must be a mapping of sections, found {type(raw).__name__}",
                                 "start from `accel-fsdp recipe copy quickstart my.yaml`"))
-    problems: list[Problem] = []
+    problems: list[Problem] = list(duplicates)
     overridden = []
     for item in overrides:
         key = _apply_override(raw, item, problems)
@@ -312,32 +321,6 @@ def recipe_from_text(text: str, *, source: str, overrides=(), default_name: str 
     if problems:
         raise UserError(problems, title=f"recipe {source} has {len(problems)} problems")
     return recipe
-
-
-def _parse_yaml(text: str, source: str) -> tuple[Any, dict[str, int]]:
-    """Parse YAML; return the data and a map dotted key -> 1-based line, for messages."""
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        context = getattr(e, "context", None)
-        msg = f"YAML syntax error: {problem}" + (f" ({context})" if context else "")
-        fix = "fix the YAML at that line (indentation, a missing ':' or quote)"
-        raise UserError(Problem(where, msg, fix)) from None
-    lines: dict[str, int] = {}
-
-    def walk(n, prefix):
-        if isinstance(n, yaml.MappingNode):
-            for k, v in n.value:
-                key = f"{prefix}{k.value}"
-                lines[key] = k.start_mark.line + 1
-                walk(v, key + ".")
-
-    walk(node, "")
-    return data, lines
 
 
 def _apply_override(raw: dict, item: str, problems: list[Problem]) -> str | None:
@@ -455,7 +438,8 @@ def check_recipe(r: Recipe) -> list[Problem]:
     need(t.adam_eps > 0, "training.adam_eps", f"{t.adam_eps} must be positive", "e.g. 1e-8")
     need(t.max_grad_norm is None or t.max_grad_norm > 0, "training.max_grad_norm",
          f"{t.max_grad_norm} must be positive", "e.g. 1.0, or null to disable clipping")
-    need(t.seed >= 0, "training.seed", f"{t.seed} must be 0 or more", "any non-negative integer")
+    need(0 <= t.seed <= 2**32 - 1, "training.seed", f"{t.seed} is outside [0, 2**32 - 1]",
+         "use a non-negative integer below 4294967296 (NumPy's seed range)")
     need(t.eval_every_steps is None or t.eval_every_steps >= 1, "training.eval_every_steps",
          f"{t.eval_every_steps} must be at least 1", "or null to evaluate at the end only")
     need(t.eval_max_batches is None or t.eval_max_batches >= 1, "training.eval_max_batches",
@@ -465,6 +449,8 @@ def check_recipe(r: Recipe) -> list[Problem]:
     need(c.keep_last is None or c.keep_last >= 1, "checkpoint.keep_last", f"{c.keep_last} must be at least 1",
          "or null to keep every checkpoint")
     need(bool(c.dir), "checkpoint.dir", "is empty", "e.g. checkpoints")
+    need(r.fsdp.collective_timeout_minutes >= 1, "fsdp.collective_timeout_minutes",
+         f"{r.fsdp.collective_timeout_minutes} must be at least 1", "e.g. 60")
     need(lg.every_steps >= 1, "logging.every_steps", f"{lg.every_steps} must be at least 1", "e.g. 10")
     need(lg.sample_max_new_tokens >= 1, "logging.sample_max_new_tokens",
          f"{lg.sample_max_new_tokens} must be at least 1", "e.g. 24")

@@ -4,7 +4,6 @@ matplotlib is installed (`pip install "accel-fsdp[plot]"`)."""
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
@@ -12,22 +11,28 @@ from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.metrics import read_metrics
 
 
+_TRAIN_KEYS = ("loss", "tokens_per_s", "tokens_per_s_per_rank", "step_time_s", "peak_memory_bytes")
+
+
 def summarize(run_dir: Path) -> dict:
     run_dir = Path(run_dir)
     metrics_file = run_dir / "metrics.jsonl"
     if not run_dir.is_dir():
-        raise UserError(Problem(str(run_dir), "does not exist", "give the --output-dir of a run"))
+        what = "does not exist" if not run_dir.exists() else "is a file, not a run folder"
+        raise UserError(Problem(str(run_dir), what, "give the --output-dir of a run"))
     if not metrics_file.exists():
         raise UserError(Problem(str(run_dir), "has no metrics.jsonl, so it is not a run folder (or the run logged "
                                 "nothing yet)", "give the --output-dir of a run"))
     rows = read_metrics(metrics_file)
-    train = [r for r in rows if r["kind"] == "train"]
-    evals = [r for r in rows if r["kind"] == "eval"]
+    train = [r for r in rows if r["kind"] == "train" and all(k in r for k in _TRAIN_KEYS)]
+    evals = [r for r in rows if r["kind"] == "eval" and "eval_loss" in r]
     if not train:
         raise UserError(Problem(str(metrics_file), "holds no training rows yet", "wait for the first logged step"))
-    info = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").exists() else {}
+    from accel_fsdp.rundir import RunIdentity
+
+    info = RunIdentity.read(run_dir / "run.json") if (run_dir / "run.json").exists() else RunIdentity(None)
     out = {
-        "run": str(run_dir), "recipe": info.get("recipe_name"), "steps": train[-1]["step"],
+        "run": str(run_dir), "recipe": info.recipe_name, "steps": train[-1]["step"],
         "tokens_seen": train[-1].get("tokens_seen"), "first_loss": train[0]["loss"], "final_loss": train[-1]["loss"],
         "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in train),
         "tokens_per_s_per_rank_median": statistics.median(r["tokens_per_s_per_rank"] for r in train),
@@ -69,8 +74,8 @@ def plot(run_dir: Path) -> Path | None:
     except ImportError:
         return None
     rows = read_metrics(Path(run_dir) / "metrics.jsonl")
-    train = [r for r in rows if r["kind"] == "train"]
-    evals = [r for r in rows if r["kind"] == "eval"]
+    train = [r for r in rows if r["kind"] == "train" and "loss" in r]
+    evals = [r for r in rows if r["kind"] == "eval" and "eval_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", linewidth=1.5)
     if evals:

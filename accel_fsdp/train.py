@@ -27,18 +27,21 @@ from torch.distributed.tensor import DTensor
 
 from accel_fsdp import checkpoint as ckpt
 from accel_fsdp import data as data_lib
+from accel_fsdp import probes
 from accel_fsdp.cpu_fsdp import check_sharded, local_numel
-from accel_fsdp.distributed import build_accelerator, expected_shards
+from accel_fsdp.distributed import apply_activation_checkpointing, build_accelerator, expected_shards
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.faults import Faults
 from accel_fsdp.launch_config import (CONFIG_PATH_ENV, AccelerateConfig, FsdpSettings, check_settings,
                                       config_from_environment, detect_wrap_classes, load_accelerate_config,
                                       resolve_settings)
-from accel_fsdp.metrics import MetricsWriter, device_peak_flops, flops_per_token, peak_memory_bytes, perplexity
+from accel_fsdp.metrics import (MetricsWriter, PeakMemory, device_peak_flops, flops_per_token, peak_memory_bytes,
+                                perplexity, reset_peak_memory)
 from accel_fsdp.model import (build_model, build_tokenizer, context_problems, count_parameters, human_count,
                               meta_model, model_config, no_split_modules, wrap_class_problems)
 from accel_fsdp.quiet import quiet_libraries
-from accel_fsdp.rundir import check_run_dir, prepare_run_dir
+from accel_fsdp.lifetime import Preempted, Preemption
+from accel_fsdp.rundir import Decision, FolderLock, RunLayout, decide, prepare
 
 TRACE_ENV = "ACCEL_FSDP_TRACE_ROWS"
 """Set to 1 to record, per rank and step, the training rows read (in <run>/trace/); used by resume tests."""
@@ -48,7 +51,8 @@ TRACE_ENV = "ACCEL_FSDP_TRACE_ROWS"
 class RunRequest:
     recipe: Any
     run_dir: Path
-    resume: bool = False
+    resume: str | None = None
+    """None, "latest" (--resume) or "auto" (--resume auto)."""
     resume_from: str | None = None
     overwrite: bool = False
     benchmark: bool = False
@@ -71,8 +75,13 @@ class Run:
     total_steps: int
     start_step: int
     metrics: MetricsWriter
-    ckpt_root: Path
+    layout: RunLayout
+    decision: Decision
+    preemption: Preemption
+    locks: list
     use_position_ids: bool
+    batch_layout: str
+    """data.PADDED or data.PADDING_FREE (varlen flash attention), from the model's attention kernel."""
     parameters: int
     trainable_parameters: int
     flops_per_token: float
@@ -80,6 +89,8 @@ class Run:
     tokens_seen: int = 0
     last_saved_step: int | None = None
     last_eval_step: int | None = None
+    peak_memory: list[int] | None = None
+    """Highest per-rank peak memory of any logging window so far."""
 
 
 def current_accelerate_config() -> AccelerateConfig:
@@ -101,16 +112,18 @@ def setup(request: RunRequest) -> Run:
     config = current_accelerate_config()
     settings = resolve_settings(recipe, config, cuda_available=torch.cuda.is_available(), num_processes=world,
                                 num_machines=max(1, world // local_world))
-    problems = check_settings(settings, recipe)
+    problems = check_settings(settings, recipe,
+                              visible_gpus=torch.cuda.device_count() if settings.device.value == "cuda" else None)
     if problems:
         raise UserError(problems, title=f"{len(problems)} problems with this recipe on this hardware")
     accumulation = t.global_batch_size // (t.micro_batch_size * world)
     run_dir = request.run_dir
     accelerator = build_accelerator(settings, gradient_accumulation_steps=accumulation, run_dir=run_dir,
                                     trackers=recipe.logging.trackers)
-    decision = check_run_dir(run_dir, recipe, resume=request.resume, resume_from=bool(request.resume_from),
-                             overwrite=request.overwrite)
-    accelerator.wait_for_everyone()  # every rank has looked at the folder before the main process changes it
+    layout = RunLayout.of(recipe, run_dir)
+    decision, locks = claim_run_folder(accelerator, layout, request)
+    preemption = Preemption().install()
+    preemption.join_group()
 
     # What the model is, before loading any weights: context length and wrap class are checked on a meta model.
     tokenizer = build_tokenizer(recipe)
@@ -122,9 +135,8 @@ def setup(request: RunRequest) -> Run:
         raise UserError(problems)
     del skeleton
 
-    ckpt_root = ckpt.checkpoint_root(recipe, run_dir)
     if accelerator.is_main_process:
-        prepare_run_dir(run_dir, recipe, settings, decision, ckpt_root)
+        prepare(layout, recipe, settings, decision, resumed_from=request.resume_from)
     accelerator.wait_for_everyone()
     say = accelerator.print
     say(f"accel-fsdp: recipe {recipe.name} ({recipe.source}) -> {run_dir}\n--- resolved recipe ---\n"
@@ -134,13 +146,25 @@ def setup(request: RunRequest) -> Run:
 
     data = data_lib.prepare_data(recipe, tokenizer, accelerator)
     say(f"data: {recipe.data.path}: {data.stats.summary()}")
+    for warning in data.stats.warnings(recipe):
+        say(f"warning: {warning}")
+    threads = offload_threads(settings, os.environ, _usable_cores(), local_world)
+    if threads:
+        torch.set_num_threads(threads)  # the offloaded optimizer step runs on this rank's share of the cores
     # LoRA keeps the frozen base weights in the compute dtype (no fp32 master copy needed: they never change).
     frozen_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(settings.mixed_precision.value, torch.float32)
-    model = build_model(recipe, model_cfg, dtype=frozen_dtype if recipe.model.lora.enabled else torch.float32)
+    # With fsdp_cpu_ram_efficient_loading only global rank 0 reads the weights; `prepare` sends every rank its
+    # shards from there (accelerate/utils/fsdp_utils.py, fsdp2_load_full_state_dict; FSDP1: sync_module_states).
+    rank0_only = bool(settings.cpu_ram_efficient_loading.value)
+    loading = PeakMemory()
+    model = build_model(recipe, model_cfg, dtype=frozen_dtype if recipe.model.lora.enabled else torch.float32,
+                        empty=rank0_only and not accelerator.is_main_process)
     parameters, trainable = count_parameters(model), count_parameters(model, trainable_only=True)
     say(f"model: {type(model).__name__}, {human_count(parameters)} parameters ({parameters:,}; "
-        f"{trainable:,} trainable)")
+        f"{trainable:,} trainable)" + ("; loaded by rank 0 only" if rank0_only else ""))
     use_position_ids = "position_ids" in _forward_parameters(model)
+    batch_layout = data_lib.batch_layout(getattr(model.config, "_attn_implementation", None), use_position_ids)
+    model = apply_activation_checkpointing(model, settings)
 
     if settings.fsdp_version.value == 1:
         # FSDP1 replaces the parameters when it wraps the model: the optimizer is built from the wrapped one.
@@ -149,16 +173,19 @@ def setup(request: RunRequest) -> Run:
     else:
         # FSDP2 takes both at once and swaps the optimizer's parameters for the sharded DTensors.
         model, optimizer = accelerator.prepare(model, build_optimizer(model, recipe, settings))
+    loading.stop()
     check_sharded(accelerator, model, parameters, expected_shards(settings))
-    layout = _shard_layout(accelerator, model)
-    held = [int(row[0]) for row in layout]
+    shards = _shard_layout(accelerator, model)
+    held = [int(row[0]) for row in shards]
     say(f"sharded: ranks hold {' / '.join(f'{n:,}' for n in held)} of {parameters:,} parameters "
         f"({settings.sharding_strategy.value}, each tensor split over {expected_shards(settings)} ranks)")
+    loading_growth = _gather_ints(accelerator, [loading.growth])  # collective: every rank takes part
     if accelerator.is_main_process:
-        (run_dir / "sharding.json").unlink(missing_ok=True)  # a resumed or overwritten run starts it afresh
+        layout.sharding_file.unlink(missing_ok=True)  # a resumed or overwritten run starts it afresh
         _record_sharding(run_dir, parameters=parameters, local_parameters=held,
                          expected_shards=expected_shards(settings), strategy=settings.sharding_strategy.value,
-                         ranks=_layout_rows(layout))
+                         ranks=_layout_rows(shards), rank0_only_loading=rank0_only,
+                         loading_peak_rss_growth_bytes=loading_growth, process_group=_process_group_record())
 
     sampler = data_lib.GlobalBatchSampler(len(data.train), global_batch=t.global_batch_size,
                                           micro_batch=t.micro_batch_size, world_size=world,
@@ -172,15 +199,17 @@ def setup(request: RunRequest) -> Run:
 
     run = Run(request=request, settings=settings, accelerator=accelerator, tokenizer=tokenizer, data=data,
               model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler, total_steps=total_steps,
-              start_step=0, metrics=None, ckpt_root=ckpt_root, use_position_ids=use_position_ids,
+              start_step=0, metrics=None, layout=layout, decision=decision, preemption=preemption, locks=locks,
+              use_position_ids=use_position_ids, batch_layout=batch_layout,
               parameters=parameters, trainable_parameters=trainable,
               flops_per_token=flops_per_token(model_cfg, recipe.data.seq_len, trainable / max(1, parameters)),
               faults=Faults.from_env(accelerator.process_index))
     # Dropout and any other randomness of the loop: seeded, different on each rank, and saved in checkpoints.
     set_seed(t.seed, device_specific=True)
-    if decision == "resume" or request.resume_from:
+    if decision == Decision.RESUME or request.resume_from:
         _resume(run)
-    run.metrics = MetricsWriter(accelerator, run_dir / "metrics.jsonl", run.start_step)
+    run.metrics = MetricsWriter(accelerator, layout.metrics_file, run.start_step)
+    probes.install(model, layout.trace, accelerator.process_index)
     if recipe.logging.trackers:
         from accel_fsdp.recipe import flatten
 
@@ -191,15 +220,44 @@ def setup(request: RunRequest) -> Run:
 
 
 def build_optimizer(model, recipe, settings) -> torch.optim.AdamW:
-    """AdamW with decoupled weight decay on matrices only (not on biases and norm weights)."""
+    """AdamW with decoupled weight decay on matrices only (not on biases and norm weights).
+
+    The fused kernel runs wherever the parameters are: on the GPU, and on the CPU (torch 2.13 has a CPU fused
+    AdamW; with FSDP2 DTensor shards it measured 4x faster per step than the default foreach path on 2 CPU
+    ranks), so also for CPU offload, where the step runs on the host."""
     t = recipe.training
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    # The fused kernel needs the parameters on the GPU: not with CPU offload (the step runs on the CPU).
-    fused = torch.cuda.is_available() and settings.device.value == "cuda" and not settings.cpu_offload.value
     return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
-                             lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, fused=fused or None)
+                             lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                             fused=fused_optimizer(settings))
+
+
+def fused_optimizer(settings) -> bool:
+    """The fused AdamW kernel exists for the parameters' device: CUDA, and the CPU (offloaded shards, CPU ranks)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    device = "cpu" if settings.cpu_offload.value else settings.device.value
+    return device in _get_fused_kernels_supported_devices()
+
+
+def offload_threads(settings, env, cores: int, local_world: int) -> int | None:
+    """CPU threads of a GPU rank under CPU offload: its share of the machine's cores. torchrun (and so
+    `accelerate launch`) sets OMP_NUM_THREADS=1 for every rank (torch/distributed/run.py), which would run the
+    offloaded optimizer step on one core per rank. An OMP_NUM_THREADS above 1 is the user's choice and kept."""
+    if not settings.cpu_offload.value or settings.device.value != "cuda":
+        return None
+    if env.get("OMP_NUM_THREADS", "1") not in ("", "1"):
+        return None
+    return max(1, cores // max(1, local_world))
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # what this process may use (cgroups, SLURM, taskset)
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 def lr_schedule(recipe, total_steps: int):
@@ -218,9 +276,38 @@ def lr_schedule(recipe, total_steps: int):
     return factor
 
 
+def claim_run_folder(acc, layout: RunLayout, request: RunRequest) -> tuple[Decision, list]:
+    """The main process locks the run folder (and an outside checkpoint folder) for the life of the run, then decides
+    what the start does with it; every rank gets the decision, or stops with the same error."""
+    from accelerate.utils import broadcast_object_list
+
+    outcome: list = [None]
+    locks: list[FolderLock] = []
+    error: UserError | None = None
+    if acc.is_main_process:
+        try:
+            locks.append(FolderLock(layout.root).acquire("run folder"))
+            if layout.external_checkpoints:
+                locks.append(FolderLock(layout.checkpoints).acquire("checkpoint folder"))
+            outcome = [decide(layout, request.recipe, resume=request.resume, resume_from=request.resume_from,
+                              overwrite=request.overwrite).value]
+        except UserError as e:
+            for lock in locks:
+                lock.release(remove_if_created=True)
+            error, outcome = e, ["error: " + e.format_message()]
+    if acc.num_processes > 1:
+        broadcast_object_list(outcome, from_process=0)
+    if error is not None:
+        raise error
+    if outcome[0].startswith("error: "):
+        raise UserError(outcome[0].removeprefix("error: "))
+    return Decision(outcome[0]), locks
+
+
 def _resume(run: Run) -> None:
     request, recipe, acc = run.request, run.request.recipe, run.accelerator
-    info = ckpt.checkpoint_to_resume(run.ckpt_root, request.resume_from)
+    info = ckpt.checkpoint_to_resume(run.layout.checkpoints, request.resume_from)
+    ckpt.verify_files(info, acc)  # a file damaged since it was saved is named before anything reads it
     for note in ckpt.check_resume(info, recipe, run.settings):
         acc.print(f"resume: {note}")
     state = ckpt.load_checkpoint(acc, run.model, run.optimizer, run.scheduler, info, lora=recipe.model.lora.enabled)
@@ -241,6 +328,8 @@ def fit(run: Run) -> None:
     max_norm = t.max_grad_norm if t.max_grad_norm is not None else float("inf")
     trace = _trace_file(run) if os.environ.get(TRACE_ENV) else None
 
+    layout = run.batch_layout
+    peak_flops = device_peak_flops(acc.device, run.settings.mixed_precision.value)
     progress = _progress_bar(acc, run.total_steps, run.start_step)
     window_loss = torch.zeros((), device=acc.device)
     window_norm = torch.zeros((), device=acc.device)
@@ -253,11 +342,13 @@ def fit(run: Run) -> None:
         num_items = max(1, sum(label_counts[i] for i in global_rows)) / (world * k)
         micro_batches = sampler.micro_batches(step)
         for rows in micro_batches:
-            batch = data_lib.collate(run.data.train[rows], pad_id, run.use_position_ids)
-            batch = {name: tensor.to(acc.device, non_blocking=True) for name, tensor in batch.items()}
+            batch = _to_device(data_lib.collate(run.data.train[rows], pad_id, run.use_position_ids, layout=layout),
+                               acc.device)
             with acc.accumulate(model):
                 with acc.autocast():
-                    loss = model(**batch, num_items_in_batch=num_items).loss
+                    # use_cache=False: with a KV cache transformers skips the packed-document mask
+                    # (masking_utils.py, _preprocess_mask_arguments needs past_key_values None; 5.23.0).
+                    loss = model(**batch, num_items_in_batch=num_items, use_cache=False).loss
                 acc.backward(loss)
                 if acc.sync_gradients:  # the last micro-step: gradients are now reduced over ranks
                     grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
@@ -266,7 +357,7 @@ def fit(run: Run) -> None:
                     _record_state_bytes(run)  # gradients and optimizer state both exist only here
                 optimizer.zero_grad(set_to_none=True)
             window_loss += loss.detach()
-        scheduler.step()
+        step_lr = advance_schedule(acc, scheduler)
         done = step + 1
         window_norm += _full(grad_norm).detach()
         step_tokens = sum(lengths[i] for i in global_rows)
@@ -282,12 +373,13 @@ def fit(run: Run) -> None:
             # The only synchronizing point of a logging window: reduce the window's sums over ranks.
             loss_sum = acc.reduce(window_loss, reduction="sum").item()
             elapsed = time.perf_counter() - window_start
+            window_peak = _gather_ints(acc, [peak_memory_bytes(acc.device)])
+            run.peak_memory = [max(a, b) for a, b in zip(run.peak_memory or window_peak, window_peak)]
             row = {"kind": "train", "step": done, "loss": loss_sum / (world * k * window_steps),
-                   "lr": scheduler.get_last_lr()[0], "grad_norm": window_norm.item() / window_steps,
+                   "lr": step_lr, "grad_norm": window_norm.item() / window_steps,
                    "tokens_per_s": window_tokens / elapsed, "tokens_per_s_per_rank": window_tokens / elapsed / world,
                    "step_time_s": elapsed / window_steps, "tokens_seen": run.tokens_seen,
-                   "peak_memory_bytes": _peak_memory_all_ranks(acc)}
-            peak_flops = device_peak_flops(acc.device)
+                   "peak_memory_bytes": window_peak, "peak_memory_bytes_run": run.peak_memory}
             if peak_flops:
                 row["mfu"] = run.flops_per_token * row["tokens_per_s_per_rank"] / peak_flops
             run.metrics.write(row, done)
@@ -296,6 +388,7 @@ def fit(run: Run) -> None:
                                      tok_s=f"{row['tokens_per_s']:,.0f}")
             window_loss.zero_()
             window_norm.zero_()
+            reset_peak_memory(acc.device)
             window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
         if progress is not None:
             progress.update(1)
@@ -304,10 +397,21 @@ def fit(run: Run) -> None:
         every = recipe.checkpoint.every_steps
         if every and done % every == 0 and done != run.total_steps:
             save(run, done)
+        if run.preemption.agreed():
+            stop_preempted(run, done, progress)
     if progress is not None:
         progress.close()
     if trace:
         trace.close()
+
+
+def advance_schedule(acc, scheduler) -> float:
+    """Step the LR schedule after an optimizer step; return the rate that step used. A step the fp16 grad scaler
+    skipped (inf/nan gradients) does not advance it: the next step gets the rate this one would have had."""
+    used = scheduler.get_last_lr()[0]
+    if not acc.optimizer_step_was_skipped:
+        scheduler.step()
+    return used
 
 
 def evaluate(run: Run, step: int) -> dict | None:
@@ -323,12 +427,13 @@ def evaluate(run: Run, step: int) -> dict | None:
                                                world_size=acc.num_processes, rank=acc.process_index,
                                                max_batches=t.eval_max_batches):
             dummy = rows is None  # this rank ran out of rows but must join the collective forward
-            batch = data_lib.collate(run.data.eval[rows or [0]], run.tokenizer.pad_token_id, run.use_position_ids)
+            batch = data_lib.collate(run.data.eval[rows or [0]], run.tokenizer.pad_token_id, run.use_position_ids,
+                                     layout=run.batch_layout)
             if dummy:
                 batch["labels"].fill_(data_lib.IGNORE_INDEX)
-            batch = {name: tensor.to(acc.device) for name, tensor in batch.items()}
+            batch = _to_device(batch, acc.device)
             with acc.autocast():
-                loss_sum = model(**batch, num_items_in_batch=1).loss
+                loss_sum = model(**batch, num_items_in_batch=1, use_cache=False).loss
             total[0] += loss_sum.double()
             total[1] += data_lib.label_count(batch["labels"])
     model.train()
@@ -347,13 +452,30 @@ def save(run: Run, step: int) -> Path:
     position = run.sampler.position(step)
     state = {"step": step, **position, "tokens_seen": run.tokens_seen, "total_steps": run.total_steps,
              "parameters": run.parameters, "trainable_parameters": run.trainable_parameters}
-    path = ckpt.save_checkpoint(run.accelerator, run.model, run.optimizer, run.scheduler, root=run.ckpt_root,
+    path = ckpt.save_checkpoint(run.accelerator, run.model, run.optimizer, run.scheduler, root=run.layout.checkpoints,
                                 step=step, trainer_state=state, recipe=recipe, settings=run.settings,
                                 tokenizer=run.tokenizer, lora=recipe.model.lora.enabled,
-                                keep_last=recipe.checkpoint.keep_last, faults=run.faults)
+                                keep_last=recipe.checkpoint.keep_last, faults=run.faults,
+                                run_id=_run_id(run))
     run.last_saved_step = step
     run.accelerator.print(f"checkpoint: {path}")
     return path
+
+
+def stop_preempted(run: Run, step: int, progress) -> None:
+    """Every rank agreed to stop after `step`: checkpoint it (unless just saved), say so, and leave resumable."""
+    if progress is not None:
+        progress.close()
+    path = run.layout.checkpoints / ckpt.checkpoint_name(step) if run.last_saved_step == step else save(run, step)
+    run.preemption.finish()
+    if run.accelerator.is_main_process:
+        import json as _json
+
+        run.layout.preempted_file.write_text(_json.dumps({"step": step, "checkpoint": str(path),
+                                                          "signal": run.preemption.signal_name}))
+    run.accelerator.wait_for_everyone()
+    ckpt.wait_for_rotations()
+    raise Preempted(step, path, run.preemption.signal_name or "a signal")
 
 
 def finish(run: Run) -> None:
@@ -361,22 +483,26 @@ def finish(run: Run) -> None:
     acc, recipe = run.accelerator, run.request.recipe
     last = run.total_steps
     if run.request.benchmark:
+        run.preemption.finish()
         acc.wait_for_everyone()
         acc.end_training()
+        ckpt.wait_for_rotations()
         return
     if run.last_eval_step != last:
         evaluate(run, last)
     # Where every rank stands after training: replicas must still agree (their gradients were all-reduced).
     layout = _shard_layout(acc, run.model)
     if acc.is_main_process:
-        _record_sharding(run.request.run_dir, ranks_after_training=_layout_rows(layout))
+        _record_sharding(run.layout.root, ranks_after_training=_layout_rows(layout))
     if run.last_saved_step != last:
         save(run, last)
     sample = None
     if recipe.logging.sample_prompt:
         sample = generate_sample(run, recipe.logging.sample_prompt, recipe.logging.sample_max_new_tokens)
+    run.preemption.finish()
     acc.wait_for_everyone()
     acc.end_training()  # closes the trackers and destroys the process group
+    ckpt.wait_for_rotations()
     if not acc.is_main_process:
         return
     # Exported by the main process alone, after the other ranks have left: a long export of a large model
@@ -384,8 +510,8 @@ def finish(run: Run) -> None:
     if recipe.checkpoint.export_final:
         from accel_fsdp.consolidate import consolidate
 
-        info = ckpt.latest_complete(run.ckpt_root)
-        report = consolidate(info, run.request.run_dir / "final", dtype=recipe.checkpoint.export_dtype)
+        info = ckpt.latest_complete(run.layout.checkpoints)
+        report = consolidate(info, run.layout.final, dtype=recipe.checkpoint.export_dtype)
         print(f"export: {report.summary()}")
     if sample is not None:
         print(f"sample: {recipe.logging.sample_prompt!r} -> {sample!r}")
@@ -483,7 +609,7 @@ def _record_state_bytes(run: Run) -> None:
     gathered = acc.gather(torch.tensor([mine[k] for k in keys], device=acc.device, dtype=torch.int64))
     if acc.is_main_process:
         per_rank = gathered.view(acc.num_processes, len(keys)).tolist()
-        _record_sharding(run.request.run_dir, state_bytes=[dict(zip(keys, row)) for row in per_rank])
+        _record_sharding(run.layout.root, state_bytes=[dict(zip(keys, row)) for row in per_rank])
 
 
 def _full(t):
@@ -491,9 +617,14 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _peak_memory_all_ranks(acc) -> list[int]:
-    mine = torch.tensor([peak_memory_bytes(acc.device)], device=acc.device, dtype=torch.int64)
+def _gather_ints(acc, values: list[int]) -> list[int]:
+    """`values` of every rank, concatenated in rank order (collective: every rank calls it)."""
+    mine = torch.tensor(values, device=acc.device, dtype=torch.int64)
     return [int(x) for x in acc.gather(mine).tolist()]
+
+
+def _to_device(batch: dict, device) -> dict:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def _progress_bar(acc, total: int, initial: int):
@@ -504,7 +635,31 @@ def _progress_bar(acc, total: int, initial: int):
     return tqdm(total=total, initial=initial, desc="training", unit="step", dynamic_ncols=True, mininterval=1.0)
 
 
+def _process_group_record() -> dict:
+    """The backends and collective timeout the default process group really has (private c10d fields, read for
+    the record only: torch 2.13.0 keeps them in _world.pg_backend_config and each backend's options)."""
+    import torch.distributed as dist
+
+    group = dist.distributed_c10d._get_default_group()
+    record: dict = {"world_size": dist.get_world_size()}
+    try:
+        record["backends"] = dist.distributed_c10d._world.pg_backend_config[group]
+        record["timeout_s"] = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, KeyError, RuntimeError):
+        record["backends"] = str(dist.get_backend())
+    return record
+
+
+def _run_id(run: Run) -> str | None:
+    from accel_fsdp.rundir import RunIdentity
+
+    try:
+        return RunIdentity.read(run.layout.run_file).run_id
+    except UserError:
+        return None
+
+
 def _trace_file(run: Run):
-    folder = run.request.run_dir / "trace"
+    folder = run.layout.trace
     folder.mkdir(parents=True, exist_ok=True)
     return (folder / f"rows-rank{run.accelerator.process_index}.jsonl").open("a")

@@ -308,3 +308,95 @@ def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path):
     assert latest_complete(tmp_path).name == "step-000012"
     (tmp_path / "step-000012" / "weights").write_bytes(b"x")  # truncated after the fact: no longer complete
     assert latest_complete(tmp_path).name == "step-000009"
+
+
+# ---------------------------------------------------------------- preemption, the launcher's death, damage
+
+
+def test_sigterm_to_one_rank_checkpoints_the_next_step_and_resumes_exactly(tmp_path, reference, tiny_gpt2, stories):
+    recipe = make_recipe(tmp_path, tiny_gpt2, stories)
+    run = tmp_path / "run"
+    step = random.choice([4, 7, 10])  # between checkpoints (every 3 steps)
+    stopped = run_cli("recipe", "run", recipe, "--output-dir", run,
+                      env={**TRACE, "ACCEL_FSDP_FAULT": f"sigterm:{step}@1"})
+    assert stopped.returncode == 75, stopped.stderr[-3000:]  # preempted, resumable
+    # Every rank finished the step it was in; the run agreed on the next one and saved it.
+    assert f"preempted (SIGTERM to another rank): the ranks stopped after step {step + 1}" in stopped.stderr
+    assert json.loads((run / "preempted.json").read_text())["step"] == step + 1
+    assert (run / "checkpoints" / f"step-{step + 1:06d}" / "manifest.json").exists()
+    assert not (run / "final").exists()
+    run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", env=TRACE, check=0)
+    assert_same_weights(run / "final", reference / "final")
+    assert rows_by_step(run) == rows_by_step(reference)
+
+
+def test_sigusr1_to_the_launcher_reaches_the_ranks(tmp_path, tiny_gpt2, stories):
+    recipe = make_recipe(tmp_path, tiny_gpt2, stories)
+    run = tmp_path / "run"
+    stopped = run_cli("recipe", "run", recipe, "--output-dir", run, env={"ACCEL_FSDP_FAULT": "sigusr1-launcher:5"})
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert "preempted (SIGUSR1): the ranks stopped after step" in stopped.stderr
+    step = json.loads((run / "preempted.json").read_text())["step"]
+    assert step in (5, 6) and (run / "checkpoints" / f"step-{step:06d}" / "manifest.json").exists()
+
+
+def rank_pids(run: Path) -> list[int]:
+    """Processes whose command line runs this run folder (the ranks, after their launcher is gone)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(run) in (entry / "cmdline").read_text():
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_ranks_die_with_their_launcher_and_a_second_start_is_refused_meanwhile(tmp_path, reference, tiny_gpt2,
+                                                                               stories):
+    import os
+    import signal
+    import time
+
+    from conftest import REPO
+
+    recipe = make_recipe(tmp_path, tiny_gpt2, stories)
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", ACCEL_FSDP_FAULT="hang:7", **TRACE)  # rank 0 stuck after step 7
+    launcher = subprocess.Popen([sys.executable, "-m", "accel_fsdp", "recipe", "run", str(recipe), "--output-dir",
+                                 str(run)], cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    while not (run / "checkpoints" / "step-000006" / "manifest.json").exists():  # rank 1 waits for rank 0 then
+        assert launcher.poll() is None and time.monotonic() < deadline, "the run did not reach its first checkpoint"
+        time.sleep(0.1)
+    second = run_cli("recipe", "run", recipe, "--output-dir", run, "--resume")
+    assert second.returncode == 2 and "this run folder is in use by a live run (held by PID" in second.stderr
+    os.killpg(launcher.pid, signal.SIGKILL)  # the launcher's process group only: the ranks have sessions of their own
+    launcher.wait()
+    killed_at = time.monotonic()
+    while rank_pids(run) and time.monotonic() - killed_at < 10:
+        time.sleep(0.1)
+    assert not rank_pids(run), "ranks still alive 10 s after their launcher died"
+    proc = run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", env=TRACE, check=0)
+    assert "continuing from" in proc.stdout
+    assert_same_weights(run / "final", reference / "final")
+    assert rows_by_step(run) == rows_by_step(reference)
+
+
+def test_a_shard_damaged_in_place_is_named_before_anything_reads_it(tmp_path, reference):
+    broken = tmp_path / "checkpoints" / "step-000012"
+    shutil.copytree(reference / "checkpoints" / "step-000012", broken)
+    shard = next((broken / "pytorch_model_fsdp_0").glob("__1_0.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
+    shard.write_bytes(bytes(data))
+    msg = run_cli("checkpoint", "consolidate", broken, tmp_path / "out", check=2).stderr
+    assert "pytorch_model_fsdp_0/__1_0.distcp changed since it was saved (CRC-32 differs" in msg
+    assert "INCOMPLETE: pytorch_model_fsdp_0/__1_0.distcp changed since it was saved" in \
+        run_cli("checkpoint", "inspect", broken, check=0).stdout
+    recipe = reference / "recipe.yaml"
+    proc = run_cli("recipe", "run", recipe, "--output-dir", tmp_path / "again", "--resume-from", broken, check=2)
+    assert "pytorch_model_fsdp_0/__1_0.distcp changed since it was saved" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -73,7 +73,8 @@ def test_chat_masks_everything_but_assistant_turns(tok):
 
 
 def test_padding_is_masked_and_isolated(tok):
-    rows = {"input_ids": [[5, 6, 7], [5, 6, 7, 8, 9]], "labels": [[5, 6, 7], [IGNORE_INDEX, 6, 7, 8, 9]],
+    x = IGNORE_INDEX  # rows as the data holds them: each document's first token carries no label
+    rows = {"input_ids": [[5, 6, 7], [5, 6, 7, 8, 9]], "labels": [[x, 6, 7], [x, 6, 7, 8, 9]],
             "position_ids": [[0, 1, 2], [0, 1, 2, 3, 4]], "length": [3, 5]}
     batch = collate(rows, pad_id=0, use_position_ids=True, multiple_of=8)
     assert batch["input_ids"].shape == (2, 8)
@@ -95,6 +96,11 @@ def test_packing_keeps_every_token_and_restarts_positions(tok):
     first = out["position_ids"][0]
     assert first[:len(docs[0])] == list(range(len(docs[0]))) and first[len(docs[0])] == 0
     assert sum(out["n_empty"]) == 1
+    # No token predicts the first token of the next document: a packed row's loss is its documents' losses.
+    labels = out["labels"][0]
+    assert labels[0] == labels[len(docs[0])] == IGNORE_INDEX
+    assert labels[1:len(docs[0])] == docs[0][1:]
+    assert out["n_labels"] == [sum(1 for y in row if y != IGNORE_INDEX) for row in out["labels"]]
 
 
 def test_builtin_packing_efficiency_is_reported_and_high(tok):

@@ -155,33 +155,69 @@ def test_slurm_script_checks_batch_and_layout_when_generated(tmp_path):
     assert "'1 day' is not a SLURM time" in result.output
 
 
-def test_slurm_script_runs_and_resumes_when_requeued(tmp_path, tiny_gpt2, stories):
-    """The generated sbatch script, run by bash with stand-ins for srun and scontrol (one node, 2 CPU ranks):
-    it prints its configuration, trains, and when run again after a crash resumes from the checkpoint."""
+def slurm_stand_ins(tmp_path: Path) -> tuple[dict, Path]:
+    """srun and scontrol for one node with 2 CPU ranks; scontrol records requeues."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/bash\necho localhost\n")
+    requeues = tmp_path / "requeues.txt"
+    (bin_dir / "scontrol").write_text('#!/bin/bash\nif [ "$1" = requeue ]; then echo "$2" >> ' + str(requeues) +
+                                      '; else echo localhost; fi\n')
     (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
                                   'export SLURM_NODEID=0\nexec "$@"\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="localhost",
+               SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="1", SLURM_CPUS_PER_TASK="2", MAIN_PORT=str(free_port()),
+               PYTHONUNBUFFERED="1")
+    return env, requeues
+
+
+def test_slurm_script_runs_and_resumes_when_requeued(tmp_path, tiny_gpt2, stories):
+    """The generated sbatch script, run by bash with stand-ins for srun and scontrol (one node, 2 CPU ranks): it
+    checks and prints the recipe on the allocation, trains, and when run again after a crash resumes. With the
+    checkpoints outside the run folder (scratch), as in the requeue that used to delete them: nothing is deleted."""
+    scratch = tmp_path / "scratch"
     recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, stories, training={"max_steps": 6},
-                         checkpoint={"every_steps": 3})
+                         checkpoint={"every_steps": 3, "dir": str(scratch)})
     script = tmp_path / "job.sbatch"
     run = tmp_path / "run"
     run_cli("slurm", recipe, "--nodes", "1", "--gpus-per-node", "2", "--accelerate-config", "fsdp_cpu",
             "--output-dir", run, "--set", "logging.sample_prompt=alice has a", "-o", script, check=0)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="localhost",
-               SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="1", SLURM_CPUS_PER_TASK="2", MAIN_PORT=str(free_port()),
-               PYTHONUNBUFFERED="1")
+    env, requeues = slurm_stand_ins(tmp_path)
     crashed = subprocess.run(["bash", str(script)], env=dict(env, ACCEL_FSDP_FAULT="kill:5"), capture_output=True,
                              text=True, timeout=600)
     assert crashed.returncode != 0
-    assert "batch:         global 8 = micro 4 x 2 GPUs x 1 accumulation steps" in crashed.stdout
-    assert "run folder:    " in crashed.stdout and "(new run)" in crashed.stdout
+    assert "batch: global 8 = micro 4 x 2 processes x 1 accumulation steps" in crashed.stdout
+    assert (scratch / "step-000003" / "manifest.json").exists() and not (run / "checkpoints").exists()
+    kept = {p: p.stat().st_mtime_ns for p in (scratch / "step-000003").rglob("*")}
     requeued = subprocess.run(["bash", str(script)], env=dict(env, SLURM_RESTART_COUNT="1"), capture_output=True,
                               text=True, timeout=600)
     assert requeued.returncode == 0, requeued.stderr[-3000:]
-    assert "(restart 1)" in requeued.stdout and "--resume" in requeued.stdout
-    assert "at step 3" in requeued.stdout and "sample: 'alice has a' -> " in requeued.stdout
-    assert (run / "final" / "model.safetensors").exists()
+    assert "(restart 1)" in requeued.stdout and "continuing from" in requeued.stdout and "at step 3" in \
+        requeued.stdout
+    assert "sample: 'alice has a' -> " in requeued.stdout
+    assert (run / "final" / "model.safetensors").exists() and not requeues.exists()
+    assert {p: p.stat().st_mtime_ns for p in kept if p.exists()} == kept  # step 3 untouched (kept by rotation: 2)
+
+
+def test_slurm_warning_signal_checkpoints_and_requeues(tmp_path, tiny_gpt2, stories):
+    """SLURM's SIGUSR1 before the time limit (here sent to the launcher by a rank): the ranks checkpoint, the run
+    exits 75, the script requeues the job; the requeued job resumes and finishes."""
+    recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, stories, training={"max_steps": 8},
+                         checkpoint={"every_steps": 100})
+    script = tmp_path / "job.sbatch"
+    run = tmp_path / "run"
+    run_cli("slurm", recipe, "--nodes", "1", "--gpus-per-node", "2", "--accelerate-config", "fsdp_cpu",
+            "--output-dir", run, "-o", script, check=0)
+    env, requeues = slurm_stand_ins(tmp_path)
+    first = subprocess.run(["bash", str(script)], env=dict(env, ACCEL_FSDP_FAULT="sigusr1-launcher:3"),
+                           capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "preempted: the run wrote a checkpoint; requeueing job 4242" in first.stdout
+    assert requeues.read_text().split() == ["4242"]
+    step = json.loads((run / "preempted.json").read_text())["step"]
+    second = subprocess.run(["bash", str(script)], env=dict(env, SLURM_RESTART_COUNT="1"), capture_output=True,
+                            text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"at step {step}" in second.stdout and (run / "final" / "model.safetensors").exists()
+    assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"][-1] == 8

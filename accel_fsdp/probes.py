@@ -1,0 +1,78 @@
+"""Measurements of a run's internals, for tests and `accel-fsdp verify`: `ACCEL_FSDP_PROBE=grad-bytes[,...]`.
+
+  grad-bytes  before every forward of the training loop, the bytes of gradients this rank holds (its gradient
+              shards, plus any unsharded gradient FSDP keeps between micro-steps when the reduction is deferred),
+              one JSON line per forward in <run>/trace/grad-bytes-rank<R>.jsonl.
+
+Probes hook into the model (forward pre-hooks); the training loop does not know about them. Unset, this module
+does nothing and never changes results. It reads FSDP2 internals (FSDPParam.unsharded_accumulated_grad,
+checked with torch 2.13.0) and only measures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+ENV = "ACCEL_FSDP_PROBE"
+PROBES = ("grad-bytes",)
+
+
+def requested() -> set[str]:
+    names = {p.strip() for p in os.environ.get(ENV, "").split(",") if p.strip()}
+    unknown = names - set(PROBES)
+    if unknown:
+        raise ValueError(f"{ENV}: unknown probe(s) {', '.join(sorted(unknown))}; known: {', '.join(PROBES)}")
+    return names
+
+
+def install(model: torch.nn.Module, folder: Path, rank: int) -> None:
+    """Attach the requested probes to the prepared model."""
+    if "grad-bytes" in requested():
+        folder.mkdir(parents=True, exist_ok=True)
+        out = (folder / f"grad-bytes-rank{rank}.jsonl").open("a")
+
+        def record(module, args):
+            if module.training and torch.is_grad_enabled():
+                out.write(json.dumps({"bytes": held_gradient_bytes(model)}) + "\n")
+                out.flush()
+
+        model.register_forward_pre_hook(record)
+
+
+def held_gradient_bytes(model: torch.nn.Module) -> int:
+    """Bytes of gradient storage this rank holds now: `.grad` of every parameter (local shards of DTensors) and
+    the unsharded gradients FSDP2 accumulates under no_sync (in the reduce dtype)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+    total = 0
+
+    def add(t):
+        nonlocal total
+        if t is None:
+            return
+        t = t.to_local() if isinstance(t, DTensor) else t
+        if t.numel() == 0 or t.data_ptr() in seen:
+            return
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+
+    for p in model.parameters():
+        add(p.grad)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return total
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            add(fsdp_param.unsharded_accumulated_grad)
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            add(unsharded.grad if unsharded is not None else None)
+    return total

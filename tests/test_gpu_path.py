@@ -1,0 +1,354 @@
+"""The GPU path, held on CPU: each fault found by reading accelerate 1.15, torch 2.13 and transformers 5.23 has a
+test of the *decision* (what is built for a CUDA configuration, device counts simulated) and, where the same
+mechanism runs on CPU ranks, of the *behaviour* (2 real FSDP ranks over gloo)."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from accel_fsdp.cli import main
+from accel_fsdp.errors import UserError
+from accel_fsdp.launch_config import check_settings, load_accelerate_config, resolve_settings
+from accel_fsdp.paths import shipped_recipes
+from accel_fsdp.recipe import load_recipe, recipe_from_text
+
+from conftest import REPO, load_weights, read_metrics, run_cli, save_tiny_model, tiny_recipe
+
+TINY = """
+model: {architecture: gpt2, tokenizer: "builtin:quickstart", config_overrides: {n_layer: 2, n_embd: 64, n_head: 4}}
+data: {path: "builtin:quickstart", seq_len: 64}
+training: {micro_batch_size: 1, global_batch_size: 8, max_steps: 4}
+"""
+
+
+def settings_for(config: str, overrides=(), text: str = TINY, cuda: bool = True):
+    recipe = recipe_from_text(text, source="r.yaml", overrides=overrides)
+    return recipe, resolve_settings(recipe, load_accelerate_config(config), cuda_available=cuda)
+
+
+# ------------------------------------------------------------ 1 and 7: process group backends and timeout
+
+
+def test_cuda_process_group_always_has_a_cpu_backend_and_the_recipe_timeout():
+    """Offload asked for by the recipe (not the launcher's FSDP_OFFLOAD_PARAMS) still gets gloo next to NCCL:
+    the shipped pairing llama-3.1-70b-lora + llama_fsdp_8gpu would otherwise crash in clip_grad_norm_."""
+    from accel_fsdp.distributed import process_group_kwargs
+
+    recipe = load_recipe(shipped_recipes()["llama-3.1-70b-lora"])
+    settings = resolve_settings(recipe, load_accelerate_config("llama_fsdp_8gpu"), cuda_available=True)
+    assert settings.cpu_offload.value is True and settings.cpu_offload.source.startswith("recipe")
+    kwargs = process_group_kwargs(settings).to_kwargs()
+    assert kwargs == {"backend": "cuda:nccl,cpu:gloo", "timeout": timedelta(minutes=60)}
+    _, settings = settings_for("fsdp_2gpu", ["fsdp.collective_timeout_minutes=90"])
+    assert process_group_kwargs(settings).to_kwargs()["timeout"] == timedelta(minutes=90)
+    assert settings.collective_timeout_minutes.source == "--set"
+    _, cpu = settings_for("fsdp_cpu", cuda=False)
+    assert process_group_kwargs(cpu).backend == "gloo"
+
+
+def test_accelerate_keeps_the_two_backend_group_on_cuda(monkeypatch):
+    """What Accelerate does with the backend we pass on a CUDA rank (device count simulated): it keeps it."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    state = object.__new__(PartialState)  # no process group is created: only the backend decision runs
+    backend, kind = PartialState._prepare_backend(state, False, False, "cuda:nccl,cpu:gloo")
+    assert (backend, kind) == ("cuda:nccl,cpu:gloo", DistributedType.MULTI_GPU)
+
+
+def test_collective_timeout_is_checked():
+    with pytest.raises(UserError, match=r"fsdp.collective_timeout_minutes: 0 must be at least 1"):
+        recipe_from_text(TINY, source="r.yaml", overrides=["fsdp.collective_timeout_minutes=0"])
+
+
+def test_rotation_renames_before_deleting_and_never_blocks(tmp_path):
+    from accel_fsdp.checkpoint import FORMAT, list_checkpoints, rotate, wait_for_rotations
+
+    for step in (1, 2, 3):
+        folder = tmp_path / f"step-{step:06d}"
+        folder.mkdir()
+        (folder / "w").write_bytes(b"x")
+        (folder / "manifest.json").write_text(json.dumps({"format": FORMAT, "step": step, "files": {"w": 1}}))
+    removed = rotate(tmp_path, keep_last=1, background=True)
+    # Renamed at once (never seen as checkpoints again), deleted by a background thread.
+    assert [p.name for p in removed] == ["step-000001", "step-000002"]
+    assert [c.name for c in list_checkpoints(tmp_path)] == ["step-000003"]
+    wait_for_rotations()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003"]
+
+
+# ----------------------------------------------------------------------------- 6: processes vs GPUs
+
+
+def test_more_processes_than_gpus_is_refused_before_launch(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    launched = []
+    monkeypatch.setattr("accel_fsdp.launcher.launch", lambda *a, **k: launched.append(a) or 0)
+    result = CliRunner().invoke(main, ["recipe", "run", "quickstart", "--accelerate-config", "fsdp_2gpu",
+                                       "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2, result.output
+    assert ("accelerate_configs/fsdp_2gpu.yaml: num_processes: 2 processes per machine, but this machine shows "
+            "1 GPU(s)") in result.output
+    assert "num_processes: 1" in result.output and not launched and not (tmp_path / "run").exists()
+
+
+def test_fewer_processes_than_gpus_is_said(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    result = CliRunner().invoke(main, ["recipe", "validate", "quickstart", "--accelerate-config", "fsdp_2gpu"])
+    assert result.exit_code == 0, result.output
+    assert "note: 2 process(es) per machine on 8 visible GPUs: 6 GPU(s) stay idle" in result.output
+    recipe, settings = settings_for("fsdp_8gpu")
+    (problem,) = check_settings(settings, recipe, visible_gpus=4)
+    assert "8 processes per machine, but this machine shows 4 GPU(s)" in str(problem)
+
+
+# --------------------------------------------------------------------------- 8: the offloaded optimizer step
+
+
+def test_offloaded_optimizer_step_is_fused_and_gets_the_cores():
+    from accel_fsdp.train import fused_optimizer, offload_threads
+
+    _, gpu = settings_for("fsdp_2gpu")
+    _, offload = settings_for("fsdp_2gpu_offload")
+    _, cpu = settings_for("fsdp_cpu", cuda=False)
+    assert fused_optimizer(gpu) and fused_optimizer(offload) and fused_optimizer(cpu)
+    # torchrun sets OMP_NUM_THREADS=1 for every rank: under offload each rank gets its share of the cores
+    assert offload_threads(offload, {"OMP_NUM_THREADS": "1"}, cores=32, local_world=2) == 16
+    assert offload_threads(offload, {}, cores=32, local_world=8) == 4
+    assert offload_threads(offload, {"OMP_NUM_THREADS": "6"}, cores=32, local_world=2) is None  # the user chose
+    assert offload_threads(gpu, {"OMP_NUM_THREADS": "1"}, cores=32, local_world=2) is None
+
+
+# ----------------------------------------------------------------------------------------- 9: smaller ones
+
+
+@pytest.mark.parametrize("name,precision,peak", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989e12), ("NVIDIA H100 PCIe", "bf16", 756e12),
+    ("NVIDIA H100 NVL", "bf16", 835e12), ("NVIDIA H200", "bf16", 989e12), ("NVIDIA A100-SXM4-80GB", "fp32", 19.5e12),
+    ("NVIDIA H100 80GB HBM3", "fp32", 67e12), ("NVIDIA GH200 480GB", "bf16", 989e12), ("Some New GPU", "bf16", None),
+])
+def test_mfu_uses_the_peak_of_the_exact_part_and_precision(name, precision, peak):
+    from accel_fsdp.metrics import peak_flops
+
+    assert peak_flops(name, precision) == peak
+
+
+def test_a_skipped_fp16_step_does_not_advance_the_schedule():
+    from accel_fsdp.train import advance_schedule
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+
+    class Acc:
+        optimizer_step_was_skipped = False
+
+    acc = Acc()
+    assert advance_schedule(acc, scheduler) == 1.0  # the rate the step used, not the next one
+    acc.optimizer_step_was_skipped = True
+    assert advance_schedule(acc, scheduler) == 0.5 and scheduler.get_last_lr() == [0.5]  # not advanced
+    acc.optimizer_step_was_skipped = False
+    assert advance_schedule(acc, scheduler) == 0.5 and scheduler.get_last_lr() == [1.0 / 3]
+
+
+def test_fsdp1_with_lora_is_refused():
+    lora = TINY.replace("model: {", "model: {lora: {enabled: true, target_modules: [c_attn]}, ")
+    recipe, settings = settings_for("fsdp1_2gpu", text=lora)
+    (problem,) = check_settings(settings, recipe)
+    assert "LoRA with FSDP1 upcasts the frozen base weights to fp32" in str(problem)
+    assert "use an FSDP2 config" in str(problem)
+
+
+# --------------------------------------------------------------- 4: gradients reduced every micro-step
+
+
+def test_estimate_and_dry_run_count_unsharded_gradients_when_the_reduction_is_deferred():
+    base = ["estimate", "llama-3.1-8b", "--gpus", "8", "--strategy", "FULL_SHARD", "--no-offload"]
+    default = CliRunner().invoke(main, base).output
+    deferred = CliRunner().invoke(main, base + ["--defer-reduce"]).output
+    grads = lambda out: float(next(line for line in out.splitlines() if line.startswith("FULL_SHARD ")).split()[2])  # noqa: E731
+    assert grads(deferred) == pytest.approx(8 * grads(default), rel=0.01)  # 4T instead of 4T / 8
+    out = CliRunner().invoke(main, ["recipe", "run", "llama-3.1-8b", "--dry-run", "--accelerate-config",
+                                    "llama_fsdp_8gpu", "--set", "fsdp.reduce_every_micro_step=false"]).output
+    assert "note: fsdp.reduce_every_micro_step is false: grads above are the unsharded fp32 gradients" in out
+
+
+# ----------------------------------------------------------------- 3: packed documents with flash attention
+
+
+def test_flash_attention_gets_padding_free_batches():
+    from accel_fsdp.data import IGNORE_INDEX, PADDED, PADDING_FREE, batch_layout, collate
+
+    assert batch_layout("flash_attention_2", True) == PADDING_FREE
+    assert batch_layout("flash_attention_3", True) == PADDING_FREE
+    assert batch_layout("sdpa", True) == batch_layout("eager", True) == batch_layout(None, True) == PADDED
+    x = IGNORE_INDEX
+    # Two packed rows of 8 (documents of 3 + 4 tokens, then 5 tokens; trailing padding) and their stored labels
+    # (every document's first token masked).
+    rows = {"input_ids": [[1, 2, 3, 4, 5, 6, 7, 0], [8, 9, 10, 11, 12, 0, 0, 0]],
+            "labels": [[x, 2, 3, x, 5, 6, 7, x], [x, 9, 10, 11, 12, x, x, x]],
+            "position_ids": [[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 0, 1, 2]], "length": [7, 5]}
+    batch = collate(rows, pad_id=0, use_position_ids=True, layout=PADDING_FREE)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]  # no padding at all
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 3, 4]]
+    assert batch["labels"].tolist() == [[x, 2, 3, x, 5, 6, 7, x, 9, 10, 11, 12]]  # no label across a boundary
+    assert batch["cu_seq_lens_q"].tolist() == batch["cu_seq_lens_k"].tolist() == [0, 3, 7, 12]
+    assert batch["cu_seq_lens_q"].dtype == torch.int32 and batch["max_length_q"] == batch["max_length_k"] == 5
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_packed_row_gives_each_document_the_logits_it_has_alone(tmp_path, kind):
+    """On the SDPA path (and eager), a padded batch of packed rows: every document sees only itself."""
+    from transformers import AutoModelForCausalLM
+
+    from accel_fsdp.data import PADDED, _tokenize_batch, collate
+    from accel_fsdp.synthetic import build_tokenizer
+
+    tok = build_tokenizer()
+    folder = save_tiny_model(tmp_path / kind, kind)
+    texts = ["alice has a red cat .", "bob has a blue dog . the dog is happy .", "the end .",
+             "carol has a green bird .", "dave and the bird go to the park ."]
+    recipe = recipe_from_text(TINY, source="r.yaml")
+    packed = _tokenize_batch(recipe, tok, 24, tok.pad_token_id, True, {"text": texts})
+    assert len(packed["input_ids"]) >= 2  # a micro-batch of several packed rows
+    rows = {k: packed[k] for k in ("input_ids", "labels", "position_ids", "length")}
+    for attn in ("sdpa", "eager"):
+        model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn).eval()
+        batch = collate(rows, tok.pad_token_id, True, layout=PADDED)
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+            leaky = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=True).logits
+        checked = 0
+        for r, (ids, pos) in enumerate(zip(rows["input_ids"], rows["position_ids"])):
+            starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+            for a, b in zip(starts, starts[1:]):
+                if b > rows["length"][r] and a >= rows["length"][r]:
+                    continue  # trailing padding
+                alone = model(input_ids=torch.tensor([ids[a:b]])).logits[0]
+                torch.testing.assert_close(logits[r, a:b], alone, rtol=1e-5, atol=1e-5)
+                checked += 1
+        assert checked >= len(texts), (attn, checked)
+        # With a KV cache transformers does not isolate packed documents: why the loop passes use_cache=False.
+        assert not torch.allclose(leaky, logits, atol=1e-3)
+
+
+# ------------------------------------------- 2, 4, 5: behaviour on 2 CPU ranks through the real CLI
+
+
+def cpu_config(path: Path, **fsdp) -> Path:
+    config = yaml.safe_load((REPO / "accelerate_configs" / "fsdp_cpu.yaml").read_text())
+    config["fsdp_config"].update(fsdp)
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.multiprocess
+def test_only_rank0_reads_pretrained_weights_and_training_is_unchanged(tmp_path):
+    """A 100 MB pretrained folder on 2 CPU ranks: with fsdp_cpu_ram_efficient_loading, rank 1 builds the model
+    empty and receives its shard (its resident memory grows by about half the model: its shard), while rank 0
+    reads the weights (grows by about the model); loading on every rank grows both by the model. Same losses."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from accel_fsdp.synthetic import build_tokenizer
+
+    tok = build_tokenizer()
+    config = AutoConfig.for_model("gpt2", n_layer=8, n_embd=512, n_head=8, n_positions=128, vocab_size=len(tok),
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                  bos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    size = sum(p.numel() for p in model.parameters()) * 4
+    del model
+    recipe = tiny_recipe(tmp_path / "r.yaml", tmp_path / "model", "builtin:quickstart",
+                         data={"eval_fraction": 0, "seq_len": 32, "max_rows": 200},
+                         training={"max_steps": 2, "mixed_precision": "fp32", "micro_batch_size": 1,
+                                   "global_batch_size": 2})
+    # glibc keeps freed mid-size blocks in its heap once its mmap threshold has grown (the broadcast buffers of
+    # the loading would then look resident): a fixed threshold returns them, so RSS shows live memory only.
+    env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+    growth, losses = {}, {}
+    for name, efficient in (("rank0", True), ("every", False)):
+        config_path = cpu_config(tmp_path / f"{name}.yaml", fsdp_cpu_ram_efficient_loading=efficient)
+        proc = run_cli("recipe", "run", recipe, "--accelerate-config", config_path, "--output-dir", tmp_path / name,
+                       "--benchmark", env=env, check=0)  # --benchmark: no final checkpoint of 300 MB to write
+        assert ("loaded by rank 0 only" in proc.stdout) is efficient
+        info = json.loads((tmp_path / name / "sharding.json").read_text())
+        assert info["rank0_only_loading"] is efficient
+        growth[name] = info["loading_peak_rss_growth_bytes"]
+        losses[name] = [r["loss"] for r in read_metrics(tmp_path / name) if r["kind"] == "train"]
+    rank0, rank1 = growth["rank0"]
+    assert rank1 < 0.7 * size, (rank1, size)  # its half shard and one parameter in flight
+    assert rank0 > 0.9 * size, (rank0, size)  # the whole model read from disk
+    assert min(growth["every"]) > 0.9 * size, (growth["every"], size)
+    assert losses["rank0"] == losses["every"]
+
+
+@pytest.fixture(scope="module")
+def dropout_recipe(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dropout")
+    model = save_tiny_model(folder / "model", "gpt2")
+    return tiny_recipe(folder / "r.yaml", model, "builtin:quickstart",
+                       model={"config_overrides": {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}},
+                       training={"max_steps": 3, "mixed_precision": "fp32", "micro_batch_size": 1},
+                       checkpoint={"export_dtype": "fp32"})
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, dropout_recipe):
+    """Dropout on, 4 micro-steps per optimizer step, no activation checkpointing, default reduction."""
+    run = tmp_path_factory.mktemp("reference") / "run"
+    run_cli("recipe", "run", dropout_recipe, "--output-dir", run, env={"ACCEL_FSDP_PROBE": "grad-bytes"}, check=0)
+    return run
+
+
+def train_rows(run: Path) -> list[tuple[float, float]]:
+    return [(r["loss"], r["grad_norm"]) for r in read_metrics(run) if r["kind"] == "train"]
+
+
+@pytest.mark.multiprocess
+def test_activation_checkpointing_recomputes_the_same_dropout(tmp_path, dropout_recipe, reference_run):
+    run = tmp_path / "ac"
+    run_cli("recipe", "run", dropout_recipe, "--output-dir", run, "--set", "model.activation_checkpointing=true",
+            check=0)
+    assert json.loads((run / "fsdp_settings.json").read_text())["activation_checkpointing"]["value"] is True
+    assert train_rows(run) == train_rows(reference_run)  # bit for bit: the same masks in forward and recompute
+    for key, tensor in load_weights(reference_run / "final").items():
+        assert torch.equal(load_weights(run / "final")[key], tensor), key
+
+
+@pytest.mark.multiprocess
+def test_gradients_are_reduced_every_micro_step_unless_deferred(tmp_path, dropout_recipe, reference_run):
+    deferred = tmp_path / "deferred"
+    run_cli("recipe", "run", dropout_recipe, "--output-dir", deferred, "--set", "fsdp.reduce_every_micro_step=false",
+            env={"ACCEL_FSDP_PROBE": "grad-bytes"}, check=0)
+
+    def between_micro_steps(run: Path) -> list[int]:
+        lines = (run / "trace" / "grad-bytes-rank1.jsonl").read_text().splitlines()
+        rows = [json.loads(line)["bytes"] for line in lines]
+        return [b for i, b in enumerate(rows) if i % 4]  # before micro-steps 2..4 of each optimizer step
+
+    parameters = json.loads((reference_run / "sharding.json").read_text())["parameters"]
+    sharded, unsharded = between_micro_steps(reference_run), between_micro_steps(deferred)
+    # About the rank's shard of fp32 gradients (4 bytes x parameters / 2 ranks; shards of small tensors are
+    # uneven) by default; the whole model's unsharded fp32 gradients when the reduction is deferred.
+    assert all(0.4 * 4 * parameters <= b <= 0.55 * 4 * parameters for b in sharded), (sharded, parameters)
+    assert all(b >= 4 * parameters for b in unsharded), (unsharded, parameters)
+    # The same update either way (summation order differs: float rounding only).
+    for (loss, norm), (loss2, norm2) in zip(train_rows(deferred), train_rows(reference_run)):
+        assert loss == pytest.approx(loss2, rel=1e-6) and norm == pytest.approx(norm2, rel=1e-5)
+    reference = load_weights(reference_run / "final")
+    for key, tensor in load_weights(deferred / "final").items():
+        torch.testing.assert_close(tensor, reference[key], rtol=0, atol=1e-6)

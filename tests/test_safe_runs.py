@@ -1,0 +1,326 @@
+"""Runs that cannot hurt each other, and mistakes that never train: ownership of run and checkpoint folders, the
+lock of a live run, duplicate keys, unknown config overrides, data that would teach nothing, and every bad input
+that used to end in a traceback. Each case: exit status 2, one message naming the file or key, the value and the
+fix, nothing of the user's changed. In-process through the real CLI; nothing here launches ranks."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from accel_fsdp.cli import main
+from accel_fsdp.paths import shipped_recipes
+
+from conftest import save_tiny_model, tiny_recipe, write_jsonl
+
+
+def user_error(*args) -> str:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == 2, f"exit status {result.exit_code}, output:\n{result.output}"
+    assert "Traceback" not in result.output and result.output.startswith("error: "), result.output
+    return result.output
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(folder.rglob("*"))}
+
+
+def fake_run(folder: Path, run_id: str, *, recipe="quickstart", overrides=(), checkpoint_dir: Path | None = None,
+             checkpoint_steps=(3,)) -> Path:
+    """A run folder as accel-fsdp leaves it (identity, resolved recipe, owned checkpoint folder), without training."""
+    from accel_fsdp.checkpoint import FORMAT
+    from accel_fsdp.recipe import load_recipe
+
+    r = load_recipe(shipped_recipes()[recipe], list(overrides))
+    folder.mkdir(parents=True)
+    ckpts = checkpoint_dir or folder / "checkpoints"
+    ckpts.mkdir(parents=True, exist_ok=True)
+    (folder / "run.json").write_text(json.dumps({"run_id": run_id, "recipe_name": r.name,
+                                                 "recipe_fingerprint": r.fingerprint(),
+                                                 "checkpoint_dir": str(ckpts)}))
+    (folder / "recipe.yaml").write_text(r.to_yaml())
+    (ckpts / ".accel-fsdp-run").write_text(json.dumps({"run_id": run_id, "run_dir": str(folder)}))
+    for step in checkpoint_steps:
+        step_dir = ckpts / f"step-{step:06d}"
+        step_dir.mkdir()
+        (step_dir / "weights").write_bytes(b"w" * 10)
+        (step_dir / "manifest.json").write_text(json.dumps({"format": FORMAT, "step": step, "run_id": run_id,
+                                                            "files": {"weights": 10}}))
+    return folder
+
+
+# ------------------------------------------------------------------------------------------- ownership
+
+
+def test_a_checkpoint_folder_of_another_run_is_refused(tmp_path):
+    other = fake_run(tmp_path / "other", "aaaa", checkpoint_dir=tmp_path / "scratch")
+    before = snapshot(tmp_path / "scratch")
+    msg = user_error("recipe", "run", "quickstart", "--output-dir", tmp_path / "mine",
+                     "--set", f"checkpoint.dir={tmp_path / 'scratch'}")
+    assert f"{tmp_path / 'scratch'}: this checkpoint folder belongs to another run (run aaaa in {other})" in msg
+    assert "set checkpoint.dir to a folder of this run's own" in msg
+    assert snapshot(tmp_path / "scratch") == before and not (tmp_path / "mine").exists()
+
+
+def test_a_non_empty_checkpoint_folder_that_no_run_owns_is_refused(tmp_path):
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "scratch" / "notes.txt").write_text("mine")
+    msg = user_error("recipe", "run", "quickstart", "--output-dir", tmp_path / "run",
+                     "--set", f"checkpoint.dir={tmp_path / 'scratch'}")
+    assert "the checkpoint folder is not empty (notes.txt) and records no run that owns it" in msg
+    assert (tmp_path / "scratch" / "notes.txt").read_text() == "mine"
+
+
+def test_resume_from_into_a_folder_of_another_run_is_refused(tmp_path):
+    theirs = fake_run(tmp_path / "theirs", "cccc")
+    mine = fake_run(tmp_path / "mine", "bbbb")
+    before = snapshot(mine)
+    msg = user_error("recipe", "run", "quickstart", "--output-dir", mine, "--resume-from",
+                     theirs / "checkpoints" / "step-000003")
+    assert "holds run bbbb of recipe 'quickstart', but" in msg and "belongs to run cccc" in msg
+    assert "give a new --output-dir to start a run from that checkpoint" in msg
+    assert snapshot(mine) == before
+
+
+def test_resume_auto_refuses_a_folder_of_another_run(tmp_path):
+    run = fake_run(tmp_path / "run", "dddd", overrides=["training.lr=0.1"])
+    msg = user_error("recipe", "run", "quickstart", "--output-dir", run, "--resume", "auto")
+    assert "holds another run (run dddd of recipe 'quickstart')" in msg
+    assert "training.lr: that run has 0.1, this one 0.003" in msg
+
+
+def test_overwrite_never_deletes_a_checkpoint_folder_it_cannot_prove_is_the_replaced_runs(tmp_path):
+    from accel_fsdp.recipe import load_recipe
+    from accel_fsdp.rundir import Decision, RunLayout, prepare
+
+    recipe = load_recipe(shipped_recipes()["quickstart"], [f"checkpoint.dir={tmp_path / 'scratch'}"])
+    run = fake_run(tmp_path / "run", "eeee", checkpoint_dir=tmp_path / "scratch")
+    (tmp_path / "scratch" / "notes.txt").write_text("mine")
+    # The checkpoint folder the old run recorded, now owned by someone else: refused before anything is deleted.
+    (tmp_path / "scratch" / ".accel-fsdp-run").write_text(json.dumps({"run_id": "ffff", "run_dir": "/elsewhere"}))
+    before = snapshot(tmp_path)
+    msg = user_error("recipe", "run", "quickstart", "--output-dir", run, "--overwrite",
+                     "--set", f"checkpoint.dir={tmp_path / 'scratch'}")
+    assert "belongs to another run (run ffff in /elsewhere)" in msg and snapshot(tmp_path) == before
+    # Owned by the run being replaced: its checkpoints go, anything else stays.
+    (tmp_path / "scratch" / ".accel-fsdp-run").write_text(json.dumps({"run_id": "eeee", "run_dir": str(run)}))
+    layout = RunLayout.of(recipe, run)
+
+    class Settings:
+        def to_dict(self):
+            return {}
+
+    identity = prepare(layout, recipe, Settings(), Decision.OVERWRITE)
+    assert identity.run_id != "eeee"
+    assert sorted(p.name for p in (tmp_path / "scratch").iterdir()) == [".accel-fsdp-run", "notes.txt"]
+    assert json.loads((tmp_path / "scratch" / ".accel-fsdp-run").read_text())["run_id"] == identity.run_id
+
+
+def test_a_damaged_run_json_is_named_and_nothing_is_changed(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text('{"run_id": "abc", "recipe')
+    before = snapshot(run)
+    for flag in ("--resume", "--overwrite"):
+        msg = user_error("recipe", "run", "quickstart", "--output-dir", run, flag)
+        assert "run.json: is unreadable or corrupt (JSONDecodeError" in msg and "restore run.json" in msg
+    assert snapshot(run) == before
+
+
+# ------------------------------------------------------------------------------------------------- lock
+
+
+def hold_lock(folder: Path) -> int:
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / ".accel-fsdp.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, json.dumps({"host": socket.gethostname(), "pid": 4242, "since": "2026-11-22 10:00:00"}).encode())
+    return fd
+
+
+def test_a_second_start_on_a_live_run_names_the_holder(tmp_path):
+    run = fake_run(tmp_path / "run", "gggg")
+    fd = hold_lock(run)
+    try:
+        msg = user_error("recipe", "run", "quickstart", "--output-dir", run, "--resume")
+        assert f"this run folder is in use by a live run (held by PID 4242 on {socket.gethostname()} since " \
+               "2026-11-22 10:00:00)" in msg
+        scratch = tmp_path / "scratch"
+        fd2 = hold_lock(scratch)
+        msg = user_error("recipe", "run", "quickstart", "--output-dir", tmp_path / "new",
+                         "--set", f"checkpoint.dir={scratch}")
+        assert f"{scratch}: this checkpoint folder is in use by a live run (held by PID 4242" in msg
+        os.close(fd2)
+    finally:
+        os.close(fd)
+    # Released (the holder closed it, as the kernel does when a process dies): no longer refused for the lock.
+    from accel_fsdp.rundir import lock_holder
+
+    assert lock_holder(run) is None
+
+
+def test_the_lock_is_taken_by_the_run_and_released_when_it_ends(tmp_path):
+    from accel_fsdp.errors import UserError
+    from accel_fsdp.rundir import FolderLock, lock_holder
+
+    lock = FolderLock(tmp_path / "run").acquire("run folder")
+    assert f"held by PID {os.getpid()}" in lock_holder(tmp_path / "run")
+    with pytest.raises(UserError, match="in use by a live run"):
+        FolderLock(tmp_path / "run").acquire("run folder")
+    lock.release(remove_if_created=True)
+    assert not (tmp_path / "run").exists()  # refused starts leave nothing behind
+
+
+# ------------------------------------------------------------------- nothing that changes training exits 0
+
+
+def test_a_key_given_twice_in_a_recipe_or_config_is_an_error(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(shipped_recipes()["quickstart"].read_text().replace("  lr: 3.0e-3", "  lr: 3.0e-3\n  lr: 1"))
+    msg = user_error("recipe", "validate", recipe)
+    line = next(i for i, text in enumerate(recipe.read_text().splitlines(), 1) if text == "  lr: 1")
+    assert f"r.yaml:{line}: training.lr: is given twice (lines {line - 1} and {line})" in msg
+    config = tmp_path / "c.yaml"
+    text = (Path(__file__).parents[1] / "accelerate_configs" / "fsdp_cpu.yaml").read_text()
+    config.write_text(text + "num_processes: 4\n")
+    msg = user_error("recipe", "validate", "quickstart", "--accelerate-config", config)
+    assert "c.yaml:" in msg and "num_processes: is given twice" in msg
+
+
+def test_an_unknown_config_override_is_an_error():
+    msg = user_error("recipe", "validate", "quickstart", "--set", "model.config_overrides.n_layers=4")
+    assert "--set model.config_overrides.n_layers: GPT2Config has no setting 'n_layers', so it would be ignored" in msg
+    assert "did you mean n_layer?" in msg
+    msg = user_error("recipe", "validate", "quickstart-llama", "--set", "model.config_overrides.num_layers=4")
+    assert "LlamaConfig has no setting 'num_layers'" in msg
+
+
+def instruction_data(tmp_path, rows: int, long_prompts: int) -> Path:
+    long = "alice has a red cat . " * 20
+    return write_jsonl(tmp_path / "qa.jsonl", [{"instruction": long if i < long_prompts else "who ?",
+                                                 "output": "alice ."} for i in range(rows)])
+
+
+def test_data_that_keeps_no_loss_token_is_refused_before_launch(tmp_path, tiny_gpt2):
+    data = instruction_data(tmp_path, 20, 20)
+    recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, data, data={"format": "instruction", "seq_len": 16,
+                                                                     "eval_fraction": 0})
+    msg = user_error("recipe", "run", recipe, "--output-dir", tmp_path / "run")
+    assert "no training example keeps a token that carries a loss (20 of 20 lost it to truncation at " \
+           "data.seq_len = 16" in msg and "raise data.seq_len" in msg
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_large_share_of_truncated_responses_is_warned_about(tmp_path, tiny_gpt2):
+    data = instruction_data(tmp_path, 20, 10)
+    recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, data, data={"format": "instruction", "seq_len": 16,
+                                                                     "eval_fraction": 0})
+    result = CliRunner().invoke(main, ["recipe", "validate", str(recipe)])
+    assert result.exit_code == 0, result.output
+    assert "note: 50% of the training examples (10 of 20) lost all their loss-carrying tokens to truncation at " \
+           "data.seq_len = 16" in result.output
+
+
+# ----------------------------------------------------------------------------- no traceback, one message
+
+
+def test_a_data_file_that_is_not_utf8_names_line_and_encoding(tmp_path, tiny_gpt2):
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"text": "ok"}\n{"text": "caf\u00e9 au lait"}\n'.encode("latin-1"))
+    recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, latin)
+    msg = user_error("recipe", "validate", recipe)
+    assert "line 2 is not UTF-8 (byte 0xe9 at column 14); the file is probably Latin-1 or Windows-1252" in msg
+    assert "iconv" in msg and msg.count("error") == 1
+    utf16 = tmp_path / "utf16.jsonl"
+    utf16.write_text('{"text": "hello"}\n', encoding="utf-16")
+    msg = user_error("recipe", "validate", recipe, "--set", f"data.path={utf16}")
+    assert "the file is UTF-16 (it starts with a UTF-16 byte-order mark), not UTF-8" in msg
+
+
+def test_a_broken_data_file_gives_one_message_without_the_librarys_line(tmp_path, tiny_gpt2, capfd):
+    bad = tmp_path / "bad.csv"
+    bad.write_text('text,other\n"unterminated,1\nfine,2\n' + "x," * 40 + "\n")
+    recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, bad)
+    msg = user_error("recipe", "validate", recipe)
+    assert msg.startswith("error: ") and "cannot read it as csv" in msg
+    assert "Failed to read file" not in capfd.readouterr().err  # datasets' own ERROR line is not printed
+
+
+def test_a_seed_beyond_numpys_range_is_refused():
+    msg = user_error("recipe", "validate", "quickstart", "--set", "training.seed=4294967296")
+    assert "--set training.seed: 4294967296 is outside [0, 2**32 - 1]" in msg
+
+
+def test_an_output_folder_that_cannot_be_written_is_found_before_launch(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    msg = user_error("recipe", "run", "quickstart", "--output-dir", tmp_path / "file" / "run")
+    assert f"{tmp_path / 'file'} is a file, not a folder" in msg
+    locked = tmp_path / "readonly"
+    locked.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == locked else real(p, mode))  # root writes
+    msg = user_error("recipe", "run", "quickstart", "--output-dir", locked / "run")
+    assert f"cannot be written: {locked} is not writable by this user" in msg
+    assert "choose a writable --output-dir" in msg
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["estimate", "0"], "0: is not a parameter count: it must be at least 1"),
+    (["estimate", "-5"], "-5: is not a parameter count: it must be positive"),
+    (["estimate", "gpt2", "--gpu-memory", "24"], "--gpu-memory: '24' has no unit (did you mean 24GB?)"),
+    (["estimate", "gpt2", "--gpu-memory", "0GB"], "--gpu-memory: '0GB' is not a size"),
+    (["recipe", "run", "gpt2-xl", "--dry-run", "--gpu-memory", "24"], "'24' has no unit"),
+    (["checkpoint", "consolidate", "runs", "out", "--max-shard-size", "500"], "'500' has no unit"),
+    (["generate", ".", "--prompt", "  "], "--prompt: is empty"),
+])
+def test_command_arguments_are_checked(args, expected):
+    assert expected in user_error(*args)
+
+
+def test_report_names_a_damaged_metrics_line(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"kind": "train", "step": s, "loss": 1.0, "tokens_per_s": 1.0, "tokens_per_s_per_rank": 1.0,
+             "step_time_s": 1.0, "tokens_seen": s, "peak_memory_bytes": [1]} for s in (1, 2, 3)]
+    lines = [json.dumps(r) for r in rows]
+    lines[1] = lines[1][:20]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    msg = user_error("report", run)
+    assert f"{run / 'metrics.jsonl'}:2: is not a metrics row" in msg and "delete or repair line 2" in msg
+    assert "is a file, not a run folder" in user_error("report", run / "metrics.jsonl")
+    assert "is a file, not a checkpoint or run folder" in user_error("checkpoint", "inspect", run / "metrics.jsonl")
+
+
+def test_generate_names_a_missing_tokenizer_and_damaged_weights(tmp_path):
+    folder = save_tiny_model(tmp_path / "model", "gpt2")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).unlink(missing_ok=True)
+    msg = user_error("generate", folder, "--prompt", "alice has a")
+    assert "has no tokenizer files (none of tokenizer.json" in msg and "copy tokenizer.json" in msg
+    folder = save_tiny_model(tmp_path / "model2", "gpt2")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    msg = user_error("generate", folder, "--prompt", "alice has a")
+    assert "its weights cannot be loaded" in msg and "export again" in msg
+
+
+def test_a_shipped_slurm_config_stays_consistent_with_validate(tmp_path):
+    """The SLURM script checks the recipe at job start with `recipe validate` on the allocation's numbers."""
+    script = tmp_path / "job.sbatch"
+    result = CliRunner().invoke(main, ["slurm", "gpt2-xl", "--nodes", "2", "--gpus-per-node", "8", "-o", str(script)])
+    assert result.exit_code == 0, result.output
+    text = script.read_text()
+    assert "#SBATCH --signal=USR1@300" in text and "--resume auto" in text and 'scontrol requeue' in text
+    assert "checkpoints/step-" not in text  # no path guessed in bash: the CLI decides
+    result = CliRunner().invoke(main, ["recipe", "validate", "gpt2-xl", "--accelerate-config", "fsdp_multinode",
+                                       "--num-machines", "2", "--num-processes", "16"])
+    assert result.exit_code == 0 and "batch: global 64 = micro 4 x 16 processes x 1 accumulation steps" in \
+        result.output, result.output
