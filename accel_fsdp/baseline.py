@@ -31,7 +31,8 @@ def main() -> None:
 
     from accel_fsdp.distributed import build_accelerator
     from accel_fsdp.launch_config import resolve_settings
-    from accel_fsdp.model import build_model, build_tokenizer, model_config
+    from accel_fsdp.model import build_model, model_config
+    from accel_fsdp.tokenizer import build_tokenizer
     from accel_fsdp.quiet import quiet_libraries
     from accel_fsdp.recipe import load_recipe
     from accel_fsdp.train import current_accelerate_config

@@ -192,7 +192,7 @@ def run(recipe, config, overrides: list[str], *, steps: int, warmup: int, compar
             text += "\n" + "\n".join(strategy_summary(rows))
         elif compare == "wrapping":
             from accel_fsdp.model import meta_model, model_config
-            from accel_fsdp.preflight import offline_tokenizer
+            from accel_fsdp.tokenizer import offline_tokenizer
 
             skeleton = meta_model(model_config(recipe, tokenizer=offline_tokenizer(recipe), offline=True))
             rows = compare_wrapping(recipe_path, config.path, overrides, steps, warmup, work, linear_classes(skeleton))

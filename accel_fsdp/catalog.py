@@ -1,26 +1,24 @@
 """The shipped recipes at a glance (`accel-fsdp recipe list`): name, model, parameter count, description.
 
-Parameter counts come from the known architectures table or a meta-device model: no download, no memory.
+Parameter counts come from the model facts (config arithmetic, tests/test_model_facts.py): listing imports neither
+torch nor transformers, so it answers at once. A model the facts do not know shows "?" rather than being built.
 """
 
 from __future__ import annotations
 
-from accel_fsdp import architectures
 from accel_fsdp.errors import UserError
-from accel_fsdp.model import count_parameters, human_count, meta_model, model_config
+from accel_fsdp.model_checks import human_count
+from accel_fsdp.model_facts import facts_for
 from accel_fsdp.paths import shipped_recipes
 from accel_fsdp.recipe import load_recipe
 
 
 def parameter_count(recipe) -> int | None:
-    m = recipe.model
-    arch = architectures.lookup(m.architecture or m.name_or_path)
-    if arch is not None and not m.config_overrides:
-        return arch.param_count()
-    from accel_fsdp.preflight import offline_tokenizer
-
-    config = model_config(recipe, tokenizer=offline_tokenizer(recipe), offline=True)
-    return count_parameters(meta_model(config)) if config is not None else None
+    facts = facts_for(recipe)
+    if facts is None:
+        return None
+    lora = recipe.model.lora
+    return facts.params() + (facts.lora_params(lora.target_modules, lora.r) if lora.enabled else 0)
 
 
 def recipe_rows() -> list[tuple[str, str, str, str]]:

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -182,11 +183,13 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
               "Overrides the config (the SLURM script passes its allocation's).")
 @click.option("--rendezvous-timeout", default=300, show_default=True, type=click.IntRange(1, 86400),
               help="Multi-machine: seconds to wait for the main process and for all machines to join.")
+@click.option("--verbose", is_flag=True, help="Also print the resolved recipe and every FSDP setting with its source "
+              "(they are always saved in the run folder: recipe.yaml, fsdp_settings.json).")
 @click.option("--benchmark", is_flag=True, hidden=True, help="(accel-fsdp bench) No final evaluation, checkpoint or "
               "export.")
 def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, resume_from, overwrite, dry_run,
                gpu_memory, machine_rank, main_process_ip, main_process_port, num_machines, num_processes,
-               rendezvous_timeout, benchmark) -> None:
+               rendezvous_timeout, verbose, benchmark) -> None:
     """Train a recipe on the hardware an accelerate config describes.
 
     Outside a distributed launch this launches itself through Accelerate's launcher (one process per rank);
@@ -200,7 +203,10 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     accel-fsdp recipe run llama-3.1-8b --dry-run --accelerate-config llama_fsdp_8gpu --gpu-memory 80GB
     """
     from accel_fsdp.launcher import inside_launch
+    from accel_fsdp.metrics import START_ENV
     from accel_fsdp.rundir import RunLayout
+
+    os.environ.setdefault(START_ENV, repr(time.time()))  # the ranks measure time to first step from here
 
     if resume and resume_from:
         raise UserError(Problem("--resume-from", "cannot be combined with --resume", "use one of them"))
@@ -224,7 +230,7 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
         die_with_launcher()
         try:
             run_training(RunRequest(recipe=r, run_dir=run_dir, resume=resume, resume_from=resume_from,
-                                    overwrite=overwrite, benchmark=benchmark))
+                                    overwrite=overwrite, benchmark=benchmark, verbose=verbose))
         except UserError as e:
             # Every rank hits the same mistake; the first rank of each machine says it once.
             if int(os.environ.get("LOCAL_RANK", "0")) == 0 or e.rank_local:
@@ -255,7 +261,7 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     main_machine = rank == 0
     # Only the main machine looks at the (shared) run folder: the others would race with its ranks writing there.
     report = preflight(r, config, num_processes=n, run_dir=run_dir if main_machine else None, resume=resume,
-                       resume_from=resume_from, overwrite=overwrite)
+                       resume_from=resume_from, overwrite=overwrite, check_hub=True)
     where = f" ({report.num_processes // machines} on this machine, machine_rank {rank} of {machines})" \
         if machines > 1 else ""
     click.echo(f"accel-fsdp: launching {report.num_processes} process(es){where} with {config.label}"
@@ -266,6 +272,7 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     for item in overrides:
         argv += ["--set", item]
     argv += ["--resume", resume] * bool(resume) + ["--overwrite"] * overwrite + ["--benchmark"] * benchmark
+    argv += ["--verbose"] * verbose
     if resume_from:
         argv += ["--resume-from", str(Path(resume_from).absolute())]
     sys.exit(launch(config, argv, num_processes=n, machine=machine, run_dir=run_dir))
@@ -379,6 +386,42 @@ def checkpoint_inspect(path: Path, as_json: bool) -> None:
     click.echo("\n".join(format_description(d) for d in described))
 
 
+# ------------------------------------------------------------------------------------------- tokenizer
+
+
+@main.group()
+def tokenizer() -> None:
+    """Tokenizers of your own text, for models trained from scratch without a hub tokenizer."""
+
+
+@tokenizer.command("train")
+@click.argument("name_or_path")
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--vocab-size", default=8192, show_default=True, type=click.IntRange(300, 1_000_000),
+              help="Tokens in the vocabulary (special tokens included).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+def tokenizer_train(name_or_path, out_dir, vocab_size, overrides) -> None:
+    """Train a byte-level BPE tokenizer on a recipe's data (data.path and its fields) and write it to OUT_DIR, a
+    folder `model.tokenizer` (and transformers) can load. Byte-level: every text is covered, no <unk>. A recipe can
+    also say `model.tokenizer: bpe:8192` to train (and cache) one when it starts.
+
+    \b
+    accel-fsdp tokenizer train my.yaml tokenizers/mine --vocab-size 8192
+    accel-fsdp recipe run my.yaml --set model.tokenizer=tokenizers/mine
+    """
+    from accel_fsdp.quiet import quiet_libraries
+    from accel_fsdp.tokenizer import trained_tokenizer
+
+    r = _load_recipe(name_or_path, [*overrides, f"model.tokenizer=bpe:{vocab_size}"])
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise UserError(Problem(str(out_dir), "exists and is not an empty folder", "give a new folder (nothing was "
+                                "written)"))
+    quiet_libraries()
+    tok = trained_tokenizer(r, out_dir=out_dir.absolute())
+    sample = r.data.path
+    click.echo(f"wrote a byte-level BPE tokenizer of {len(tok):,} tokens trained on {sample} to {out_dir}")
+
+
 # -------------------------------------------------------------------------------------------- estimate
 
 
@@ -434,10 +477,6 @@ def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offlo
     if "HYBRID_SHARD" in strategies and nodes == 1:
         raise UserError(Problem("--strategy HYBRID_SHARD", "needs more than one node (it shards within a node and "
                                 "replicates across nodes)", "add --nodes 2 or more, or use FULL_SHARD"))
-    if what not in ("",) and not what[0].isdigit():
-        from accel_fsdp.quiet import quiet_libraries
-
-        quiet_libraries()
     target = resolve_target(what, micro_batch, seq_len)
     if activation_checkpointing is None:
         activation_checkpointing = target.activation_checkpointing
@@ -484,7 +523,7 @@ def bench_command(name_or_path, accelerate_config, steps, warmup, overrides, com
 
     r = _load_recipe(name_or_path, overrides)
     config, n, _ = load_config_or_default(accelerate_config)
-    preflight(r, config, num_processes=n)
+    preflight(r, config, num_processes=n, check_hub=True)
     result, text = bench.run(r, config, list(overrides), steps=steps, warmup=warmup, compare=compare,
                              baseline_rounds=rounds if compare_baseline else 0)
     click.echo(bench.to_json(result) if as_json else text)

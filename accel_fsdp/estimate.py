@@ -68,13 +68,27 @@ def resolve_target(what: str, micro_batch: int | None, seq_len: int | None) -> T
 
 
 def _recipe_target(path, micro_batch, seq_len) -> Target:
-    from accel_fsdp.launch_config import load_accelerate_config
+    from accel_fsdp.model_facts import facts_for
     from accel_fsdp.paths import display
-    from accel_fsdp.plan import build_plan
     from accel_fsdp.recipe import load_recipe
 
     recipe = load_recipe(path)
     recipe.source = display(path)
+    facts = facts_for(recipe)
+    if facts is not None:  # arithmetic: no model built (tests/test_model_facts.py holds the facts)
+        lora = recipe.model.lora
+        adapters = facts.lora_params(lora.target_modules, lora.r) if lora.enabled else 0
+        params = facts.params() + adapters
+        compute = 4 if recipe.training.mixed_precision == "fp32" else 2
+        return Target(recipe.name, params, adapters if lora.enabled else params,
+                      max(facts.block_params(), facts.vocab * facts.hidden), facts.shape(),
+                      recipe.training.micro_batch_size if micro_batch is None else micro_batch,
+                      recipe.data.seq_len if seq_len is None else seq_len, compute if lora.enabled else 4,
+                      note="LoRA: frozen base weights in the compute dtype" if lora.enabled else "",
+                      activation_checkpointing=bool(recipe.model.activation_checkpointing))
+    from accel_fsdp.launch_config import load_accelerate_config
+    from accel_fsdp.plan import build_plan
+
     plan = build_plan(recipe, load_accelerate_config("fsdp_1gpu"))
     m = plan.memory_inputs
     return Target(recipe.name, m.params, m.trainable, m.largest_unit, m.shape,

@@ -31,7 +31,7 @@ def load_model(folder: Path, device: str = "auto"):
         raise UserError(Problem("--device cuda", "no CUDA device is available", "use --device cpu (or auto)"))
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    from accel_fsdp.model import tokenizer_files_problem
+    from accel_fsdp.model_checks import tokenizer_files_problem
 
     fix = ("give the run folder or a `checkpoint consolidate` export (both carry the tokenizer files), or copy "
            "tokenizer.json and tokenizer_config.json into it")

@@ -17,7 +17,6 @@ import dataclasses
 import difflib
 import os
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +57,32 @@ _ENV_OF_KEY = {
 }
 
 
-@lru_cache(maxsize=1)
-def _known_keys() -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
-    """Keys Accelerate itself accepts: top level (ClusterConfig), fsdp_config, parallelism_config."""
+# Keys Accelerate itself accepts in a config file (checked with accelerate 1.15.0; tests/test_launch_config.py
+# compares them with accelerate's ClusterConfig fields and `accelerate launch` options, so a drift is caught).
+# Kept as data: importing accelerate to ask costs two seconds on every command that reads a config.
+TOP_LEVEL_KEYS = frozenset([
+    "command_file", "commands", "compute_environment", "debug", "deepspeed_config", "distributed_type",
+    "downcast_bf16", "dynamo_config", "enable_cpu_affinity", "fp8_config", "fsdp_config", "gpu_ids", "machine_rank",
+    "main_process_ip", "main_process_port", "main_training_function", "megatron_lm_config", "mixed_precision",
+    "mpirun_config", "num_machines", "num_processes", "parallelism_config", "rdzv_backend", "same_network",
+    "tpu_env", "tpu_name", "tpu_use_cluster", "tpu_use_sudo", "tpu_vm", "tpu_zone", "use_cpu"])
+FSDP_KEYS = frozenset([
+    "fsdp_activation_checkpointing", "fsdp_activation_checkpointing_offload", "fsdp_auto_wrap_policy",
+    "fsdp_backward_prefetch", "fsdp_cpu_offload", "fsdp_cpu_ram_efficient_loading", "fsdp_forward_prefetch",
+    "fsdp_fsdp_version", "fsdp_ignored_modules", "fsdp_limit_all_gathers", "fsdp_min_num_params",
+    "fsdp_mixed_precision_policy", "fsdp_offload_params", "fsdp_optim_state_dict_config", "fsdp_param_init_fn",
+    "fsdp_reshard_after_forward", "fsdp_sharding_strategy", "fsdp_state_dict_config", "fsdp_state_dict_type",
+    "fsdp_sync_module_states", "fsdp_transformer_cls_names_to_wrap", "fsdp_transformer_layer_cls_to_wrap",
+    "fsdp_use_orig_params", "fsdp_version"])
+PARALLELISM_KEYS = frozenset([
+    "parallelism_config_cp_backend", "parallelism_config_cp_comm_strategy", "parallelism_config_cp_size",
+    "parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size",
+    "parallelism_config_sp_attn_implementation", "parallelism_config_sp_backend", "parallelism_config_sp_seq_length",
+    "parallelism_config_sp_seq_length_is_variable", "parallelism_config_sp_size", "parallelism_config_tp_size"])
+
+
+def accelerate_known_keys() -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+    """The same three sets, asked of the installed accelerate (for the test that keeps the tables true)."""
     from accelerate.commands.config.config_args import ClusterConfig
     from accelerate.commands.launch import launch_command_parser
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -102,7 +124,7 @@ def load_accelerate_config(name_or_path: str | os.PathLike) -> AccelerateConfig:
     if not isinstance(data, dict):
         raise UserError(Problem(label, "an accelerate config must be a mapping of keys",
                                 "start from accelerate_configs/fsdp_1gpu.yaml"))
-    top, fsdp_keys, parallel_keys = _known_keys()
+    top, fsdp_keys, parallel_keys = TOP_LEVEL_KEYS, FSDP_KEYS, PARALLELISM_KEYS
     problems = list(duplicates)
     values: dict[str, Any] = {}
     for key, value in data.items():
@@ -370,6 +392,12 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
               "fsdp_activation_checkpointing", _as_bool, False)
     mp = pick("training.mixed_precision", recipe.training.mixed_precision, "mixed_precision",
               lambda v: PRECISION_FROM_ACCELERATE.get(str(v), str(v)), "bf16")
+    if device.value == "cpu" and mp.value == "bf16" and not mp.source.startswith(("recipe", "--set")):
+        native, cpu_name = cpu_bf16()
+        if not native:
+            mp = Setting("fp32", f"detected: {cpu_name} has no native bf16 matrix units (AVX512-BF16, AMX or Arm "
+                                 "BF16), where bf16 is emulated and about 4x slower; training.mixed_precision: bf16 "
+                                 "asks for it anyway")
     ram = pick(None, None, "fsdp_cpu_ram_efficient_loading", _as_bool, False)
     reduce_each = Setting(recipe.fsdp.reduce_every_micro_step,
                           from_recipe("fsdp.reduce_every_micro_step") if "fsdp.reduce_every_micro_step" in
@@ -401,6 +429,45 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
         dp_replicate_size=dp_rep, dp_shard_size=dp_shard, reduce_every_micro_step=reduce_each,
         collective_timeout_minutes=timeout, fsdp1_options=Setting(fsdp1, fsdp1_source if fsdp1 else "default"),
     )
+
+
+CPU_BF16_ENV = "ACCEL_FSDP_CPU_BF16"
+"""1 or 0: what to assume about this CPU's native bf16 support instead of detecting it (tests, odd platforms)."""
+
+
+def cpu_bf16() -> tuple[bool, str]:
+    """(this CPU computes bf16 matrix products natively, its name). x86: the avx512_bf16 or amx_bf16 flags; Arm:
+    the bf16 feature (Linux /proc/cpuinfo, macOS sysctl). Without them PyTorch emulates bf16 on the CPU."""
+    forced = os.environ.get(CPU_BF16_ENV)
+    name = "this CPU"
+    if forced in ("0", "1"):
+        return forced == "1", f"this CPU ({CPU_BF16_ENV}={forced})"
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        info = ""
+    if info:
+        for line in info.splitlines():
+            if line.lower().startswith(("model name", "cpu model", "hardware")):
+                name = line.split(":", 1)[1].strip() or name
+                break
+        flags = set()
+        for line in info.splitlines():
+            if line.lower().startswith(("flags", "features")):
+                flags |= set(line.split(":", 1)[1].split())
+        return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}), name
+    import platform
+    import subprocess
+
+    if platform.system() == "Darwin":
+        try:
+            out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16", "machdep.cpu.brand_string"],
+                                 capture_output=True, text=True, timeout=5).stdout.split("\n")
+            return out[0].strip() == "1", out[1].strip() or name
+        except (OSError, subprocess.SubprocessError, IndexError):
+            pass
+    return False, name
 
 
 def batch_problem(where: str, global_batch: int, micro_batch: int, ranks: list[int], ranks_name: str

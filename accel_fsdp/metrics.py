@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
+import time
 from pathlib import Path
 
 import torch
@@ -184,3 +186,44 @@ def rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+START_ENV = "ACCEL_FSDP_T0"
+"""Set by the CLI to the wall-clock time its command started, so the ranks measure time to first step from there."""
+
+
+class StartupClock:
+    """Where the time to the first optimizer step goes: launch (the command's start to this process's start),
+    imports, data, model build, sharding, first step. Marks are taken in order; `phases` are the gaps."""
+
+    def __init__(self):
+        self.start = float(os.environ.get(START_ENV) or _process_start_time())
+        self.marks: list[tuple[str, float]] = [("launch", _process_start_time())]
+
+    def mark(self, phase: str) -> None:
+        """`phase` ended now."""
+        self.marks.append((phase, time.time()))
+
+    def phases(self) -> dict[str, float]:
+        out, last = {}, self.start
+        for name, t in self.marks:
+            out[name] = round(max(0.0, t - last), 3)
+            last = t
+        return out
+
+    def summary(self) -> str:
+        phases = self.phases()
+        return (f"first optimizer step after {sum(phases.values()):.1f}s ("
+                + ", ".join(f"{name} {seconds:.1f}" for name, seconds in phases.items()) + ")")
+
+
+def _process_start_time() -> float:
+    """Wall-clock start of this process (Linux: /proc; elsewhere: now)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return time.time()

@@ -15,12 +15,8 @@ import torch
 
 from accel_fsdp import architectures
 from accel_fsdp.errors import Problem, UserError
-
-BUILTIN_TOKENIZER = "builtin:quickstart"
-
-
-def is_local(path: str | None) -> bool:
-    return bool(path) and Path(path).expanduser().is_dir()
+from accel_fsdp.model_checks import ModelView, lora_target_problems, override_problems, raise_problems
+from accel_fsdp.tokenizer import is_local
 
 
 def model_config(recipe, *, tokenizer=None, offline: bool = False):
@@ -103,25 +99,12 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
 
 
 def unknown_override_problems(recipe, config_class, overrides: dict) -> None:
-    """Every model.config_overrides key must be a field of the model's config class: transformers would keep an
-    unknown one as an inert attribute, so a typo (n_layers for n_layer) would silently train another model."""
-    import difflib
-
+    """Raise for model.config_overrides keys the (transformers) config class does not have."""
     try:
-        defaults = config_class().to_dict()
+        known = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}) or {})
     except Exception:  # a config class that cannot be built without arguments: nothing to check against
         return
-    known = set(defaults) | set(getattr(config_class, "attribute_map", {}) or {})
-    problems = []
-    for key in overrides:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), sorted(known), n=1)
-            problems.append(Problem(recipe.where(f"model.config_overrides.{key}"),
-                                    f"{config_class.__name__} has no setting {key!r}, so it would be ignored",
-                                    f"did you mean {close[0]}?" if close else
-                                    f"use a key of {config_class.__name__} (see its documentation)"))
-    if problems:
-        raise UserError(problems)
+    raise_problems(override_problems(recipe, config_class.__name__, known, overrides))
 
 
 def context_length(config) -> int | None:
@@ -132,15 +115,6 @@ def context_length(config) -> int | None:
     return None
 
 
-def context_problems(recipe, config) -> list[Problem]:
-    """data.seq_len must fit in the model's context (position embeddings / rotary range)."""
-    ctx = context_length(config)
-    if ctx is not None and recipe.data.seq_len > ctx:
-        return [Problem(recipe.where("data.seq_len"), f"{recipe.data.seq_len} exceeds the model's context length "
-                        f"of {ctx} tokens", f"use at most {ctx}")]
-    return []
-
-
 def meta_model(config, trust_remote_code: bool = False):
     """The model built on the meta device: its structure and parameter count, with no memory and no weights."""
     from transformers import AutoModelForCausalLM
@@ -149,84 +123,19 @@ def meta_model(config, trust_remote_code: bool = False):
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
-def module_class_names(model: torch.nn.Module) -> set[str]:
-    return {type(m).__name__ for m in model.modules()}
+def view_of(model: torch.nn.Module, config=None) -> ModelView:
+    """A model (real or on the meta device) as the checks see it."""
+    linears = {n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+               or type(m).__name__ == "Conv1D"}
+    classes = frozenset(type(m).__name__ for m in model.modules())
+    return ModelView(type(model).__name__, no_split_modules(model), classes, frozenset(linears),
+                     context_length(config if config is not None else model.config), count_parameters(model),
+                     count_parameters(model, trainable_only=True))
 
 
 def no_split_modules(model: torch.nn.Module) -> list[str]:
-    return sorted(getattr(model, "_no_split_modules", None) or [])
-
-
-def wrap_class_problems(settings, model: torch.nn.Module, recipe) -> list[Problem]:
-    """A wrap class the model does not have would make FSDP wrap nothing (or Accelerate fail later)."""
-    from accel_fsdp.launch_config import MODEL_DEFAULT
-
-    classes = settings.wrap_classes.value
-    if settings.wrap_policy.value != "TRANSFORMER_BASED_WRAP":
-        return []
-    if classes in ([MODEL_DEFAULT], []):  # nothing named: the model's own blocks, if it names them
-        if no_split_modules(model):
-            return []
-        return [Problem(settings.wrap_classes.source, f"{type(model).__name__} does not name its transformer "
-                        "block (_no_split_modules is empty), so there is no default wrap class",
-                        "set fsdp.wrap_class in the recipe to the model's block class")]
-    present = module_class_names(model)
-    missing = [c for c in classes if c not in present]
-    if not missing:
-        return []
-    blocks = no_split_modules(model) or sorted(c for c in present if "Block" in c or "Layer" in c)
-    source = settings.wrap_classes.source
-    where = recipe.where("fsdp.wrap_class") if source.startswith("recipe") or source == "--set" else \
-        f"{source}: fsdp_transformer_layer_cls_to_wrap"
-    suggestion = blocks[0] if blocks else "the model's block class"
-    return [Problem(where, f"wrap class {', '.join(missing)} is not in the model {type(model).__name__} "
-                    f"(its transformer block is {', '.join(blocks) or 'unknown'})",
-                    f"--set fsdp.wrap_class={suggestion} (or in the recipe: fsdp.wrap_class: {suggestion}), "
-                    "or use an accelerate config that names no class (fsdp_cpu.yaml, fsdp_1gpu.yaml, fsdp_8gpu.yaml) "
-                    "so the model's own _no_split_modules is used")]
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt", "tiktoken.model")
-
-
-def tokenizer_files_problem(folder: Path) -> str | None:
-    """A local folder without any vocabulary file: transformers 5 would build an empty tokenizer from it silently
-    (one token, every text encoded as nothing; checked with 5.23.0)."""
-    if Path(folder).is_dir() and not any((Path(folder) / name).exists() for name in TOKENIZER_FILES):
-        return f"has no tokenizer files (none of {', '.join(TOKENIZER_FILES)})"
-    return None
-
-
-def build_tokenizer(recipe):
-    """The recipe's tokenizer, with a pad token (the EOS token when the tokenizer has none)."""
-    m = recipe.model
-    source = m.tokenizer or m.name_or_path
-    if source == BUILTIN_TOKENIZER:
-        from accel_fsdp.synthetic import build_tokenizer as builtin
-
-        tokenizer = builtin()
-    elif source is None:
-        raise UserError(Problem(recipe.where("model.tokenizer"), "a model built from scratch needs a tokenizer",
-                                f"set model.tokenizer to a hub id, a local folder or {BUILTIN_TOKENIZER}"))
-    else:
-        from transformers import AutoTokenizer
-
-        key = "model.tokenizer" if m.tokenizer else "model.name_or_path"
-        missing = tokenizer_files_problem(Path(source).expanduser()) if is_local(source) else None
-        if missing:
-            raise UserError(Problem(recipe.where(key), f"{source!r} {missing}",
-                                    "set model.tokenizer to a folder or hub id with a tokenizer, or "
-                                    "builtin:quickstart"))
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=m.trust_remote_code)
-        except (OSError, ValueError) as e:
-            key = "model.tokenizer" if m.tokenizer else "model.name_or_path"
-            raise UserError(Problem(recipe.where(key), f"cannot load a tokenizer from {source!r}: "
-                                    f"{str(e).splitlines()[0]}",
-                                    "give a folder with tokenizer files, a hub id, or builtin:quickstart")) from None
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return sorted(getattr(base, "_no_split_modules", None) or [])
 
 
 def build_model(recipe, config, *, dtype: torch.dtype = torch.float32, empty: bool = False):
@@ -287,23 +196,11 @@ def _unwritten_parameters(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def check_lora_targets(model, recipe) -> None:
-    lora = recipe.model.lora
-    names = {n.split(".")[-1] for n, _ in model.named_modules()}
-    missing = [t for t in lora.target_modules if t not in names]
-    if missing:
-        linear = sorted({n.split(".")[-1] for n, mod in model.named_modules()
-                         if isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D"})
-        raise UserError(Problem(recipe.where("model.lora.target_modules"),
-                                f"{', '.join(missing)} not found in {type(model).__name__}",
-                                f"use some of its linear layers: {', '.join(linear)}"))
-
-
 def apply_lora(model, recipe):
     from peft import LoraConfig, get_peft_model
 
     lora = recipe.model.lora
-    check_lora_targets(model, recipe)
+    raise_problems(lora_target_problems(view_of(model), recipe))
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
     return get_peft_model(model, config)
@@ -319,8 +216,3 @@ def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> in
     return n
 
 
-def human_count(n: int) -> str:
-    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= div:
-            return f"{n / div:.2f}{unit}" if n < 10 * div else f"{n / div:.1f}{unit}"
-    return str(n)

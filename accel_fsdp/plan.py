@@ -107,7 +107,8 @@ def _fsdp1_policy(plugin):
 
 def build_plan(recipe, config, *, num_processes: int | None = None) -> Plan:
     from accel_fsdp import model as model_lib
-    from accel_fsdp.preflight import offline_tokenizer, preflight
+    from accel_fsdp.preflight import preflight
+    from accel_fsdp.tokenizer import offline_tokenizer
 
     report = preflight(recipe, config, num_processes=num_processes, check_data=False, for_target_hardware=True)
     settings = report.settings

@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from accel_fsdp import model_checks
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.tokenizer import offline_tokenizer
 from accel_fsdp.launch_config import (AccelerateConfig, FsdpSettings, check_settings, detect_wrap_classes,
                                       load_accelerate_config, resolve_settings)
 from accel_fsdp.paths import shipped_accelerate_configs
@@ -30,34 +32,39 @@ class PreflightReport:
     data_stats: object | None = None
 
 
-def default_accelerate_config() -> tuple[Path, int | None, str]:
-    """(config file, number of processes to override, why): 2 CPU ranks without a GPU, else one per local GPU."""
+def visible_cuda_devices() -> int:
+    """CUDA devices this process can use. Without an NVIDIA device node (or WSL's) there are none, and torch (1.8 s
+    to import) is not asked."""
+    if not any(Path(p).exists() for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg", "/proc/driver/nvidia")):
+        return 0
     import torch
 
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def default_accelerate_config() -> tuple[Path, int | None, str]:
+    """(config file, number of processes to override, why): 2 CPU ranks without a GPU, else one per local GPU."""
     shipped = shipped_accelerate_configs()
-    if torch.cuda.is_available():
-        n = torch.cuda.device_count()
+    n = visible_cuda_devices()
+    if n:
         return shipped["fsdp_1gpu"], n, f"{n} local GPU(s) detected"
     return shipped["fsdp_cpu"], None, "no GPU detected"
 
 
 def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = None, check_data: bool = True,
               run_dir: Path | None = None, resume: str | None = None, resume_from: str | None = None,
-              overwrite: bool = False, for_target_hardware: bool = False) -> PreflightReport:
+              overwrite: bool = False, for_target_hardware: bool = False, check_hub: bool = False) -> PreflightReport:
     """Check recipe x accelerate config x model x data; raise one UserError listing every problem.
 
     `for_target_hardware`: judge the config on the hardware it is written for (GPUs unless it says use_cpu),
     not on this machine: `recipe validate` of a GPU config on a laptop."""
-    import torch
-
-    from accel_fsdp import model as model_lib
-
-    cuda = torch.cuda.is_available() or (for_target_hardware and not config.get("use_cpu"))
+    cuda_here = visible_cuda_devices()
+    cuda = bool(cuda_here) or (for_target_hardware and not config.get("use_cpu"))
     settings = resolve_settings(recipe, config, cuda_available=cuda, num_processes=num_processes)
-    if for_target_hardware and cuda and not torch.cuda.is_available():
+    if for_target_hardware and cuda and not cuda_here:
         settings.device.source = "the config's target hardware (this machine has no GPU)"
     report = PreflightReport(settings=settings, config=config, num_processes=settings.num_processes.value)
-    here = torch.cuda.device_count() if torch.cuda.is_available() else None
+    here = cuda_here or None
     problems: list[Problem] = list(check_settings(settings, recipe, visible_gpus=None if for_target_hardware else here))
     if here is not None:
         from accel_fsdp.launch_config import gpu_count_problems, idle_gpu_note
@@ -85,40 +92,27 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
                 problems += e.problems
 
     problems += _tracker_problems(recipe)
-    tokenizer = None
+    if check_hub:  # about to launch: a hub id this machine cannot get stops here, once, not in every rank
+        from accel_fsdp.hub import hub_problems
+
+        problems += hub_problems(recipe)
     try:
-        tokenizer = offline_tokenizer(recipe)
-        if tokenizer is None:
-            report.notes.append(f"tokenizer {recipe.model.tokenizer or recipe.model.name_or_path!r} is not on this "
-                                "machine: checked when training starts")
-        config_obj = model_lib.model_config(recipe, tokenizer=tokenizer, offline=True)
+        view = model_view(recipe)
     except UserError as e:
         problems += e.problems
-        config_obj = None
-    if config_obj is None and not problems:
+        view = None
+    if view is None and not problems:
         report.notes.append(f"model {recipe.model.name_or_path!r} is not a known architecture and not in the local "
                             "cache: wrap class and context length are checked when training starts")
-    if config_obj is not None:
-        problems += model_lib.context_problems(recipe, config_obj)
-        try:
-            meta = model_lib.meta_model(config_obj, recipe.model.trust_remote_code)
-        except Exception as e:  # a model class that cannot be built from this config: report, don't crash
-            problems.append(Problem(recipe.where("model.config_overrides"), f"cannot build the model: {e}",
-                                    "check model.config_overrides"))
-            meta = None
-        if meta is not None:
-            report.model_class = type(meta).__name__
-            report.parameters = model_lib.count_parameters(meta)
-            detect_wrap_classes(settings, model_lib.no_split_modules(meta))
-            problems += model_lib.wrap_class_problems(settings, meta, recipe)
-            if recipe.model.lora.enabled:
-                try:
-                    model_lib.check_lora_targets(meta, recipe)
-                except UserError as e:
-                    problems += e.problems
+    if view is not None:
+        report.model_class, report.parameters = view.class_name, view.params
+        detect_wrap_classes(settings, view.no_split_modules)
+        problems += (model_checks.context_problems(recipe, view.context) +
+                     model_checks.wrap_class_problems(settings, view, recipe) +
+                     model_checks.lora_target_problems(view, recipe))
 
     if check_data and not problems:
-        problems += _check_data(recipe, tokenizer, report)
+        problems += _check_data(recipe, report)
     if problems:
         raise UserError(problems, title=f"{len(problems)} problems found before launching")
     return report
@@ -147,32 +141,46 @@ def _check_resume(recipe, settings, layout, resume_from: str | None) -> list[str
     return [f"resuming from {info.path}"] + ckpt.check_resume(info, recipe, settings)
 
 
-def offline_tokenizer(recipe):
-    """The recipe's tokenizer if it is on this machine (built-in, a local folder, the hub cache), else None."""
+def model_view(recipe):
+    """The recipe's model as the checks see it: from the model facts (GPT-2, Llama: arithmetic, in milliseconds),
+    else built on the meta device from its config (seconds: transformers' modeling code); None when the config is
+    neither known nor on this machine."""
+    from accel_fsdp import model_facts
+
+    facts = model_facts.facts_for(recipe)
+    if facts is not None:
+        overrides = recipe.model.config_overrides
+        model_checks.raise_problems(model_checks.override_problems(
+            recipe, model_facts.CONFIG_CLASS[facts.model_type], model_facts.CONFIG_KEYS[facts.model_type], overrides))
+        return model_checks.view_from_facts(facts, recipe)
     from accel_fsdp import model as model_lib
 
-    m = recipe.model
-    source = m.tokenizer or m.name_or_path
-    if source == model_lib.BUILTIN_TOKENIZER or model_lib.is_local(source) or source is None:
-        return model_lib.build_tokenizer(recipe)
-    try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=m.trust_remote_code)
-    except (OSError, ValueError):
+    config = model_lib.model_config(recipe, tokenizer=offline_tokenizer(recipe), offline=True)
+    if config is None:
         return None
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return tok
+    try:
+        meta = model_lib.meta_model(config, recipe.model.trust_remote_code)
+        if recipe.model.lora.enabled:
+            meta = model_lib.apply_lora(meta, recipe)
+    except UserError:
+        raise
+    except Exception as e:  # a model class that cannot be built from this config: report, don't crash
+        raise UserError(Problem(recipe.where("model.config_overrides"), f"cannot build the model: {e}",
+                                "check model.config_overrides")) from None
+    return model_lib.view_of(meta, config)
 
 
-def _check_data(recipe, tokenizer, report: PreflightReport) -> list[Problem]:
+def _check_data(recipe, report: PreflightReport) -> list[Problem]:
     from accel_fsdp import data as data_lib
 
     kind, _ = data_lib.resolve_data_path(recipe)
     if kind == "hub":
         report.notes.append(f"hub dataset {recipe.data.path!r}: checked when training starts (needs the network)")
         return []
+    tokenizer = offline_tokenizer(recipe)
+    if tokenizer is None:
+        report.notes.append(f"tokenizer {recipe.model.tokenizer or recipe.model.name_or_path!r} is not on this "
+                            "machine: the data is tokenized when training starts")
     rows = data_lib.read_rows(recipe)
     report.data_rows = len(rows)
     problems = data_lib.check_rows(recipe, rows)

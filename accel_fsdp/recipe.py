@@ -61,7 +61,9 @@ class ModelConfig:
     config_overrides: dict[str, Any] = field(default_factory=dict)
     """Keys set on the transformers config, e.g. {n_layer: 2, n_embd: 64} for a tiny model."""
     tokenizer: str | None = None
-    """Tokenizer: hub id, local folder or builtin:quickstart. Default: name_or_path."""
+    """Tokenizer: hub id, local folder, builtin:quickstart, or bpe:N (a byte-level BPE tokenizer of N tokens
+    trained on this recipe's data, cached; for models built from scratch on your own text). Default:
+    name_or_path."""
     trust_remote_code: bool = False
     """Allow model code from the hub repository to run. Only for repositories you trust."""
     activation_checkpointing: bool | None = None
@@ -401,6 +403,10 @@ def check_recipe(r: Recipe) -> list[Problem]:
     need(bool(m.name_or_path) != bool(m.architecture), "model.name_or_path",
          f"set exactly one of model.name_or_path ({m.name_or_path!r}) and model.architecture ({m.architecture!r})",
          "name_or_path loads pretrained weights; architecture builds the model from scratch")
+    if m.tokenizer and m.tokenizer.startswith("bpe:"):
+        n = m.tokenizer.removeprefix("bpe:")
+        need(n.isdigit() and 300 <= int(n) <= 1_000_000, "model.tokenizer", f"{m.tokenizer!r}: bpe:N needs a "
+             "vocabulary size N between 300 and 1,000,000", "e.g. bpe:8192 (byte-level BPE trained on data.path)")
     need(bool(d.path), "data.path", "no data given", "set data.path to a .jsonl/.json/.csv/.parquet/.txt file, "
          "hub:<dataset>, or builtin:quickstart")
     need(d.seq_len >= 8, "data.seq_len", f"{d.seq_len} is too short", "use at least 8 (typical: 512 to 4096)")

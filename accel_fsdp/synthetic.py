@@ -19,6 +19,8 @@ from pathlib import Path
 from accel_fsdp.paths import cache_dir
 
 VERSION = 1  # bump when the generators change, so caches are rebuilt
+BUILTIN_TOKENIZER = "builtin:quickstart"
+"""The recipe value (model.tokenizer) of the word-level tokenizer below."""
 
 NAMES = ["alice", "bob", "carol", "dave", "emma", "frank", "grace", "henry", "ivy", "jack", "kate", "leo",
          "mia", "noah", "olivia", "paul"]

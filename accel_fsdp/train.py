@@ -26,6 +26,7 @@ from accelerate.utils import set_seed
 from torch.distributed.tensor import DTensor
 
 from accel_fsdp import checkpoint as ckpt
+from accel_fsdp import batches
 from accel_fsdp import data as data_lib
 from accel_fsdp import probes
 from accel_fsdp.cpu_fsdp import check_sharded, local_numel
@@ -35,10 +36,11 @@ from accel_fsdp.faults import Faults
 from accel_fsdp.launch_config import (CONFIG_PATH_ENV, AccelerateConfig, FsdpSettings, check_settings,
                                       config_from_environment, detect_wrap_classes, load_accelerate_config,
                                       resolve_settings)
-from accel_fsdp.metrics import (MetricsWriter, PeakMemory, device_peak_flops, flops_per_token, peak_memory_bytes,
-                                perplexity, reset_peak_memory)
-from accel_fsdp.model import (build_model, build_tokenizer, context_problems, count_parameters, human_count,
-                              meta_model, model_config, no_split_modules, wrap_class_problems)
+from accel_fsdp.metrics import (MetricsWriter, PeakMemory, StartupClock, device_peak_flops, flops_per_token,
+                                peak_memory_bytes, perplexity, reset_peak_memory)
+from accel_fsdp.model import build_model, count_parameters, meta_model, model_config, view_of
+from accel_fsdp.model_checks import context_problems, human_count, wrap_class_problems
+from accel_fsdp.tokenizer import build_tokenizer
 from accel_fsdp.quiet import quiet_libraries
 from accel_fsdp.lifetime import Preempted, Preemption
 from accel_fsdp.rundir import Decision, FolderLock, RunLayout, decide, prepare
@@ -53,6 +55,8 @@ class RunRequest:
     run_dir: Path
     resume: str | None = None
     """None, "latest" (--resume) or "auto" (--resume auto)."""
+    verbose: bool = False
+    """Print the resolved recipe and every FSDP setting with its source at start."""
     resume_from: str | None = None
     overwrite: bool = False
     benchmark: bool = False
@@ -71,7 +75,7 @@ class Run:
     model: Any
     optimizer: Any
     scheduler: Any
-    sampler: data_lib.GlobalBatchSampler
+    sampler: batches.GlobalBatchSampler
     total_steps: int
     start_step: int
     metrics: MetricsWriter
@@ -86,11 +90,22 @@ class Run:
     trainable_parameters: int
     flops_per_token: float
     faults: Any
+    clock: StartupClock
     tokens_seen: int = 0
     last_saved_step: int | None = None
     last_eval_step: int | None = None
     peak_memory: list[int] | None = None
     """Highest per-rank peak memory of any logging window so far."""
+    progress: Any = None
+    """The main process's progress bar while the loop runs."""
+
+    def say(self, text: str) -> None:
+        """A line for the person at the terminal (main process only), written above the progress bar."""
+        if self.accelerator.is_main_process:
+            if self.progress is not None:
+                self.progress.write(text)
+            else:
+                print(text, flush=True)
 
 
 def current_accelerate_config() -> AccelerateConfig:
@@ -105,6 +120,8 @@ def current_accelerate_config() -> AccelerateConfig:
 
 
 def setup(request: RunRequest) -> Run:
+    clock = StartupClock()
+    clock.mark("imports")
     recipe = request.recipe
     t = recipe.training
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -126,11 +143,12 @@ def setup(request: RunRequest) -> Run:
     preemption.join_group()
 
     # What the model is, before loading any weights: context length and wrap class are checked on a meta model.
-    tokenizer = build_tokenizer(recipe)
+    with accelerator.local_main_process_first():  # a tokenizer trained on the data (bpe:N): built once per machine
+        tokenizer = build_tokenizer(recipe)
     model_cfg = model_config(recipe, tokenizer=tokenizer)
-    skeleton = meta_model(model_cfg, recipe.model.trust_remote_code)
-    detect_wrap_classes(settings, no_split_modules(skeleton))
-    problems = context_problems(recipe, model_cfg) + wrap_class_problems(settings, skeleton, recipe)
+    skeleton = view_of(meta_model(model_cfg, recipe.model.trust_remote_code), model_cfg)
+    detect_wrap_classes(settings, skeleton.no_split_modules)
+    problems = context_problems(recipe, skeleton.context) + wrap_class_problems(settings, skeleton, recipe)
     if problems:
         raise UserError(problems)
     del skeleton
@@ -139,13 +157,15 @@ def setup(request: RunRequest) -> Run:
         prepare(layout, recipe, settings, decision, resumed_from=request.resume_from)
     accelerator.wait_for_everyone()
     say = accelerator.print
-    say(f"accel-fsdp: recipe {recipe.name} ({recipe.source}) -> {run_dir}\n--- resolved recipe ---\n"
-        f"{recipe.to_yaml().rstrip()}\n--- FSDP settings (value, source) ---\n{settings.format()}\n"
-        f"  gradient_accumulation_steps  {accumulation}  (derived: {t.global_batch_size} / ({t.micro_batch_size} x "
-        f"{world}))")
+    what = {Decision.NEW: "new run", Decision.OVERWRITE: "replacing the run there", Decision.RESUME: "resuming",
+            Decision.RESTART: "starting it again: no complete checkpoint"}[decision]
+    say(f"accel-fsdp: {recipe.name} ({recipe.source}) -> {run_dir} ({what})")
+    if request.verbose:
+        say(f"--- resolved recipe ---\n{recipe.to_yaml().rstrip()}\n--- FSDP settings (value, source) ---\n"
+            f"{settings.format()}")
 
     data = data_lib.prepare_data(recipe, tokenizer, accelerator)
-    say(f"data: {recipe.data.path}: {data.stats.summary()}")
+    clock.mark("data")
     for warning in data.stats.warnings(recipe):
         say(f"warning: {warning}")
     threads = offload_threads(settings, os.environ, _usable_cores(), local_world)
@@ -160,11 +180,11 @@ def setup(request: RunRequest) -> Run:
     model = build_model(recipe, model_cfg, dtype=frozen_dtype if recipe.model.lora.enabled else torch.float32,
                         empty=rank0_only and not accelerator.is_main_process)
     parameters, trainable = count_parameters(model), count_parameters(model, trainable_only=True)
-    say(f"model: {type(model).__name__}, {human_count(parameters)} parameters ({parameters:,}; "
-        f"{trainable:,} trainable)" + ("; loaded by rank 0 only" if rank0_only else ""))
     use_position_ids = "position_ids" in _forward_parameters(model)
-    batch_layout = data_lib.batch_layout(getattr(model.config, "_attn_implementation", None), use_position_ids)
+    model_class = type(model).__name__
+    batch_layout = batches.batch_layout(getattr(model.config, "_attn_implementation", None), use_position_ids)
     model = apply_activation_checkpointing(model, settings)
+    clock.mark("model")
 
     if settings.fsdp_version.value == 1:
         # FSDP1 replaces the parameters when it wraps the model: the optimizer is built from the wrapped one.
@@ -174,11 +194,10 @@ def setup(request: RunRequest) -> Run:
         # FSDP2 takes both at once and swaps the optimizer's parameters for the sharded DTensors.
         model, optimizer = accelerator.prepare(model, build_optimizer(model, recipe, settings))
     loading.stop()
+    clock.mark("sharding")
     check_sharded(accelerator, model, parameters, expected_shards(settings))
     shards = _shard_layout(accelerator, model)
     held = [int(row[0]) for row in shards]
-    say(f"sharded: ranks hold {' / '.join(f'{n:,}' for n in held)} of {parameters:,} parameters "
-        f"({settings.sharding_strategy.value}, each tensor split over {expected_shards(settings)} ranks)")
     loading_growth = _gather_ints(accelerator, [loading.growth])  # collective: every rank takes part
     if accelerator.is_main_process:
         layout.sharding_file.unlink(missing_ok=True)  # a resumed or overwritten run starts it afresh
@@ -187,14 +206,16 @@ def setup(request: RunRequest) -> Run:
                          ranks=_layout_rows(shards), rank0_only_loading=rank0_only,
                          loading_peak_rss_growth_bytes=loading_growth, process_group=_process_group_record())
 
-    sampler = data_lib.GlobalBatchSampler(len(data.train), global_batch=t.global_batch_size,
+    sampler = batches.GlobalBatchSampler(len(data.train), global_batch=t.global_batch_size,
                                           micro_batch=t.micro_batch_size, world_size=world,
                                           rank=accelerator.process_index, seed=t.seed)
     if sampler.steps_per_epoch == 0:
         raise UserError(Problem(recipe.where("training.global_batch_size"),
                                 f"{t.global_batch_size} rows per step, but the data has only {len(data.train)} "
                                 f"training sequences", "use a smaller global batch or more data"))
-    total_steps = data_lib.total_steps(recipe, sampler.steps_per_epoch)
+    total_steps = batches.total_steps(recipe, sampler.steps_per_epoch)
+    say(startup_summary(recipe, settings, layout, data, model_class, parameters, trainable, held, total_steps,
+                        sampler, rank0_only))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lr_schedule(recipe, total_steps))
 
     run = Run(request=request, settings=settings, accelerator=accelerator, tokenizer=tokenizer, data=data,
@@ -203,7 +224,7 @@ def setup(request: RunRequest) -> Run:
               use_position_ids=use_position_ids, batch_layout=batch_layout,
               parameters=parameters, trainable_parameters=trainable,
               flops_per_token=flops_per_token(model_cfg, recipe.data.seq_len, trainable / max(1, parameters)),
-              faults=Faults.from_env(accelerator.process_index))
+              faults=Faults.from_env(accelerator.process_index), clock=clock)
     # Dropout and any other randomness of the loop: seeded, different on each rank, and saved in checkpoints.
     set_seed(t.seed, device_specific=True)
     if decision == Decision.RESUME or request.resume_from:
@@ -217,6 +238,33 @@ def setup(request: RunRequest) -> Run:
                                   config={k: v for k, v in flatten(recipe.to_dict()).items()
                                           if isinstance(v, (int, float, str, bool))})
     return run
+
+
+def startup_summary(recipe, settings, layout: RunLayout, data, model_class: str, parameters: int, trainable: int,
+                    held: list[int], total_steps: int, sampler, rank0_only: bool) -> str:
+    """What a person checks before walking away: model, data, batch arithmetic, sharding, where files go. Every
+    setting with its source is in fsdp_settings.json (and printed by --verbose)."""
+    s, t = settings, recipe.training
+    source = "from scratch" if recipe.model.architecture else \
+        ("read by rank 0 only, shards sent to the others" if rank0_only else "read by every rank")
+    trained = "all trainable" if trainable == parameters else f"{trainable:,} trainable (LoRA)"
+    epochs = total_steps / max(1, sampler.steps_per_epoch)
+    every = recipe.checkpoint.every_steps
+    lines = [
+        f"  model     {model_class}, {human_count(parameters)} parameters ({trained}); weights {source}",
+        f"  data      {recipe.data.path}: {data.stats.summary()}",
+        f"  batch     global {t.global_batch_size} = micro {t.micro_batch_size} x {sampler.W} rank(s) x "
+        f"{sampler.accumulation_steps} accumulation step(s); {total_steps:,} optimizer steps ({epochs:.2f} epochs)",
+        f"  sharding  FSDP{s.fsdp_version.value} {s.sharding_strategy.value} on {s.device.value}: ranks hold "
+        f"{' / '.join(f'{n:,}' for n in held)} of {parameters:,} parameters; units "
+        f"{', '.join(s.wrap_classes.value) or s.wrap_policy.value}; {s.mixed_precision.value} compute"
+        + (f" ({s.mixed_precision.source})" if s.mixed_precision.source.startswith("detected") else "")
+        + (", CPU offload" if s.cpu_offload.value else "") + (", activation checkpointing"
+                                                              if s.activation_checkpointing.value else ""),
+        f"  files     {layout.root}: recipe.yaml, fsdp_settings.json (every setting and its source), metrics.jsonl; "
+        f"checkpoints {'every ' + str(every) + ' steps and ' if every else ''}at the end in {layout.checkpoints}",
+    ]
+    return "\n".join(lines)
 
 
 def build_optimizer(model, recipe, settings) -> torch.optim.AdamW:
@@ -309,11 +357,11 @@ def _resume(run: Run) -> None:
     info = ckpt.checkpoint_to_resume(run.layout.checkpoints, request.resume_from)
     ckpt.verify_files(info, acc)  # a file damaged since it was saved is named before anything reads it
     for note in ckpt.check_resume(info, recipe, run.settings):
-        acc.print(f"resume: {note}")
+        run.say(f"resume: {note}")
     state = ckpt.load_checkpoint(acc, run.model, run.optimizer, run.scheduler, info, lora=recipe.model.lora.enabled)
     run.start_step = run.last_saved_step = state["step"]
     run.tokens_seen = state.get("tokens_seen", 0)
-    acc.print(f"resume: continuing from {info.path} at step {run.start_step} of {run.total_steps} "
+    run.say(f"resume: continuing from {info.path} at step {run.start_step} of {run.total_steps} "
               f"(epoch {state.get('epoch')}, {state.get('rows_consumed', 0):,} rows consumed)")
 
 
@@ -330,7 +378,7 @@ def fit(run: Run) -> None:
 
     layout = run.batch_layout
     peak_flops = device_peak_flops(acc.device, run.settings.mixed_precision.value)
-    progress = _progress_bar(acc, run.total_steps, run.start_step)
+    progress = run.progress = _progress_bar(acc, run.total_steps, run.start_step)
     window_loss = torch.zeros((), device=acc.device)
     window_norm = torch.zeros((), device=acc.device)
     window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
@@ -342,7 +390,7 @@ def fit(run: Run) -> None:
         num_items = max(1, sum(label_counts[i] for i in global_rows)) / (world * k)
         micro_batches = sampler.micro_batches(step)
         for rows in micro_batches:
-            batch = _to_device(data_lib.collate(run.data.train[rows], pad_id, run.use_position_ids, layout=layout),
+            batch = _to_device(batches.collate(run.data.train[rows], pad_id, run.use_position_ids, layout=layout),
                                acc.device)
             with acc.accumulate(model):
                 with acc.autocast():
@@ -368,6 +416,8 @@ def fit(run: Run) -> None:
             trace.write(json.dumps({"step": done, "rows": [r for rows in micro_batches for r in rows]}) + "\n")
             trace.flush()
         run.faults.after_step(done)
+        if done == run.start_step + 1:
+            report_startup(run, progress)
 
         if done % log_every == 0 or done == run.total_steps:
             # The only synchronizing point of a logging window: reduce the window's sums over ranks.
@@ -384,8 +434,8 @@ def fit(run: Run) -> None:
                 row["mfu"] = run.flops_per_token * row["tokens_per_s_per_rank"] / peak_flops
             run.metrics.write(row, done)
             if progress is not None:
-                progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}",
-                                     tok_s=f"{row['tokens_per_s']:,.0f}")
+                progress.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}",
+                                     **({"mfu": f"{row['mfu']:.1%}"} if "mfu" in row else {}))
             window_loss.zero_()
             window_norm.zero_()
             reset_peak_memory(acc.device)
@@ -401,8 +451,20 @@ def fit(run: Run) -> None:
             stop_preempted(run, done, progress)
     if progress is not None:
         progress.close()
+        run.progress = None
     if trace:
         trace.close()
+
+
+def report_startup(run: Run, progress) -> None:
+    """Time to the first optimizer step, by phase (rank 0's clock), in the metrics and on the terminal."""
+    run.clock.mark("first step")
+    if run.accelerator.is_main_process:
+        phases = run.clock.phases()
+        run.metrics.write({"kind": "startup", "step": run.start_step + 1,
+                           "time_to_first_step_s": round(sum(phases.values()), 3), "phases_s": phases},
+                          run.start_step + 1)
+        (progress.write if progress is not None else print)(run.clock.summary())
 
 
 def advance_schedule(acc, scheduler) -> float:
@@ -423,11 +485,11 @@ def evaluate(run: Run, step: int) -> dict | None:
     total = torch.zeros(2, device=acc.device, dtype=torch.float64)
     model.eval()
     with torch.no_grad():
-        for rows in data_lib.iter_eval_batches(run.data.eval, micro_batch=t.micro_batch_size,
+        for rows in batches.iter_eval_batches(run.data.eval, micro_batch=t.micro_batch_size,
                                                world_size=acc.num_processes, rank=acc.process_index,
                                                max_batches=t.eval_max_batches):
             dummy = rows is None  # this rank ran out of rows but must join the collective forward
-            batch = data_lib.collate(run.data.eval[rows or [0]], run.tokenizer.pad_token_id, run.use_position_ids,
+            batch = batches.collate(run.data.eval[rows or [0]], run.tokenizer.pad_token_id, run.use_position_ids,
                                      layout=run.batch_layout)
             if dummy:
                 batch["labels"].fill_(data_lib.IGNORE_INDEX)
@@ -435,7 +497,7 @@ def evaluate(run: Run, step: int) -> dict | None:
             with acc.autocast():
                 loss_sum = model(**batch, num_items_in_batch=1, use_cache=False).loss
             total[0] += loss_sum.double()
-            total[1] += data_lib.label_count(batch["labels"])
+            total[1] += batches.label_count(batch["labels"])
     model.train()
     total = acc.reduce(total, reduction="sum")
     loss = (total[0] / total[1].clamp(min=1)).item()
@@ -443,7 +505,7 @@ def evaluate(run: Run, step: int) -> dict | None:
            "eval_tokens": int(total[1].item())}
     run.metrics.write(row, step)
     run.last_eval_step = step
-    acc.print(f"eval @ step {step}: loss {loss:.4f}, perplexity {row['eval_ppl']:.2f} ({row['eval_tokens']:,} tokens)")
+    run.say(f"eval @ step {step}: loss {loss:.4f}, perplexity {row['eval_ppl']:.2f} ({row['eval_tokens']:,} tokens)")
     return row
 
 
@@ -458,7 +520,7 @@ def save(run: Run, step: int) -> Path:
                                 keep_last=recipe.checkpoint.keep_last, faults=run.faults,
                                 run_id=_run_id(run))
     run.last_saved_step = step
-    run.accelerator.print(f"checkpoint: {path}")
+    run.say(f"checkpoint: {path}")
     return path
 
 
@@ -628,11 +690,27 @@ def _to_device(batch: dict, device) -> dict:
 
 
 def _progress_bar(acc, total: int, initial: int):
+    """The main process's bar (ETA, loss, tokens/s, MFU on GPUs). Warnings and log records of the libraries are
+    written above it, like our own lines, instead of being glued onto it."""
     if not acc.is_main_process:
         return None
+    import logging
+    import warnings
+
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, desc="training", unit="step", dynamic_ncols=True, mininterval=1.0)
+    bar = tqdm(total=total, initial=initial, desc="training", unit="step", dynamic_ncols=True, mininterval=1.0)
+    warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: tqdm.write(
+        warnings.formatwarning(message, category, filename, lineno, line).rstrip())
+
+    class _AboveTheBar(logging.Handler):
+        def emit(self, record):
+            tqdm.write(self.format(record))
+
+    handler = _AboveTheBar()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().handlers = [handler]
+    return bar
 
 
 def _process_group_record() -> dict:

@@ -148,7 +148,7 @@ def main() -> None:
     else:
         from transformers import AutoModelForCausalLM
 
-        from accel_fsdp.data import PADDING_FREE, collate
+        from accel_fsdp.batches import PADDING_FREE, collate
 
         m = AutoModelForCausalLM.from_pretrained(tiny, attn_implementation="flash_attention_2",
                                                  dtype=torch.bfloat16).cuda().eval()

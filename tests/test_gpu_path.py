@@ -188,7 +188,8 @@ def test_estimate_and_dry_run_count_unsharded_gradients_when_the_reduction_is_de
 
 
 def test_flash_attention_gets_padding_free_batches():
-    from accel_fsdp.data import IGNORE_INDEX, PADDED, PADDING_FREE, batch_layout, collate
+    from accel_fsdp.batches import PADDED, PADDING_FREE, batch_layout, collate
+    from accel_fsdp.data import IGNORE_INDEX
 
     assert batch_layout("flash_attention_2", True) == PADDING_FREE
     assert batch_layout("flash_attention_3", True) == PADDING_FREE
@@ -212,7 +213,8 @@ def test_a_packed_row_gives_each_document_the_logits_it_has_alone(tmp_path, kind
     """On the SDPA path (and eager), a padded batch of packed rows: every document sees only itself."""
     from transformers import AutoModelForCausalLM
 
-    from accel_fsdp.data import PADDED, _tokenize_batch, collate
+    from accel_fsdp.batches import PADDED, collate
+    from accel_fsdp.data import _tokenize_batch
     from accel_fsdp.synthetic import build_tokenizer
 
     tok = build_tokenizer()

@@ -110,3 +110,9 @@ def test_missing_config_names_the_fix(tmp_path):
     with pytest.raises(UserError) as e:
         load_accelerate_config("fsdp_2gpus")
     assert "did you mean fsdp_2gpu" in e.value.format_message()
+
+
+def test_the_key_tables_are_accelerates_own():
+    from accel_fsdp.launch_config import FSDP_KEYS, PARALLELISM_KEYS, TOP_LEVEL_KEYS, accelerate_known_keys
+
+    assert (TOP_LEVEL_KEYS, FSDP_KEYS, PARALLELISM_KEYS) == accelerate_known_keys()

@@ -102,7 +102,7 @@ def test_instruction_and_chat_fine_tunes_learn(tmp_path, tiny_gpt2, fmt):
     proc = run_cli("recipe", "run", recipe, "--output-dir", run, check=0)
     losses = [r["loss"] for r in read_metrics(run) if r["kind"] == "train"]
     assert losses[-1] < 0.6 * losses[0], losses
-    stats = proc.stdout.split("data: builtin:quickstart-")[1].splitlines()[0]
+    stats = re.search(r"^  data +builtin:quickstart-.*$", proc.stdout, re.M).group(0)
     assert "with loss" in stats
     # Only responses carry a loss: far fewer loss tokens than tokens.
     tokens, with_loss = map(lambda s: int(s.replace(",", "")), re.search(r"([\d,]+) tokens \(([\d,]+) with loss\)",

@@ -21,7 +21,8 @@ def test_tiny_gpt2_trains_and_each_rank_holds_only_its_shard(tmp_path, tiny_gpt2
     recipe = tiny_recipe(tmp_path / "gpt2.yaml", tiny_gpt2, stories, training={"max_steps": 30},
                          logging={"every_steps": 5, "sample_prompt": "alice has a", "sample_max_new_tokens": 8})
     run = tmp_path / "run"
-    proc = run_cli("recipe", "run", recipe, "--output-dir", run, check=0)
+    proc = run_cli("recipe", "run", recipe, "--output-dir", run, "--verbose", env={"ACCEL_FSDP_CPU_BF16": "1"},
+                   check=0)
 
     # Each rank holds only its shard: this fails the day CPU ranks fall back to unsharded replicas.
     sharding = json.loads((run / "sharding.json").read_text())
@@ -39,7 +40,8 @@ def test_tiny_gpt2_trains_and_each_rank_holds_only_its_shard(tmp_path, tiny_gpt2
     evals = [r for r in read_metrics(run) if r["kind"] == "eval"]
     assert evals and evals[-1]["eval_ppl"] > 1
 
-    # The resolved recipe and the effective settings, with their sources, are printed and saved.
+    # A short summary at start; with --verbose the resolved recipe and every setting with its source (always saved).
+    assert "  batch     global 8 = micro 4 x 2 rank(s) x 1 accumulation step(s); 30 optimizer steps" in proc.stdout
     assert "--- FSDP settings (value, source) ---" in proc.stdout
     assert "wrap_classes" in proc.stdout and "accelerate_configs/fsdp_cpu.yaml" in proc.stdout
     settings = json.loads((run / "fsdp_settings.json").read_text())
@@ -101,7 +103,8 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, tiny_gpt2):
         recipe = tiny_recipe(tmp_path / f"{name}.yaml", tiny_gpt2, data, **base)
         run_cli("recipe", "run", recipe, "--output-dir", tmp_path / name, "--accelerate-config", config,
                 "--set", f"training.micro_batch_size={micro}", check=0)
-        runs[name] = (load_weights(tmp_path / name / "final"), read_metrics(tmp_path / name))
+        runs[name] = (load_weights(tmp_path / name / "final"),
+                      [r for r in read_metrics(tmp_path / name) if r["kind"] == "train"])
     reference, ref_metrics = runs["2ranks-k1"]
     for name, (weights, metrics) in runs.items():
         # The same loss and the same (pre-clipping) gradient norm at every step: AdamW hides a constant factor

@@ -1,0 +1,55 @@
+"""The model facts `recipe list`, `validate` and `estimate` use instead of building models are transformers' own:
+parameter counts (full and LoRA), block class, module classes, linear layers, context, and the config keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from accel_fsdp.model_facts import CONFIG_KEYS, facts_from_values
+
+CASES = [
+    ("gpt2", {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 150, "n_positions": 128}),
+    ("gpt2", {"n_layer": 3, "n_embd": 96, "n_head": 3, "vocab_size": 101, "n_inner": 200,
+              "tie_word_embeddings": False}),
+    ("llama", {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "vocab_size": 150, "max_position_embeddings": 128,
+               "tie_word_embeddings": False}),
+    ("llama", {"num_hidden_layers": 2, "hidden_size": 96, "intermediate_size": 200, "num_attention_heads": 4,
+               "head_dim": 32, "vocab_size": 99, "tie_word_embeddings": True, "attention_bias": True,
+               "mlp_bias": True}),
+]
+
+
+@pytest.mark.parametrize("model_type,values", CASES)
+def test_facts_match_the_model_transformers_builds(model_type, values):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    facts = facts_from_values(model_type, values)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **values))
+    assert facts.params() == sum(p.numel() for p in model.parameters())
+    assert facts.class_name == type(model).__name__
+    assert facts.no_split_modules == sorted(model._no_split_modules)
+    assert facts.module_classes == {type(m).__name__ for m in model.modules()}
+    linears = {n.split(".")[-1] for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}
+    assert facts.linear_names == linears
+    block = next(m for m in model.modules() if type(m).__name__ == facts.no_split_modules[0])
+    assert facts.block_params() == sum(p.numel() for p in block.parameters())
+    context = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+    assert facts.context == context
+    targets = sorted(linears - {"lm_head"})[:2]
+    with torch.device("meta"):
+        peft = get_peft_model(model, LoraConfig(r=8, target_modules=targets, task_type="CAUSAL_LM"))
+    assert facts.lora_params(targets, 8) == sum(p.numel() for p in peft.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIG_KEYS))
+def test_config_keys_are_the_config_class_keys(model_type):
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    assert CONFIG_KEYS[model_type] == set(cls().to_dict()) | set(cls.attribute_map)
+    assert AutoConfig.for_model(model_type).model_type == model_type
