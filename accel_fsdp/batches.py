@@ -80,6 +80,10 @@ def collate(rows: dict[str, list], pad_id: int, use_position_ids: bool, multiple
 
     Padded: right-pad to the longest row, rounded up to `multiple_of`. With position ids, padding is its own
     document, so no real token attends to it. Padding-free: see `collate_padding_free`."""
+    from accel_fsdp.faults import broken
+
+    if broken("mask-leak"):  # positions that never restart: packed documents see each other
+        rows = dict(rows, position_ids=[list(range(len(p))) for p in rows["position_ids"]])
     if layout == PADDING_FREE:
         return collate_padding_free(rows)
     ids = rows["input_ids"]

@@ -73,13 +73,16 @@ def _cpu_offload(settings: FsdpSettings):
 
 def _mixed_precision_policy(version: int, precision: str):
     """bf16/fp16 compute with fp32 master weights and fp32 gradient reduction (the torchtitan default)."""
+    from accel_fsdp.faults import broken
+
+    reduce = torch.bfloat16 if broken("bf16-reduce") else torch.float32
     if precision == "fp32":
         return None
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     if version == 2:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce)
     from torch.distributed.fsdp import MixedPrecision
 
     return MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype)
@@ -122,6 +125,8 @@ def apply_activation_checkpointing(model, settings: FsdpSettings):
     from accelerate.utils.other import get_module_children_bottom_up
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
+    from accel_fsdp.faults import broken
+
     plugin = build_fsdp_plugin(settings, for_planning=True)
     plugin.set_auto_wrap_policy(model)
     policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
@@ -130,7 +135,7 @@ def apply_activation_checkpointing(model, settings: FsdpSettings):
     for name, module in get_module_children_bottom_up(model, return_fqns=True)[:-1]:
         if policy(module):
             model.set_submodule(name, checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                                         preserve_rng_state=True))
+                                                         preserve_rng_state=not broken("ac-rng")))
     return model
 
 
@@ -154,7 +159,9 @@ def build_accelerator(settings: FsdpSettings, *, gradient_accumulation_steps: in
     precision = _ACCELERATE_PRECISION[settings.mixed_precision.value]
     group = process_group_kwargs(settings)
     cpu = settings.device.value == "cpu"
-    if cpu:
+    from accel_fsdp.faults import broken
+
+    if cpu and not broken("unsharded"):  # broken on purpose: what stock Accelerate does on CPU (replicas)
         from accel_fsdp.cpu_fsdp import init_cpu_fsdp_state
 
         init_cpu_fsdp_state(plugin, mixed_precision=precision, parallelism_config=parallelism,

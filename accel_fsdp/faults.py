@@ -67,3 +67,22 @@ class Faults:
     def _kill(when: str) -> None:
         print(f"[{ENV}] SIGKILL {when}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+BREAK_ENV = "ACCEL_FSDP_BREAK"
+BREAKS = {
+    "unsharded": "CPU ranks: leave Accelerate's state as it comes (unsharded replicas), and skip the check that stops "
+                 "that",
+    "bf16-reduce": "reduce gradients in bf16 instead of fp32",
+    "mean-loss": "normalize each micro-step's loss by its own tokens instead of the global batch's",
+    "skip-batch": "skip one optimizer step's batch when resuming",
+    "mask-leak": "let packed documents attend to each other (positions not restarted per document)",
+    "ac-rng": "recompute checkpointed activations with new random draws (dropout)",
+}
+"""`ACCEL_FSDP_BREAK=<name>[,<name>]` breaks one property on purpose, so tests prove each `accel-fsdp verify` check
+can fail. Unset (always, outside those tests), nothing changes."""
+
+
+def broken(name: str) -> bool:
+    assert name in BREAKS, name
+    return name in os.environ.get(BREAK_ENV, "").split(",")

@@ -32,7 +32,7 @@ from accel_fsdp import probes
 from accel_fsdp.cpu_fsdp import check_sharded, local_numel
 from accel_fsdp.distributed import apply_activation_checkpointing, build_accelerator, expected_shards
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.faults import Faults
+from accel_fsdp.faults import Faults, broken
 from accel_fsdp.launch_config import (CONFIG_PATH_ENV, AccelerateConfig, FsdpSettings, check_settings,
                                       config_from_environment, detect_wrap_classes, load_accelerate_config,
                                       resolve_settings)
@@ -195,7 +195,8 @@ def setup(request: RunRequest) -> Run:
         model, optimizer = accelerator.prepare(model, build_optimizer(model, recipe, settings))
     loading.stop()
     clock.mark("sharding")
-    check_sharded(accelerator, model, parameters, expected_shards(settings))
+    if not broken("unsharded"):
+        check_sharded(accelerator, model, parameters, expected_shards(settings))
     shards = _shard_layout(accelerator, model)
     held = [int(row[0]) for row in shards]
     loading_growth = _gather_ints(accelerator, [loading.growth])  # collective: every rank takes part
@@ -359,7 +360,7 @@ def _resume(run: Run) -> None:
     for note in ckpt.check_resume(info, recipe, run.settings):
         run.say(f"resume: {note}")
     state = ckpt.load_checkpoint(acc, run.model, run.optimizer, run.scheduler, info, lora=recipe.model.lora.enabled)
-    run.start_step = run.last_saved_step = state["step"]
+    run.start_step = run.last_saved_step = state["step"] + broken("skip-batch")
     run.tokens_seen = state.get("tokens_seen", 0)
     run.say(f"resume: continuing from {info.path} at step {run.start_step} of {run.total_steps} "
               f"(epoch {state.get('epoch')}, {state.get('rows_consumed', 0):,} rows consumed)")
@@ -378,6 +379,7 @@ def fit(run: Run) -> None:
 
     layout = run.batch_layout
     peak_flops = device_peak_flops(acc.device, run.settings.mixed_precision.value)
+    normalize_globally = not broken("mean-loss")
     progress = run.progress = _progress_bar(acc, run.total_steps, run.start_step)
     window_loss = torch.zeros((), device=acc.device)
     window_norm = torch.zeros((), device=acc.device)
@@ -387,7 +389,7 @@ def fit(run: Run) -> None:
         global_rows = sampler.global_rows(step)
         # Loss normalization (see the module docstring): every rank computes the global token count from the
         # dataset's per-row counts, so no communication is needed.
-        num_items = max(1, sum(label_counts[i] for i in global_rows)) / (world * k)
+        num_items = max(1, sum(label_counts[i] for i in global_rows)) / (world * k) if normalize_globally else None
         micro_batches = sampler.micro_batches(step)
         for rows in micro_batches:
             batch = _to_device(batches.collate(run.data.train[rows], pad_id, run.use_position_ids, layout=layout),

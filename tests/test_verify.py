@@ -1,0 +1,67 @@
+"""`accel-fsdp verify` on 2 CPU ranks: the shipped quick recipes pass, and every check fails when the property it
+proves is broken on purpose (ACCEL_FSDP_BREAK, accel_fsdp/faults.py), so no check can pass vacuously."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.multiprocess
+
+
+def report_of(folder) -> dict:
+    return json.loads((folder / "report.json").read_text())
+
+
+def test_verify_quickstart_passes_every_check(tmp_path):
+    out = tmp_path / "verify"
+    proc = run_cli("verify", "quickstart", "--output-dir", out, check=0)
+    report = report_of(out)
+    status = {c["name"]: c["status"] for c in report["checks"]}
+    assert status == {"sharding": "PASS", "precision": "PASS", "equivalence": "PASS", "resume": "PASS",
+                      "packing": "PASS", "activation-checkpointing": "PASS", "memory": "PASS", "throughput": "INFO"}
+    assert report["passed"] and set(report["probes"]) == {"reference", "split", "fewer-ranks", "resume", "ac-on",
+                                                          "ac-off"}
+    assert "7 passed, 0 failed" in proc.stdout
+    equivalence = next(c for c in report["checks"] if c["name"] == "equivalence")
+    assert set(equivalence["data"]) == {"split", "fewer-ranks"}  # two other splits, one of them on 1 rank
+    # verify keeps to its folder: a second verify replaces the first, a folder of something else is refused
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    msg = run_cli("verify", "quickstart", "--output-dir", tmp_path / "mine", check=2).stderr
+    assert "exists and is not an earlier verify folder" in msg
+
+
+def test_verify_quickstart_llama_passes(tmp_path):
+    out = tmp_path / "verify"
+    run_cli("verify", "quickstart-llama", "--quick", "--output-dir", out, check=0)
+    report = report_of(out)
+    assert report["passed"] and "fewer-ranks" not in report["probes"]  # --quick
+    packing = next(c for c in report["checks"] if c["name"] == "packing")
+    assert packing["status"] == "PASS" and packing["data"]["documents"] >= 2
+
+
+INSTRUCTION = ["--set", "data.path=builtin:quickstart-instruct", "--set", "data.format=instruction",
+               "--set", "training.mixed_precision=fp32"]  # label counts vary per micro-batch; fp32: tight tolerance
+
+
+@pytest.mark.parametrize("broken,check,extra,expected", [
+    ("unsharded", "sharding", [], "not sharded over 2 ranks"),
+    ("bf16-reduce", "precision", ["--set", "training.mixed_precision=bf16"], "gradients reduced in torch.bfloat16"),
+    ("mean-loss", "equivalence", INSTRUCTION, "split: loss"),
+    ("skip-batch", "resume", [], "largest weight difference after resuming from step 2"),
+    ("mask-leak", "packing", [], "largest logit difference to each document alone"),
+    ("ac-rng", "activation-checkpointing", [], "with dropout 0.1, with vs without"),
+])
+def test_each_check_fails_when_its_property_is_broken(tmp_path, broken, check, extra, expected):
+    out = tmp_path / "verify"
+    proc = run_cli("verify", "quickstart", "--quick", "--only", check, "--output-dir", out, *extra,
+                   env={"ACCEL_FSDP_BREAK": broken})
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (result,) = report_of(out)["checks"]
+    assert result["name"] == check and result["status"] == "FAIL", result
+    assert expected in result["measured"], result["measured"]
+    assert "0 passed, 1 failed" in proc.stdout
