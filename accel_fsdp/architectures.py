@@ -89,18 +89,20 @@ KNOWN: dict[str, Architecture] = {a.name: a for a in [
 
 
 def lookup(name_or_hub_id: str | None) -> Architecture | None:
-    """The known architecture behind a short name or hub id (instruct variants included), else None."""
+    """The known architecture behind a short name (gpt2-xl, llama-3.1-8b) or its hub id, instruct variants
+    included (meta-llama/Llama-3.1-8B-Instruct); else None. Another owner's repository of the same name is not
+    assumed to be the same model, nor is a local path that happens to end in one."""
     if not name_or_hub_id:
         return None
-    key = name_or_hub_id.strip().rstrip("/").lower()
-    key = key.split("/")[-1]
+    text = name_or_hub_id.strip().rstrip("/").lower()
+    owner, _, name = text.rpartition("/")
     for suffix in ("-instruct", "-hf"):
-        key = key.removesuffix(suffix)
-    key = key.removeprefix("meta-")
-    if key in KNOWN:
-        return KNOWN[key]
+        name = name.removesuffix(suffix)
     for arch in KNOWN.values():
-        if arch.hub_id.lower().split("/")[-1] == key:
+        hub_owner, _, hub_name = arch.hub_id.lower().partition("/")
+        bare = name.removeprefix("meta-")  # Meta-Llama-3.1-8B: the older name of meta-llama/Llama-3.1-8B
+        if (not owner and (name in (arch.name, hub_name) or bare == arch.name)) or \
+                (owner == hub_owner and hub_name in (name, bare)):
             return arch
     return None
 

@@ -176,8 +176,8 @@ def verify_files(info: CheckpointInfo, accelerator=None) -> None:
         bad = sorted(n for part in gather_object([bad]) for n in part)
     if bad:
         earlier = [c for c in list_checkpoints(info.path.parent) if c.complete and (c.step or 0) < (info.step or 0)]
-        fix = (f"resume from the previous checkpoint: --resume-from {earlier[-1].path}" if earlier else
-               "no earlier checkpoint is complete: start again (--overwrite)")
+        fix = (f"use the previous complete checkpoint, {earlier[-1].path}" if earlier else
+               "no earlier checkpoint is complete: restore the file, or start again")
         raise UserError(Problem(str(info.path), f"{', '.join(bad[:5])}{' and more' if len(bad) > 5 else ''} "
                                 f"changed since it was saved (CRC-32 differs from the manifest's)", fix))
 
@@ -330,8 +330,11 @@ def inspect_checkpoint(path: Path, *, verify: bool = False) -> CheckpointInfo:
         return CheckpointInfo(path, step, False, "no manifest.json (the save did not finish, or not a checkpoint)")
     try:
         manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError):
         return CheckpointInfo(path, step, False, "manifest.json is corrupt")
+    shape = _manifest_shape_problem(manifest)
+    if shape:
+        return CheckpointInfo(path, step, False, f"manifest.json is damaged ({shape})")
     if manifest.get("format") != FORMAT:
         return CheckpointInfo(path, step, False, f"unknown format {manifest.get('format')!r}", manifest)
     for rel, size in manifest.get("files", {}).items():
@@ -348,6 +351,23 @@ def inspect_checkpoint(path: Path, *, verify: bool = False) -> CheckpointInfo:
                                       f"{rel} changed since it was saved (CRC-32 differs from the manifest's)",
                                       manifest)
     return CheckpointInfo(path, manifest.get("step"), True, "", manifest)
+
+
+def _manifest_shape_problem(manifest) -> str | None:
+    """What is wrong with a manifest that parses but is not one of ours (edited by hand, or damaged in place)."""
+    if not isinstance(manifest, dict):
+        return f"a JSON {type(manifest).__name__}, not an object"
+    if not isinstance(manifest.get("step"), int) or isinstance(manifest.get("step"), bool) or manifest["step"] < 0:
+        return f"step {manifest.get('step')!r} is not a step number"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, int) for k, v in files.items()):
+        return "its file list is not a mapping of file to size"
+    if any(Path(k).is_absolute() or ".." in Path(k).parts for k in files):
+        return "its file list names paths outside the checkpoint"
+    crc = manifest.get("crc32", {})
+    if not isinstance(crc, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in crc.items()):
+        return "its checksums are not a mapping of file to CRC-32"
+    return None
 
 
 def list_checkpoints(root: Path) -> list[CheckpointInfo]:
@@ -386,15 +406,16 @@ def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint", verify: bo
             return found
     seen = [c for r in _checkpoint_folders_of(p) for c in list_checkpoints(r)]
     detail = "; ".join(f"{c.name}: {c.reason}" for c in seen) or "no step-NNNNNN folders"
-    raise UserError(Problem(str(p), f"no complete checkpoint found ({detail})",
-                            "train with checkpoint.every_steps set, or give a checkpoint folder"))
+    fix = ("every checkpoint here is damaged or incomplete: restore one, or train again" if seen else
+           "give a run folder that has saved checkpoints (checkpoint.every_steps, or a finished run)")
+    raise UserError(Problem(str(p), f"no complete checkpoint found ({detail})", fix))
 
 
 def _checkpoint_folders_of(path: Path) -> list[Path]:
     """Where a run folder keeps its checkpoints (run.json knows, also when checkpoint.dir moved them), or a
     checkpoint folder itself."""
     folders = []
-    from accel_fsdp.rundir import RUN_FILE, RunIdentity
+    from accel_fsdp.rundir import RUN_FILE, RunIdentity, checkpoints_of
 
     if (path / RUN_FILE).is_file():
         try:
@@ -402,9 +423,9 @@ def _checkpoint_folders_of(path: Path) -> list[Path]:
         except UserError:
             recorded = None
         if recorded:
-            folders.append(Path(recorded))
+            folders.append(checkpoints_of(path, recorded))
     folders += [path / "checkpoints", path]
-    return list(dict.fromkeys(folders))
+    return list(dict.fromkeys(p.resolve() for p in folders))
 
 
 # ------------------------------------------------------------------------------------------------- load
@@ -498,7 +519,15 @@ def describe(info: CheckpointInfo) -> dict[str, Any]:
     if recipe_file.exists():
         import yaml
 
-        r = yaml.safe_load(recipe_file.read_text()) or {}
+        try:
+            r = yaml.safe_load(recipe_file.read_text()) or {}
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            r = None
+        if not isinstance(r, dict) or not isinstance(r.get("model", {}), dict) or \
+                not isinstance(r.get("training", {}), dict):
+            out["recipe"] = {"name": "(recipe.yaml unreadable)", "model": None, "data": None,
+                             "global_batch_size": None, "max_steps": None, "lr": None}
+            return out
         model = r.get("model", {})
         t = r.get("training", {})
         out["recipe"] = {"name": r.get("name"), "model": model.get("name_or_path") or model.get("architecture"),
@@ -510,7 +539,7 @@ def describe(info: CheckpointInfo) -> dict[str, Any]:
 def format_description(d: dict[str, Any]) -> str:
     status = "complete" if d["complete"] else f"INCOMPLETE: {d['problem']}"
     lines = [f"{d['path']}: {status}"]
-    if d.get("step") is None:
+    if d.get("step") is None or d.get("world_size") is None:  # no (readable) manifest: nothing more is known
         return lines[0]
     params = f"{d['parameters']:,}" if d.get("parameters") else "?"
     lora = ", LoRA adapter" if d.get("lora") else ""

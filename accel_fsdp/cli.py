@@ -16,7 +16,9 @@ from pathlib import Path
 import click
 
 from accel_fsdp import __version__
-from accel_fsdp.errors import Problem, UserError, raise_if
+from accel_fsdp.errors import Problem, UserError, raise_if, show_usage_error
+
+click.UsageError.show = show_usage_error  # one format for every user mistake, click's own included
 
 SET_HELP = "Override a recipe key, typed as YAML: --set training.lr=3e-4 --set model.lora.enabled=true (repeatable)."
 CONFIG_HELP = ("Accelerate config: a shipped name (fsdp_2gpu) or a path. Default: fsdp_cpu (2 CPU ranks) without a "
@@ -93,7 +95,12 @@ def recipe_show(name: str) -> None:
     """
     from accel_fsdp.paths import resolve_recipe
 
-    click.echo(resolve_recipe(name).read_text(), nl=False)
+    path = resolve_recipe(name)
+    try:
+        click.echo(path.read_text(), nl=False)
+    except (UnicodeDecodeError, OSError) as e:
+        raise UserError(Problem(str(path), f"cannot be shown ({type(e).__name__}): not a UTF-8 text file",
+                                "give a .yaml recipe")) from None
 
 
 @recipe.command("copy")
@@ -111,10 +118,13 @@ def recipe_copy(name: str, dest: Path, force: bool) -> None:
 
     src = resolve_recipe(name)
     target = dest / src.name if dest.is_dir() else dest
+    if target.exists() and target.resolve() == src.resolve():
+        raise UserError(Problem(str(target), "is the recipe being copied", "give another destination"))
     if target.exists() and not force:
         raise UserError(Problem(str(target), "already exists", "choose another name, or add --force to replace it"))
-    if not target.parent.exists():
-        raise UserError(Problem(str(target.parent), "folder does not exist", "create it first"))
+    if not target.parent.is_dir():
+        raise UserError(Problem(str(target.parent), "is a file" if target.parent.exists() else
+                                "folder does not exist", "give a file in an existing folder"))
     shutil.copyfile(src, target)
     click.echo(f"copied {src.name} to {target}")
 
@@ -215,6 +225,9 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
                                 "use one of them"))
     r = _load_recipe(name_or_path, overrides)
     run_dir = RunLayout.of(r, output_dir).root
+    if gpu_memory and not dry_run:
+        raise UserError(Problem("--gpu-memory", "only applies to --dry-run (the plan is checked against it)",
+                                "add --dry-run, or drop --gpu-memory"))
     if dry_run:
         from accel_fsdp.plan import print_plan
         from accel_fsdp.quiet import quiet_libraries
@@ -276,6 +289,14 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     if resume_from:
         argv += ["--resume-from", str(Path(resume_from).absolute())]
     sys.exit(launch(config, argv, num_processes=n, machine=machine, run_dir=run_dir))
+
+
+def _finite(param, value):
+    import math
+
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number", param=param)
+    return value
 
 
 def _leave_rank(status: int) -> None:
@@ -431,8 +452,10 @@ class _NegativeNumberArgument(click.Command):
     def parse_args(self, ctx, args):
         import re
 
-        for arg in args:
-            if re.fullmatch(r"-[\d.,_]+(e\d+)?[KMBTkmbt]?", arg):
+        takes_value = {name for p in self.params if isinstance(p, click.Option) and not p.is_flag for name in p.opts}
+        for i, arg in enumerate(args):
+            is_value = i > 0 and args[i - 1] in takes_value  # e.g. --gpus -2: click reports it as --gpus's value
+            if not is_value and re.fullmatch(r"-[\d.,_]+([eE][-+]?\d+)?[KMBTkmbt]?", arg):
                 raise UserError(Problem(arg, "is not a parameter count: it must be positive",
                                         "give e.g. 7B or 104960000, a model name (gpt2-xl) or a recipe"))
         return super().parse_args(ctx, args)
@@ -480,6 +503,9 @@ def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offlo
     target = resolve_target(what, micro_batch, seq_len)
     if activation_checkpointing is None:
         activation_checkpointing = target.activation_checkpointing
+    if target.context and target.seq_len > target.context:
+        raise UserError(Problem("--seq-len", f"{target.seq_len} exceeds {target.name}'s context of {target.context} "
+                                "tokens", f"use at most {target.context}"))
     if target.micro_batch and target.shape is None:
         raise UserError(Problem("--micro-batch", "activations need the model's shape, and a bare parameter count "
                                 "has none", "name a model (gpt2-xl, llama-3.1-8b) or a recipe, or drop --micro-batch"))
@@ -619,11 +645,26 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     r = _load_recipe(name_or_path, all_overrides)
     config = load_accelerate_config(accelerate_config)
     config.values.update(num_machines=nodes, machine_rank=0)
+    from accel_fsdp.rundir import decide
+    from accel_fsdp.slurm import GENERATED
+
     script = script or Path(f"{r.name}.sbatch")
     if script.is_dir() or not script.parent.is_dir():
-        raise UserError(Problem(str(script), "is a folder" if script.is_dir() else "is in a folder that does not exist",
-                                "give the path of the script file to write (-o job.sbatch)"))
-    run_dir = RunLayout.of(r, output_dir).root
+        where = "is a folder" if script.is_dir() else \
+            (f"is under {script.parent}, which is a file" if script.parent.exists()
+             else "is in a folder that does not exist")
+        raise UserError(Problem(str(script), where, "give the path of the script file to write (-o job.sbatch)"))
+    if script.exists():
+        try:
+            ours = script.read_text(errors="replace").splitlines()[1].startswith(GENERATED)
+        except (OSError, IndexError):
+            ours = False
+        if not ours:
+            raise UserError(Problem(str(script), "exists and was not written by `accel-fsdp slurm`",
+                                    "give another -o (nothing was changed)"))
+    layout = RunLayout.of(r, output_dir)
+    decide(layout, r, resume="auto")  # the folder the job will write: not a file, not another run's
+    run_dir = layout.root
     t = r.training
     where = "--global-batch-size" if global_batch_size else r.where("training.global_batch_size")
     batch = batch_problem(where, t.global_batch_size, t.micro_batch_size, [nodes, gpus_per_node], "GPUs")
@@ -684,8 +725,9 @@ def report_command(run_dir: Path, as_json: bool) -> None:
 @click.option("--prompt", required=True, help="Text to continue (with --chat: the user's message).")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 100_000))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0, 10.0),
-              help="0 is greedy; above 0 samples.")
+              callback=lambda ctx, param, v: _finite(param, v), help="0 is greedy; above 0 samples.")
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True),
+              callback=lambda ctx, param, v: _finite(param, v),
               help="Nucleus sampling: keep the most likely tokens up to this probability mass.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed for sampling.")
 @click.option("--chat", is_flag=True, help="Render the prompt as a user turn with the tokenizer's chat template.")

@@ -61,8 +61,13 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
     out_dir = Path(out_dir)
     _check_destination(out_dir)
     adapter = bool(info.manifest.get("lora"))
-    reader = _TensorSource(info)
-    keys = _output_keys(info, reader, adapter)
+    try:
+        reader = _TensorSource(info)
+        keys = _output_keys(info, reader, adapter)
+    except (ValueError, KeyError, UnicodeDecodeError, OSError, RuntimeError) as e:  # damaged with its CRC updated
+        raise UserError(Problem(str(info.path), f"its metadata cannot be read ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0][:160] if str(e) else ''})",
+                                "use an earlier checkpoint (see `accel-fsdp checkpoint inspect` on the run)")) from None
     monitor = PeakMemory()  # from here on: reading and writing weights
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -72,13 +77,19 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
         files, total, largest = _write_shards(reader, keys, tmp, prefix, DTYPES[dtype], max_shard_size)
         _copy_hf_files(info, tmp, dtype, adapter)
         (tmp / "recipe.yaml").write_bytes((info.path / "recipe.yaml").read_bytes())
-        (tmp / MARKER).write_text(json.dumps({"checkpoint": str(info.path), "step": info.manifest.get("step"),
-                                              "dtype": dtype, "adapter": adapter}, indent=1))
         if adapter and merge_lora:
             _merge_lora(tmp, tmp / "merged", dtype, base_model)
+        written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        (tmp / MARKER).write_text(json.dumps({"checkpoint": str(info.path), "step": info.manifest.get("step"),
+                                              "dtype": dtype, "adapter": adapter, "files": written}, indent=1))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.rename(tmp, out_dir)
+    except (ValueError, KeyError, UnicodeDecodeError) as e:  # a checkpoint file damaged with its checksum updated
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(Problem(str(info.path), f"a file of this checkpoint cannot be read ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0][:160] if str(e) else ''})",
+                                "use an earlier checkpoint (see `accel-fsdp checkpoint inspect` on the run)")) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -89,9 +100,27 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
 
 
 def _check_destination(out_dir: Path) -> None:
-    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / MARKER).exists())):
+    """A new folder, or an earlier export that holds nothing but what the export wrote (its marker lists it): an
+    export replaces only its own files, never the user's."""
+    if out_dir.parent.exists() and not out_dir.parent.is_dir():
+        raise UserError(Problem(str(out_dir), f"{out_dir.parent} is a file", "choose a folder (nothing was written)"))
+    if not out_dir.exists():
+        return
+    ours = None
+    if out_dir.is_dir() and (out_dir / MARKER).is_file():
+        try:
+            ours = set(json.loads((out_dir / MARKER).read_text()).get("files", [])) | {MARKER}
+        except (OSError, ValueError, AttributeError, TypeError):
+            ours = None
+    if not out_dir.is_dir() or (any(out_dir.iterdir()) and ours is None):
         raise UserError(Problem(str(out_dir), "exists and is not an earlier export of accel-fsdp",
                                 "choose a new folder (nothing was written)"))
+    extra = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file()
+                   and str(p.relative_to(out_dir)) not in ours)
+    if extra:
+        raise UserError(Problem(str(out_dir), f"is an earlier export, but also holds files it did not write "
+                                f"({', '.join(extra[:3])})", "move them out, or choose a new folder (nothing was "
+                                "written)"))
 
 
 class _TensorSource:

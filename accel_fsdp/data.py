@@ -160,8 +160,11 @@ def read_rows(recipe, *, max_rows: int | None = None):
     except Exception as e:
         detail = _find_bad_json_line(local) if builder == "json" else None
         msg = detail or f"cannot read it as {builder}: {_root_cause(e)}"
-        raise UserError(Problem(f"{where} ({local})", msg, "fix the file (one JSON object per line for .jsonl)")) \
-            from None
+        fix = {"json": "fix the file: one JSON object per line (.jsonl), or one JSON list of objects (.json)",
+               "csv": "fix the file: a header line, then the same number of comma-separated fields on every line "
+                      "(quote fields that contain commas)",
+               "parquet": "write the file again (it is not a readable Parquet file)"}.get(builder, "fix the file")
+        raise UserError(Problem(f"{where} ({local})", msg, fix)) from None
     if len(ds) == 0:
         raise UserError(Problem(where, f"data file {local!r} has no rows", "put training rows in it"))
     return _limit(ds, max_rows or d.max_rows)
@@ -197,6 +200,16 @@ class _library_logs_silenced:
 
     def __exit__(self, *exc):
         self.logger.setLevel(self.level)
+
+
+def too_little_data(recipe, sequences: int) -> Problem | None:
+    """One optimizer step needs a global batch of training sequences; fewer, and nothing would train."""
+    t = recipe.training
+    if sequences >= t.global_batch_size:
+        return None
+    return Problem(recipe.where("training.global_batch_size"), f"{t.global_batch_size} rows per optimizer step, but "
+                   f"the data has only {sequences:,} training sequences (after packing and the held-out split)",
+                   f"use a global batch of at most {max(1, sequences)} or more data (data.path, data.max_rows)")
 
 
 def _limit(ds, n):
@@ -257,7 +270,10 @@ def check_rows(recipe, ds) -> list[Problem]:
             for col in (d.instruction_field, d.output_field):
                 bad = _first(ds[col], lambda v: not isinstance(v, str) or not v.strip())
                 if bad is not None:
-                    p.append(Problem(where, f"{row_name} {bad + 1}: field {col!r} is missing or empty",
+                    value = ds[col][bad]
+                    what = "is missing or empty" if value is None or (isinstance(value, str) and not value.strip()) \
+                        else f"is not text ({type(value).__name__} {str(value)[:40]!r})"
+                    p.append(Problem(where, f"{row_name} {bad + 1}: field {col!r} {what}",
                                      "every row needs an instruction and an output"))
     else:
         if need_column("data.messages_field", d.messages_field):

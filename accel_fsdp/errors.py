@@ -55,6 +55,23 @@ class UserError(click.ClickException):
         click.echo(f"error: {self.format_message()}", err=True, file=file)
 
 
+def show_usage_error(error: click.UsageError, file=None) -> None:
+    """click's own argument errors (a value out of range, a missing or unknown option) in the one format of every
+    user mistake: `error: <option>: <what>` and a fix, exit status 2 (click's default shows usage lines first)."""
+    import re
+
+    message = error.format_message().rstrip(".")
+    m = re.match(r"Invalid value for '([^']+)': (.*)", message, re.S)
+    if m:
+        message = f"{m.group(1)}: {m.group(2)}"
+    m = re.match(r"Missing (?:option|argument) '([^']+)'", message)
+    if m:
+        message = f"{m.group(1)}: missing (it is required)"
+    command = error.ctx.command_path if error.ctx is not None else "accel-fsdp"
+    click.echo(f"error: {message}\n    fix: see `{command} --help` for the options, their values and examples",
+               err=True, file=file)
+
+
 def raise_if(problems: list[Problem], title: str) -> None:
     """Raise one `UserError` listing every problem gathered, or return when there are none."""
     if problems:

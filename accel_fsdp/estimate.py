@@ -26,6 +26,8 @@ class Target:
     note: str = ""
     activation_checkpointing: bool = False
     """The recipe's setting (a model or a count: off unless asked for)."""
+    context: int | None = None
+    """The model's context length, when known."""
 
 
 def parse_count(text: str) -> int | None:
@@ -57,7 +59,7 @@ def resolve_target(what: str, micro_batch: int | None, seq_len: int | None) -> T
         unit = max(arch.block_param_count(), arch.vocab * arch.hidden)
         return Target(arch.name, arch.param_count(), arch.param_count(), unit, shape,
                       1 if micro_batch is None else micro_batch,
-                      min(arch.context, 2048) if seq_len is None else seq_len)
+                      min(arch.context, 2048) if seq_len is None else seq_len, context=arch.context)
     from accel_fsdp.paths import resolve_recipe, shipped_recipes
 
     if what in shipped_recipes() or what.endswith((".yaml", ".yml")):
@@ -85,7 +87,7 @@ def _recipe_target(path, micro_batch, seq_len) -> Target:
                       recipe.training.micro_batch_size if micro_batch is None else micro_batch,
                       recipe.data.seq_len if seq_len is None else seq_len, compute if lora.enabled else 4,
                       note="LoRA: frozen base weights in the compute dtype" if lora.enabled else "",
-                      activation_checkpointing=bool(recipe.model.activation_checkpointing))
+                      activation_checkpointing=bool(recipe.model.activation_checkpointing), context=facts.context)
     from accel_fsdp.launch_config import load_accelerate_config
     from accel_fsdp.plan import build_plan
 

@@ -38,6 +38,15 @@ def load_model(folder: Path, device: str = "auto"):
     missing = tokenizer_files_problem(folder)
     if missing:
         raise UserError(Problem(str(folder), missing, fix))
+    config = folder / ("adapter_config.json" if (folder / "adapter_config.json").exists() else "config.json")
+    try:
+        import json
+
+        if not isinstance(json.loads(config.read_text()), dict):
+            raise ValueError("not a JSON object")
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(Problem(str(config), f"is not a valid config ({type(e).__name__})",
+                                "export the model again with `accel-fsdp checkpoint consolidate RUN OUT`")) from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as e:  # transformers raises OSError, ValueError, TypeError... for a folder without a tokenizer
@@ -73,6 +82,13 @@ def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 64, tempera
         inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
     else:
         inputs = tokenizer(prompt, return_tensors="pt")
+    context = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    length = inputs["input_ids"].shape[1]
+    if context and length + max_new_tokens > context:
+        raise UserError(Problem("--max-new-tokens" if length < context else "--prompt",
+                                f"the prompt ({length} tokens) and {max_new_tokens} new tokens exceed the model's "
+                                f"context of {context} tokens", f"generate at most {max(0, context - length)} new "
+                                "tokens" if length < context else "shorten the prompt"))
     inputs = {k: v.to(model.device) for k, v in inputs.items()}
     torch.manual_seed(seed)
     sampling = temperature > 0

@@ -69,7 +69,10 @@ def hub_problems(recipe) -> list[Problem]:
             continue
         if offline():
             if kind == "dataset":
-                continue  # it may be in the datasets cache: the main rank loads it and says so if not
+                problem = _dataset_offline_problem(recipe, repo)
+                if problem:
+                    problems.append(Problem(where, *problem))
+                continue
             problems.append(Problem(where, f"{repo!r} is not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 "
                                     "forbids downloading it", f"download it once where the hub is reachable "
                                     f"(huggingface-cli download {repo}), give a local folder, or unset "
@@ -79,6 +82,19 @@ def hub_problems(recipe) -> list[Problem]:
         if problem:
             problems.append(Problem(where, *problem))
     return problems
+
+
+def _dataset_offline_problem(recipe, repo: str) -> tuple[str, str] | None:
+    """HF_HUB_OFFLINE: is the dataset in the datasets library's cache (what load_dataset will use)?"""
+    try:
+        import datasets
+
+        datasets.load_dataset_builder(repo, recipe.data.hub_config)
+    except Exception as e:  # datasets raises a different type for each way of not finding it
+        return (f"dataset {repo!r} (config {recipe.data.hub_config!r}) is not in the local datasets cache, and "
+                f"HF_HUB_OFFLINE=1 forbids downloading it ({type(e).__name__})",
+                "download it once where the hub is reachable, or point data.path at a local file")
+    return None
 
 
 def _ask_hub(repo: str, kind: str) -> tuple[str, str] | None:

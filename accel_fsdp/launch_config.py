@@ -134,6 +134,10 @@ def load_accelerate_config(name_or_path: str | os.PathLike) -> AccelerateConfig:
                                     f"did you mean {close[0]}?" if close else "remove it"))
         elif key in ("fsdp_config", "parallelism_config"):
             known = fsdp_keys if key == "fsdp_config" else parallel_keys
+            if value is not None and not isinstance(value, dict):
+                problems.append(Problem(f"{label}: {key}", f"must be a mapping of keys, found {type(value).__name__}",
+                                        f"write `{key}:` followed by indented keys"))
+                continue
             for sub, subval in (value or {}).items():
                 if sub not in known:
                     close = difflib.get_close_matches(str(sub), sorted(known), n=1)
@@ -144,7 +148,8 @@ def load_accelerate_config(name_or_path: str | os.PathLike) -> AccelerateConfig:
         else:
             values[key] = value
     config = AccelerateConfig(values=values, label=label, path=path)
-    problems += check_accelerate_config(config)
+    if not duplicates:  # with a key given twice the values below are a guess: say only that
+        problems += check_accelerate_config(config)
     raise_if(problems, f"accelerate config {label} has {len(problems)} problems")
     return config
 
@@ -199,10 +204,11 @@ def check_accelerate_config(c: AccelerateConfig) -> list[Problem]:
             "set 0 on the main machine, 1..N-1 on the others")
     if m > 1 and not c.get("main_process_ip"):
         bad("main_process_ip", f"is not set, but num_machines = {m}",
-            "set the address of the machine with machine_rank 0 (or pass --main_process_ip)")
+            "set the address of the machine with machine_rank 0 (`recipe run --main-process-ip ADDR`, or "
+            "main_process_ip in the config)")
     if version == 1:
-        s = str(c.get("fsdp_sharding_strategy", c.get("fsdp_reshard_after_forward", "FULL_SHARD"))).upper()
-        if s not in FSDP1_STRATEGIES and not s.isdigit():
+        s = _fsdp1_strategy(c.get("fsdp_sharding_strategy", c.get("fsdp_reshard_after_forward", "FULL_SHARD")))
+        if s not in FSDP1_STRATEGIES:
             bad("fsdp_config.fsdp_sharding_strategy", f"{s!r} is not an FSDP1 strategy",
                 "use " + ", ".join(FSDP1_STRATEGIES[:4]))
         bp = c.get("fsdp_backward_prefetch")
@@ -231,6 +237,9 @@ def check_accelerate_config(c: AccelerateConfig) -> list[Problem]:
             "would shard the ModuleList of blocks, which fully_shard refuses)",
             "use TRANSFORMER_BASED_WRAP (one unit per block, or name the classes you want as units in "
             "fsdp_transformer_layer_cls_to_wrap), or fsdp_version: 1 for size-based wrapping")
+    if "fsdp_min_num_params" in c.values and (_as_int(c.get("fsdp_min_num_params")) or 0) < 1:
+        bad("fsdp_config.fsdp_min_num_params", f"{c.get('fsdp_min_num_params')!r} is not a positive whole number",
+            "e.g. 100000000 (modules with at least this many parameters become units)")
     for key in ("fsdp_offload_params", "fsdp_activation_checkpointing", "fsdp_cpu_ram_efficient_loading", "use_cpu"):
         if key in c.values and _as_bool(c.get(key)) is None:
             bad(key if key == "use_cpu" else f"fsdp_config.{key}", f"{c.get(key)!r} is not true or false",
@@ -384,7 +393,7 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
     else:
         classes = Setting([], f"{cfg} ({policy.value})")
 
-    min_params = pick(None, None, "fsdp_min_num_params", lambda v: int(float(v)), 100_000_000)
+    min_params = pick(None, None, "fsdp_min_num_params", lambda v: _as_int(v) or 100_000_000, 100_000_000)
     offload = pick("fsdp.cpu_offload", recipe.fsdp.cpu_offload, "fsdp_offload_params", _as_bool, False)
     sdt = pick("checkpoint.state_dict_type", recipe.checkpoint.state_dict_type, "fsdp_state_dict_type",
                lambda v: str(v).upper(), "SHARDED_STATE_DICT")
@@ -508,11 +517,11 @@ def check_settings(settings: FsdpSettings, recipe, *, visible_gpus: int | None =
     if batch:
         p.append(batch)
     if s.mixed_precision.value == "fp16" and s.device.value == "cpu":
-        p.append(Problem(_where(recipe, s.mixed_precision, "training.mixed_precision"),
+        p.append(Problem(_where(recipe, s.mixed_precision, "training.mixed_precision", "mixed_precision"),
                          "fp16 needs a GPU (its grad scaler does not run on CPU)",
                          "use bf16 (same memory, no scaler) or fp32"))
     if s.mixed_precision.value not in ("bf16", "fp32", "fp16"):
-        p.append(Problem(_where(recipe, s.mixed_precision, "mixed_precision"),
+        p.append(Problem(_where(recipe, s.mixed_precision, "training.mixed_precision", "mixed_precision"),
                          f"{s.mixed_precision.value!r} is not supported", "use bf16, fp32 or fp16"))
     strategy = s.sharding_strategy.value
     if strategy == "HYBRID_SHARD":
@@ -534,6 +543,10 @@ def check_settings(settings: FsdpSettings, recipe, *, visible_gpus: int | None =
             and s.device.value == "cpu":
         p.append(Problem(_where(recipe, s.sharding_strategy, "fsdp.sharding_strategy"),
                          "FSDP1 HYBRID_SHARD needs several machines", "use FSDP2 with a parallelism_config"))
+    attn = recipe.model.attn_implementation or ""
+    if "flash" in attn and s.device.value == "cpu":
+        p.append(Problem(recipe.where("model.attn_implementation"), f"{attn} needs a CUDA GPU, and this run is on CPU",
+                         "use sdpa on CPU (packed documents stay apart there too)"))
     if s.device.value == "cuda" and visible_gpus is not None:
         p += gpu_count_problems(settings, visible_gpus)
     if s.fsdp_version.value == 1 and recipe.model.lora.enabled:
@@ -574,15 +587,18 @@ def idle_gpu_note(settings: FsdpSettings, visible_gpus: int) -> str | None:
     return None
 
 
-def _where(recipe, setting: Setting, key: str) -> str:
+def _where(recipe, setting: Setting, key: str, config_key: str | None = None) -> str:
+    """Where a setting came from, named by the key the user wrote there: the recipe's key, or the config's."""
     if setting.source.startswith("recipe") or setting.source == "--set":
         return recipe.where(key)
-    return f"{setting.source}: {key}"
+    return f"{setting.source}: {config_key or key}"
 
 
 def _fsdp1_strategy(v) -> str:
+    """FSDP1's strategy by name, or by Accelerate's 1-based number (1 = FULL_SHARD); anything else is kept as given
+    and reported by check_accelerate_config."""
     s = str(v).upper()
-    if s.isdigit():
+    if s.isdigit() and 1 <= int(s) <= len(FSDP1_STRATEGIES):
         return FSDP1_STRATEGIES[int(s) - 1]
     return s
 
@@ -609,6 +625,6 @@ def _as_int(v) -> int | None:
         return None
     try:
         f = float(v)
-    except (TypeError, ValueError):
+        return int(f) if f == int(f) else None
+    except (TypeError, ValueError, OverflowError):  # not a number, NaN, infinity
         return None
-    return int(f) if f == int(f) else None

@@ -162,9 +162,10 @@ def parse_bytes(text: str) -> int:
     import re
 
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(T|G|M|K)I?B?\s*", str(text).upper())
-    if not m or float(m.group(1)) <= 0:
+    size = int(float(m.group(1)) * {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2)]) if m else 0
+    if size < 1:  # garbage, zero, or a fraction of a byte (0.0001KB)
         raise ValueError(text)
-    return int(float(m.group(1)) * {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2)])
+    return size
 
 
 def size_problem(option: str, text: str, example: str = "80GB"):

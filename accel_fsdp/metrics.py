@@ -138,15 +138,40 @@ def read_metrics(path: Path, *, strict: bool = True) -> list[dict]:
     for i, line in enumerate(lines):
         try:
             row = json.loads(line)
-            if not isinstance(row, dict) or "kind" not in row or "step" not in row:
-                raise ValueError("not a metrics row")
-            rows.append(row)
+            why = row_problem(row)
         except ValueError:
-            if i == len(lines) - 1 or not strict:
-                continue
-            raise UserError(Problem(f"{path}:{i + 1}", "is not a metrics row (the file was edited or damaged)",
-                                    f"delete or repair line {i + 1}")) from None
+            row, why = None, "not JSON"
+        if why is None:
+            rows.append(row)
+        elif i == len(lines) - 1 and why == "not JSON" or not strict:
+            continue  # a last line cut short by a kill, or a resume that rewrites the file anyway
+        else:
+            raise UserError(Problem(f"{path}:{i + 1}", f"is not a metrics row: {why} (the file was edited or "
+                                    "damaged)", f"delete or repair line {i + 1}"))
     return rows
+
+
+# The numbers each kind of row must carry (what report and bench read).
+_ROW_NUMBERS = {"train": ("loss", "tokens_per_s", "tokens_per_s_per_rank", "step_time_s"),
+                "eval": ("eval_loss", "eval_ppl"), "startup": ("time_to_first_step_s",)}
+
+
+def row_problem(row) -> str | None:
+    """What makes `row` not a metrics row, or None."""
+    if not isinstance(row, dict) or row.get("kind") not in _ROW_NUMBERS:
+        return "no known kind"
+    step = row.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"step {step!r} is not a step number"
+    for key in _ROW_NUMBERS[row["kind"]]:
+        value = row.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"{key} {value!r} is not a number"
+    if row["kind"] == "train":
+        peaks = row.get("peak_memory_bytes")
+        if not isinstance(peaks, list) or not all(isinstance(p, int) and not isinstance(p, bool) for p in peaks):
+            return "peak_memory_bytes is not a list of byte counts"
+    return None
 
 
 class PeakMemory:

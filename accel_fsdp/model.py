@@ -18,6 +18,11 @@ from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model_checks import ModelView, lora_target_problems, override_problems, raise_problems
 from accel_fsdp.tokenizer import is_local
 
+try:  # transformers 5 validates config fields through huggingface_hub's strict dataclasses (not a ValueError)
+    from huggingface_hub.errors import StrictDataclassError
+except ImportError:  # pragma: no cover - older huggingface_hub
+    StrictDataclassError = ValueError
+
 
 def model_config(recipe, *, tokenizer=None, offline: bool = False):
     """The transformers config of the recipe's model, with config_overrides applied.
@@ -53,10 +58,16 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
                     kwargs[key] = value
         unknown_override_problems(recipe, CONFIG_MAPPING[model_type], overrides)
         try:
-            return AutoConfig.for_model(model_type, **kwargs)
-        except (TypeError, ValueError) as e:
-            raise UserError(Problem(recipe.where("model.config_overrides"), f"rejected by transformers: {e}",
-                                    "check the key names of the model's config class")) from None
+            config = AutoConfig.for_model(model_type, **kwargs)
+            return config if tokenizer is None or len(tokenizer) <= config.vocab_size else \
+                raise_problems([Problem(recipe.where("model.config_overrides.vocab_size"),
+                                        f"vocabulary of {config.vocab_size} is smaller than the tokenizer's "
+                                        f"{len(tokenizer)} tokens, so its ids would index past the embedding",
+                                        f"use at least {len(tokenizer)} (or leave vocab_size out)")])
+        except (TypeError, ValueError, StrictDataclassError) as e:
+            detail = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:240]
+            raise UserError(Problem(recipe.where("model.config_overrides"), f"rejected by transformers: {detail}",
+                                    "give each key a value of the type its config class expects")) from None
     name = m.name_or_path
     if is_local(name):
         if not (Path(name).expanduser() / "config.json").is_file():
@@ -64,7 +75,13 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
                                     f"folder {name!r} has no config.json, so it is not a Hugging Face model folder",
                                     "point it at a folder written by save_pretrained (or `accel-fsdp checkpoint "
                                     "consolidate`), or at a hub id"))
-        config = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code)
+        try:
+            config = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code)
+        except (OSError, ValueError, KeyError, TypeError, StrictDataclassError) as e:  # unreadable, untyped, unknown
+            raise UserError(Problem(recipe.where("model.name_or_path"), f"transformers cannot read the config of "
+                                    f"{name!r}: {str(e).strip().splitlines()[0][:200]}",
+                                    "restore its config.json (save_pretrained writes it), or update transformers for "
+                                    "a newer model type")) from None
     else:
         arch = architectures.lookup(name)
         config = None
@@ -93,8 +110,21 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
                 raise
     if config is not None:
         unknown_override_problems(recipe, type(config), overrides)
+    problems = []
     for key, value in overrides.items():
-        setattr(config, key, value)
+        try:
+            setattr(config, key, value)  # transformers 5 type-checks the fields of its config classes
+        except (TypeError, ValueError, StrictDataclassError) as e:
+            problems.append(Problem(recipe.where(f"model.config_overrides.{key}"), f"{value!r} is rejected by "
+                                    f"{type(config).__name__}: {str(e).strip().splitlines()[0][:160]}",
+                                    f"give {key} a value of the right type"))
+    raise_problems(problems)
+    if tokenizer is not None and 0 < getattr(config, "vocab_size", 0) < len(tokenizer):
+        raise UserError(Problem(recipe.where("model.config_overrides.vocab_size") if "vocab_size" in overrides
+                                else recipe.where("model.tokenizer"),
+                                f"the model's vocabulary of {config.vocab_size} is smaller than the tokenizer's "
+                                f"{len(tokenizer)} tokens, so its ids would index past the embedding",
+                                "use the tokenizer the model was trained with, or a larger vocab_size"))
     return config
 
 
@@ -104,7 +134,8 @@ def unknown_override_problems(recipe, config_class, overrides: dict) -> None:
         known = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}) or {})
     except Exception:  # a config class that cannot be built without arguments: nothing to check against
         return
-    raise_problems(override_problems(recipe, config_class.__name__, known, overrides))
+    raise_problems(override_problems(recipe, config_class.__name__, known, overrides,
+                                     getattr(config_class, "attribute_map", None)))
 
 
 def context_length(config) -> int | None:

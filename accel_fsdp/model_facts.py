@@ -35,7 +35,7 @@ CONFIG_KEYS: dict[str, frozenset[str]] = {
         "rms_norm_eps", "rope_parameters", "tie_word_embeddings", "transformers_version", "use_cache", "vocab_size"]),
 }
 CONFIG_CLASS = {"gpt2": "GPT2Config", "llama": "LlamaConfig"}
-_ALIASES = {"gpt2": {"hidden_size": "n_embd", "max_position_embeddings": "n_positions",
+ALIASES = {"gpt2": {"hidden_size": "n_embd", "max_position_embeddings": "n_positions",
                      "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}, "llama": {}}
 # Defaults of the fields used here (the config classes' own defaults).
 _DEFAULTS = {
@@ -129,7 +129,7 @@ def facts_from_values(model_type: str, values: dict) -> ModelFacts | None:
         return None
     v = dict(_DEFAULTS[model_type])
     for key, value in values.items():
-        v[_ALIASES[model_type].get(key, key)] = value
+        v[ALIASES[model_type].get(key, key)] = value
     try:
         if model_type == "gpt2":
             h = int(v["n_embd"])

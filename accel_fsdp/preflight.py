@@ -78,9 +78,9 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
         from accel_fsdp.rundir import Decision, RunLayout, decide, lock_problems, writable_problems
 
         layout = RunLayout.of(recipe, run_dir)
-        locked = lock_problems(layout)
-        problems += locked + writable_problems(layout)
-        if not locked:
+        locked, unwritable = lock_problems(layout), writable_problems(layout)
+        problems += locked + unwritable
+        if not locked and not unwritable:  # one message per mistake: a folder that cannot be written is enough
             try:
                 decision = decide(layout, recipe, resume=resume, resume_from=resume_from, overwrite=overwrite)
                 if decision == Decision.RESUME or resume_from:
@@ -118,6 +118,10 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
     return report
 
 
+VERIFY_BEFORE_LAUNCH_BYTES = 2 << 30
+"""Checkpoints up to this size have their checksums verified before launching (the ranks verify every one)."""
+
+
 def _tracker_problems(recipe) -> list[Problem]:
     """Trackers are optional packages: say which one is missing and how to get it, before launching."""
     import importlib.util
@@ -138,6 +142,8 @@ def _check_resume(recipe, settings, layout, resume_from: str | None) -> list[str
     from accel_fsdp import checkpoint as ckpt
 
     info = ckpt.checkpoint_to_resume(layout.checkpoints, resume_from)
+    if sum(info.manifest.get("files", {}).values()) <= VERIFY_BEFORE_LAUNCH_BYTES:
+        ckpt.verify_files(info)  # small: read it all here; larger ones are checked by the ranks, in parallel
     return [f"resuming from {info.path}"] + ckpt.check_resume(info, recipe, settings)
 
 
@@ -147,11 +153,15 @@ def model_view(recipe):
     neither known nor on this machine."""
     from accel_fsdp import model_facts
 
+    model_checks.raise_problems(model_checks.source_problems(recipe))
     facts = model_facts.facts_for(recipe)
     if facts is not None:
         overrides = recipe.model.config_overrides
         model_checks.raise_problems(model_checks.override_problems(
-            recipe, model_facts.CONFIG_CLASS[facts.model_type], model_facts.CONFIG_KEYS[facts.model_type], overrides))
+            recipe, model_facts.CONFIG_CLASS[facts.model_type], model_facts.CONFIG_KEYS[facts.model_type], overrides,
+            model_facts.ALIASES[facts.model_type]))
+        model_checks.raise_problems(model_checks.structure_problems(
+            recipe, facts, model_facts.builtin_vocab_size(recipe.model.tokenizer)))
         return model_checks.view_from_facts(facts, recipe)
     from accel_fsdp import model as model_lib
 
@@ -196,7 +206,8 @@ def _check_data(recipe, report: PreflightReport) -> list[Problem]:
         return e.problems
     report.data_stats = data.stats
     report.notes += data.stats.warnings(recipe)
-    return []
+    little = data_lib.too_little_data(recipe, data.stats.train_sequences)
+    return [little] if little else []
 
 
 def load_config_or_default(name_or_path: str | None) -> tuple[AccelerateConfig, int | None, str]:

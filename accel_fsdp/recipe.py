@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import math
 import dataclasses
 import difflib
 import hashlib
@@ -31,6 +32,7 @@ from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.yaml_file import load_yaml
 
 TRACKERS = ("tensorboard", "wandb")
+ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
 @dataclass(kw_only=True)
@@ -346,6 +348,10 @@ def _apply_override(raw: dict, item: str, problems: list[Problem]) -> str | None
             known = [k for k in (hints or {}) if not _is_internal(cls, k)] if hints else []
             close = difflib.get_close_matches(part, known, n=1)
             prefix = ".".join(parts[:i])
+            if not known:
+                problems.append(Problem(f"--set {key}", f"{prefix} is a value, not a section with keys",
+                                        f"--set {prefix}=VALUE"))
+                return None
             fix = f"did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else \
                 f"known keys{' of ' + prefix if prefix else ''}: {', '.join(known)}"
             problems.append(Problem(f"--set {key}", "unknown key", fix))
@@ -407,6 +413,10 @@ def check_recipe(r: Recipe) -> list[Problem]:
         n = m.tokenizer.removeprefix("bpe:")
         need(n.isdigit() and 300 <= int(n) <= 1_000_000, "model.tokenizer", f"{m.tokenizer!r}: bpe:N needs a "
              "vocabulary size N between 300 and 1,000,000", "e.g. bpe:8192 (byte-level BPE trained on data.path)")
+    attn = m.attn_implementation
+    need(attn is None or attn in ATTENTION_KERNELS or "/" in attn, "model.attn_implementation",
+         f"{attn!r} is not an attention kernel", f"use one of {', '.join(ATTENTION_KERNELS)} (or a hub kernel such as "
+         "kernels-community/flash-attn)")
     need(bool(d.path), "data.path", "no data given", "set data.path to a .jsonl/.json/.csv/.parquet/.txt file, "
          "hub:<dataset>, or builtin:quickstart")
     need(d.seq_len >= 8, "data.seq_len", f"{d.seq_len} is too short", "use at least 8 (typical: 512 to 4096)")
@@ -424,8 +434,8 @@ def check_recipe(r: Recipe) -> list[Problem]:
     if t.micro_batch_size >= 1 and t.global_batch_size >= 1:
         need(t.global_batch_size % t.micro_batch_size == 0, "training.global_batch_size",
              f"{t.global_batch_size} is not a multiple of training.micro_batch_size = {t.micro_batch_size}",
-             f"use a multiple of {t.micro_batch_size} x processes, "
-             f"e.g. {_round_up(t.global_batch_size, t.micro_batch_size)}")
+             f"use a global batch that is a multiple of micro_batch_size x processes (e.g. "
+             f"{_round_up(t.global_batch_size, t.micro_batch_size)}), or a smaller micro batch")
     if t.max_steps is not None and t.epochs is not None:
         p.append(Problem(where("training.max_steps"), f"both max_steps ({t.max_steps}) and epochs ({t.epochs}) are set",
                          "keep one of them (on the command line: --set training.max_steps=null)"))
@@ -455,11 +465,11 @@ def check_recipe(r: Recipe) -> list[Problem]:
     need(c.keep_last is None or c.keep_last >= 1, "checkpoint.keep_last", f"{c.keep_last} must be at least 1",
          "or null to keep every checkpoint")
     need(bool(c.dir), "checkpoint.dir", "is empty", "e.g. checkpoints")
-    need(r.fsdp.collective_timeout_minutes >= 1, "fsdp.collective_timeout_minutes",
-         f"{r.fsdp.collective_timeout_minutes} must be at least 1", "e.g. 60")
+    need(1 <= r.fsdp.collective_timeout_minutes <= 7 * 24 * 60, "fsdp.collective_timeout_minutes",
+         f"{r.fsdp.collective_timeout_minutes} is outside [1, 10080] (a week)", "e.g. 60")
     need(lg.every_steps >= 1, "logging.every_steps", f"{lg.every_steps} must be at least 1", "e.g. 10")
-    need(lg.sample_max_new_tokens >= 1, "logging.sample_max_new_tokens",
-         f"{lg.sample_max_new_tokens} must be at least 1", "e.g. 24")
+    need(1 <= lg.sample_max_new_tokens <= 4096, "logging.sample_max_new_tokens",
+         f"{lg.sample_max_new_tokens} is outside [1, 4096]", "e.g. 24")
     for tracker in lg.trackers:
         need(tracker in TRACKERS, "logging.trackers", f"unknown tracker {tracker!r}", f"use {', '.join(TRACKERS)}")
     lora = m.lora
@@ -617,14 +627,17 @@ def _check_type(value: Any, typ) -> tuple[bool, Any, str]:
         ok = isinstance(value, int) and not isinstance(value, bool)
         return (True, value, "") if ok else (False, value, "an integer")
     if typ is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return True, float(value), ""
-        if isinstance(value, str):  # PyYAML reads 1e-4 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # PyYAML reads 1e-4 (no dot) as a string
             try:
-                return True, float(value), ""
+                number = float(value)
             except ValueError:
                 pass
-        return False, value, "a number"
+        if number is not None and math.isfinite(number):
+            return True, number, ""
+        return False, value, "a finite number"
     if typ is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return True, str(value), ""

@@ -11,9 +11,6 @@ from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.metrics import read_metrics
 
 
-_TRAIN_KEYS = ("loss", "tokens_per_s", "tokens_per_s_per_rank", "step_time_s", "peak_memory_bytes")
-
-
 def summarize(run_dir: Path) -> dict:
     run_dir = Path(run_dir)
     metrics_file = run_dir / "metrics.jsonl"
@@ -24,8 +21,8 @@ def summarize(run_dir: Path) -> dict:
         raise UserError(Problem(str(run_dir), "has no metrics.jsonl, so it is not a run folder (or the run logged "
                                 "nothing yet)", "give the --output-dir of a run"))
     rows = read_metrics(metrics_file)
-    train = [r for r in rows if r["kind"] == "train" and all(k in r for k in _TRAIN_KEYS)]
-    evals = [r for r in rows if r["kind"] == "eval" and "eval_loss" in r]
+    train = [r for r in rows if r["kind"] == "train"]  # every row was checked by read_metrics
+    evals = [r for r in rows if r["kind"] == "eval"]
     if not train:
         raise UserError(Problem(str(metrics_file), "holds no training rows yet", "wait for the first logged step"))
     from accel_fsdp.rundir import RunIdentity
@@ -37,8 +34,8 @@ def summarize(run_dir: Path) -> dict:
         "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in train),
         "tokens_per_s_per_rank_median": statistics.median(r["tokens_per_s_per_rank"] for r in train),
         "step_time_s_median": statistics.median(r["step_time_s"] for r in train),
-        "peak_memory_bytes_per_rank": [max(r["peak_memory_bytes"][i] for r in train)
-                                       for i in range(len(train[-1]["peak_memory_bytes"]))],
+        "peak_memory_bytes_per_rank": [max(r["peak_memory_bytes"][i] for r in train if i < len(r["peak_memory_bytes"]))
+                                       for i in range(max(len(r["peak_memory_bytes"]) for r in train))],
     }
     mfu = [r["mfu"] for r in train if "mfu" in r]
     if mfu:

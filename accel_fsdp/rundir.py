@@ -83,8 +83,19 @@ class RunLayout:
         """The checkpoint folder lies outside the run folder (e.g. on scratch)."""
         return not self.checkpoints.is_relative_to(self.root)
 
+    @property
+    def recorded_checkpoints(self) -> str:
+        """How run.json records the checkpoint folder: relative when inside the run folder."""
+        return str(self.checkpoints) if self.external_checkpoints else str(self.checkpoints.relative_to(self.root))
+
     def to_dict(self) -> dict[str, str]:
         return {"run_dir": str(self.root), "checkpoint_dir": str(self.checkpoints)}
+
+
+def checkpoints_of(run_dir: Path, recorded: str) -> Path:
+    """The checkpoint folder run.json records, for the run folder where it is now."""
+    path = Path(recorded).expanduser()
+    return path if path.is_absolute() else Path(run_dir) / path
 
 
 @dataclass
@@ -95,6 +106,7 @@ class RunIdentity:
     recipe_name: str | None = None
     recipe_fingerprint: str | None = None
     checkpoint_dir: str | None = None
+    """Relative to the run folder when inside it (a moved or copied run folder keeps its own), else absolute."""
     created: str | None = None
     accel_fsdp_version: str | None = None
     resumed_from: str | None = None
@@ -105,7 +117,7 @@ class RunIdentity:
         from accel_fsdp import __version__
 
         return cls(run_id=uuid.uuid4().hex[:16], recipe_name=recipe.name, recipe_fingerprint=recipe.fingerprint(),
-                   checkpoint_dir=str(layout.checkpoints), created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                   checkpoint_dir=layout.recorded_checkpoints, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                    accel_fsdp_version=__version__, resumed_from=resumed_from)
 
     @classmethod
@@ -268,7 +280,7 @@ def prepare(layout: RunLayout, recipe, settings, decision: Decision, *, resumed_
                 target.unlink()
         folders = {layout.checkpoints}
         if old.checkpoint_dir:
-            folders.add(Path(old.checkpoint_dir))
+            folders.add(checkpoints_of(root, old.checkpoint_dir))
         for folder in folders:
             owner = read_owner(folder) if folder.is_dir() else None
             if owner is not None and owner.get("run_id") == old.run_id and old.run_id is not None:
@@ -285,7 +297,7 @@ def prepare(layout: RunLayout, recipe, settings, decision: Decision, *, resumed_
         identity.run_id = old.run_id or identity.run_id
     else:
         identity = RunIdentity.new(recipe, layout, resumed_from=resumed_from)
-    identity.checkpoint_dir = str(layout.checkpoints)
+    identity.checkpoint_dir = layout.recorded_checkpoints
     identity.write(layout.run_file)
     layout.checkpoints.mkdir(parents=True, exist_ok=True)
     _write_atomic(layout.checkpoints / OWNER_FILE,

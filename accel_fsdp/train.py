@@ -31,7 +31,7 @@ from accel_fsdp import data as data_lib
 from accel_fsdp import probes
 from accel_fsdp.cpu_fsdp import check_sharded, local_numel
 from accel_fsdp.distributed import apply_activation_checkpointing, build_accelerator, expected_shards
-from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.errors import UserError
 from accel_fsdp.faults import Faults, broken
 from accel_fsdp.launch_config import (CONFIG_PATH_ENV, AccelerateConfig, FsdpSettings, check_settings,
                                       config_from_environment, detect_wrap_classes, load_accelerate_config,
@@ -210,10 +210,9 @@ def setup(request: RunRequest) -> Run:
     sampler = batches.GlobalBatchSampler(len(data.train), global_batch=t.global_batch_size,
                                           micro_batch=t.micro_batch_size, world_size=world,
                                           rank=accelerator.process_index, seed=t.seed)
-    if sampler.steps_per_epoch == 0:
-        raise UserError(Problem(recipe.where("training.global_batch_size"),
-                                f"{t.global_batch_size} rows per step, but the data has only {len(data.train)} "
-                                f"training sequences", "use a smaller global batch or more data"))
+    little = data_lib.too_little_data(recipe, len(data.train))
+    if little:
+        raise UserError(little)
     total_steps = batches.total_steps(recipe, sampler.steps_per_epoch)
     say(startup_summary(recipe, settings, layout, data, model_class, parameters, trainable, held, total_steps,
                         sampler, rank0_only))

@@ -24,12 +24,22 @@ def load_yaml(text: str, source: str) -> tuple[Any, dict[str, int], list[Problem
         msg = f"YAML syntax error: {problem}" + (f" ({context})" if context else "")
         raise UserError(Problem(where, msg, "fix the YAML at that line (indentation, a missing ':' or quote)")) \
             from None
+    except RecursionError:  # an alias that contains itself (&a [*a]): PyYAML recurses forever
+        raise UserError(Problem(source, "YAML anchors refer to themselves (an alias inside its own anchor)",
+                                "remove the recursive &anchor / *alias")) from None
+    if _cyclic(data):  # PyYAML builds &a [*a] as a list containing itself; anything walking it would recurse forever
+        raise UserError(Problem(source, "YAML anchors refer to themselves (an alias inside its own anchor)",
+                                "remove the recursive &anchor / *alias"))
     lines: dict[str, int] = {}
     problems: list[Problem] = []
 
+    walked: set[int] = set()
+
     def walk(n, prefix: str) -> None:
-        if not isinstance(n, yaml.MappingNode):
+        # An aliased mapping is one node reached twice: walk it once, so a "billion laughs" document stays linear.
+        if not isinstance(n, yaml.MappingNode) or id(n) in walked:
             return
+        walked.add(id(n))
         seen: dict[str, int] = {}
         for k, v in n.value:
             key = f"{prefix}{k.value}"
@@ -44,3 +54,27 @@ def load_yaml(text: str, source: str) -> tuple[Any, dict[str, int], list[Problem
 
     walk(node, "")
     return data, lines, problems
+
+
+def _cyclic(data: Any) -> bool:
+    """Whether a loaded YAML value contains itself. Depth-first with grey/black marks, so shared aliases (a DAG, as
+    in a "billion laughs" document) are walked once each and the check stays linear."""
+    grey: set[int] = set()
+    black: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(data, False)]
+    while stack:
+        value, leaving = stack.pop()
+        if not isinstance(value, (dict, list)):
+            continue
+        if leaving:
+            grey.discard(id(value))
+            black.add(id(value))
+            continue
+        if id(value) in grey:
+            return True
+        if id(value) in black:
+            continue
+        grey.add(id(value))
+        stack.append((value, True))
+        stack.extend((v, False) for v in (value.values() if isinstance(value, dict) else value))
+    return False

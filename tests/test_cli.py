@@ -95,7 +95,7 @@ def test_unknown_key_wrong_type_and_range_together(tmp_path):
     msg = user_error("recipe", "validate", path, "--set", "training.max_steps=0")
     assert "recipe " in msg and "has 3 problems" in msg
     assert "training.lrr: unknown key" in msg and "did you mean training.lr?" in msg
-    assert "training.lr: expected a number, found 'fast'" in msg
+    assert "training.lr: expected a finite number, found 'fast'" in msg
     assert "--set training.max_steps: 0 must be at least 1" in msg
 
 

@@ -48,7 +48,7 @@ def test_all_problems_are_reported_at_once():
     text = GOOD.replace("max_steps: 10", "max_steps: 0\n  lr: fast\n  warmup_steps: -1") + "bogus: 1\n"
     msg = problems_of(text)
     assert "problems" in msg
-    for expected in ("training.lr: expected a number, found 'fast'", "bogus: unknown key"):
+    for expected in ("training.lr: expected a finite number, found 'fast'", "bogus: unknown key"):
         assert expected in msg
     # Range checks run once the types are right.
     msg = problems_of(GOOD.replace("max_steps: 10", "max_steps: 0\n  warmup_steps: -1\n  lr: -1"))
@@ -66,7 +66,7 @@ def test_yaml_syntax_error_names_the_line():
 def test_types_are_checked():
     msg = problems_of(GOOD + "  seed: 1.5\n  max_grad_norm: yes\n")
     assert "training.seed: expected an integer, found 1.5" in msg
-    assert "training.max_grad_norm: expected a number or null, found True" in msg
+    assert "training.max_grad_norm: expected a finite number or null, found True" in msg
     msg = problems_of(GOOD.replace("path: builtin:quickstart", "path: builtin:quickstart\n  format: markdown"))
     assert "data.format: expected one of text, instruction, chat, found 'markdown'" in msg
 

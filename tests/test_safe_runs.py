@@ -288,7 +288,7 @@ def test_command_arguments_are_checked(args, expected):
 def test_report_names_a_damaged_metrics_line(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    rows = [{"kind": "train", "step": s, "loss": 1.0, "tokens_per_s": 1.0, "tokens_per_s_per_rank": 1.0,
+    rows = [{"kind": "train", "step": s, "loss": 1.0, "lr": 1e-3, "tokens_per_s": 1.0, "tokens_per_s_per_rank": 1.0,
              "step_time_s": 1.0, "tokens_seen": s, "peak_memory_bytes": [1]} for s in (1, 2, 3)]
     lines = [json.dumps(r) for r in rows]
     lines[1] = lines[1][:20]
@@ -324,3 +324,178 @@ def test_a_shipped_slurm_config_stays_consistent_with_validate(tmp_path):
                                        "--num-machines", "2", "--num-processes", "16"])
     assert result.exit_code == 0 and "batch: global 64 = micro 4 x 16 processes x 1 accumulation steps" in \
         result.output, result.output
+
+
+# ------------------------------------------------------------- a corpus of bad inputs, one class per case
+
+def write(path: Path, text: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (path.write_bytes if isinstance(text, bytes) else path.write_text)(text)
+    return path
+
+
+def model_folder(tmp_path: Path, damage: str) -> Path:
+    folder = save_tiny_model(tmp_path / "model", "gpt2")
+    if damage == "garbage-config":
+        write(folder / "config.json", "{not json")
+    elif damage == "no-model-type":
+        write(folder / "config.json", "{}")
+    elif damage == "no-weights":
+        (folder / "model.safetensors").unlink()
+    elif damage == "truncated":
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
+    return folder
+
+
+def accelerate_config(tmp_path: Path, **changes) -> Path:
+    import yaml
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "accelerate_configs" / "fsdp1_2gpu.yaml").read_text())
+    for key, value in changes.items():
+        if key.startswith("fsdp_") and key != "fsdp_config":
+            config["fsdp_config"][key] = value
+        else:
+            config[key] = value
+    return write(tmp_path / "acc.yaml", yaml.safe_dump(config))
+
+
+def recipe_with(tmp_path: Path, tail: str) -> Path:
+    return write(tmp_path / "r.yaml", shipped_recipes()["quickstart"].read_text() + tail)
+
+
+THREE_ROWS = "\n".join(['{"text": "a b"}'] * 3)
+
+CORPUS = [
+    # recipe values that would train something else, or nothing
+    ("yaml-recursive-alias", lambda t: ["recipe", "validate", recipe_with(t, "x: &a [*a]\n")],
+     "YAML anchors refer to themselves"),
+    ("lr-infinite", lambda t: ["recipe", "validate", "quickstart", "--set", "training.lr=.inf"],
+     "training.lr: expected a finite number, found inf"),
+    ("epochs-infinite", lambda t: ["recipe", "validate", "quickstart", "--set", "training.max_steps=null",
+                                   "--set", "training.epochs=.inf"], "training.epochs: expected a finite number"),
+    ("timeout-beyond-a-week", lambda t: ["recipe", "validate", "quickstart",
+                                         "--set", "fsdp.collective_timeout_minutes=100000000"], "(a week)"),
+    ("sample-beyond-context", lambda t: ["recipe", "validate", "quickstart",
+                                         "--set", "logging.sample_max_new_tokens=500"],
+     "500 new tokens do not fit in the model's context of 128 tokens"),
+    ("set-into-a-value", lambda t: ["recipe", "validate", "quickstart", "--set", "training.lr.value=1"],
+     "training.lr is a value, not a section with keys"),
+    # where the model comes from
+    ("model-folder-missing", lambda t: ["recipe", "validate", "quickstart", "--set", "model.architecture=null",
+                                        "--set", "model.name_or_path=./no-such-model"],
+     "folder './no-such-model' does not exist"),
+    ("model-path-ending-like-a-known-model", lambda t: ["recipe", "validate", "quickstart",
+                                                        "--set", "model.architecture=null",
+                                                        "--set", "model.name_or_path=./models/gpt2"],
+     "folder './models/gpt2' does not exist"),
+    ("model-garbage-config", lambda t: ["recipe", "validate", "quickstart", "--set", "model.architecture=null",
+                                        "--set", f"model.name_or_path={model_folder(t, 'garbage-config')}"],
+     "config.json is not valid JSON"),
+    ("model-without-model-type", lambda t: ["recipe", "validate", "quickstart", "--set", "model.architecture=null",
+                                            "--set", f"model.name_or_path={model_folder(t, 'no-model-type')}"],
+     "config.json names no model_type"),
+    ("model-without-weights", lambda t: ["recipe", "validate", "quickstart", "--set", "model.architecture=null",
+                                         "--set", f"model.name_or_path={model_folder(t, 'no-weights')}"],
+     "has no weights (none of model.safetensors"),
+    ("model-truncated-weights", lambda t: ["recipe", "validate", "quickstart", "--set", "model.architecture=null",
+                                           "--set", f"model.name_or_path={model_folder(t, 'truncated')}"],
+     "damaged weights: model.safetensors (truncated"),
+    ("tokenizer-missing-folder", lambda t: ["recipe", "validate", "quickstart", "--set", "model.tokenizer=./tok"],
+     "folder './tok' does not exist"),
+    ("tokenizer-unknown-builtin", lambda t: ["recipe", "validate", "quickstart",
+                                             "--set", "model.tokenizer=builtin:other"], "unknown built-in"),
+    ("tokenizer-is-a-file", lambda t: ["recipe", "validate", "quickstart",
+                                       "--set", f"model.tokenizer={write(t / 'tok.json', '{}')}"], "is a file"),
+    # config overrides
+    ("override-wrong-type", lambda t: ["recipe", "validate", "quickstart",
+                                       "--set", "model.config_overrides.n_layer=two"],
+     "expected int, got str"),
+    ("override-heads-do-not-divide", lambda t: ["recipe", "validate", "quickstart",
+                                                "--set", "model.config_overrides.n_head=3"],
+     "width 128 is not divisible by 3 attention heads"),
+    ("override-no-layers", lambda t: ["recipe", "validate", "quickstart", "--set", "model.config_overrides.n_layer=-2"],
+     "the model's layers would be -2"),
+    ("override-vocab-below-tokenizer", lambda t: ["recipe", "validate", "quickstart",
+                                                  "--set", "model.config_overrides.vocab_size=10"],
+     "vocabulary of 10 is smaller than the tokenizer's"),
+    ("override-alias-and-name", lambda t: ["recipe", "validate", "quickstart",
+                                           "--set", "model.config_overrides.num_hidden_layers=3"],
+     "num_hidden_layers and n_layer are the same setting of GPT2Config, given twice"),
+    # data
+    ("data-smaller-than-a-batch", lambda t: ["recipe", "validate", "quickstart", "--set",
+                                             f"data.path={write(t / 'd.jsonl', THREE_ROWS)}"],
+     "32 rows per optimizer step, but the data has only"),
+    ("attention-kernel-typo", lambda t: ["recipe", "validate", "quickstart",
+                                         "--set", "model.attn_implementation=flash_attention_9"],
+     "'flash_attention_9' is not an attention kernel"),
+    ("flash-attention-on-cpu", lambda t: ["recipe", "validate", "quickstart",
+                                          "--set", "model.attn_implementation=flash_attention_2"],
+     "flash_attention_2 needs a CUDA GPU, and this run is on CPU"),
+    # accelerate configs
+    ("config-infinite-processes", lambda t: ["recipe", "validate", "quickstart", "--accelerate-config",
+                                             accelerate_config(t, num_processes=float("inf"))],
+     "num_processes: inf must be a whole number"),
+    ("config-fsdp-config-a-list", lambda t: ["recipe", "validate", "quickstart", "--accelerate-config",
+                                             accelerate_config(t, fsdp_config=[1, 2])],
+     "fsdp_config: must be a mapping of keys, found list"),
+    ("config-strategy-number-out-of-range", lambda t: ["recipe", "validate", "quickstart", "--accelerate-config",
+                                                       accelerate_config(t, fsdp_sharding_strategy=9)],
+     "'9' is not an FSDP1 strategy"),
+    ("config-precision-named-by-its-own-key", lambda t: ["recipe", "validate", "quickstart", "--accelerate-config",
+                                                         accelerate_config(t, mixed_precision="fp8")],
+     "acc.yaml: mixed_precision: 'fp8' is not supported"),
+    # other commands
+    ("slurm-partition-with-a-newline", lambda t: ["slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "4",
+                                                  "--partition", "gpu\n#SBATCH --nodes=99", "-o", t / "j.sbatch"],
+     "is not a partition name"),
+    ("slurm-time-shorter-than-the-warning", lambda t: ["slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "4",
+                                                       "--time", "00:04:00", "-o", t / "j.sbatch"],
+     "leaves no time to train before the warning signal"),
+    ("slurm-time-out-of-range", lambda t: ["slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "4",
+                                           "--time", "12:99:99", "-o", t / "j.sbatch"], "is not a SLURM time"),
+    ("slurm-onto-a-users-file", lambda t: ["slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "4",
+                                           "-o", write(t / "notes.txt", "mine")],
+     "exists and was not written by `accel-fsdp slurm`"),
+    ("copy-onto-itself", lambda t: ["recipe", "copy", write(t / "r.yaml", "name: r\n"), t / "r.yaml", "--force"],
+     "is the recipe being copied"),
+    ("copy-under-a-file", lambda t: ["recipe", "copy", "quickstart", write(t / "f", "x") / "my.yaml"],
+     "is a file"),
+    ("show-a-binary-file", lambda t: ["recipe", "show", write(t / "b.yaml", bytes(range(256)))],
+     "not a UTF-8 text file"),
+    ("estimate-negative-option", lambda t: ["estimate", "gpt2", "--gpus", "-2"], "--gpus: -2 is not in the range"),
+    ("estimate-negative-exponent", lambda t: ["estimate", "-1e-5"], "-1e-5: is not a parameter count"),
+    ("estimate-beyond-context", lambda t: ["estimate", "gpt2", "--seq-len", "100000"],
+     "100000 exceeds gpt2's context of 1024 tokens"),
+    ("click-usage-errors-read-the-same", lambda t: ["estimate", "gpt2", "--gpus", "0"],
+     "--gpus: 0 is not in the range 1<=x<=4096"),
+    ("generate-nan-temperature", lambda t: ["generate", t, "--prompt", "a", "--temperature", "nan"],
+     "--temperature: nan is not a finite number"),
+    ("gpu-memory-without-dry-run", lambda t: ["recipe", "run", "quickstart", "--gpu-memory", "24GB"],
+     "--gpu-memory: only applies to --dry-run"),
+    ("shard-size-of-no-bytes", lambda t: ["checkpoint", "consolidate", t, t / "out", "--max-shard-size", "0.0001KB"],
+     "'0.0001KB' is not a size"),
+]
+
+
+@pytest.mark.parametrize("name,make_args,expected", CORPUS, ids=[c[0] for c in CORPUS])
+def test_bad_input_corpus(tmp_path, monkeypatch, name, make_args, expected):
+    monkeypatch.chdir(tmp_path)
+    msg = user_error(*make_args(tmp_path))
+    assert expected in msg, msg
+    assert "fix:" in msg
+
+
+def test_a_moved_run_folder_uses_its_own_checkpoints(tmp_path):
+    """run.json records the checkpoint folder relative to the run folder: a copy inspects its own checkpoints."""
+    import shutil
+
+    original = fake_run(tmp_path / "original", "hhhh")
+    data = json.loads((original / "run.json").read_text())
+    data["checkpoint_dir"] = "checkpoints"
+    (original / "run.json").write_text(json.dumps(data))
+    copy = tmp_path / "copy"
+    shutil.copytree(original, copy)
+    shutil.rmtree(copy / "checkpoints" / "step-000003")
+    msg = user_error("checkpoint", "consolidate", copy, tmp_path / "out")
+    assert str(original) not in msg and "no complete checkpoint found" in msg
