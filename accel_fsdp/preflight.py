@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from accel_fsdp import model_checks
+from accel_fsdp.model import checks as model_checks
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.tokenizer import offline_tokenizer
-from accel_fsdp.launch_config import (AccelerateConfig, FsdpSettings, check_settings, detect_wrap_classes,
+from accel_fsdp.model.tokenizer import offline_tokenizer
+from accel_fsdp.config.accelerate import (AccelerateConfig, FsdpSettings, check_settings, detect_wrap_classes,
                                       load_accelerate_config, resolve_settings)
-from accel_fsdp.paths import shipped_accelerate_configs
+from accel_fsdp.config.shipped import shipped_accelerate_configs
 
 
 @dataclass
@@ -67,7 +67,7 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
     here = cuda_here or None
     problems: list[Problem] = list(check_settings(settings, recipe, visible_gpus=None if for_target_hardware else here))
     if here is not None:
-        from accel_fsdp.launch_config import gpu_count_problems, idle_gpu_note
+        from accel_fsdp.config.accelerate import gpu_count_problems, idle_gpu_note
 
         if for_target_hardware:  # judged for other hardware: what this machine would do is only a note
             report.notes += [f"on this machine: {p.message}" for p in gpu_count_problems(settings, here)]
@@ -75,7 +75,7 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
         if note:
             report.notes.append(note)
     if run_dir is not None:
-        from accel_fsdp.rundir import Decision, RunLayout, decide, lock_problems, writable_problems
+        from accel_fsdp.run.folder import Decision, RunLayout, decide, lock_problems, writable_problems
 
         layout = RunLayout.of(recipe, run_dir)
         locked, unwritable = lock_problems(layout), writable_problems(layout)
@@ -93,7 +93,7 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
 
     problems += _tracker_problems(recipe)
     if check_hub:  # about to launch: a hub id this machine cannot get stops here, once, not in every rank
-        from accel_fsdp.hub import hub_problems
+        from accel_fsdp.model.hub import hub_problems
 
         problems += hub_problems(recipe)
     try:
@@ -139,7 +139,7 @@ def _tracker_problems(recipe) -> list[Problem]:
 
 def _check_resume(recipe, settings, layout, resume_from: str | None) -> list[str]:
     """The checkpoint to resume exists, is complete, and was made by a compatible recipe."""
-    from accel_fsdp import checkpoint as ckpt
+    from accel_fsdp.checkpoint import store as ckpt
 
     info = ckpt.checkpoint_to_resume(layout.checkpoints, resume_from)
     if sum(info.manifest.get("files", {}).values()) <= VERIFY_BEFORE_LAUNCH_BYTES:
@@ -151,7 +151,7 @@ def model_view(recipe):
     """The recipe's model as the checks see it: from the model facts (GPT-2, Llama: arithmetic, in milliseconds),
     else built on the meta device from its config (seconds: transformers' modeling code); None when the config is
     neither known nor on this machine."""
-    from accel_fsdp import model_facts
+    from accel_fsdp.model import facts as model_facts
 
     model_checks.raise_problems(model_checks.source_problems(recipe))
     facts = model_facts.facts_for(recipe)
@@ -163,7 +163,7 @@ def model_view(recipe):
         model_checks.raise_problems(model_checks.structure_problems(
             recipe, facts, model_facts.builtin_vocab_size(recipe.model.tokenizer)))
         return model_checks.view_from_facts(facts, recipe)
-    from accel_fsdp import model as model_lib
+    from accel_fsdp.model import build as model_lib
 
     config = model_lib.model_config(recipe, tokenizer=offline_tokenizer(recipe), offline=True)
     if config is None:
@@ -181,7 +181,7 @@ def model_view(recipe):
 
 
 def _check_data(recipe, report: PreflightReport) -> list[Problem]:
-    from accel_fsdp import data as data_lib
+    from accel_fsdp.data import prepare as data_lib
 
     kind, _ = data_lib.resolve_data_path(recipe)
     if kind == "hub":

@@ -55,7 +55,7 @@ def config(work: Path, name: str, gpus: int, **fsdp) -> Path:
 def model(work: Path, name: str, layers: int, width: int, dropout: float = 0.0) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from accel_fsdp.synthetic import build_tokenizer
+    from accel_fsdp.data.synthetic import build_tokenizer
 
     folder = work / name
     if folder.exists():
@@ -148,7 +148,7 @@ def main() -> None:
     else:
         from transformers import AutoModelForCausalLM
 
-        from accel_fsdp.batches import PADDING_FREE, collate
+        from accel_fsdp.data.batches import PADDING_FREE, collate
 
         m = AutoModelForCausalLM.from_pretrained(tiny, attn_implementation="flash_attention_2",
                                                  dtype=torch.bfloat16).cuda().eval()
@@ -208,7 +208,7 @@ def main() -> None:
         " | ".join(line.strip() for line in proc.stdout.splitlines()[1:]) or failed(proc))
 
     # 9: MFU
-    from accel_fsdp.metrics import peak_flops
+    from accel_fsdp.train.metrics import peak_flops
 
     run = work / "mfu"
     proc = cli("recipe", "run", recipe(work, "mfu", big, gpus, training={"max_steps": 6, "mixed_precision": "bf16"}),

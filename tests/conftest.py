@@ -51,7 +51,7 @@ def save_tiny_model(folder: Path, kind: str) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from accel_fsdp.synthetic import build_tokenizer
+    from accel_fsdp.data.synthetic import build_tokenizer
 
     tok = build_tokenizer()
     common = dict(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
@@ -90,7 +90,7 @@ def stories(tmp_path_factory) -> Path:
     """2,000 built-in stories as a plain .jsonl file (text format)."""
     import random
 
-    from accel_fsdp.synthetic import story
+    from accel_fsdp.data.synthetic import story
 
     rng = random.Random(1)
     rows = [{"text": story(rng)[0]} for _ in range(2000)]
@@ -117,7 +117,7 @@ def tiny_recipe(path: Path, model_path: Path, data_path: Path, **sections) -> Pa
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    from accel_fsdp.metrics import read_metrics as read
+    from accel_fsdp.train.metrics import read_metrics as read
 
     return read(run_dir / "metrics.jsonl")
 

@@ -8,7 +8,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from accel_fsdp.cli import main
+from accel_fsdp.cli.commands import main
 
 from conftest import run_cli, tiny_recipe
 

@@ -10,8 +10,8 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from accel_fsdp.cli import main
-from accel_fsdp.paths import shipped_accelerate_configs, shipped_recipes
+from accel_fsdp.cli.commands import main
+from accel_fsdp.config.shipped import shipped_accelerate_configs, shipped_recipes
 
 from conftest import tiny_recipe, write_jsonl
 

@@ -7,8 +7,8 @@ import shlex
 
 from click.testing import CliRunner
 
-from accel_fsdp.cli import main
-from accel_fsdp.paths import shipped_accelerate_configs, shipped_recipes
+from accel_fsdp.cli.commands import main
+from accel_fsdp.config.shipped import shipped_accelerate_configs, shipped_recipes
 
 from conftest import REPO
 

@@ -13,11 +13,11 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from accel_fsdp.cli import main
+from accel_fsdp.cli.commands import main
 from accel_fsdp.errors import UserError
-from accel_fsdp.launch_config import check_settings, load_accelerate_config, resolve_settings
-from accel_fsdp.paths import shipped_recipes
-from accel_fsdp.recipe import load_recipe, recipe_from_text
+from accel_fsdp.config.accelerate import check_settings, load_accelerate_config, resolve_settings
+from accel_fsdp.config.shipped import shipped_recipes
+from accel_fsdp.config.recipe import load_recipe, recipe_from_text
 
 from conftest import REPO, load_weights, read_metrics, run_cli, save_tiny_model, tiny_recipe
 
@@ -39,7 +39,7 @@ def settings_for(config: str, overrides=(), text: str = TINY, cuda: bool = True)
 def test_cuda_process_group_always_has_a_cpu_backend_and_the_recipe_timeout():
     """Offload asked for by the recipe (not the launcher's FSDP_OFFLOAD_PARAMS) still gets gloo next to NCCL:
     the shipped pairing llama-3.1-70b-lora + llama_fsdp_8gpu would otherwise crash in clip_grad_norm_."""
-    from accel_fsdp.distributed import process_group_kwargs
+    from accel_fsdp.train.accelerator import process_group_kwargs
 
     recipe = load_recipe(shipped_recipes()["llama-3.1-70b-lora"])
     settings = resolve_settings(recipe, load_accelerate_config("llama_fsdp_8gpu"), cuda_available=True)
@@ -71,7 +71,7 @@ def test_collective_timeout_is_checked():
 
 
 def test_rotation_renames_before_deleting_and_never_blocks(tmp_path):
-    from accel_fsdp.checkpoint import FORMAT, list_checkpoints, rotate, wait_for_rotations
+    from accel_fsdp.checkpoint.store import FORMAT, list_checkpoints, rotate, wait_for_rotations
 
     for step in (1, 2, 3):
         folder = tmp_path / f"step-{step:06d}"
@@ -92,7 +92,7 @@ def test_rotation_renames_before_deleting_and_never_blocks(tmp_path):
 def test_more_processes_than_gpus_is_refused_before_launch(monkeypatch, tmp_path):
     monkeypatch.setattr("accel_fsdp.preflight.visible_cuda_devices", lambda: 1)  # the one place that asks
     launched = []
-    monkeypatch.setattr("accel_fsdp.launcher.launch", lambda *a, **k: launched.append(a) or 0)
+    monkeypatch.setattr("accel_fsdp.launch.launcher.launch", lambda *a, **k: launched.append(a) or 0)
     result = CliRunner().invoke(main, ["recipe", "run", "quickstart", "--accelerate-config", "fsdp_2gpu",
                                        "--output-dir", str(tmp_path / "run")])
     assert result.exit_code == 2, result.output
@@ -115,7 +115,7 @@ def test_fewer_processes_than_gpus_is_said(monkeypatch):
 
 
 def test_offloaded_optimizer_step_is_fused_and_gets_the_cores():
-    from accel_fsdp.train import fused_optimizer, offload_threads
+    from accel_fsdp.train.loop import fused_optimizer, offload_threads
 
     _, gpu = settings_for("fsdp_2gpu")
     _, offload = settings_for("fsdp_2gpu_offload")
@@ -137,13 +137,13 @@ def test_offloaded_optimizer_step_is_fused_and_gets_the_cores():
     ("NVIDIA H100 80GB HBM3", "fp32", 67e12), ("NVIDIA GH200 480GB", "bf16", 989e12), ("Some New GPU", "bf16", None),
 ])
 def test_mfu_uses_the_peak_of_the_exact_part_and_precision(name, precision, peak):
-    from accel_fsdp.metrics import peak_flops
+    from accel_fsdp.train.metrics import peak_flops
 
     assert peak_flops(name, precision) == peak
 
 
 def test_a_skipped_fp16_step_does_not_advance_the_schedule():
-    from accel_fsdp.train import advance_schedule
+    from accel_fsdp.train.loop import advance_schedule
 
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([param], lr=1.0)
@@ -186,8 +186,8 @@ def test_estimate_and_dry_run_count_unsharded_gradients_when_the_reduction_is_de
 
 
 def test_flash_attention_gets_padding_free_batches():
-    from accel_fsdp.batches import PADDED, PADDING_FREE, batch_layout, collate
-    from accel_fsdp.data import IGNORE_INDEX
+    from accel_fsdp.data.batches import PADDED, PADDING_FREE, batch_layout, collate
+    from accel_fsdp.data.prepare import IGNORE_INDEX
 
     assert batch_layout("flash_attention_2", True) == PADDING_FREE
     assert batch_layout("flash_attention_3", True) == PADDING_FREE
@@ -211,9 +211,9 @@ def test_a_packed_row_gives_each_document_the_logits_it_has_alone(tmp_path, kind
     """On the SDPA path (and eager), a padded batch of packed rows: every document sees only itself."""
     from transformers import AutoModelForCausalLM
 
-    from accel_fsdp.batches import PADDED, collate
-    from accel_fsdp.data import _tokenize_batch
-    from accel_fsdp.synthetic import build_tokenizer
+    from accel_fsdp.data.batches import PADDED, collate
+    from accel_fsdp.data.prepare import _tokenize_batch
+    from accel_fsdp.data.synthetic import build_tokenizer
 
     tok = build_tokenizer()
     folder = save_tiny_model(tmp_path / kind, kind)
@@ -260,7 +260,7 @@ def test_only_rank0_reads_pretrained_weights_and_training_is_unchanged(tmp_path)
     reads the weights (grows by about the model); loading on every rank grows both by the model. Same losses."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from accel_fsdp.synthetic import build_tokenizer
+    from accel_fsdp.data.synthetic import build_tokenizer
 
     tok = build_tokenizer()
     config = AutoConfig.for_model("gpt2", n_layer=8, n_embd=512, n_head=8, n_positions=128, vocab_size=len(tok),

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from accel_fsdp.errors import UserError
-from accel_fsdp.launch_config import (check_settings, config_from_environment, load_accelerate_config,
+from accel_fsdp.config.accelerate import (check_settings, config_from_environment, load_accelerate_config,
                                       resolve_settings)
-from accel_fsdp.paths import shipped_accelerate_configs
-from accel_fsdp.recipe import recipe_from_text
+from accel_fsdp.config.shipped import shipped_accelerate_configs
+from accel_fsdp.config.recipe import recipe_from_text
 
 RECIPE = """
 model: {architecture: gpt2, tokenizer: "builtin:quickstart"}
@@ -113,6 +113,6 @@ def test_missing_config_names_the_fix(tmp_path):
 
 
 def test_the_key_tables_are_accelerates_own():
-    from accel_fsdp.launch_config import FSDP_KEYS, PARALLELISM_KEYS, TOP_LEVEL_KEYS, accelerate_known_keys
+    from accel_fsdp.config.accelerate import FSDP_KEYS, PARALLELISM_KEYS, TOP_LEVEL_KEYS, accelerate_known_keys
 
     assert (TOP_LEVEL_KEYS, FSDP_KEYS, PARALLELISM_KEYS) == accelerate_known_keys()

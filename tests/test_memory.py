@@ -8,9 +8,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from accel_fsdp.cli import main
-from accel_fsdp.estimate import Row, cheapest, parse_count
-from accel_fsdp.memory import GiB, MemoryInputs, estimate, seeds_simple
+from accel_fsdp.cli.commands import main
+from accel_fsdp.planning.estimate import Row, cheapest, parse_count
+from accel_fsdp.planning.memory import GiB, MemoryInputs, estimate, seeds_simple
 
 from conftest import run_cli, tiny_recipe
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from accel_fsdp.model_facts import CONFIG_KEYS, facts_from_values
+from accel_fsdp.model.facts import CONFIG_KEYS, facts_from_values
 
 CASES = [
     ("gpt2", {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 150, "n_positions": 128}),

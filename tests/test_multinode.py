@@ -15,7 +15,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from accel_fsdp.cli import main
+from accel_fsdp.cli.commands import main
 
 from conftest import REPO, read_metrics, run_cli, tiny_recipe
 

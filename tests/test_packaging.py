@@ -8,7 +8,7 @@ import zipfile
 
 import pytest
 
-from accel_fsdp.paths import shipped_accelerate_configs, shipped_recipes
+from accel_fsdp.config.shipped import shipped_accelerate_configs, shipped_recipes
 
 from conftest import REPO
 
@@ -26,7 +26,7 @@ def test_wheel_ships_recipes_and_configs(tmp_path):
     # Installed elsewhere, the package finds them next to itself.
     target = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(target)
-    out = subprocess.run([sys.executable, "-c", "from accel_fsdp.paths import recipes_dir, resolve_recipe, "
+    out = subprocess.run([sys.executable, "-c", "from accel_fsdp.config.shipped import recipes_dir, resolve_recipe, "
                           "resolve_accelerate_config; print(recipes_dir()); print(resolve_recipe('gpt2-xl')); "
                           "print(resolve_accelerate_config('accelerate_configs/fsdp_2gpu.yaml'))"],
                          cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": ""}, capture_output=True, text=True)

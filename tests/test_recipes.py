@@ -9,9 +9,9 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from accel_fsdp.architectures import KNOWN, lookup
-from accel_fsdp.cli import main
-from accel_fsdp.paths import shipped_recipes
+from accel_fsdp.model.architectures import KNOWN, lookup
+from accel_fsdp.cli.commands import main
+from accel_fsdp.config.shipped import shipped_recipes
 
 from conftest import read_metrics, run_cli, tiny_recipe
 
@@ -51,7 +51,7 @@ def test_dry_run_says_when_it_does_not_fit():
 def test_architecture_facts_match_transformers(name):
     from transformers import AutoConfig
 
-    from accel_fsdp.model import count_parameters, meta_model
+    from accel_fsdp.model.build import count_parameters, meta_model
 
     arch = KNOWN[name]
     model = meta_model(AutoConfig.for_model(arch.model_type, **arch.config_kwargs()))
@@ -71,8 +71,8 @@ def test_unknown_architecture_is_one_clear_message():
 
 @pytest.mark.parametrize("suffix", [".csv", ".parquet", ".json", ".txt"])
 def test_every_local_file_format_is_read(tmp_path, suffix):
-    from accel_fsdp.data import read_rows
-    from accel_fsdp.recipe import recipe_from_text
+    from accel_fsdp.data.prepare import read_rows
+    from accel_fsdp.config.recipe import recipe_from_text
 
     texts = ["alice has a red cat .", "bob has a blue dog .", "the cat is happy ."]
     path = tmp_path / f"data{suffix}"

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from accel_fsdp.cli import main
-from accel_fsdp.paths import shipped_recipes
+from accel_fsdp.cli.commands import main
+from accel_fsdp.config.shipped import shipped_recipes
 
 from conftest import save_tiny_model, tiny_recipe, write_jsonl
 
@@ -36,8 +36,8 @@ def snapshot(folder: Path) -> dict[str, str]:
 def fake_run(folder: Path, run_id: str, *, recipe="quickstart", overrides=(), checkpoint_dir: Path | None = None,
              checkpoint_steps=(3,)) -> Path:
     """A run folder as accel-fsdp leaves it (identity, resolved recipe, owned checkpoint folder), without training."""
-    from accel_fsdp.checkpoint import FORMAT
-    from accel_fsdp.recipe import load_recipe
+    from accel_fsdp.checkpoint.store import FORMAT
+    from accel_fsdp.config.recipe import load_recipe
 
     r = load_recipe(shipped_recipes()[recipe], list(overrides))
     folder.mkdir(parents=True)
@@ -98,8 +98,8 @@ def test_resume_auto_refuses_a_folder_of_another_run(tmp_path):
 
 
 def test_overwrite_never_deletes_a_checkpoint_folder_it_cannot_prove_is_the_replaced_runs(tmp_path):
-    from accel_fsdp.recipe import load_recipe
-    from accel_fsdp.rundir import Decision, RunLayout, prepare
+    from accel_fsdp.config.recipe import load_recipe
+    from accel_fsdp.run.folder import Decision, RunLayout, prepare
 
     recipe = load_recipe(shipped_recipes()["quickstart"], [f"checkpoint.dir={tmp_path / 'scratch'}"])
     run = fake_run(tmp_path / "run", "eeee", checkpoint_dir=tmp_path / "scratch")
@@ -162,14 +162,14 @@ def test_a_second_start_on_a_live_run_names_the_holder(tmp_path):
     finally:
         os.close(fd)
     # Released (the holder closed it, as the kernel does when a process dies): no longer refused for the lock.
-    from accel_fsdp.rundir import lock_holder
+    from accel_fsdp.run.folder import lock_holder
 
     assert lock_holder(run) is None
 
 
 def test_the_lock_is_taken_by_the_run_and_released_when_it_ends(tmp_path):
     from accel_fsdp.errors import UserError
-    from accel_fsdp.rundir import FolderLock, lock_holder
+    from accel_fsdp.run.folder import FolderLock, lock_holder
 
     lock = FolderLock(tmp_path / "run").acquire("run folder")
     assert f"held by PID {os.getpid()}" in lock_holder(tmp_path / "run")

@@ -85,7 +85,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, tiny_gpt2):
     with masked prompts, so the loss must be normalized by the tokens of the whole global batch."""
     import random
 
-    from accel_fsdp.synthetic import _question, story
+    from accel_fsdp.data.synthetic import _question, story
 
     rng = random.Random(5)
     rows = []

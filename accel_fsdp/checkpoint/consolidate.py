@@ -1,0 +1,257 @@
+"""Consolidation: a checkpoint -> a Hugging Face model folder that `from_pretrained` loads directly.
+
+Streaming, so memory stays bounded by the largest output shard plus a fixed overhead, whatever the model size:
+the tensors are grouped into output shards of at most `max_shard_size` bytes, and each group alone is read out
+of the torch.distributed.checkpoint shards (a partial DCP load reads only those byte ranges), converted to the
+output dtype, written as safetensors and dropped before the next group. (`accelerate merge-weights` loads the
+whole state dict at once.) FULL_STATE_DICT checkpoints are one torch file, memory-mapped and read likewise.
+
+GPT-2's and Llama-3.2's tied embeddings: the tied output weight is not written; transformers re-ties it.
+LoRA checkpoints become a PEFT adapter folder (`PeftModel.from_pretrained`), optionally also merged.
+The output is written to a temporary folder and renamed at the end: an interrupted run leaves nothing half-done,
+and an existing folder is replaced only if it is a previous export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from accel_fsdp.checkpoint.store import HF_DIR, MODEL_DIR, MODEL_FILE, CheckpointInfo
+from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.train.metrics import PeakMemory
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MARKER = "accel_fsdp_export.json"
+
+
+@dataclass
+class ExportReport:
+    out_dir: Path
+    files: list[str]
+    tensors: int
+    bytes: int
+    largest_shard_bytes: int
+    peak_rss_bytes: int
+    baseline_rss_bytes: int
+    seconds: float
+    adapter: bool
+
+    def summary(self) -> str:
+        mb = 1 << 20
+        return (f"wrote {self.tensors} tensors, {self.bytes / mb:,.1f} MB in {len(self.files)} file(s) to "
+                f"{self.out_dir} in {self.seconds:.1f}s; peak memory {self.peak_rss_bytes / mb:,.0f} MB "
+                f"({(self.peak_rss_bytes - self.baseline_rss_bytes) / mb:,.0f} MB above the "
+                f"{self.baseline_rss_bytes / mb:,.0f} MB held before reading weights; largest shard "
+                f"{self.largest_shard_bytes / mb:,.1f} MB)")
+
+
+def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max_shard_size: int = 2 << 30,
+                merge_lora: bool = False, base_model: str | None = None) -> ExportReport:
+    """Write a Hugging Face folder (or a PEFT adapter folder for LoRA checkpoints) from a complete checkpoint."""
+    start = time.perf_counter()
+    out_dir = Path(out_dir)
+    _check_destination(out_dir)
+    adapter = bool(info.manifest.get("lora"))
+    try:
+        reader = _TensorSource(info)
+        keys = _output_keys(info, reader, adapter)
+    except (ValueError, KeyError, UnicodeDecodeError, OSError, RuntimeError) as e:  # damaged with its CRC updated
+        raise UserError(Problem(str(info.path), f"its metadata cannot be read ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0][:160] if str(e) else ''})",
+                                "use an earlier checkpoint (see `accel-fsdp checkpoint inspect` on the run)")) from None
+    monitor = PeakMemory()  # from here on: reading and writing weights
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        prefix = "adapter_model" if adapter else "model"
+        files, total, largest = _write_shards(reader, keys, tmp, prefix, DTYPES[dtype], max_shard_size)
+        _copy_hf_files(info, tmp, dtype, adapter)
+        (tmp / "recipe.yaml").write_bytes((info.path / "recipe.yaml").read_bytes())
+        if adapter and merge_lora:
+            _merge_lora(tmp, tmp / "merged", dtype, base_model)
+        written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        (tmp / MARKER).write_text(json.dumps({"checkpoint": str(info.path), "step": info.manifest.get("step"),
+                                              "dtype": dtype, "adapter": adapter, "files": written}, indent=1))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.rename(tmp, out_dir)
+    except (ValueError, KeyError, UnicodeDecodeError) as e:  # a checkpoint file damaged with its checksum updated
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(Problem(str(info.path), f"a file of this checkpoint cannot be read ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0][:160] if str(e) else ''})",
+                                "use an earlier checkpoint (see `accel-fsdp checkpoint inspect` on the run)")) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        monitor.stop()
+    return ExportReport(out_dir, files, len(keys), total, largest, monitor.peak, monitor.baseline,
+                        time.perf_counter() - start, adapter)
+
+
+def _check_destination(out_dir: Path) -> None:
+    """A new folder, or an earlier export that holds nothing but what the export wrote (its marker lists it): an
+    export replaces only its own files, never the user's."""
+    if out_dir.parent.exists() and not out_dir.parent.is_dir():
+        raise UserError(Problem(str(out_dir), f"{out_dir.parent} is a file", "choose a folder (nothing was written)"))
+    if not out_dir.exists():
+        return
+    ours = None
+    if out_dir.is_dir() and (out_dir / MARKER).is_file():
+        try:
+            ours = set(json.loads((out_dir / MARKER).read_text()).get("files", [])) | {MARKER}
+        except (OSError, ValueError, AttributeError, TypeError):
+            ours = None
+    if not out_dir.is_dir() or (any(out_dir.iterdir()) and ours is None):
+        raise UserError(Problem(str(out_dir), "exists and is not an earlier export of accel-fsdp",
+                                "choose a new folder (nothing was written)"))
+    extra = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file()
+                   and str(p.relative_to(out_dir)) not in ours)
+    if extra:
+        raise UserError(Problem(str(out_dir), f"is an earlier export, but also holds files it did not write "
+                                f"({', '.join(extra[:3])})", "move them out, or choose a new folder (nothing was "
+                                "written)"))
+
+
+class _TensorSource:
+    """Reads selected tensors of a checkpoint's model state without loading the rest."""
+
+    def __init__(self, info: CheckpointInfo):
+        self.info = info
+        sharded = info.path / MODEL_DIR
+        if sharded.is_dir():
+            import torch.distributed.checkpoint as dcp
+
+            self.dcp_dir = sharded
+            metadata = dcp.FileSystemReader(str(sharded)).read_metadata()
+            self.meta = {k: (tuple(v.size), v.properties.dtype) for k, v in metadata.state_dict_metadata.items()
+                         if hasattr(v, "size")}
+            self.full = None
+        else:
+            self.dcp_dir = None
+            # mmap: tensors are read from the page cache on demand, not loaded up front.
+            self.full = torch.load(info.path / MODEL_FILE, mmap=True, weights_only=True, map_location="cpu")
+            self.meta = {k: (tuple(v.shape), v.dtype) for k, v in self.full.items() if isinstance(v, torch.Tensor)}
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        if self.full is not None:
+            return {k: self.full[k] for k in keys}
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        wanted = {k: torch.empty(self.meta[k][0], dtype=self.meta[k][1]) for k in keys}
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(wanted, storage_reader=dcp.FileSystemReader(str(self.dcp_dir)),
+                 planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+        return wanted
+
+
+def _canonical(key: str, dcp: bool) -> str:
+    """The model's own parameter name: without DCP's top-level "model." entry and FSDP/AC/compile wrappers."""
+    if dcp:
+        key = key.removeprefix("model.")
+    for part in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        key = key.replace(part, "")
+    return key
+
+
+def _output_keys(info: CheckpointInfo, reader: _TensorSource, adapter: bool) -> list[tuple[str, str]]:
+    """(checkpoint key, output name) pairs in a stable, layer-ordered sequence; tied copies left out."""
+    pairs = [(k, _canonical(k, reader.dcp_dir is not None)) for k in reader.meta]
+    if adapter:
+        # PEFT's files name adapter weights without the adapter name ("...lora_A.weight").
+        pairs = [(k, n.replace(".default.", ".")) for k, n in pairs]
+    else:
+        config = json.loads((info.path / HF_DIR / "config.json").read_text())
+        if config.get("tie_word_embeddings", True):
+            tied = _tied_output_keys(info)
+            pairs = [(k, n) for k, n in pairs if n not in tied]
+    return sorted(pairs, key=lambda p: _natural(p[1]))
+
+
+def _tied_output_keys(info: CheckpointInfo) -> set[str]:
+    from transformers import AutoConfig
+
+    from accel_fsdp.model.build import meta_model
+
+    config = AutoConfig.from_pretrained(info.path / HF_DIR)
+    tied = getattr(meta_model(config), "_tied_weights_keys", None) or {}
+    return set(tied) if isinstance(tied, dict) else set(tied)
+
+
+def _natural(name: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _write_shards(reader: _TensorSource, keys, folder: Path, prefix: str, dtype: torch.dtype, max_bytes: int):
+    from safetensors.torch import save_file
+
+    size = lambda k: _numel(reader.meta[k][0]) * torch.empty((), dtype=dtype).element_size()  # noqa: E731
+    groups: list[list[tuple[str, str]]] = [[]]
+    used = 0
+    for k, n in keys:
+        b = size(k)
+        if groups[-1] and used + b > max_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append((k, n))
+        used += b
+    names = [f"{prefix}.safetensors"] if len(groups) == 1 else \
+        [f"{prefix}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    weight_map, total, largest = {}, 0, 0
+    for group, fname in zip(groups, names):
+        tensors = reader.read([k for k, _ in group])
+        out = {n: tensors[k].to(dtype).contiguous() for k, n in group}
+        del tensors
+        save_file(out, str(folder / fname), metadata={"format": "pt"})
+        shard_bytes = sum(t.numel() * t.element_size() for t in out.values())
+        total += shard_bytes
+        largest = max(largest, shard_bytes)
+        weight_map.update({n: fname for n in out})
+        del out
+    if len(names) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return names, total, largest
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _copy_hf_files(info: CheckpointInfo, folder: Path, dtype: str, adapter: bool) -> None:
+    src = info.path / HF_DIR
+    for f in src.iterdir():
+        if f.is_file() and not (adapter and f.name == "config.json"):
+            shutil.copy2(f, folder / f.name)
+    if not adapter:
+        config = json.loads((folder / "config.json").read_text())
+        config["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
+        (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _merge_lora(adapter_dir: Path, out: Path, dtype: str, base_model: str | None) -> None:
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = base_model or PeftConfig.from_pretrained(adapter_dir).base_model_name_or_path
+    if not base:
+        raise UserError(Problem(str(adapter_dir), "the adapter does not name its base model",
+                                "pass --base-model with the hub id or folder of the base model"))
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+    merged.to(DTYPES[dtype]).save_pretrained(out)
+    AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out)

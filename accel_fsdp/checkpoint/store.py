@@ -1,0 +1,554 @@
+"""Checkpoints: complete training state, written atomically, described by a manifest, resumable exactly.
+
+Layout of `<run>/checkpoints/step-000200/`:
+    manifest.json          step, world size, state-dict type, recipe hash, run id, every file with its size and
+                           CRC-32 (computed at save time, split over the ranks; checked before a resume reads it)
+    trainer_state.json     step, epoch and position in the data, LR scheduler, tokens seen
+    recipe.yaml            the resolved recipe; fsdp_settings.json the effective FSDP settings
+    pytorch_model_fsdp_0/  model: torch.distributed.checkpoint shards (SHARDED_STATE_DICT; also readable by
+                           `accelerate merge-weights`), or pytorch_model_fsdp.bin (FULL_STATE_DICT)
+    optimizer_0/           optimizer state, same type (optimizer.bin for FULL_STATE_DICT)
+    rng_state_<rank>.pt    RNG states of every rank; scaler.pt for fp16
+    hf/                    config.json, generation_config.json, tokenizer files, adapter_config.json (LoRA):
+                           what `accel-fsdp checkpoint consolidate` needs to write a Hugging Face folder
+
+Atomicity: every rank writes into `.tmp-step-000200/`; after all ranks finished, rank 0 writes the manifest
+and renames the folder. A crash (even SIGKILL) before the rename leaves the previous checkpoint untouched and
+the temporary folder ignored (and removed by the next save). A folder without a valid manifest, or whose
+files do not match it, is never resumed from.
+
+The model and optimizer are saved with Accelerate's FSDP helpers (`save_fsdp_model`, `save_fsdp_optimizer`),
+which use torch.distributed.checkpoint; LoRA runs save only the adapter weights and their optimizer state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from accel_fsdp.errors import Problem, UserError
+
+FORMAT = "accel-fsdp-checkpoint/1"
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+MODEL_DIR = "pytorch_model_fsdp_0"
+MODEL_FILE = "pytorch_model_fsdp.bin"
+HF_DIR = "hf"
+_NAME = re.compile(r"^step-(\d{6,})$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+# --------------------------------------------------------------------------------------------------- save
+
+
+def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, step: int, trainer_state: dict,
+                    recipe, settings, tokenizer, lora: bool, keep_last: int | None, faults=None,
+                    run_id: str | None = None) -> Path:
+    """Write the checkpoint of optimizer step `step` atomically; rotate old ones. Collective: all ranks call it."""
+    from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
+
+    name = checkpoint_name(step)
+    final, tmp = root / name, root / f".tmp-{name}"
+    main = accelerator.is_main_process
+    if main:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-step-*"):  # left by a crash; never a valid checkpoint
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    accelerator.wait_for_everyone()
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    error: BaseException | None = None
+    try:
+        plugin = accelerator.state.fsdp_plugin
+        save_fsdp_model(plugin, accelerator, model, str(tmp), adapter_only=lora)
+        save_fsdp_optimizer(plugin, accelerator, optimizer, model, str(tmp))
+        torch.save(_rng_state(), tmp / f"rng_state_{accelerator.process_index}.pt")
+        if faults is not None:
+            faults.in_save(step)
+        if main:
+            if accelerator.scaler is not None:
+                torch.save(accelerator.scaler.state_dict(), tmp / "scaler.pt")
+            state = dict(trainer_state, scheduler=scheduler.state_dict())
+            (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1, default=_jsonable))
+            (tmp / "recipe.yaml").write_text(recipe.to_yaml())
+            (tmp / "fsdp_settings.json").write_text(json.dumps(settings.to_dict(), indent=1, default=str))
+            _save_hf_files(accelerator, model, tokenizer, tmp / HF_DIR)
+    except (OSError, CheckpointException) as e:  # DCP reports a failed write on any rank to every rank
+        error = e
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        failed = [r for r, ok in enumerate(gather_object([error is None])) if not ok]
+    else:
+        failed = [0] if error else []
+    if failed:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = latest_complete(root)
+        kept = f"the previous checkpoint {previous.path.name} is intact" if previous else "no earlier checkpoint exists"
+        cause = _save_error_cause(error) if error else f"rank(s) {failed} failed"
+        raise UserError(Problem(str(final), f"saving the checkpoint failed: {cause}; {kept}",
+                                "free disk space (or set checkpoint.dir to a larger disk) and restart with --resume"),
+                        rank_local=error is not None) from None  # the rank that hit the error says why
+    accelerator.wait_for_everyone()  # every rank's shards are on disk
+    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    checksums = _checksums_over_ranks(accelerator, tmp, sorted(files))
+    if main:
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "epoch": trainer_state.get("epoch"),
+            "world_size": accelerator.num_processes,
+            "state_dict_type": settings.state_dict_type.value,
+            "fsdp_version": settings.fsdp_version.value,
+            "lora": lora,
+            "recipe_fingerprint": recipe.fingerprint(),
+            "run_id": run_id,
+            "parameters": trainer_state.get("parameters"),
+            "trainable_parameters": trainer_state.get("trainable_parameters"),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "versions": _versions(),
+            "files": files,
+            "crc32": checksums,
+        }
+        _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        if final.exists():  # the same step saved again (e.g. the end of a resumed run): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    accelerator.wait_for_everyone()
+    if main:
+        # After the barrier, and in the background: deleting large old checkpoints must not hold the other ranks
+        # at a barrier (into the collective timeout), nor this one at the next step.
+        rotate(root, keep_last, background=True)
+    return final
+
+
+def crc32_of(path: Path, chunk: int = 1 << 22) -> str:
+    import zlib
+
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
+def _checksums_over_ranks(accelerator, folder: Path, names: list[str]) -> dict[str, str]:
+    """CRC-32 of every file, each rank hashing every world-size-th one (the files were just written: they are read
+    back from the page cache). Collective."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    mine = {n: crc32_of(folder / n) for i, n in enumerate(names) if i % world == rank}
+    if world == 1:
+        return mine
+    from accelerate.utils import gather_object
+
+    out: dict[str, str] = {}
+    for part in gather_object([mine]):
+        out.update(part)
+    return out
+
+
+def verify_files(info: CheckpointInfo, accelerator=None) -> None:
+    """Compare every file of a checkpoint with the CRC-32 its manifest recorded; raise a UserError naming the damaged
+    file(s) before anything reads them. With an `accelerator` (collective), the ranks share the reading."""
+    sums: dict[str, str] = info.manifest.get("crc32") or {}
+    names = sorted(sums)
+    world = accelerator.num_processes if accelerator is not None else 1
+    rank = accelerator.process_index if accelerator is not None else 0
+    bad = [n for i, n in enumerate(names) if i % world == rank and crc32_of(info.path / n) != sums[n]]
+    if world > 1:
+        from accelerate.utils import gather_object
+
+        bad = sorted(n for part in gather_object([bad]) for n in part)
+    if bad:
+        earlier = [c for c in list_checkpoints(info.path.parent) if c.complete and (c.step or 0) < (info.step or 0)]
+        fix = (f"use the previous complete checkpoint, {earlier[-1].path}" if earlier else
+               "no earlier checkpoint is complete: restore the file, or start again")
+        raise UserError(Problem(str(info.path), f"{', '.join(bad[:5])}{' and more' if len(bad) > 5 else ''} "
+                                f"changed since it was saved (CRC-32 differs from the manifest's)", fix))
+
+
+def _save_error_cause(error: BaseException) -> str:
+    """'No space left on device', from an OSError or from the first failure a DCP CheckpointException carries."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        error = next(iter(failures.values()))[0]
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+
+
+def _save_hf_files(accelerator, model, tokenizer, folder: Path) -> None:
+    unwrapped = accelerator.unwrap_model(model)
+    base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+    base.config.save_pretrained(folder)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    if hasattr(unwrapped, "peft_config"):
+        unwrapped.peft_config["default"].save_pretrained(folder)
+
+
+_ROTATIONS: list = []
+
+
+def rotate(root: Path, keep_last: int | None, *, background: bool = False) -> list[Path]:
+    """Delete all but the newest `keep_last` complete checkpoints. Returns what was removed.
+
+    Each one is first renamed to `.trash-step-N` (atomic: never again seen as a checkpoint), then deleted; with
+    `background`, the deletion runs in a thread (`wait_for_rotations` joins it before the process ends)."""
+    if not keep_last:
+        return []
+    complete = [c for c in list_checkpoints(root) if c.complete]
+    trashed = []
+    for c in complete[:-keep_last]:
+        trash = c.path.with_name(".trash-" + c.path.name)
+        try:
+            os.rename(c.path, trash)
+        except OSError:
+            continue
+        trashed.append((c.path, trash))
+    for stale in root.glob(".trash-step-*"):  # left by a process that ended while deleting
+        if all(stale != t for _, t in trashed):
+            trashed.append((stale, stale))
+
+    def delete() -> None:
+        for _, trash in trashed:
+            shutil.rmtree(trash, ignore_errors=True)
+
+    if background and trashed:
+        import threading
+
+        thread = threading.Thread(target=delete, name="accel-fsdp-rotate", daemon=True)
+        thread.start()
+        _ROTATIONS.append(thread)
+    else:
+        delete()
+    return [original for original, trash in trashed if original != trash]
+
+
+def wait_for_rotations() -> None:
+    while _ROTATIONS:
+        _ROTATIONS.pop().join()
+
+
+def _rng_state() -> dict[str, Any]:
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _versions() -> dict[str, str]:
+    import accelerate
+    import transformers
+
+    from accel_fsdp import __version__
+
+    return {"accel_fsdp": __version__, "torch": torch.__version__, "accelerate": accelerate.__version__,
+            "transformers": transformers.__version__}
+
+
+def _jsonable(v):
+    if isinstance(v, torch.Tensor):
+        return v.tolist()
+    return str(v)
+
+
+# ---------------------------------------------------------------------------------------------- inspect
+
+
+@dataclass
+class CheckpointInfo:
+    path: Path
+    step: int | None
+    complete: bool
+    reason: str = ""
+    """Why it is not complete."""
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def inspect_checkpoint(path: Path, *, verify: bool = False) -> CheckpointInfo:
+    """Read the manifest and check every file it lists is there with its size; with `verify`, also its CRC-32."""
+    path = Path(path)
+    m = _NAME.match(path.name)
+    step = int(m.group(1)) if m else None
+    manifest_path = path / MANIFEST
+    if path.name.startswith(".tmp-"):
+        return CheckpointInfo(path, step, False, "a save that never finished (temporary folder)")
+    if not manifest_path.is_file():
+        return CheckpointInfo(path, step, False, "no manifest.json (the save did not finish, or not a checkpoint)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return CheckpointInfo(path, step, False, "manifest.json is corrupt")
+    shape = _manifest_shape_problem(manifest)
+    if shape:
+        return CheckpointInfo(path, step, False, f"manifest.json is damaged ({shape})")
+    if manifest.get("format") != FORMAT:
+        return CheckpointInfo(path, step, False, f"unknown format {manifest.get('format')!r}", manifest)
+    for rel, size in manifest.get("files", {}).items():
+        f = path / rel
+        if not f.is_file():
+            return CheckpointInfo(path, manifest.get("step"), False, f"{rel} is missing", manifest)
+        if f.stat().st_size != size:
+            return CheckpointInfo(path, manifest.get("step"), False,
+                                  f"{rel} has {f.stat().st_size} bytes, the manifest says {size}", manifest)
+    if verify:
+        for rel, crc in (manifest.get("crc32") or {}).items():
+            if crc32_of(path / rel) != crc:
+                return CheckpointInfo(path, manifest.get("step"), False,
+                                      f"{rel} changed since it was saved (CRC-32 differs from the manifest's)",
+                                      manifest)
+    return CheckpointInfo(path, manifest.get("step"), True, "", manifest)
+
+
+def _manifest_shape_problem(manifest) -> str | None:
+    """What is wrong with a manifest that parses but is not one of ours (edited by hand, or damaged in place)."""
+    if not isinstance(manifest, dict):
+        return f"a JSON {type(manifest).__name__}, not an object"
+    if not isinstance(manifest.get("step"), int) or isinstance(manifest.get("step"), bool) or manifest["step"] < 0:
+        return f"step {manifest.get('step')!r} is not a step number"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, int) for k, v in files.items()):
+        return "its file list is not a mapping of file to size"
+    if any(Path(k).is_absolute() or ".." in Path(k).parts for k in files):
+        return "its file list names paths outside the checkpoint"
+    crc = manifest.get("crc32", {})
+    if not isinstance(crc, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in crc.items()):
+        return "its checksums are not a mapping of file to CRC-32"
+    return None
+
+
+def list_checkpoints(root: Path) -> list[CheckpointInfo]:
+    """All step-* folders under `root`, oldest first, each checked."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    infos = [inspect_checkpoint(p) for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)]
+    return sorted(infos, key=lambda c: c.step or -1)
+
+
+def latest_complete(root: Path) -> CheckpointInfo | None:
+    complete = [c for c in list_checkpoints(root) if c.complete]
+    return complete[-1] if complete else None
+
+
+def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint", verify: bool = False) -> CheckpointInfo:
+    """A checkpoint folder, or a run folder / checkpoints folder (its newest complete checkpoint)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UserError(Problem(str(p), f"no such {what}", "give a step-NNNNNN folder or a run folder"))
+    if not p.is_dir():
+        raise UserError(Problem(str(p), f"is a file, not a {what} folder", "give a step-NNNNNN folder or a run folder"))
+    if _NAME.match(p.name) or p.name.startswith(".tmp-step-") or (p / MANIFEST).exists():
+        info = inspect_checkpoint(p, verify=verify)
+        if not info.complete:
+            raise UserError(Problem(str(p), f"incomplete or corrupt checkpoint: {info.reason}",
+                                    "use an earlier complete checkpoint (see `accel-fsdp checkpoint inspect` "
+                                    "on the run folder)"))
+        return info
+    for candidate in _checkpoint_folders_of(p):
+        found = latest_complete(candidate)
+        if found:
+            if verify:
+                verify_files(found)
+            return found
+    seen = [c for r in _checkpoint_folders_of(p) for c in list_checkpoints(r)]
+    detail = "; ".join(f"{c.name}: {c.reason}" for c in seen) or "no step-NNNNNN folders"
+    fix = ("every checkpoint here is damaged or incomplete: restore one, or train again" if seen else
+           "give a run folder that has saved checkpoints (checkpoint.every_steps, or a finished run)")
+    raise UserError(Problem(str(p), f"no complete checkpoint found ({detail})", fix))
+
+
+def _checkpoint_folders_of(path: Path) -> list[Path]:
+    """Where a run folder keeps its checkpoints (run.json knows, also when checkpoint.dir moved them), or a
+    checkpoint folder itself."""
+    folders = []
+    from accel_fsdp.run.folder import RUN_FILE, RunIdentity, checkpoints_of
+
+    if (path / RUN_FILE).is_file():
+        try:
+            recorded = RunIdentity.read(path / RUN_FILE).checkpoint_dir
+        except UserError:
+            recorded = None
+        if recorded:
+            folders.append(checkpoints_of(path, recorded))
+    folders += [path / "checkpoints", path]
+    return list(dict.fromkeys(p.resolve() for p in folders))
+
+
+# ------------------------------------------------------------------------------------------------- load
+
+
+def checkpoint_to_resume(root: Path, resume_from: str | None) -> CheckpointInfo:
+    """--resume-from PATH, or --resume: the newest complete checkpoint under the run's checkpoint folder."""
+    if resume_from:
+        return resolve_checkpoint(resume_from)
+    info = latest_complete(root)
+    if info is None:
+        skipped = [f"{c.name} ({c.reason})" for c in list_checkpoints(root)]
+        raise UserError(Problem(str(root), "--resume found no complete checkpoint" +
+                                (f"; incomplete: {', '.join(skipped)}" if skipped else ""),
+                                "drop --resume and add --overwrite to start over"))
+    return info
+
+
+def check_resume(info: CheckpointInfo, recipe, settings) -> list[str]:
+    """Refuse a checkpoint of another model or an incompatible recipe; return notes for what changes safely."""
+    import yaml
+
+    from accel_fsdp.config.recipe import incompatible_keys
+
+    try:
+        saved = yaml.safe_load((info.path / "recipe.yaml").read_text())
+        if not isinstance(saved, dict):
+            raise ValueError("not a mapping")
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
+        raise UserError(Problem(str(info.path / "recipe.yaml"), f"is unreadable ({type(e).__name__}), so the recipe "
+                                "that made this checkpoint is unknown", "use another checkpoint")) from None
+    diff = incompatible_keys(saved, recipe.to_dict())
+    if diff:
+        lines = [f"{k}: checkpoint has {old!r}, this run has {new!r}" for k, old, new in diff]
+        raise UserError(Problem(str(info.path), "was made by an incompatible recipe:\n      " + "\n      ".join(lines),
+                                "resume with the recipe that made it (the checkpoint keeps a copy in recipe.yaml), "
+                                "or start a new run (another --output-dir) and load the consolidated export as "
+                                "model.name_or_path"))
+    m = info.manifest
+    notes = []
+    if m.get("fsdp_version") != settings.fsdp_version.value:
+        raise UserError(Problem(str(info.path), f"was written with FSDP{m.get('fsdp_version')}, this run uses "
+                                f"FSDP{settings.fsdp_version.value}; their optimizer states are not interchangeable",
+                                f"resume with an FSDP{m.get('fsdp_version')} accelerate config, or consolidate it "
+                                "and start a new run from the export"))
+    if m.get("world_size") != settings.num_processes.value:
+        notes.append(f"resharding from {m.get('world_size')} to {settings.num_processes.value} ranks "
+                     f"({m.get('state_dict_type')} allows it); the data order is unchanged, the dropout RNG of "
+                     "ranks without a saved state restarts from the seed")
+    return notes
+
+
+def load_checkpoint(accelerator, model, optimizer, scheduler, info: CheckpointInfo, *, lora: bool) -> dict:
+    """Restore model, optimizer, scheduler, scaler and RNG states; return the trainer state."""
+    from accelerate.utils import load_fsdp_model, load_fsdp_optimizer
+
+    plugin = accelerator.state.fsdp_plugin
+    current_type = plugin.state_dict_type
+    plugin.set_state_dict_type(info.manifest["state_dict_type"])  # read it the way it was written
+    try:
+        load_fsdp_model(plugin, accelerator, model, str(info.path), adapter_only=lora)
+        load_fsdp_optimizer(plugin, accelerator, optimizer, model, str(info.path), adapter_only=lora)
+    finally:
+        plugin.set_state_dict_type(current_type)
+    state = json.loads((info.path / TRAINER_STATE).read_text())
+    scheduler.load_state_dict(state.pop("scheduler"))
+    if accelerator.scaler is not None and (info.path / "scaler.pt").exists():
+        accelerator.scaler.load_state_dict(torch.load(info.path / "scaler.pt", weights_only=True))
+    rng = info.path / f"rng_state_{accelerator.process_index}.pt"
+    if rng.exists() and info.manifest.get("world_size") == accelerator.num_processes:
+        _set_rng_state(torch.load(rng, weights_only=False))
+    accelerator.wait_for_everyone()
+    return state
+
+
+def describe(info: CheckpointInfo) -> dict[str, Any]:
+    """What `accel-fsdp checkpoint inspect` prints."""
+    m = info.manifest
+    files = m.get("files", {})
+    out = {"path": str(info.path), "complete": info.complete}
+    if not info.complete:
+        out["problem"] = info.reason
+    out.update({
+        "step": m.get("step", info.step), "epoch": m.get("epoch"), "world_size": m.get("world_size"),
+        "state_dict_type": m.get("state_dict_type"), "fsdp_version": m.get("fsdp_version"), "lora": m.get("lora"),
+        "parameters": m.get("parameters"), "trainable_parameters": m.get("trainable_parameters"),
+        "bytes": sum(files.values()), "files": len(files), "created": m.get("created"),
+        "recipe_fingerprint": m.get("recipe_fingerprint"),
+    })
+    recipe_file = info.path / "recipe.yaml"
+    if recipe_file.exists():
+        import yaml
+
+        try:
+            r = yaml.safe_load(recipe_file.read_text()) or {}
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            r = None
+        if not isinstance(r, dict) or not isinstance(r.get("model", {}), dict) or \
+                not isinstance(r.get("training", {}), dict):
+            out["recipe"] = {"name": "(recipe.yaml unreadable)", "model": None, "data": None,
+                             "global_batch_size": None, "max_steps": None, "lr": None}
+            return out
+        model = r.get("model", {})
+        t = r.get("training", {})
+        out["recipe"] = {"name": r.get("name"), "model": model.get("name_or_path") or model.get("architecture"),
+                         "data": r.get("data", {}).get("path"), "global_batch_size": t.get("global_batch_size"),
+                         "max_steps": t.get("max_steps"), "lr": t.get("lr")}
+    return out
+
+
+def format_description(d: dict[str, Any]) -> str:
+    status = "complete" if d["complete"] else f"INCOMPLETE: {d['problem']}"
+    lines = [f"{d['path']}: {status}"]
+    if d.get("step") is None or d.get("world_size") is None:  # no (readable) manifest: nothing more is known
+        return lines[0]
+    params = f"{d['parameters']:,}" if d.get("parameters") else "?"
+    lora = ", LoRA adapter" if d.get("lora") else ""
+    lines.append(f"  step {d['step']} (epoch {d.get('epoch')}), world size {d.get('world_size')}, "
+                 f"{d.get('state_dict_type')}, FSDP{d.get('fsdp_version')}{lora}")
+    lines.append(f"  parameters {params}, {d['bytes'] / (1 << 20):,.1f} MB in {d['files']} files, "
+                 f"created {d.get('created')}")
+    if "recipe" in d:
+        r = d["recipe"]
+        lines.append(f"  recipe {r['name']}: model {r['model']}, data {r['data']}, global batch "
+                     f"{r['global_batch_size']}, lr {r['lr']}, max_steps {r['max_steps']}")
+    return "\n".join(lines)

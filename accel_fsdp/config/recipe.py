@@ -1,0 +1,656 @@
+"""Recipes: what to train. YAML files loaded into typed dataclasses, checked before anything runs.
+
+A recipe has six sections (`model`, `data`, `training`, `fsdp`, `checkpoint`, `logging`) and three metadata
+keys (`name`, `description`, `output_dir`). Loading rejects unknown keys, checks types and ranges, and reports
+*all* problems at once, each with its file, line, dotted key, value and fix. `--set dotted.key=value`
+overrides are parsed as YAML scalars (so `true`, `3`, `1e-4`, `[q_proj, v_proj]` get their types) and
+checked exactly like the file.
+
+What depends on the machine (number of processes, the model's context length, the data file) is checked
+later, in `preflight.py`; this module must never touch the hub, the disk beyond the recipe file, or torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import math
+import dataclasses
+import difflib
+import hashlib
+import inspect
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.config.yaml_file import load_yaml
+
+TRACKERS = ("tensorboard", "wandb")
+ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """Parameter-efficient fine-tuning with PEFT LoRA adapters."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of all weights."""
+    r: int = 16
+    """Rank of the adapter matrices."""
+    alpha: int = 32
+    """Scaling numerator: the adapter output is multiplied by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the adapter input."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Names of the Linear modules that get adapters (GPT-2: c_attn; Llama: q_proj, k_proj, v_proj, o_proj...)."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which model to train and how it is built."""
+
+    name_or_path: str | None = None
+    """Hub id (gpt2-xl, meta-llama/Llama-3.2-1B) or local folder with pretrained weights."""
+    architecture: str | None = None
+    """Build from scratch with random weights instead: a known architecture (gpt2, llama-3.2-1b) or a
+    transformers model_type (gpt2, llama). Exclusive with name_or_path."""
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+    """Keys set on the transformers config, e.g. {n_layer: 2, n_embd: 64} for a tiny model."""
+    tokenizer: str | None = None
+    """Tokenizer: hub id, local folder, builtin:quickstart, or bpe:N (a byte-level BPE tokenizer of N tokens
+    trained on this recipe's data, cached; for models built from scratch on your own text). Default:
+    name_or_path."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub repository to run. Only for repositories you trust."""
+    activation_checkpointing: bool | None = None
+    """Recompute each wrapped block in the backward pass: less activation memory, about 30% more compute.
+    Default: the accelerate config's fsdp_activation_checkpointing."""
+    attn_implementation: str | None = None
+    """Attention kernel: sdpa, eager or flash_attention_2. Default: transformers' choice."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (PEFT)."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """What the model learns from."""
+
+    path: str = ""
+    """Local .jsonl/.json/.csv/.parquet/.txt file, a hub dataset (owner/name or hub:name), or builtin:quickstart."""
+    format: Literal["text", "instruction", "chat"] = "text"
+    """text: language modelling on text_field; instruction: alpaca rows, loss on the response only;
+    chat: a list of messages rendered with the tokenizer's chat template, loss on assistant turns only."""
+    text_field: str = "text"
+    """Column holding the text (format: text)."""
+    instruction_field: str = "instruction"
+    """Column holding the instruction (format: instruction)."""
+    input_field: str = "input"
+    """Optional column with extra input for the instruction (format: instruction)."""
+    output_field: str = "output"
+    """Column holding the response (format: instruction)."""
+    messages_field: str = "messages"
+    """Column holding the list of {role, content} messages (format: chat)."""
+    hub_config: str | None = None
+    """Configuration name of a hub dataset (e.g. wikitext-2-raw-v1)."""
+    split: str = "train"
+    """Split of a hub dataset to read."""
+    seq_len: int = 1024
+    """Tokens per training row. Must not exceed the model's context length."""
+    packing: bool | None = None
+    """Pack short examples into full seq_len rows (EOS between documents). Default: on for text, off otherwise."""
+    eval_fraction: float = 0.05
+    """Share of rows held out for evaluation (deterministic split). 0 disables evaluation."""
+    max_rows: int | None = None
+    """Read at most this many rows from the source (for quick experiments)."""
+    num_proc: int | None = None
+    """Processes used for tokenization. Default: one."""
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    """Batch, schedule and precision."""
+
+    micro_batch_size: int = 1
+    """Rows per rank per micro-step (forward + backward)."""
+    global_batch_size: int = 8
+    """Rows per optimizer step over all ranks. Gradient accumulation steps are derived:
+    global_batch_size / (micro_batch_size x processes), which must be a whole number."""
+    max_steps: int | None = None
+    """Optimizer steps to run. Exclusive with epochs."""
+    epochs: float | None = None
+    """Passes over the training rows (may be fractional). Used when max_steps is not set; default 1."""
+    lr: float = 2e-5
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """The schedule decays to lr x min_lr_ratio."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 to lr over this many optimizer steps."""
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warm-up."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay, applied to matrices only (not to biases, norms and embeddings' bias)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this value (FSDP-aware). null disables clipping."""
+    seed: int = 42
+    """Seed for weights created from scratch, data order, and dropout."""
+    mixed_precision: Literal["bf16", "fp32", "fp16"] | None = None
+    """bf16: bf16 compute with fp32 master weights; fp32: full precision; fp16: needs a GPU and a grad scaler.
+    Default: the accelerate config's mixed_precision, else bf16."""
+    eval_every_steps: int | None = None
+    """Evaluate on the held-out split every N optimizer steps (and at the end). Default: at the end only."""
+    eval_max_batches: int | None = None
+    """Evaluate on at most this many micro-batches per rank. Default: the whole held-out split."""
+
+
+@dataclass(kw_only=True)
+class FsdpConfig:
+    """Overrides of the accelerate config's FSDP settings, for what depends on the model rather than the machine."""
+
+    wrap_class: str | None = None
+    """Module class that becomes one FSDP unit (GPT2Block, LlamaDecoderLayer). Default: the accelerate
+    config's fsdp_transformer_layer_cls_to_wrap, else the model's own _no_split_modules."""
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] | None = None
+    """Override the accelerate config's strategy. Default: the accelerate config."""
+    cpu_offload: bool | None = None
+    """Keep parameters, gradients and optimizer state in CPU memory. Default: the accelerate config."""
+    reduce_every_micro_step: bool = True
+    """Reduce-scatter gradients after every micro-step, so each rank only ever holds its gradient shard. false
+    defers the reduction to the last micro-step of an optimizer step: less communication, but between micro-steps
+    every rank holds the unsharded fp32 gradients of the whole model (on the GPU even with CPU offload): only for
+    models small enough that this fits."""
+    collective_timeout_minutes: int = 60
+    """How long a collective (all-gather, barrier, broadcast) may wait before the run fails. Generous, because
+    the first run tokenizes the data on one rank while the others wait, and large checkpoints take time."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Where and how often training state is saved."""
+
+    dir: str = "checkpoints"
+    """Checkpoint folder; relative paths are inside the run folder."""
+    every_steps: int | None = None
+    """Save every N optimizer steps. Default: only at the end of the run."""
+    keep_last: int | None = 2
+    """Keep only the newest N checkpoints. null keeps all."""
+    state_dict_type: Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"] | None = None
+    """SHARDED_STATE_DICT (each rank writes its shard) or FULL_STATE_DICT (gathered to rank 0).
+    Default: the accelerate config's fsdp_state_dict_type."""
+    export_final: bool = True
+    """At the end, write a consolidated Hugging Face model folder to <run>/final."""
+    export_dtype: Literal["bf16", "fp16", "fp32"] = "fp32"
+    """Weight dtype of the final export."""
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """What is reported while training."""
+
+    every_steps: int = 10
+    """Write a metrics row (and update the progress bar's numbers) every N optimizer steps."""
+    trackers: list[str] = field(default_factory=list)
+    """Experiment trackers through Accelerate: tensorboard, wandb."""
+    project: str | None = None
+    """Tracker project name. Default: the recipe name."""
+    sample_prompt: str | None = None
+    """Prompt for the short generation printed at the end. null skips it."""
+    sample_max_new_tokens: int = 24
+    """Tokens generated for the sample."""
+
+
+@dataclass(kw_only=True)
+class Recipe:
+    """A training job: model, data, schedule, sharding overrides, checkpoints, logging."""
+
+    name: str = ""
+    """Short name (defaults to the file name)."""
+    description: str = ""
+    """One line shown by `accel-fsdp recipe list`."""
+    output_dir: str | None = None
+    """Run folder. Default: runs/<name>."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    # Not part of the YAML: where the recipe came from, for messages.
+    source: str = field(default="", repr=False, compare=False, metadata={"internal": True})
+    overridden: tuple[str, ...] = field(default=(), repr=False, compare=False, metadata={"internal": True})
+    lines: dict[str, int] = field(default_factory=dict, repr=False, compare=False, metadata={"internal": True})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if not f.metadata.get("internal")}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+    def fingerprint(self) -> str:
+        """Stable hash of the resolved recipe."""
+        blob = json.dumps(flatten(self.to_dict()), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def where(self, key: str) -> str:
+        """`file:line: key` (or `--set key`) for messages about one key."""
+        if key in self.overridden:
+            return f"--set {key}"
+        if not self.source:
+            return key
+        line = self.lines.get(key)
+        return f"{self.source}:{line}: {key}" if line else f"{self.source}: {key}"
+
+    @property
+    def packing(self) -> bool:
+        return self.data.format == "text" if self.data.packing is None else self.data.packing
+
+
+# Keys that may change between a checkpoint and the run resuming from it: they change how the run is observed,
+# how long it lasts or how the same global batch is split over ranks, not what is being trained.
+RESUME_SAFE_KEYS = (
+    "name", "description", "output_dir", "logging.", "checkpoint.every_steps", "checkpoint.keep_last",
+    "checkpoint.dir", "checkpoint.export_final", "checkpoint.export_dtype", "checkpoint.state_dict_type",
+    "training.max_steps", "training.epochs", "training.micro_batch_size", "training.eval_every_steps",
+    "training.eval_max_batches", "data.num_proc", "model.attn_implementation", "model.activation_checkpointing",
+    "fsdp.",
+)
+
+
+def incompatible_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """Dotted keys whose values differ between two recipe dicts and that a resume must not change."""
+    a, b = flatten(saved), flatten(current)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if any(key == s or (s.endswith(".") and key.startswith(s)) for s in RESUME_SAFE_KEYS):
+            continue
+        if a.get(key) != b.get(key):
+            out.append((key, a.get(key), b.get(key)))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read a recipe file, apply `--set` overrides, and check it. Raises one `UserError` with every problem."""
+    path = Path(path)
+    shown = str(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise UserError(Problem(shown, "recipe file not found",
+                                "check the path, or use a shipped name from `accel-fsdp recipe list`")) from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        raise UserError(Problem(shown, f"cannot read the recipe file ({e.__class__.__name__})",
+                                "give a readable UTF-8 .yaml file")) from None
+    return recipe_from_text(text, source=shown, overrides=overrides, default_name=path.stem)
+
+
+def recipe_from_text(text: str, *, source: str, overrides=(), default_name: str = "") -> Recipe:
+    raw, lines, duplicates = load_yaml(text, source)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(Problem(source, f"the recipe must be a mapping of sections, found {type(raw).__name__}",
+                                "start from `accel-fsdp recipe copy quickstart my.yaml`"))
+    problems: list[Problem] = list(duplicates)
+    overridden = []
+    for item in overrides:
+        key = _apply_override(raw, item, problems)
+        if key:
+            overridden.append(key)
+            lines.pop(key, None)
+
+    located = Recipe(source=source, overridden=tuple(overridden), lines=lines)
+    recipe = _build(Recipe, raw, "", located.where, problems)
+    recipe.source, recipe.overridden, recipe.lines = source, tuple(overridden), lines
+    if not recipe.name:
+        recipe.name = default_name
+    # Range checks run too (on defaults where a value had the wrong type), so one pass reports everything.
+    reported = {p.where for p in problems}
+    problems.extend(p for p in check_recipe(recipe) if p.where not in reported)
+    if problems:
+        raise UserError(problems, title=f"recipe {source} has {len(problems)} problems")
+    return recipe
+
+
+def _apply_override(raw: dict, item: str, problems: list[Problem]) -> str | None:
+    if "=" not in item:
+        problems.append(Problem(f"--set {item}", "expected dotted.key=value", "e.g. --set training.lr=3e-4"))
+        return None
+    key, _, value_text = item.partition("=")
+    key = key.strip()
+    try:
+        value = yaml.safe_load(value_text) if value_text.strip() else ""
+    except yaml.YAMLError:
+        value = value_text
+    # The key must name a field of the schema; the value is type-checked with everything else.
+    cls: Any = Recipe
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        hints = _hints(cls) if _is_dataclass_type(cls) else None
+        if hints is None or part not in hints or _is_internal(cls, part):
+            if cls is dict or (hints is None and _origin(cls) is dict):
+                break  # free-form mapping such as model.config_overrides.n_layer
+            known = [k for k in (hints or {}) if not _is_internal(cls, k)] if hints else []
+            close = difflib.get_close_matches(part, known, n=1)
+            prefix = ".".join(parts[:i])
+            if not known:
+                problems.append(Problem(f"--set {key}", f"{prefix} is a value, not a section with keys",
+                                        f"--set {prefix}=VALUE"))
+                return None
+            fix = f"did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else \
+                f"known keys{' of ' + prefix if prefix else ''}: {', '.join(known)}"
+            problems.append(Problem(f"--set {key}", "unknown key", fix))
+            return None
+        cls = _strip_optional(hints[part])
+    node = raw
+    for part in parts[:-1]:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[parts[-1]] = value
+    return key
+
+
+def _build(cls, raw: Any, prefix: str, where, problems: list[Problem]):
+    if not isinstance(raw, dict):
+        problems.append(Problem(where(prefix.rstrip(".")) if prefix else "recipe",
+                                f"expected a mapping of keys, found {_show(raw)}",
+                                f"write `{prefix.rstrip('.')}:` followed by indented keys"))
+        return cls()
+    hints = _hints(cls)
+    known = [k for k in hints if not _is_internal(cls, k)]
+    kwargs = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            fix = f"did you mean {prefix}{close[0]}?" if close else \
+                f"known keys{' in ' + prefix.rstrip('.') if prefix else ''}: {', '.join(known)}"
+            problems.append(Problem(where(dotted), "unknown key", fix))
+            continue
+        typ = hints[key]
+        if _is_dataclass_type(_strip_optional(typ)):
+            kwargs[key] = _build(_strip_optional(typ), {} if value is None else value, dotted + ".", where, problems)
+            continue
+        ok, converted, expected = _check_type(value, typ)
+        if not ok:
+            problems.append(Problem(where(dotted), f"expected {expected}, found {_show(value)}",
+                                    f"set {dotted} to {expected}"))
+            continue
+        kwargs[key] = converted
+    return cls(**kwargs)
+
+
+def check_recipe(r: Recipe) -> list[Problem]:
+    """Ranges and relations between keys that need no machine to check."""
+    p: list[Problem] = []
+    where = r.where
+
+    def need(cond: bool, key: str, msg: str, fix: str) -> None:
+        if not cond:
+            p.append(Problem(where(key), msg, fix))
+
+    m, d, t, c, lg = r.model, r.data, r.training, r.checkpoint, r.logging
+    need(bool(m.name_or_path) != bool(m.architecture), "model.name_or_path",
+         f"set exactly one of model.name_or_path ({m.name_or_path!r}) and model.architecture ({m.architecture!r})",
+         "name_or_path loads pretrained weights; architecture builds the model from scratch")
+    if m.tokenizer and m.tokenizer.startswith("bpe:"):
+        n = m.tokenizer.removeprefix("bpe:")
+        need(n.isdigit() and 300 <= int(n) <= 1_000_000, "model.tokenizer", f"{m.tokenizer!r}: bpe:N needs a "
+             "vocabulary size N between 300 and 1,000,000", "e.g. bpe:8192 (byte-level BPE trained on data.path)")
+    attn = m.attn_implementation
+    need(attn is None or attn in ATTENTION_KERNELS or "/" in attn, "model.attn_implementation",
+         f"{attn!r} is not an attention kernel", f"use one of {', '.join(ATTENTION_KERNELS)} (or a hub kernel such as "
+         "kernels-community/flash-attn)")
+    need(bool(d.path), "data.path", "no data given", "set data.path to a .jsonl/.json/.csv/.parquet/.txt file, "
+         "hub:<dataset>, or builtin:quickstart")
+    need(d.seq_len >= 8, "data.seq_len", f"{d.seq_len} is too short", "use at least 8 (typical: 512 to 4096)")
+    need(0 <= d.eval_fraction < 0.5, "data.eval_fraction", f"{d.eval_fraction} is outside [0, 0.5)",
+         "hold out a small share such as 0.05, or 0 for no evaluation")
+    need(d.max_rows is None or d.max_rows > 0, "data.max_rows", f"{d.max_rows} must be positive", "or null for all")
+    need(d.num_proc is None or d.num_proc >= 1, "data.num_proc", f"{d.num_proc} must be at least 1", "or null")
+    if d.format == "chat" and d.packing:
+        p.append(Problem(where("data.packing"), "packing is not supported for chat data",
+                         "set data.packing to false (chat rows are padded)"))
+    need(t.micro_batch_size >= 1, "training.micro_batch_size", f"{t.micro_batch_size} must be at least 1",
+         "rows per rank per micro-step, e.g. 1 to 16")
+    need(t.global_batch_size >= 1, "training.global_batch_size", f"{t.global_batch_size} must be at least 1",
+         "rows per optimizer step over all ranks")
+    if t.micro_batch_size >= 1 and t.global_batch_size >= 1:
+        need(t.global_batch_size % t.micro_batch_size == 0, "training.global_batch_size",
+             f"{t.global_batch_size} is not a multiple of training.micro_batch_size = {t.micro_batch_size}",
+             f"use a global batch that is a multiple of micro_batch_size x processes (e.g. "
+             f"{_round_up(t.global_batch_size, t.micro_batch_size)}), or a smaller micro batch")
+    if t.max_steps is not None and t.epochs is not None:
+        p.append(Problem(where("training.max_steps"), f"both max_steps ({t.max_steps}) and epochs ({t.epochs}) are set",
+                         "keep one of them (on the command line: --set training.max_steps=null)"))
+    need(t.max_steps is None or t.max_steps >= 1, "training.max_steps", f"{t.max_steps} must be at least 1", "or null")
+    need(t.epochs is None or t.epochs > 0, "training.epochs", f"{t.epochs} must be positive", "e.g. 1 or 0.5")
+    need(t.lr > 0, "training.lr", f"{t.lr} must be positive", "typical: 1e-5 to 3e-4 for fine-tuning")
+    need(0 <= t.min_lr_ratio <= 1, "training.min_lr_ratio", f"{t.min_lr_ratio} is outside [0, 1]", "e.g. 0.1")
+    need(t.warmup_steps >= 0, "training.warmup_steps", f"{t.warmup_steps} must be 0 or more", "e.g. 100")
+    if t.max_steps is not None and t.max_steps >= 1 and t.warmup_steps > t.max_steps:
+        p.append(Problem(where("training.warmup_steps"),
+                         f"{t.warmup_steps} warm-up steps exceed training.max_steps = {t.max_steps}",
+                         "use fewer warm-up steps than training steps"))
+    need(t.weight_decay >= 0, "training.weight_decay", f"{t.weight_decay} must be 0 or more", "e.g. 0.1")
+    need(0 <= t.adam_beta1 < 1, "training.adam_beta1", f"{t.adam_beta1} is outside [0, 1)", "e.g. 0.9")
+    need(0 <= t.adam_beta2 < 1, "training.adam_beta2", f"{t.adam_beta2} is outside [0, 1)", "e.g. 0.95")
+    need(t.adam_eps > 0, "training.adam_eps", f"{t.adam_eps} must be positive", "e.g. 1e-8")
+    need(t.max_grad_norm is None or t.max_grad_norm > 0, "training.max_grad_norm",
+         f"{t.max_grad_norm} must be positive", "e.g. 1.0, or null to disable clipping")
+    need(0 <= t.seed <= 2**32 - 1, "training.seed", f"{t.seed} is outside [0, 2**32 - 1]",
+         "use a non-negative integer below 4294967296 (NumPy's seed range)")
+    need(t.eval_every_steps is None or t.eval_every_steps >= 1, "training.eval_every_steps",
+         f"{t.eval_every_steps} must be at least 1", "or null to evaluate at the end only")
+    need(t.eval_max_batches is None or t.eval_max_batches >= 1, "training.eval_max_batches",
+         f"{t.eval_max_batches} must be at least 1", "or null for the whole held-out split")
+    need(c.every_steps is None or c.every_steps >= 1, "checkpoint.every_steps",
+         f"{c.every_steps} must be at least 1", "or null to save at the end only")
+    need(c.keep_last is None or c.keep_last >= 1, "checkpoint.keep_last", f"{c.keep_last} must be at least 1",
+         "or null to keep every checkpoint")
+    need(bool(c.dir), "checkpoint.dir", "is empty", "e.g. checkpoints")
+    need(1 <= r.fsdp.collective_timeout_minutes <= 7 * 24 * 60, "fsdp.collective_timeout_minutes",
+         f"{r.fsdp.collective_timeout_minutes} is outside [1, 10080] (a week)", "e.g. 60")
+    need(lg.every_steps >= 1, "logging.every_steps", f"{lg.every_steps} must be at least 1", "e.g. 10")
+    need(1 <= lg.sample_max_new_tokens <= 4096, "logging.sample_max_new_tokens",
+         f"{lg.sample_max_new_tokens} is outside [1, 4096]", "e.g. 24")
+    for tracker in lg.trackers:
+        need(tracker in TRACKERS, "logging.trackers", f"unknown tracker {tracker!r}", f"use {', '.join(TRACKERS)}")
+    lora = m.lora
+    if lora.enabled:
+        need(lora.r >= 1, "model.lora.r", f"{lora.r} must be at least 1", "e.g. 8 or 16")
+        need(lora.alpha >= 1, "model.lora.alpha", f"{lora.alpha} must be at least 1", "commonly 2 x r")
+        need(0 <= lora.dropout < 1, "model.lora.dropout", f"{lora.dropout} is outside [0, 1)", "e.g. 0.05")
+        need(bool(lora.target_modules), "model.lora.target_modules", "is empty", "e.g. [q_proj, v_proj]")
+    return p
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and k != "config_overrides":
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Attribute docstrings of a dataclass (the string literal under each field), for help texts."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
+                and isinstance(getattr(nxt, "value", None), ast.Constant) and isinstance(nxt.value.value, str):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def key_reference() -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default, documentation) of every recipe key, in schema order."""
+    out = []
+
+    def walk(cls, prefix):
+        docs = field_docs(cls)
+        defaults = cls()
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("internal"):
+                continue
+            typ = _hints(cls)[f.name]
+            if _is_dataclass_type(_strip_optional(typ)):
+                walk(_strip_optional(typ), f"{prefix}{f.name}.")
+            else:
+                default = yaml.safe_dump(_to_plain(getattr(defaults, f.name)), default_flow_style=True).strip()
+                default = default.removesuffix("...").strip()
+                out.append((f"{prefix}{f.name}", _type_name(typ), default, docs.get(f.name, "")))
+
+    walk(Recipe, "")
+    return out
+
+
+def _type_name(typ) -> str:
+    origin = _origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(typ))
+    if origin is Literal:
+        return " | ".join(str(a) for a in typing.get_args(typ))
+    if origin is list:
+        return f"list[{_type_name(typing.get_args(typ)[0])}]"
+    if origin is dict:
+        return "mapping"
+    return "null" if typ is type(None) else getattr(typ, "__name__", str(typ))
+
+
+def _to_plain(v: Any) -> Any:
+    if dataclasses.is_dataclass(v):
+        return {f.name: _to_plain(getattr(v, f.name)) for f in dataclasses.fields(v) if not f.metadata.get("internal")}
+    if isinstance(v, (list, tuple)):
+        return [_to_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _to_plain(x) for k, x in v.items()}
+    return copy.deepcopy(v)
+
+
+def _round_up(x: int, m: int) -> int:
+    return ((x + m - 1) // m) * m
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_internal(cls, name: str) -> bool:
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return bool(f.metadata.get("internal"))
+    return False
+
+
+def _is_dataclass_type(t) -> bool:
+    return isinstance(t, type) and dataclasses.is_dataclass(t)
+
+
+def _origin(t):
+    return typing.get_origin(t)
+
+
+def _strip_optional(t):
+    if _origin(t) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return t
+
+
+def _check_type(value: Any, typ) -> tuple[bool, Any, str]:
+    """(ok, converted value, what was expected) for a YAML value against a field annotation."""
+    origin = _origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(typ)
+        if value is None and type(None) in args:
+            return True, None, "null"
+        expected = []
+        for a in args:
+            if a is type(None):
+                continue
+            ok, conv, exp = _check_type(value, a)
+            if ok:
+                return True, conv, exp
+            expected.append(exp)
+        return False, value, " or ".join(expected) + (" or null" if type(None) in args else "")
+    if origin is Literal:
+        choices = typing.get_args(typ)
+        if isinstance(value, str):
+            for c in choices:
+                if value == c or value.upper() == str(c).upper():
+                    return True, c, ""
+        return False, value, "one of " + ", ".join(map(str, choices))
+    if origin is list:
+        (item,) = typing.get_args(typ)
+        if isinstance(value, str) and item is str:
+            value = [s.strip() for s in value.split(",") if s.strip()]
+        if not isinstance(value, list):
+            return False, value, f"a list of {item.__name__}"
+        out = []
+        for x in value:
+            ok, conv, _ = _check_type(x, item)
+            if not ok:
+                return False, value, f"a list of {item.__name__}"
+            out.append(conv)
+        return True, out, ""
+    if origin is dict:
+        return (True, dict(value), "") if isinstance(value, dict) else (False, value, "a mapping")
+    if typ is bool:
+        return (True, value, "") if isinstance(value, bool) else (False, value, "true or false")
+    if typ is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        return (True, value, "") if ok else (False, value, "an integer")
+    if typ is float:
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str):  # PyYAML reads 1e-4 (no dot) as a string
+            try:
+                number = float(value)
+            except ValueError:
+                pass
+        if number is not None and math.isfinite(number):
+            return True, number, ""
+        return False, value, "a finite number"
+    if typ is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return True, str(value), ""
+        return False, value, "a string"
+    if typ is Any:
+        return True, value, ""
+    raise TypeError(f"unsupported recipe field type {typ}")  # a bug in the schema, not the user's
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return repr(value)
+    text = json.dumps(value, default=str) if isinstance(value, (list, dict)) else str(value)
+    return text if len(text) < 60 else text[:57] + "..."

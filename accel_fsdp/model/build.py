@@ -1,0 +1,249 @@
+"""Model and tokenizer: configs (offline when possible), weights, LoRA, and the wrap-class check.
+
+`model_config(...)` answers "what is this model" without weights: from a local folder, from the known
+architectures table, or from the local hub cache. Training then loads the real weights with
+`build_model(...)`. The same meta-device model serves validation (does the wrap class exist? is seq_len within
+the context?) and the dry run. Loading is the only place that may reach the hub.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from accel_fsdp.model import architectures
+from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.model.checks import ModelView, lora_target_problems, override_problems, raise_problems
+from accel_fsdp.model.tokenizer import is_local
+
+try:  # transformers 5 validates config fields through huggingface_hub's strict dataclasses (not a ValueError)
+    from huggingface_hub.errors import StrictDataclassError
+except ImportError:  # pragma: no cover - older huggingface_hub
+    StrictDataclassError = ValueError
+
+
+def model_config(recipe, *, tokenizer=None, offline: bool = False):
+    """The transformers config of the recipe's model, with config_overrides applied.
+
+    With `offline=True` the hub is never contacted: a hub id is answered from the known architectures table or
+    the local cache, and `None` is returned when neither knows it.
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    m = recipe.model
+    overrides = dict(m.config_overrides)
+    if m.architecture:
+        arch = architectures.lookup(m.architecture)
+        if arch is not None:
+            kwargs = {**arch.config_kwargs(), **overrides}
+            model_type = arch.model_type
+        elif m.architecture in CONFIG_MAPPING:
+            kwargs, model_type = overrides, m.architecture
+        else:
+            known = ", ".join(list(architectures.KNOWN) + ["or a transformers model_type such as gpt2, llama"])
+            raise UserError(Problem(recipe.where("model.architecture"),
+                                    f"unknown architecture {m.architecture!r}", f"use one of {known}"))
+        if tokenizer is not None:
+            # A model built from scratch takes its vocabulary and special tokens from its tokenizer
+            # (unless config_overrides says otherwise).
+            kwargs["vocab_size"] = overrides.get("vocab_size", len(tokenizer))
+            for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+                value = getattr(tokenizer, key, None)
+                if key == "bos_token_id" and value is None:
+                    value = tokenizer.eos_token_id
+                if value is not None:
+                    kwargs[key] = value
+        unknown_override_problems(recipe, CONFIG_MAPPING[model_type], overrides)
+        try:
+            config = AutoConfig.for_model(model_type, **kwargs)
+            return config if tokenizer is None or len(tokenizer) <= config.vocab_size else \
+                raise_problems([Problem(recipe.where("model.config_overrides.vocab_size"),
+                                        f"vocabulary of {config.vocab_size} is smaller than the tokenizer's "
+                                        f"{len(tokenizer)} tokens, so its ids would index past the embedding",
+                                        f"use at least {len(tokenizer)} (or leave vocab_size out)")])
+        except (TypeError, ValueError, StrictDataclassError) as e:
+            detail = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:240]
+            raise UserError(Problem(recipe.where("model.config_overrides"), f"rejected by transformers: {detail}",
+                                    "give each key a value of the type its config class expects")) from None
+    name = m.name_or_path
+    if is_local(name):
+        if not (Path(name).expanduser() / "config.json").is_file():
+            raise UserError(Problem(recipe.where("model.name_or_path"),
+                                    f"folder {name!r} has no config.json, so it is not a Hugging Face model folder",
+                                    "point it at a folder written by save_pretrained (or `accel-fsdp checkpoint "
+                                    "consolidate`), or at a hub id"))
+        try:
+            config = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code)
+        except (OSError, ValueError, KeyError, TypeError, StrictDataclassError) as e:  # unreadable, untyped, unknown
+            raise UserError(Problem(recipe.where("model.name_or_path"), f"transformers cannot read the config of "
+                                    f"{name!r}: {str(e).strip().splitlines()[0][:200]}",
+                                    "restore its config.json (save_pretrained writes it), or update transformers for "
+                                    "a newer model type")) from None
+    else:
+        arch = architectures.lookup(name)
+        config = None
+        if offline:
+            if arch is not None:
+                config = AutoConfig.for_model(arch.model_type, **arch.config_kwargs())
+            else:
+                try:
+                    config = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code,
+                                                        local_files_only=True)
+                except (OSError, ValueError):
+                    return None
+        else:
+            try:
+                config = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code)
+            except OSError as e:
+                raise UserError(Problem(recipe.where("model.name_or_path"),
+                                        f"cannot load {name!r}: {str(e).splitlines()[0]}",
+                                        "check the hub id and your network or HF_TOKEN (gated models such as Llama "
+                                        "need an accepted licence), or give a local folder")) from None
+            except ValueError as e:
+                if "trust_remote_code" in str(e):
+                    raise UserError(Problem(recipe.where("model.trust_remote_code"),
+                                            f"{name!r} ships its own model code", "set model.trust_remote_code: "
+                                            "true if you trust that repository")) from None
+                raise
+    if config is not None:
+        unknown_override_problems(recipe, type(config), overrides)
+    problems = []
+    for key, value in overrides.items():
+        try:
+            setattr(config, key, value)  # transformers 5 type-checks the fields of its config classes
+        except (TypeError, ValueError, StrictDataclassError) as e:
+            problems.append(Problem(recipe.where(f"model.config_overrides.{key}"), f"{value!r} is rejected by "
+                                    f"{type(config).__name__}: {str(e).strip().splitlines()[0][:160]}",
+                                    f"give {key} a value of the right type"))
+    raise_problems(problems)
+    if tokenizer is not None and 0 < getattr(config, "vocab_size", 0) < len(tokenizer):
+        raise UserError(Problem(recipe.where("model.config_overrides.vocab_size") if "vocab_size" in overrides
+                                else recipe.where("model.tokenizer"),
+                                f"the model's vocabulary of {config.vocab_size} is smaller than the tokenizer's "
+                                f"{len(tokenizer)} tokens, so its ids would index past the embedding",
+                                "use the tokenizer the model was trained with, or a larger vocab_size"))
+    return config
+
+
+def unknown_override_problems(recipe, config_class, overrides: dict) -> None:
+    """Raise for model.config_overrides keys the (transformers) config class does not have."""
+    try:
+        known = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}) or {})
+    except Exception:  # a config class that cannot be built without arguments: nothing to check against
+        return
+    raise_problems(override_problems(recipe, config_class.__name__, known, overrides,
+                                     getattr(config_class, "attribute_map", None)))
+
+
+def context_length(config) -> int | None:
+    for key in ("n_positions", "max_position_embeddings", "seq_length", "n_ctx"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def meta_model(config, trust_remote_code: bool = False):
+    """The model built on the meta device: its structure and parameter count, with no memory and no weights."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def view_of(model: torch.nn.Module, config=None) -> ModelView:
+    """A model (real or on the meta device) as the checks see it."""
+    linears = {n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+               or type(m).__name__ == "Conv1D"}
+    classes = frozenset(type(m).__name__ for m in model.modules())
+    return ModelView(type(model).__name__, no_split_modules(model), classes, frozenset(linears),
+                     context_length(config if config is not None else model.config), count_parameters(model),
+                     count_parameters(model, trainable_only=True))
+
+
+def no_split_modules(model: torch.nn.Module) -> list[str]:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return sorted(getattr(base, "_no_split_modules", None) or [])
+
+
+def build_model(recipe, config, *, dtype: torch.dtype = torch.float32, empty: bool = False):
+    """Weights: pretrained (hub id or folder) or freshly initialized from `config` under the recipe's seed.
+
+    `empty`: build the structure on the meta device and load nothing (LoRA adapters included): the rank will
+    receive its shards from global rank 0 when the model is sharded (`fsdp_cpu_ram_efficient_loading`). Only
+    buffers are real (rotary frequencies and the like are computed, not loaded). transformers 5.x would otherwise
+    read every weight on every rank (modeling_utils.py, `_load_pretrained_model`, checked with 5.23.0): N copies
+    of the model in the host memory of one machine.
+    """
+    from transformers import AutoModelForCausalLM
+
+    m = recipe.model
+    kwargs: dict[str, Any] = {"trust_remote_code": m.trust_remote_code}
+    if m.attn_implementation:
+        kwargs["attn_implementation"] = m.attn_implementation
+    # Every rank draws the same fresh weights (from-scratch models, LoRA adapters): their shards must fit together.
+    torch.manual_seed(recipe.training.seed)
+    if empty:
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+        # init_empty_weights re-creates every registered parameter on meta (accelerate/big_modeling.py,
+        # register_empty_parameter), so `lm_head.weight = wte.weight` no longer shares one object: tie again.
+        model.tie_weights()
+        model.config.use_cache = False
+        if m.lora.enabled:
+            model = apply_lora(model, recipe)
+        return _unwritten_parameters(model)
+    if m.architecture:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(m.name_or_path, config=config, dtype=dtype, **kwargs)
+    model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
+    if m.lora.enabled:
+        model = apply_lora(model, recipe)
+    return model
+
+
+def _unwritten_parameters(model: torch.nn.Module) -> torch.nn.Module:
+    """Replace meta parameters by CPU tensors that are allocated but never written (tied ones stay shared).
+
+    Accelerate's FSDP2 `prepare` maps the optimizer's parameters to the sharded ones by `data_ptr()`
+    (accelerator.py, _prepare_fsdp2 and fsdp2_switch_optimizer_parameters, checked with 1.15.0), and every meta
+    tensor's is 0. Untouched allocations are virtual: the kernel maps their pages only when written, so resident
+    memory does not grow; `prepare` then moves the model to meta and fills it from rank 0's broadcast."""
+    fresh: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.device.type != "meta":
+                continue
+            if id(param) not in fresh:
+                fresh[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="cpu"),
+                                                      requires_grad=param.requires_grad)
+            module._parameters[name] = fresh[id(param)]
+    return model
+
+
+def apply_lora(model, recipe):
+    from peft import LoraConfig, get_peft_model
+
+    lora = recipe.model.lora
+    raise_problems(lora_target_problems(view_of(model), recipe))
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:
+    seen, n = set(), 0
+    for p in model.parameters():
+        if id(p) in seen or (trainable_only and not p.requires_grad):
+            continue
+        seen.add(id(p))
+        n += p.numel()
+    return n
+
+

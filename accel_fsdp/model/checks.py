@@ -1,0 +1,270 @@
+"""Checks of the recipe against its model that need the model's structure but not its weights, on a `ModelView`:
+built from the model facts (GPT-2, Llama: no torch, no transformers) or from the model built on the meta device
+(everything else). The same checks run in `recipe validate`, before `recipe run` launches, and in every rank."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+
+from accel_fsdp.errors import Problem, UserError
+
+
+@dataclass(frozen=True)
+class ModelView:
+    """What the checks, `recipe list` and the reports need to know of a model."""
+
+    class_name: str
+    no_split_modules: list[str]
+    """The model's own block class(es): the default FSDP unit."""
+    module_classes: frozenset[str]
+    linear_names: frozenset[str]
+    """Leaf names of its Linear/Conv1D modules: what LoRA can target."""
+    context: int | None
+    params: int
+    """All parameters, LoRA adapters included when the recipe enables them."""
+    trainable: int
+
+
+def view_from_facts(facts, recipe) -> ModelView:
+    lora = recipe.model.lora
+    adapters = facts.lora_params(lora.target_modules, lora.r) if lora.enabled else 0
+    params = facts.params() + adapters
+    return ModelView(facts.class_name, facts.no_split_modules, facts.module_classes, facts.linear_names,
+                     facts.context, params, adapters if lora.enabled else params)
+
+
+def context_problems(recipe, context: int | None) -> list[Problem]:
+    """data.seq_len, and the sample generated at the end, must fit in the model's context (position embeddings /
+    rotary range)."""
+    out = []
+    if context is not None and recipe.data.seq_len > context:
+        out.append(Problem(recipe.where("data.seq_len"), f"{recipe.data.seq_len} exceeds the model's context length "
+                           f"of {context} tokens", f"use at most {context}"))
+    lg = recipe.logging
+    if context is not None and lg.sample_prompt and lg.sample_max_new_tokens >= context:
+        out.append(Problem(recipe.where("logging.sample_max_new_tokens"), f"{lg.sample_max_new_tokens} new tokens "
+                           f"do not fit in the model's context of {context} tokens with the prompt",
+                           f"use fewer than {context}"))
+    return out
+
+
+def override_problems(recipe, config_class: str, known: frozenset[str] | set[str], overrides: dict,
+                      aliases: dict[str, str] | None = None) -> list[Problem]:
+    """Every model.config_overrides key must be a setting of the model's config class: transformers would keep an
+    unknown one as an inert attribute, so a typo (n_layers for n_layer) would silently train another model."""
+    problems = []
+    for alias, target in (aliases or {}).items():
+        if alias in overrides and target in overrides:
+            problems.append(Problem(recipe.where(f"model.config_overrides.{alias}"),
+                                    f"{alias} and {target} are the same setting of {config_class}, given twice "
+                                    f"({overrides[alias]!r} and {overrides[target]!r})", "keep one of them"))
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            problems.append(Problem(recipe.where(f"model.config_overrides.{key}"),
+                                    f"{config_class} has no setting {key!r}, so it would be ignored",
+                                    f"did you mean {close[0]}?" if close else
+                                    f"use a key of {config_class} (see its documentation)"))
+    return problems
+
+
+def wrap_class_problems(settings, view: ModelView, recipe) -> list[Problem]:
+    """A wrap class the model does not have would make FSDP wrap nothing (or Accelerate fail later)."""
+    from accel_fsdp.config.accelerate import MODEL_DEFAULT
+
+    classes = settings.wrap_classes.value
+    if settings.wrap_policy.value != "TRANSFORMER_BASED_WRAP":
+        return []
+    if classes in ([MODEL_DEFAULT], []):  # nothing named: the model's own blocks, if it names them
+        if view.no_split_modules:
+            return []
+        return [Problem(settings.wrap_classes.source, f"{view.class_name} does not name its transformer "
+                        "block (_no_split_modules is empty), so there is no default wrap class",
+                        "set fsdp.wrap_class in the recipe to the model's block class")]
+    missing = [c for c in classes if c not in view.module_classes]
+    if not missing:
+        return []
+    blocks = view.no_split_modules or sorted(c for c in view.module_classes if "Block" in c or "Layer" in c)
+    source = settings.wrap_classes.source
+    where = recipe.where("fsdp.wrap_class") if source.startswith("recipe") or source == "--set" else \
+        f"{source}: fsdp_transformer_layer_cls_to_wrap"
+    suggestion = blocks[0] if blocks else "the model's block class"
+    return [Problem(where, f"wrap class {', '.join(missing)} is not in the model {view.class_name} "
+                    f"(its transformer block is {', '.join(blocks) or 'unknown'})",
+                    f"--set fsdp.wrap_class={suggestion} (or in the recipe: fsdp.wrap_class: {suggestion}), "
+                    "or use an accelerate config that names no class (fsdp_cpu.yaml, fsdp_1gpu.yaml, fsdp_8gpu.yaml) "
+                    "so the model's own _no_split_modules is used")]
+
+
+def lora_target_problems(view: ModelView, recipe) -> list[Problem]:
+    lora = recipe.model.lora
+    missing = [t for t in lora.target_modules if t not in view.linear_names] if lora.enabled else []
+    if not missing:
+        return []
+    return [Problem(recipe.where("model.lora.target_modules"), f"{', '.join(missing)} not found in {view.class_name}",
+                    f"use some of its linear layers: {', '.join(sorted(view.linear_names))}")]
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt", "tiktoken.model")
+
+
+def tokenizer_files_problem(folder: Path) -> str | None:
+    """A local folder without any vocabulary file: transformers 5 would build an empty tokenizer from it silently
+    (one token, every text encoded as nothing; checked with 5.23.0)."""
+    if Path(folder).is_dir() and not any((Path(folder) / name).exists() for name in TOKENIZER_FILES):
+        return f"has no tokenizer files (none of {', '.join(TOKENIZER_FILES)})"
+    return None
+
+
+def raise_problems(problems: list[Problem]) -> None:
+    if problems:
+        raise UserError(problems)
+
+
+def human_count(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}" if n < 10 * div else f"{n / div:.1f}{unit}"
+    return str(n)
+
+
+# ------------------------------------------------------------------------------------ where the model comes from
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def looks_like_path(name: str) -> bool:
+    """A name meant as a local path, not a hub id (owner/name): it starts like a path, has a file extension, or has
+    more than one slash."""
+    import re
+
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or \
+        bool(re.search(r"\.(bin|json|safetensors|pt|pth|model|txt|yaml)$", name))
+
+
+def source_problems(recipe) -> list[Problem]:
+    """model.name_or_path and model.tokenizer, before anything loads them: a path that does not exist or is a file,
+    a model folder without a usable config.json or with missing or truncated weights, an unknown built-in."""
+    from accel_fsdp.data.synthetic import BUILTIN_TOKENIZER
+
+    m = recipe.model
+    out: list[Problem] = []
+    for key, name in (("model.name_or_path", m.name_or_path), ("model.tokenizer", m.tokenizer)):
+        if not name or (key == "model.tokenizer" and name.startswith("bpe:")):
+            continue
+        where = recipe.where(key)
+        if name.startswith("builtin:"):
+            if key == "model.name_or_path" or name != BUILTIN_TOKENIZER:
+                out.append(Problem(where, f"unknown built-in {name!r}",
+                                   f"the built-in tokenizer is {BUILTIN_TOKENIZER}" +
+                                   ("; a model built from scratch is model.architecture" if key.endswith("path")
+                                    else "")))
+            continue
+        path = Path(name).expanduser()
+        if path.is_file():
+            out.append(Problem(where, f"{name!r} is a file",
+                               "give the folder that holds it (a save_pretrained folder)"))
+        elif not path.exists() and looks_like_path(name):
+            out.append(Problem(where, f"folder {name!r} does not exist", "check the path (relative paths start at the "
+                               "working directory), or give a hub id such as owner/name"))
+        elif path.is_dir() and key == "model.name_or_path":
+            out += _model_folder_problems(where, path)
+    return out
+
+
+def _model_folder_problems(where: str, folder: Path) -> list[Problem]:
+    import json
+
+    config = folder / "config.json"
+    if not config.is_file():
+        return [Problem(where, f"folder {str(folder)!r} has no config.json, so it is not a Hugging Face model folder",
+                        "point it at a folder written by save_pretrained (or `accel-fsdp checkpoint consolidate`), "
+                        "or at a hub id")]
+    try:
+        values = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return [Problem(where, f"{config} is not valid JSON ({type(e).__name__})", "restore the file")]
+    if not isinstance(values, dict) or not values.get("model_type"):
+        return [Problem(where, f"{config} names no model_type", "restore the file (save_pretrained writes it)")]
+    present = [name for name in WEIGHT_FILES if (folder / name).is_file()]
+    if not present:
+        return [Problem(where, f"folder {str(folder)!r} has no weights (none of {', '.join(WEIGHT_FILES)})",
+                        "copy the weight files into it, or use model.architecture to train from scratch")]
+    broken = [f"{p.name} ({why})" for p in _weight_shards(folder, present[0]) if (why := _damaged(p))]
+    if broken:
+        return [Problem(where, f"damaged weights: {', '.join(broken[:3])}", "download or export the model again")]
+    return []
+
+
+def _weight_shards(folder: Path, name: str) -> list[Path]:
+    import json
+
+    if not name.endswith(".index.json"):
+        return [folder / name]
+    try:
+        index = json.loads((folder / name).read_text())
+        return [folder / shard for shard in sorted(set(index["weight_map"].values()))]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return [folder / name]
+
+
+def _damaged(path: Path) -> str | None:
+    """Why a weight file cannot be complete (missing; a safetensors file shorter than its own header says)."""
+    import json
+    import struct
+
+    if not path.is_file():
+        return "missing"
+    if path.name.endswith(".index.json"):
+        return "unreadable index"
+    if path.suffix != ".safetensors":
+        return None
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 100_000_000:
+                return "not a safetensors file"
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, struct.error, KeyError, TypeError):
+        return "not a safetensors file"
+    if path.stat().st_size < 8 + n + end:
+        return f"truncated: {path.stat().st_size:,} of {8 + n + end:,} bytes"
+    return None
+
+
+def structure_problems(recipe, facts, tokenizer_size: int | None = None) -> list[Problem]:
+    """Shapes that cannot make a model (heads that do not divide the width) or cannot run it (a vocabulary smaller
+    than the tokenizer's: its ids would index past the embedding), named by the override that set them."""
+    out = []
+    m = recipe.model
+
+    def where(*keys):
+        for key in keys:
+            if key in m.config_overrides:
+                return recipe.where(f"model.config_overrides.{key}")
+        return recipe.where("model.config_overrides") if m.config_overrides else recipe.where("model")
+
+    sizes = {"layers": facts.layers, "width": facts.hidden, "heads": facts.heads, "context": facts.context,
+             "vocabulary": facts.vocab}
+    for what, value in sizes.items():
+        if value < 1:
+            out.append(Problem(where(), f"the model's {what} would be {value}", "use a positive value"))
+    if facts.heads >= 1 and facts.kv_heads >= 1:
+        explicit_head_dim = facts.model_type == "llama" and "head_dim" in m.config_overrides
+        if facts.hidden % facts.heads and not explicit_head_dim:
+            out.append(Problem(where("n_head", "num_attention_heads", "n_embd", "hidden_size"),
+                               f"width {facts.hidden} is not divisible by {facts.heads} attention heads",
+                               f"use a number of heads that divides {facts.hidden}"))
+        if facts.heads % facts.kv_heads:
+            out.append(Problem(where("num_key_value_heads", "num_attention_heads"),
+                               f"{facts.heads} attention heads cannot share {facts.kv_heads} key/value heads",
+                               "num_attention_heads must be a multiple of num_key_value_heads"))
+    if tokenizer_size and facts.vocab < tokenizer_size:
+        out.append(Problem(where("vocab_size"), f"vocabulary of {facts.vocab} is smaller than the tokenizer's "
+                           f"{tokenizer_size} tokens, so its ids would index past the embedding",
+                           f"use at least {tokenizer_size} (or leave vocab_size out: it follows the tokenizer)"))
+    return out

@@ -1,0 +1,163 @@
+"""The recipe's tokenizer: built in, from a local folder, or from the hub (cache). Imports no torch: `recipe validate`
+and the data checks before launch use it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.model.checks import tokenizer_files_problem
+from accel_fsdp.data.synthetic import BUILTIN_TOKENIZER
+
+
+def is_local(path: str | None) -> bool:
+    return bool(path) and Path(path).expanduser().is_dir()
+
+
+def build_tokenizer(recipe):
+    """The recipe's tokenizer, with a pad token (the EOS token when the tokenizer has none)."""
+    m = recipe.model
+    source = m.tokenizer or m.name_or_path
+    if source == BUILTIN_TOKENIZER:
+        from accel_fsdp.data.synthetic import build_tokenizer as builtin
+
+        tokenizer = builtin()
+    elif bpe_vocab_size(source) is not None:
+        tokenizer = trained_tokenizer(recipe)
+    elif source is None:
+        raise UserError(Problem(recipe.where("model.tokenizer"), "a model built from scratch needs a tokenizer",
+                                f"set model.tokenizer to a hub id, a local folder or {BUILTIN_TOKENIZER}"))
+    else:
+        from transformers import AutoTokenizer
+
+        key = "model.tokenizer" if m.tokenizer else "model.name_or_path"
+        missing = tokenizer_files_problem(Path(source).expanduser()) if is_local(source) else None
+        if missing:
+            raise UserError(Problem(recipe.where(key), f"{source!r} {missing}",
+                                    "set model.tokenizer to a folder or hub id with a tokenizer, or "
+                                    "builtin:quickstart"))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=m.trust_remote_code)
+        except (OSError, ValueError) as e:
+            key = "model.tokenizer" if m.tokenizer else "model.name_or_path"
+            raise UserError(Problem(recipe.where(key), f"cannot load a tokenizer from {source!r}: "
+                                    f"{str(e).splitlines()[0]}",
+                                    "give a folder with tokenizer files, a hub id, or builtin:quickstart")) from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def offline_tokenizer(recipe):
+    """The recipe's tokenizer if it is on this machine (built-in, a local folder, the hub cache), else None."""
+    m = recipe.model
+    source = m.tokenizer or m.name_or_path
+    if source == BUILTIN_TOKENIZER or is_local(source) or source is None or bpe_vocab_size(source) is not None:
+        return build_tokenizer(recipe)
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=m.trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+# ------------------------------------------------------------------------------- a tokenizer of the user's own text
+
+BPE_PREFIX = "bpe:"
+"""model.tokenizer: bpe:N trains a byte-level BPE tokenizer of N tokens on the recipe's data (cached)."""
+BPE_SPECIAL = ("<|endoftext|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+BPE_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+BPE_MAX_EXAMPLES = 200_000
+"""Examples the tokenizer is trained on (the first ones read): plenty for a vocabulary, bounded in time."""
+BPE_VERSION = 1
+
+
+def bpe_vocab_size(source: str | None) -> int | None:
+    """N of "bpe:N", or None when `source` is not a trained-tokenizer spec."""
+    if not source or not source.startswith(BPE_PREFIX):
+        return None
+    text = source.removeprefix(BPE_PREFIX)
+    return int(text) if text.isdigit() else -1
+
+
+def trained_tokenizer(recipe, out_dir: Path | None = None):
+    """The byte-level BPE tokenizer of the recipe's data: from the cache, else trained now (and cached, or written
+    to `out_dir`). Byte-level: every text is covered, no <unk>."""
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = bpe_vocab_size(recipe.model.tokenizer) or 8192
+    folder = out_dir or _bpe_cache_folder(recipe, vocab)
+    if out_dir is None and (folder / "tokenizer.json").exists():
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    tokenizer = _train_bpe(recipe, vocab)
+    import os
+    import shutil
+
+    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer.save_pretrained(tmp)
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, folder)  # atomic: a concurrent reader never sees half a tokenizer
+    return PreTrainedTokenizerFast.from_pretrained(folder)
+
+
+def _bpe_cache_folder(recipe, vocab: int) -> Path:
+    import hashlib
+    import json
+    import os
+    from dataclasses import asdict
+
+    from accel_fsdp.data.prepare import resolve_data_path
+    from accel_fsdp.config.shipped import cache_dir
+
+    d = recipe.data
+    kind, local = resolve_data_path(recipe)
+    source = [os.path.abspath(local), os.stat(local).st_size, os.stat(local).st_mtime_ns] \
+        if kind == "file" and local and os.path.exists(local) else [d.path, d.hub_config, d.split]
+    key = {"version": BPE_VERSION, "vocab": vocab, "source": source,
+           "fields": {k: v for k, v in asdict(d).items() if k.endswith(("_field", "format", "max_rows"))}}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return cache_dir() / "tokenizers" / f"bpe-{vocab}-{digest}"
+
+
+def _train_bpe(recipe, vocab: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from accel_fsdp.data.prepare import read_rows
+
+    rows = read_rows(recipe)
+    d = recipe.data
+    n = min(len(rows), BPE_MAX_EXAMPLES)
+
+    def texts():
+        for i in range(0, n, 1000):
+            batch = rows[i:min(n, i + 1000)]
+            if d.format == "text":
+                yield from (t for t in batch[d.text_field] if isinstance(t, str))
+            elif d.format == "instruction":
+                for col in (d.instruction_field, d.input_field, d.output_field):
+                    if col in batch:
+                        yield from (t for t in batch[col] if isinstance(t, str))
+            else:
+                for messages in batch[d.messages_field]:
+                    yield from (m.get("content", "") for m in messages or [] if isinstance(m, dict))
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(BPE_SPECIAL), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts(), trainer=trainer, length=n)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=BPE_SPECIAL[0], pad_token=BPE_SPECIAL[1],
+                                        model_max_length=1 << 20)
+    tokenizer.chat_template = BPE_CHAT_TEMPLATE
+    return tokenizer

@@ -1,0 +1,195 @@
+"""`accel-fsdp estimate`: per-rank memory of every sharding strategy for a model, recipe or parameter count, which
+fit, and the cheapest that fits. The arithmetic is in memory.py; this module picks the inputs and the words."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from accel_fsdp.model import architectures
+from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, Shape, estimate, gib, seeds_simple
+
+HEADROOM = 0.9  # keep 10% of the GPU for the CUDA context, NCCL buffers and allocator fragmentation
+
+
+@dataclass
+class Target:
+    name: str
+    params: int
+    trainable: int
+    largest_unit: int
+    shape: Shape | None
+    micro_batch: int
+    seq_len: int
+    frozen_bytes: int = 4
+    note: str = ""
+    activation_checkpointing: bool = False
+    """The recipe's setting (a model or a count: off unless asked for)."""
+    context: int | None = None
+    """The model's context length, when known."""
+
+
+def parse_count(text: str) -> int | None:
+    """'104960000', '104,960,000', '1.5B', '175e9', '350M' -> a parameter count, else None."""
+    t = text.replace(",", "").replace("_", "").strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMBT])?", t, re.I)
+    if m:
+        scale = {None: 1, "K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}[m.group(2).upper() if m.group(2) else None]
+        return int(round(float(m.group(1)) * scale))
+    try:
+        value = float(t)
+    except ValueError:
+        return None
+    return int(value) if value == value and abs(value) != float("inf") else None
+
+
+def resolve_target(what: str, micro_batch: int | None, seq_len: int | None) -> Target:
+    count = parse_count(what)
+    if count is not None and count < 1:
+        raise UserError(Problem(what, "is not a parameter count: it must be at least 1",
+                                "give e.g. 7B or 104960000, a model name (gpt2-xl) or a recipe"))
+    if count is not None:
+        return Target(f"{count:,} parameters", count, count, 0, None, micro_batch or 0, seq_len or 0,
+                      note="a bare parameter count: no activations or gathered units unless a model is named")
+    arch = architectures.lookup(what)
+    if arch is not None:
+        shape = Shape(arch.layers, arch.hidden, arch.heads, arch.kv_heads, arch.intermediate, arch.vocab,
+                      arch.model_type != "gpt2")
+        unit = max(arch.block_param_count(), arch.vocab * arch.hidden)
+        return Target(arch.name, arch.param_count(), arch.param_count(), unit, shape,
+                      1 if micro_batch is None else micro_batch,
+                      min(arch.context, 2048) if seq_len is None else seq_len, context=arch.context)
+    from accel_fsdp.config.shipped import resolve_recipe, shipped_recipes
+
+    if what in shipped_recipes() or what.endswith((".yaml", ".yml")):
+        return _recipe_target(resolve_recipe(what), micro_batch, seq_len)
+    known = ", ".join(architectures.KNOWN)
+    raise UserError(Problem(what, "is not a parameter count, a known model or a recipe",
+                            f"give e.g. 7B or 104960000, one of {known}, or a recipe name or .yaml path"))
+
+
+def _recipe_target(path, micro_batch, seq_len) -> Target:
+    from accel_fsdp.model.facts import facts_for
+    from accel_fsdp.config.shipped import display
+    from accel_fsdp.config.recipe import load_recipe
+
+    recipe = load_recipe(path)
+    recipe.source = display(path)
+    facts = facts_for(recipe)
+    if facts is not None:  # arithmetic: no model built (tests/test_model_facts.py holds the facts)
+        lora = recipe.model.lora
+        adapters = facts.lora_params(lora.target_modules, lora.r) if lora.enabled else 0
+        params = facts.params() + adapters
+        compute = 4 if recipe.training.mixed_precision == "fp32" else 2
+        return Target(recipe.name, params, adapters if lora.enabled else params,
+                      max(facts.block_params(), facts.vocab * facts.hidden), facts.shape(),
+                      recipe.training.micro_batch_size if micro_batch is None else micro_batch,
+                      recipe.data.seq_len if seq_len is None else seq_len, compute if lora.enabled else 4,
+                      note="LoRA: frozen base weights in the compute dtype" if lora.enabled else "",
+                      activation_checkpointing=bool(recipe.model.activation_checkpointing), context=facts.context)
+    from accel_fsdp.config.accelerate import load_accelerate_config
+    from accel_fsdp.planning.plan import build_plan
+
+    plan = build_plan(recipe, load_accelerate_config("fsdp_1gpu"))
+    m = plan.memory_inputs
+    return Target(recipe.name, m.params, m.trainable, m.largest_unit, m.shape,
+                  m.micro_batch if micro_batch is None else micro_batch, m.seq_len if seq_len is None else seq_len,
+                  m.frozen_bytes, note="LoRA: frozen base weights in bf16" if recipe.model.lora.enabled else "",
+                  activation_checkpointing=m.activation_checkpointing)
+
+
+@dataclass
+class Row:
+    strategy: str
+    offload: bool
+    memory: MemoryBreakdown
+    fits: bool
+
+    @property
+    def label(self) -> str:
+        return self.strategy + (" + offload" if self.offload else "")
+
+
+def table(target: Target, *, gpus: int, nodes: int, precision: str, activation_checkpointing: bool,
+          strategies: list[str], offload: bool | None, gpu_memory: float, deferred_reduce: bool = False) -> list[Row]:
+    world = gpus * nodes
+    base = MemoryInputs(params=target.params, trainable=target.trainable, largest_unit=target.largest_unit,
+                        world=world, shard_group=world, precision=precision,
+                        activation_checkpointing=activation_checkpointing, micro_batch=target.micro_batch,
+                        seq_len=target.seq_len, shape=target.shape, frozen_bytes=target.frozen_bytes,
+                        deferred_reduce=deferred_reduce)
+    rows = []
+    for strategy in strategies:
+        if strategy == "HYBRID_SHARD" and nodes == 1:
+            continue
+        group = gpus if strategy == "HYBRID_SHARD" else (1 if strategy == "NO_SHARD" else world)
+        for off in ((False, True) if offload is None else (offload,)):
+            if off and strategy == "NO_SHARD":
+                continue
+            mem = estimate(replace(base, strategy=strategy, shard_group=group, offload=off))
+            rows.append(Row(strategy, off, mem, mem.total <= HEADROOM * gpu_memory))
+    return rows
+
+
+# Least communication first: DDP-like NO_SHARD (one all-reduce of the gradients), SHARD_GRAD_OP (the same
+# volume, split into reduce-scatter + all-gather), HYBRID_SHARD (ZeRO-3 traffic inside a node only), FULL_SHARD
+# (an extra all-gather in the backward, across all ranks). Offload comes last: every step crosses PCIe.
+PREFERENCE = ("NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD")
+
+
+def cheapest(rows: list[Row]) -> Row | None:
+    fitting = [r for r in rows if r.fits]
+    return min(fitting, key=lambda r: (r.offload, PREFERENCE.index(r.strategy)), default=None)
+
+
+def config_for(row: Row, gpus: int, nodes: int) -> str:
+    """The shipped accelerate config (and the override) that gives this setting."""
+    if gpus * nodes == 1:
+        return "accelerate_configs/fsdp_1gpu.yaml" + (" + --set fsdp.cpu_offload=true" if row.offload else "")
+    if nodes > 1:
+        base = "fsdp_hybrid_multinode.yaml" if row.strategy == "HYBRID_SHARD" else "fsdp_multinode.yaml"
+        extra = f" (num_machines: {nodes}, num_processes: {gpus * nodes})"
+    elif row.offload:
+        base, extra = "fsdp_2gpu_offload.yaml", "" if gpus == 2 else f" (num_processes: {gpus})"
+    else:
+        base = {1: "fsdp_1gpu.yaml", 2: "fsdp_2gpu.yaml", 8: "fsdp_8gpu.yaml"}.get(gpus, "fsdp_8gpu.yaml")
+        extra = "" if gpus in (1, 2, 8) else f" (num_processes: {gpus})"
+    if row.strategy == "NO_SHARD":
+        return f"accelerate_configs/fsdp1_2gpu.yaml with fsdp_sharding_strategy: NO_SHARD (num_processes: {gpus})"
+    if row.strategy == "SHARD_GRAD_OP":
+        extra += " + --set fsdp.sharding_strategy=SHARD_GRAD_OP"
+    if row.offload and nodes > 1:
+        extra += " + --set fsdp.cpu_offload=true"
+    return f"accelerate_configs/{base}{extra}"
+
+
+def format_report(target: Target, rows: list[Row], *, gpus: int, nodes: int, precision: str, gpu_memory: float,
+                  activation_checkpointing: bool, deferred_reduce: bool = False) -> str:
+    world = gpus * nodes
+    lines = [f"estimate: {target.name}: {target.params:,} parameters ({target.trainable:,} trainable) on {nodes} "
+             f"node(s) x {gpus} GPU(s), {precision}"
+             + (f", micro batch {target.micro_batch} x {target.seq_len} tokens" if target.micro_batch else "")
+             + (", activation checkpointing" if activation_checkpointing else "")
+             + (", gradient reduction deferred to the last micro-step (unsharded fp32 gradients held)"
+                if deferred_reduce else "")]
+    if target.note:
+        lines.append(f"  ({target.note})")
+    one, each = seeds_simple(target.params, 1, False), seeds_simple(target.params, world, True)
+    lines.append(f"seeds' arithmetic, fp32 AdamW at 16 bytes/parameter: {one:,.2f} GiB on 1 GPU; "
+                 f"{each:,.2f} GiB per GPU with FSDP on {world}")
+    head = (f"{'strategy':<24}{'params':>9}{'grads':>9}{'optim':>9}{'gathered':>10}{'activ.':>9}{'GPU total':>11}"
+            f"{'CPU':>9}  fits {gib(gpu_memory)} GiB")
+    lines += ["per-rank memory in GiB:", head, "-" * len(head)]
+    for r in rows:
+        m = r.memory
+        lines.append(f"{r.label:<24}{gib(m.params):>9}{gib(m.grads):>9}{gib(m.optimizer):>9}{gib(m.gathered):>10}"
+                     f"{gib(m.activations):>9}{gib(m.total):>11}{gib(m.host):>9}  {'yes' if r.fits else 'no'}")
+    best = cheapest(rows)
+    if best is None:
+        lines.append("nothing fits: add GPUs or nodes, lower micro batch or seq_len, turn on activation "
+                     "checkpointing, or use LoRA")
+    else:
+        lines.append(f"cheapest that fits (least communication first): {best.label}, "
+                     f"{gib(best.memory.total)} GiB per GPU -> {config_for(best, gpus, nodes)}")
+    return "\n".join(lines)

@@ -1,0 +1,415 @@
+"""The run folder: where every file of a run lives, who owns it, and the guard that keeps runs from hurting each other.
+
+    <run>/run.json             identity: run id, recipe name and fingerprint, checkpoint folder, version, start time
+    <run>/recipe.yaml          the resolved recipe (every default filled in)
+    <run>/fsdp_settings.json   effective FSDP settings, each with its source
+    <run>/sharding.json        parameters each rank holds after sharding
+    <run>/metrics.jsonl        one row per logged step (see metrics.py)
+    <run>/checkpoints/         step-NNNNNN checkpoints (see checkpoint.py); `checkpoint.dir` may move it
+    <run>/final/               the consolidated Hugging Face export of the last step
+    <run>/preempted.json       written when a run stopped on a preemption signal (step, checkpoint)
+    <run>/logs/, trace/        tracker files (tensorboard); test traces
+    <run>/.accel-fsdp.lock     held (flock) by the live run; the kernel releases it when the holder dies
+
+Ownership: a run gets an id when it is created (run.json), and its checkpoint folder records the same id
+(`<checkpoints>/.accel-fsdp-run`), as does every checkpoint's manifest. A run never writes into, resumes from or
+deletes a checkpoint folder of another run; `--overwrite` deletes only files it can prove belong to the run it
+replaces. One live run per folder: the main process holds a lock on the run folder and on the checkpoint folder for
+the life of the run. This module decides; it never touches torch.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from enum import Enum
+from pathlib import Path
+
+from accel_fsdp.errors import Problem, UserError
+
+RUN_FILE = "run.json"
+OWNER_FILE = ".accel-fsdp-run"
+LOCK_FILE = ".accel-fsdp.lock"
+# Everything accel-fsdp writes into a run folder: an overwrite removes these and nothing else.
+OWNED = ("run.json", "recipe.yaml", "fsdp_settings.json", "sharding.json", "metrics.jsonl", "checkpoints", "final",
+         "logs", "trace", "loss_curve.png", "report.json", "preempted.json")
+
+
+class Decision(str, Enum):
+    """What a start does with the run folder."""
+
+    NEW = "new"
+    """Start a new run (the folder is new or empty)."""
+    RESUME = "resume"
+    """Continue this run from a checkpoint."""
+    OVERWRITE = "overwrite"
+    """Replace the run here with a new one (its own files are deleted first)."""
+    RESTART = "restart"
+    """--resume auto on a run that never completed a checkpoint: start it again from step 0 (same id)."""
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Every path of a run, in one place: the checkpoint folder included (`checkpoint.dir` may put it anywhere)."""
+
+    root: Path
+    checkpoints: Path
+
+    @classmethod
+    def of(cls, recipe, run_dir: Path | str | None = None) -> RunLayout:
+        root = Path(run_dir or recipe.output_dir or f"runs/{recipe.name}").expanduser().absolute()
+        d = Path(recipe.checkpoint.dir).expanduser()
+        return cls(root, d if d.is_absolute() else root / d)
+
+    run_file = property(lambda self: self.root / RUN_FILE)
+    recipe_file = property(lambda self: self.root / "recipe.yaml")
+    settings_file = property(lambda self: self.root / "fsdp_settings.json")
+    sharding_file = property(lambda self: self.root / "sharding.json")
+    metrics_file = property(lambda self: self.root / "metrics.jsonl")
+    final = property(lambda self: self.root / "final")
+    logs = property(lambda self: self.root / "logs")
+    trace = property(lambda self: self.root / "trace")
+    preempted_file = property(lambda self: self.root / "preempted.json")
+
+    @property
+    def external_checkpoints(self) -> bool:
+        """The checkpoint folder lies outside the run folder (e.g. on scratch)."""
+        return not self.checkpoints.is_relative_to(self.root)
+
+    @property
+    def recorded_checkpoints(self) -> str:
+        """How run.json records the checkpoint folder: relative when inside the run folder."""
+        return str(self.checkpoints) if self.external_checkpoints else str(self.checkpoints.relative_to(self.root))
+
+    def to_dict(self) -> dict[str, str]:
+        return {"run_dir": str(self.root), "checkpoint_dir": str(self.checkpoints)}
+
+
+def checkpoints_of(run_dir: Path, recorded: str) -> Path:
+    """The checkpoint folder run.json records, for the run folder where it is now."""
+    path = Path(recorded).expanduser()
+    return path if path.is_absolute() else Path(run_dir) / path
+
+
+@dataclass
+class RunIdentity:
+    """run.json."""
+
+    run_id: str | None
+    recipe_name: str | None = None
+    recipe_fingerprint: str | None = None
+    checkpoint_dir: str | None = None
+    """Relative to the run folder when inside it (a moved or copied run folder keeps its own), else absolute."""
+    created: str | None = None
+    accel_fsdp_version: str | None = None
+    resumed_from: str | None = None
+    """The checkpoint of another run this one started from (--resume-from into a new folder)."""
+
+    @classmethod
+    def new(cls, recipe, layout: RunLayout, resumed_from: str | None = None) -> RunIdentity:
+        from accel_fsdp import __version__
+
+        return cls(run_id=uuid.uuid4().hex[:16], recipe_name=recipe.name, recipe_fingerprint=recipe.fingerprint(),
+                   checkpoint_dir=layout.recorded_checkpoints, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                   accel_fsdp_version=__version__, resumed_from=resumed_from)
+
+    @classmethod
+    def read(cls, path: Path) -> RunIdentity:
+        """Read run.json; a damaged one is the user's to fix (we cannot tell whose run it is)."""
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise UserError(Problem(str(path), f"is unreadable or corrupt ({type(e).__name__}: "
+                                    f"{str(e).splitlines()[0][:120] if str(e) else ''}), so it is not known which run "
+                                    "this folder holds", "restore run.json, or choose another --output-dir (nothing "
+                                    "was changed)")) from None
+        known = {k: data.get(k) for k in cls.__dataclass_fields__}
+        return cls(**known)
+
+    def write(self, path: Path) -> None:
+        _write_atomic(path, json.dumps(asdict(self), indent=1) + "\n")
+
+    def describe(self) -> str:
+        return f"run {self.run_id or '(no id: made by an older accel-fsdp)'} of recipe {self.recipe_name!r}"
+
+
+# ------------------------------------------------------------------------------------------- the decision
+
+
+def decide(layout: RunLayout, recipe, *, resume: str | None = None, resume_from: Path | str | None = None,
+           overwrite: bool = False) -> Decision:
+    """What this start does with the run folder, or a UserError saying why it must not start (nothing changed).
+
+    `resume`: None, "latest" (--resume: continue from the newest complete checkpoint; there must be one) or
+    "auto" (--resume auto: continue this run if it has a complete checkpoint, else start it; refuse another run).
+    `resume_from`: a checkpoint folder to start from, into a new folder or into the run that made it."""
+    root = layout.root
+    if root.exists() and not root.is_dir():
+        raise UserError(Problem(str(root), "exists and is not a folder", "choose another --output-dir"))
+    identity = RunIdentity.read(layout.run_file) if layout.run_file.is_file() else None
+    if identity is None:
+        if root.exists() and _foreign_entries(root):
+            raise UserError(Problem(str(root), "is not empty and does not hold an accel-fsdp run",
+                                    "choose another --output-dir (nothing was changed)"))
+        if resume == "latest":
+            raise UserError(Problem(str(root), "--resume was given, but there is no run here to resume",
+                                    "drop --resume to start a new run, use --resume auto (resume if possible, else "
+                                    "start), or give the --output-dir of the run to resume"))
+        check_checkpoint_folder(layout, owner=None)
+        return Decision.NEW
+    if overwrite:
+        check_checkpoint_folder(layout, owner=identity)
+        return Decision.OVERWRITE
+    if resume_from:
+        theirs = checkpoint_run_id(Path(resume_from))
+        if theirs != identity.run_id:
+            raise UserError(Problem(str(root), f"holds {identity.describe()}, but {resume_from} belongs to run "
+                                    f"{theirs or '(unknown)'}; --resume-from would write this other run's training "
+                                    "into it", "give a new --output-dir to start a run from that checkpoint "
+                                    "(nothing was changed)"))
+        check_checkpoint_folder(layout, owner=identity)
+        return Decision.RESUME
+    if resume == "latest":
+        check_checkpoint_folder(layout, owner=identity)
+        return Decision.RESUME
+    if resume == "auto":
+        differences = _recipe_differences(layout, recipe)
+        if differences:
+            raise UserError(Problem(str(root), f"holds another run ({identity.describe()}), made by a recipe that "
+                                    "differs in what is trained:\n      " + "\n      ".join(differences),
+                                    "give another --output-dir, or resume it with the recipe that made it "
+                                    "(its copy is in recipe.yaml) (nothing was changed)"))
+        check_checkpoint_folder(layout, owner=identity)
+        from accel_fsdp.checkpoint.store import latest_complete
+
+        return Decision.RESUME if latest_complete(layout.checkpoints) else Decision.RESTART
+    same = identity.recipe_fingerprint == recipe.fingerprint()
+    what = "a run of this same recipe" if same else \
+        f"a different run (recipe {identity.recipe_name!r}, fingerprint {identity.recipe_fingerprint})"
+    raise UserError(Problem(str(root), f"already holds {what}",
+                            "add --resume to continue it, --overwrite to replace it, or choose another --output-dir "
+                            "(nothing was changed)"))
+
+
+def check_checkpoint_folder(layout: RunLayout, *, owner: RunIdentity | None) -> None:
+    """The checkpoint folder may be used by this run: it is missing or empty, or it belongs to `owner` (the run in
+    the run folder). A folder of another run, or one holding anything not made by this run, is refused."""
+    folder = layout.checkpoints
+    if not folder.exists():
+        return
+    if not folder.is_dir():
+        raise UserError(Problem(str(folder), "checkpoint.dir is not a folder", "set checkpoint.dir to a folder"))
+    recorded = read_owner(folder)
+    if recorded is not None:
+        if owner is not None and recorded.get("run_id") == owner.run_id:
+            return
+        raise UserError(Problem(str(folder), f"this checkpoint folder belongs to another run (run "
+                                f"{recorded.get('run_id')} in {recorded.get('run_dir')})",
+                                "set checkpoint.dir to a folder of this run's own (nothing was changed)"))
+    entries = _foreign_entries(folder)
+    if not entries:
+        return
+    if owner is not None and owner.run_id is None and not layout.external_checkpoints:
+        return  # a run made before run ids: its own checkpoints, inside its own folder
+    raise UserError(Problem(str(folder), f"the checkpoint folder is not empty ({', '.join(sorted(entries)[:3])}) "
+                            "and records no run that owns it", "set checkpoint.dir to an empty or new folder "
+                            "(nothing was changed)"))
+
+
+def read_owner(folder: Path) -> dict | None:
+    try:
+        data = json.loads((folder / OWNER_FILE).read_text())
+        return data if isinstance(data, dict) else {"run_id": "(corrupt owner file)"}
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {"run_id": "(corrupt owner file)", "run_dir": str(folder)}
+
+
+def checkpoint_run_id(path: Path) -> str | None:
+    """The run id a checkpoint's manifest records (None for checkpoints made before run ids)."""
+    from accel_fsdp.checkpoint.store import MANIFEST
+
+    try:
+        return json.loads((Path(path) / MANIFEST).read_text()).get("run_id")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return None
+
+
+def _recipe_differences(layout: RunLayout, recipe) -> list[str]:
+    import yaml
+
+    from accel_fsdp.config.recipe import incompatible_keys
+
+    try:
+        saved = yaml.safe_load(layout.recipe_file.read_text()) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return [f"{layout.recipe_file} is missing or unreadable"]
+    differences = incompatible_keys(saved, recipe.to_dict())
+    return [f"{k}: that run has {old!r}, this one {new!r}" for k, old, new in differences]
+
+
+def _foreign_entries(folder: Path) -> list[str]:
+    """What a folder holds besides our lock and owner files."""
+    return [p.name for p in folder.iterdir() if p.name not in (LOCK_FILE, OWNER_FILE)]
+
+
+# ------------------------------------------------------------------------------------------------ prepare
+
+
+def prepare(layout: RunLayout, recipe, settings, decision: Decision, *, resumed_from: str | None = None) -> RunIdentity:
+    """Main process only, holding the locks: clear what an overwrite or a restart replaces (only files this run
+    or the replaced one provably owns), record the identity, claim the checkpoint folder."""
+    root = layout.root
+    old = RunIdentity.read(layout.run_file) if layout.run_file.is_file() else None
+    if decision in (Decision.OVERWRITE, Decision.RESTART) and old is not None:
+        for name in OWNED:
+            target = root / name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            elif target.exists() or target.is_symlink():
+                target.unlink()
+        folders = {layout.checkpoints}
+        if old.checkpoint_dir:
+            folders.add(checkpoints_of(root, old.checkpoint_dir))
+        for folder in folders:
+            owner = read_owner(folder) if folder.is_dir() else None
+            if owner is not None and owner.get("run_id") == old.run_id and old.run_id is not None:
+                for entry in folder.iterdir():
+                    if entry.name.startswith(("step-", ".tmp-step-", ".trash-step-")) and entry.is_dir():
+                        shutil.rmtree(entry)
+    root.mkdir(parents=True, exist_ok=True)
+    if decision == Decision.RESUME and old is not None:
+        identity = old
+        if identity.run_id is None:  # adopt a run made before run ids
+            identity.run_id = uuid.uuid4().hex[:16]
+    elif decision == Decision.RESTART and old is not None:
+        identity = RunIdentity.new(recipe, layout)
+        identity.run_id = old.run_id or identity.run_id
+    else:
+        identity = RunIdentity.new(recipe, layout, resumed_from=resumed_from)
+    identity.checkpoint_dir = layout.recorded_checkpoints
+    identity.write(layout.run_file)
+    layout.checkpoints.mkdir(parents=True, exist_ok=True)
+    _write_atomic(layout.checkpoints / OWNER_FILE,
+                  json.dumps({"run_id": identity.run_id, "run_dir": str(root)}, indent=1) + "\n")
+    _write_atomic(layout.recipe_file, recipe.to_yaml())
+    _write_atomic(layout.settings_file, json.dumps(settings.to_dict(), indent=1, default=str) + "\n")
+    return identity
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------------- lock
+
+
+class FolderLock:
+    """An exclusive lock on a folder for the life of this process (flock on `<folder>/.accel-fsdp.lock`): the kernel
+    releases it when the holder exits or dies, so a crash never leaves a stale lock. The file says who holds it."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.created = False
+        self._fd: int | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.folder / LOCK_FILE
+
+    def acquire(self, what: str) -> FolderLock:
+        """Take the lock, creating the folder if needed; a UserError naming the holder if another run has it."""
+        if not self.folder.exists():
+            self.folder.mkdir(parents=True)
+            self.created = True
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise UserError(Problem(str(self.folder), f"this {what} is in use by a live run ({holder})",
+                                    "wait for it to finish (or stop it), or choose another folder (nothing was "
+                                    "changed)")) from None
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "command": " ".join(sys.argv[1:])[:300]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self, *, remove_if_created: bool = False) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if remove_if_created and self.created:
+            try:
+                self.path.unlink(missing_ok=True)
+                self.folder.rmdir()  # only if nothing else was written
+            except OSError:
+                pass
+
+
+def lock_holder(folder: Path) -> str | None:
+    """Who holds the lock of `folder` right now (host, PID, since when), or None. Takes nothing."""
+    path = Path(folder) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return _read_holder(fd)
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        return f"held by PID {info['pid']} on {info['host']} since {info['since']}"
+    except (ValueError, KeyError, OSError, UnicodeDecodeError):
+        return "held by another process"
+
+
+def lock_problems(layout: RunLayout) -> list[Problem]:
+    """Before launching: a live run holding the run folder or the checkpoint folder."""
+    out = []
+    for folder, what in ((layout.root, "run folder"), (layout.checkpoints, "checkpoint folder")):
+        holder = lock_holder(folder)
+        if holder:
+            out.append(Problem(str(folder), f"this {what} is in use by a live run ({holder})",
+                               "wait for it to finish (or stop it), or choose another folder (nothing was changed)"))
+    return out[:1] if len(out) == 2 and not layout.external_checkpoints else out
+
+
+def writable_problems(layout: RunLayout) -> list[Problem]:
+    """The run folder and checkpoint folder can be created and written (checked before launching)."""
+    out = []
+    folders = [(layout.root, "--output-dir")] + [(layout.checkpoints, "checkpoint.dir")] * layout.external_checkpoints
+    for folder, key in folders:
+        existing = folder
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if existing.exists() and not existing.is_dir():
+            out.append(Problem(str(folder), f"{existing} is a file, not a folder", f"choose another {key}"))
+        elif existing.exists() and not os.access(existing, os.W_OK | os.X_OK):
+            out.append(Problem(str(folder), f"cannot be written: {existing} is not writable by this user",
+                               f"choose a writable {key}, or fix the permissions of {existing}"))
+    return out

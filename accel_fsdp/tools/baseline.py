@@ -1,0 +1,84 @@
+"""The yardstick of `accel-fsdp bench --compare-baseline`: a minimal, hand-written Accelerate FSDP training loop.
+
+Same Accelerator and FSDP plugin as a real run (built from the same resolved settings, so both shard the same
+way), the same model, micro batch, sequence length, accumulation and precision; but no data pipeline, no loss
+normalization over the global batch, no metrics files, no checkpoints: random token rows straight into
+`model(input_ids, labels)`, and the global loss all-reduced every step (as `bench` makes our loop log every
+step). Whatever our loop costs on top of Accelerate shows up as the ratio of the two.
+
+Run inside a launch: `python -m accel_fsdp.tools.baseline RECIPE_PATH OUT_JSON --steps N --warmup W [--set ...]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("recipe")
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args()
+
+    from accel_fsdp.train.accelerator import build_accelerator
+    from accel_fsdp.config.accelerate import resolve_settings
+    from accel_fsdp.model.build import build_model, model_config
+    from accel_fsdp.model.tokenizer import build_tokenizer
+    from accel_fsdp.quiet import quiet_libraries
+    from accel_fsdp.config.recipe import load_recipe
+    from accel_fsdp.train.loop import current_accelerate_config
+
+    quiet_libraries()
+    recipe = load_recipe(args.recipe, args.overrides)
+    t = recipe.training
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    settings = resolve_settings(recipe, current_accelerate_config(), cuda_available=torch.cuda.is_available(),
+                                num_processes=world)
+    k = t.global_batch_size // (t.micro_batch_size * world)
+    acc = build_accelerator(settings, gradient_accumulation_steps=k, run_dir=None)
+    tokenizer = build_tokenizer(recipe)
+    model = build_model(recipe, model_config(recipe, tokenizer=tokenizer))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, fused=torch.cuda.is_available() or None)
+    model, optimizer = acc.prepare(model, optimizer)
+    model.train()
+    generator = torch.Generator().manual_seed(t.seed + acc.process_index)
+    shape = (t.micro_batch_size, recipe.data.seq_len)
+    batches = [torch.randint(0, tokenizer.vocab_size, shape, generator=generator) for _ in range(k)]
+
+    times = []
+    for step in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        for ids in batches:
+            ids = ids.to(acc.device)
+            with acc.accumulate(model):
+                with acc.autocast():
+                    loss = model(input_ids=ids, labels=ids).loss
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf"))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        acc.reduce(loss.detach(), reduction="sum").item()  # log the global loss every step, as bench runs ours
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        step_time = statistics.median(times)
+        tokens = t.global_batch_size * recipe.data.seq_len
+        with open(args.out, "w") as f:
+            json.dump({"step_time_s": step_time, "tokens_per_s": tokens / step_time,
+                       "tokens_per_s_per_rank": tokens / step_time / world, "steps": args.steps}, f)
+    acc.end_training()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Sampling from an exported model (a Hugging Face folder or a PEFT adapter folder), to see what a fine-tune
+learned: greedy by default, or temperature / top-p sampling with a seed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from accel_fsdp.errors import Problem, UserError
+
+
+def resolve_model_dir(path: Path) -> Path:
+    """A model folder, or a run folder (its final export)."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(Problem(str(path), "does not exist", "give an exported model folder or a run folder"))
+    for candidate in (path, path / "final"):
+        if (candidate / "config.json").exists() or (candidate / "adapter_config.json").exists():
+            return candidate
+    raise UserError(Problem(str(path), "is not a model folder (no config.json or adapter_config.json)",
+                            "give the folder written by `accel-fsdp checkpoint consolidate`, a run folder, or any "
+                            "save_pretrained folder"))
+
+
+def load_model(folder: Path, device: str = "auto"):
+    """The model and its tokenizer; the tokenizer first (cheap), and a UserError naming what is missing or damaged."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError(Problem("--device cuda", "no CUDA device is available", "use --device cpu (or auto)"))
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    from accel_fsdp.model.checks import tokenizer_files_problem
+
+    fix = ("give the run folder or a `checkpoint consolidate` export (both carry the tokenizer files), or copy "
+           "tokenizer.json and tokenizer_config.json into it")
+    missing = tokenizer_files_problem(folder)
+    if missing:
+        raise UserError(Problem(str(folder), missing, fix))
+    config = folder / ("adapter_config.json" if (folder / "adapter_config.json").exists() else "config.json")
+    try:
+        import json
+
+        if not isinstance(json.loads(config.read_text()), dict):
+            raise ValueError("not a JSON object")
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(Problem(str(config), f"is not a valid config ({type(e).__name__})",
+                                "export the model again with `accel-fsdp checkpoint consolidate RUN OUT`")) from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as e:  # transformers raises OSError, ValueError, TypeError... for a folder without a tokenizer
+        raise UserError(Problem(str(folder), f"has no usable tokenizer ({_first_line(e)})", fix)) from None
+    try:
+        if (folder / "adapter_config.json").exists():
+            from peft import AutoPeftModelForCausalLM
+
+            model = AutoPeftModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    except Exception as e:  # safetensors' own error type, OSError, ValueError, RuntimeError for shape mismatches
+        raise UserError(Problem(str(folder), f"its weights cannot be loaded ({type(e).__name__}: {_first_line(e)})",
+                                "the files are incomplete or damaged: export again with `accel-fsdp checkpoint "
+                                "consolidate RUN OUT`")) from None
+    return model.to(device).eval(), tokenizer
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:200]
+
+
+def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+             seed: int = 0, chat: bool = False) -> str:
+    """The continuation of `prompt` (only the new text)."""
+    if chat:
+        if not tokenizer.chat_template:
+            raise UserError(Problem("--chat", "the tokenizer of this model has no chat template",
+                                    "drop --chat to continue the prompt as plain text"))
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    else:
+        inputs = tokenizer(prompt, return_tensors="pt")
+    context = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    length = inputs["input_ids"].shape[1]
+    if context and length + max_new_tokens > context:
+        raise UserError(Problem("--max-new-tokens" if length < context else "--prompt",
+                                f"the prompt ({length} tokens) and {max_new_tokens} new tokens exceed the model's "
+                                f"context of {context} tokens", f"generate at most {max(0, context - length)} new "
+                                "tokens" if length < context else "shorten the prompt"))
+    inputs = {k: v.to(model.device) for k, v in inputs.items()}
+    torch.manual_seed(seed)
+    sampling = temperature > 0
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=sampling,
+                             temperature=temperature if sampling else None, top_p=top_p if sampling else None,
+                             top_k=None, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()

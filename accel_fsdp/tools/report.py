@@ -1,0 +1,89 @@
+"""`accel-fsdp report RUN_DIR`: what a run did, from the files it wrote (metrics.jsonl, sharding.json, run.json):
+steps, final and best evaluation loss, throughput, peak memory; and a loss curve (train and eval) as PNG when
+matplotlib is installed (`pip install "accel-fsdp[plot]"`)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.train.metrics import read_metrics
+
+
+def summarize(run_dir: Path) -> dict:
+    run_dir = Path(run_dir)
+    metrics_file = run_dir / "metrics.jsonl"
+    if not run_dir.is_dir():
+        what = "does not exist" if not run_dir.exists() else "is a file, not a run folder"
+        raise UserError(Problem(str(run_dir), what, "give the --output-dir of a run"))
+    if not metrics_file.exists():
+        raise UserError(Problem(str(run_dir), "has no metrics.jsonl, so it is not a run folder (or the run logged "
+                                "nothing yet)", "give the --output-dir of a run"))
+    rows = read_metrics(metrics_file)
+    train = [r for r in rows if r["kind"] == "train"]  # every row was checked by read_metrics
+    evals = [r for r in rows if r["kind"] == "eval"]
+    if not train:
+        raise UserError(Problem(str(metrics_file), "holds no training rows yet", "wait for the first logged step"))
+    from accel_fsdp.run.folder import RunIdentity
+
+    info = RunIdentity.read(run_dir / "run.json") if (run_dir / "run.json").exists() else RunIdentity(None)
+    out = {
+        "run": str(run_dir), "recipe": info.recipe_name, "steps": train[-1]["step"],
+        "tokens_seen": train[-1].get("tokens_seen"), "first_loss": train[0]["loss"], "final_loss": train[-1]["loss"],
+        "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in train),
+        "tokens_per_s_per_rank_median": statistics.median(r["tokens_per_s_per_rank"] for r in train),
+        "step_time_s_median": statistics.median(r["step_time_s"] for r in train),
+        "peak_memory_bytes_per_rank": [max(r["peak_memory_bytes"][i] for r in train if i < len(r["peak_memory_bytes"]))
+                                       for i in range(max(len(r["peak_memory_bytes"]) for r in train))],
+    }
+    mfu = [r["mfu"] for r in train if "mfu" in r]
+    if mfu:
+        out["mfu_median"] = statistics.median(mfu)
+    if evals:
+        best = min(evals, key=lambda r: r["eval_loss"])
+        out.update(final_eval_loss=evals[-1]["eval_loss"], final_eval_ppl=evals[-1]["eval_ppl"],
+                   best_eval_loss=best["eval_loss"], best_eval_step=best["step"])
+    return out
+
+
+def format_summary(s: dict) -> str:
+    mb = 1 << 20
+    lines = [f"run {s['run']} (recipe {s['recipe']}): {s['steps']} steps, {s['tokens_seen'] or 0:,} tokens",
+             f"  train loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}"]
+    if "final_eval_loss" in s:
+        lines.append(f"  eval loss {s['final_eval_loss']:.4f} (perplexity {s['final_eval_ppl']:.2f}) at the end; best "
+                     f"{s['best_eval_loss']:.4f} at step {s['best_eval_step']}")
+    lines.append(f"  throughput {s['tokens_per_s_median']:,.0f} tokens/s ({s['tokens_per_s_per_rank_median']:,.0f} per "
+                 f"rank), {s['step_time_s_median']:.3f} s per step (medians)"
+                 + (f", MFU {100 * s['mfu_median']:.1f}%" if "mfu_median" in s else ""))
+    lines.append("  peak memory per rank: " + ", ".join(f"{b / mb:,.0f} MB" for b in s["peak_memory_bytes_per_rank"]))
+    return "\n".join(lines)
+
+
+def plot(run_dir: Path) -> Path | None:
+    """Write <run>/loss_curve.png; None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = read_metrics(Path(run_dir) / "metrics.jsonl")
+    train = [r for r in rows if r["kind"] == "train" and "loss" in r]
+    evals = [r for r in rows if r["kind"] == "eval" and "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", linewidth=1.5)
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (mean per token)")
+    ax.set_title(Path(run_dir).name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(run_dir) / "loss_curve.png"
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -1,0 +1,515 @@
+"""`accel-fsdp verify`: prove on the user's own hardware that their training setup is correct.
+
+Each probe is a real `recipe run` of the user's recipe (its model, data, precision, wrapping, offload; a few
+optimizer steps on a slice of its data; optionally a depth-reduced copy of the architecture), launched like any run,
+in a folder of its own. The checks read what the probes wrote (metrics, sharding.json, the traces of
+accel_fsdp/train/probes.py, the exported weights) and compare:
+
+  sharding       every rank holds 1/shard-group of the parameters and of the optimizer state; trainable weights are
+                 fp32 masters, frozen (LoRA) ones stay frozen in their dtype
+  precision      the weights a layer multiplies with are in the configured dtype; gradients are reduced in fp32
+  equivalence    the same global batch split differently (micro batch x ranks x accumulation; and on fewer ranks)
+                 gives the same loss and gradient norm, within a tolerance set by the precision
+  resume         save at step k, continue to n; restart from step k to n: the same weights
+  packing        packed documents see only themselves (logits equal each document run alone), with the recipe's
+                 attention kernel and the trainer's own batch layout
+  activation checkpointing   with dropout on, losses and gradient norms with and without it agree
+  memory         the model state each rank holds against `estimate`'s prediction (and the peak on GPUs)
+  throughput     tokens/s per rank (and MFU on GPUs), for the record
+
+What a pass proves and what it cannot (a passing verify on 2 GPUs does not prove a 64-GPU run) is in
+docs/VERIFY.md. Each check is shown to fail when its property is broken on purpose (tests/test_verify.py, with
+ACCEL_FSDP_BREAK from faults.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from accel_fsdp.errors import Problem, UserError
+
+MARKER = "verify.json"
+CHECKS = ("sharding", "precision", "equivalence", "resume", "packing", "activation-checkpointing", "memory",
+          "throughput")
+# Relative tolerances of the equivalence check: fp32 differs by summation order only; bf16 rounds every matmul.
+TOLERANCE = {"fp32": {"loss": 1e-5, "grad_norm": 1e-4}, "bf16": {"loss": 5e-3, "grad_norm": 2e-2},
+             "fp16": {"loss": 5e-3, "grad_norm": 2e-2}}
+STATE_MARGIN = 0.10
+"""Model state measured against the estimate: within 10%."""
+PEAK_MARGIN = 1.30
+"""GPU peak memory against the estimate: at most 30% above (allocator caching, temporaries the formula leaves out)."""
+DROPOUT_KEYS = {"gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"), "llama": ("attention_dropout",)}
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    """PASS, FAIL, SKIP (cannot be measured here, with the reason) or INFO (for the record)."""
+    measured: str
+    tolerance: str = ""
+    data: dict = field(default_factory=dict)
+
+
+@dataclass
+class Probe:
+    name: str
+    folder: Path
+    returncode: int
+    stderr_tail: str
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def train_rows(self) -> list[dict]:
+        from accel_fsdp.train.metrics import read_metrics
+
+        return [r for r in read_metrics(self.folder / "metrics.jsonl", strict=False) if r["kind"] == "train"]
+
+    def sharding(self) -> dict:
+        path = self.folder / "sharding.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def trace(self, name: str) -> list[dict]:
+        out = []
+        for path in sorted((self.folder / "trace").glob(f"{name}-rank*.json")):
+            out.append(json.loads(path.read_text()))
+        return out
+
+    def failure(self) -> str:
+        return f"the {self.name} run failed (exit {self.returncode}): {self.stderr_tail}"
+
+
+@dataclass
+class Verification:
+    recipe: object
+    config: object
+    world: int
+    precision: str
+    device: str
+    steps: int
+    out_dir: Path
+    overrides: list[str]
+    layers: int | None = None
+    probes: dict[str, Probe] = field(default_factory=dict)
+    checks: list[Check] = field(default_factory=list)
+
+    def sets(self, *extra: str) -> list[str]:
+        return list(self.overrides) + list(extra)
+
+
+# ------------------------------------------------------------------------------------------------- running
+
+
+def run_probe(v: Verification, name: str, sets: list[str], *, extra_args=(), env: dict | None = None) -> Probe:
+    folder = v.out_dir / name
+    argv = [sys.executable, "-m", "accel_fsdp", "recipe", "run", str(Path(v.recipe.source).absolute()),
+            "--accelerate-config", str(v.config.path), "--output-dir", str(folder), *extra_args]
+    if folder.exists():
+        argv.append("--overwrite")
+    for item in sets:
+        argv += ["--set", item]
+    start = time.monotonic()
+    proc = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1",
+                                                                          **(env or {})))
+    lines = [x for x in proc.stderr.strip().splitlines() if x.strip() and not x.startswith(("training:", "W1", "["))]
+    probe = Probe(name, folder, proc.returncode, " / ".join(lines[-3:])[-600:], time.monotonic() - start)
+    v.probes[name] = probe
+    print(f"  probe {name:<14} {'ok' if probe.ok else 'FAILED'} in {probe.seconds:.0f}s", flush=True)
+    return probe
+
+
+def base_sets(v: Verification, steps: int) -> list[str]:
+    """What every probe changes in the recipe: a few steps on a slice of the data, no evaluation, no sample, no
+    trackers (the user's wandb stays clean), a checkpoint every other step kept, an fp32 export to compare."""
+    t = v.recipe.training
+    rows = max(64, t.global_batch_size * (steps + 2) * 4)
+    sets = list(v.overrides) + [f"training.max_steps={steps}", "training.epochs=null", "training.warmup_steps=0",
+            "training.eval_every_steps=null",
+            "data.eval_fraction=0", f"data.max_rows={min(rows, v.recipe.data.max_rows or rows)}",
+            "logging.every_steps=1", "logging.sample_prompt=null", "logging.trackers=[]",
+            "checkpoint.every_steps=2", "checkpoint.keep_last=null", "checkpoint.export_final=true",
+            "checkpoint.export_dtype=fp32", "checkpoint.dir=checkpoints", "output_dir=null"]
+    if v.layers:
+        sets.append(f"model.config_overrides.{layer_key(v.recipe)}={v.layers}")
+    # Without dropout: two splits of a batch, or two ranks, would draw different masks and could not agree.
+    sets += [f"model.config_overrides.{k}=0.0" for k in DROPOUT_KEYS.get(_model_type(v.recipe), ())]
+    if v.recipe.model.lora.enabled:
+        sets.append("model.lora.dropout=0.0")
+    return sets
+
+
+def layer_key(recipe) -> str:
+    from accel_fsdp.model.facts import base_values
+
+    base = base_values(recipe)
+    return "n_layer" if base and base[0] == "gpt2" else "num_hidden_layers"
+
+
+def split_micro_batch(recipe, world: int) -> int | None:
+    """A different micro batch for the same global batch on the same ranks (so accumulation changes), or None."""
+    t = recipe.training
+    for micro in (t.micro_batch_size // 2, t.micro_batch_size * 2):
+        if micro >= 1 and micro != t.micro_batch_size and t.global_batch_size % (micro * world) == 0:
+            return micro
+    return None
+
+
+# ------------------------------------------------------------------------------------------------- checks
+
+
+def check_sharding(v: Verification) -> Check:
+    ref = v.probes["reference"]
+    info = ref.sharding()
+    if not info:
+        return Check("sharding", "FAIL", ref.failure())
+    total, held, shards = info["parameters"], info["local_parameters"], info["expected_shards"]
+    fractions = [n / total for n in held]
+    ok = all(abs(f - 1 / shards) <= 0.02 + 4096 / total for f in fractions)
+    measured = f"ranks hold {', '.join(f'{f:.3f}' for f in fractions)} of the parameters"
+    problems = []
+    state = info.get("state_bytes") or []
+    counts = ref.folder / "run_parameters.json"
+    trainable = json.loads(counts.read_text())["trainable"] if counts.exists() else None
+    if state:
+        optimizer = [r["optimizer"] for r in state]
+        expected = 8 * (trainable or total) / shards
+        measured += f"; optimizer state {', '.join(f'{b / 2**20:,.1f}' for b in optimizer)} MiB per rank"
+        if any(abs(b - expected) > 0.10 * expected + 4096 for b in optimizer):
+            problems.append(f"optimizer state is not 1/{shards} of 8 bytes per trainable parameter "
+                            f"({expected / 2**20:,.1f} MiB)")
+    dtypes = ref.trace("dtypes")
+    for rank, d in enumerate(dtypes):
+        if d["trainable"] != ["torch.float32"]:
+            problems.append(f"rank {rank}: trainable parameters are {d['trainable']}, not fp32 masters")
+        if d["frozen"] and d["frozen"] != [compute_dtype(v.precision)]:
+            problems.append(f"rank {rank}: frozen parameters are {d['frozen']}, not {compute_dtype(v.precision)}")
+    if dtypes:
+        measured += f"; trainable {dtypes[0]['trainable']}, frozen {dtypes[0]['frozen'] or 'none'}"
+    if not ok:
+        problems.insert(0, f"not sharded over {shards} ranks")
+    status = "PASS" if not problems else "FAIL"
+    return Check("sharding", status, measured + ("; " + "; ".join(problems) if problems else ""),
+                 f"each rank 1/{shards} (+-2%); optimizer state +-10%; masters fp32",
+                 {"fractions": fractions, "dtypes": dtypes, "state_bytes": state})
+
+
+def compute_dtype(precision: str) -> str:
+    return {"bf16": "torch.bfloat16", "fp16": "torch.float16"}.get(precision, "torch.float32")
+
+
+def check_precision(v: Verification) -> Check:
+    ref = v.probes["reference"]
+    dtypes = ref.trace("dtypes")
+    if not dtypes:
+        return Check("precision", "FAIL", ref.failure() if not ref.ok else "no dtype record was written")
+    want = compute_dtype(v.precision)
+    compute = sorted({d.get("compute") for d in dtypes})
+    reduce = sorted({x for d in dtypes for x in d["reduce"]})
+    ok = compute == [want] and reduce == ["torch.float32"]
+    return Check("precision", "PASS" if ok else "FAIL",
+                 f"layers multiply with {', '.join(map(str, compute))} weights; gradients reduced in "
+                 f"{', '.join(reduce) or 'nothing recorded'}", f"compute {want}, reduce torch.float32",
+                 {"compute": compute, "reduce": reduce})
+
+
+def compare_rows(a: list[dict], b: list[dict], tol: dict, steps: int) -> tuple[bool, float, float]:
+    worst = {"loss": 0.0, "grad_norm": 0.0}
+    for ra, rb in zip(a[:steps], b[:steps]):
+        for key in worst:
+            worst[key] = max(worst[key], abs(ra[key] - rb[key]) / max(abs(rb[key]), 1e-12))
+    ok = len(a) >= steps and len(b) >= steps and all(worst[k] <= tol[k] for k in worst)
+    return ok, worst["loss"], worst["grad_norm"]
+
+
+def check_equivalence(v: Verification) -> Check:
+    ref = v.probes["reference"]
+    tol = TOLERANCE[v.precision]
+    others = [p for name, p in v.probes.items() if name in ("split", "fewer-ranks")]
+    if not others:
+        return Check("equivalence", "SKIP", "no other split of the global batch divides evenly here")
+    parts, data, ok = [], {}, True
+    for probe in others:
+        if not probe.ok or not ref.ok:
+            return Check("equivalence", "FAIL", (probe if not probe.ok else ref).failure())
+        same, dl, dg = compare_rows(probe.train_rows(), ref.train_rows(), tol, 2)
+        ok &= same
+        parts.append(f"{probe.name}: loss {dl:.1e}, grad norm {dg:.1e}")
+        data[probe.name] = {"loss_rel": dl, "grad_norm_rel": dg}
+    return Check("equivalence", "PASS" if ok else "FAIL", "largest relative difference over 2 steps: " +
+                 "; ".join(parts), f"loss {tol['loss']:g}, grad norm {tol['grad_norm']:g} ({v.precision})", data)
+
+
+def max_weight_difference(a: Path, b: Path) -> float:
+    from safetensors.torch import load_file
+
+    def load(folder):
+        out = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            out.update(load_file(f))
+        return out
+
+    wa, wb = load(a), load(b)
+    if set(wa) != set(wb) or not wa:
+        return math.inf
+    return max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa)
+
+
+def check_resume(v: Verification) -> Check:
+    ref, res = v.probes["reference"], v.probes.get("resume")
+    if res is None:
+        return Check("resume", "SKIP", "fewer than 3 steps: nothing to resume between")
+    if not ref.ok or not res.ok:
+        return Check("resume", "FAIL", (res if not res.ok else ref).failure())
+    diff = max_weight_difference(ref.folder / "final", res.folder / "final")
+    exact = v.device == "cpu"
+    limit = 0.0 if exact else (1e-5 if v.precision == "fp32" else 1e-3)
+    return Check("resume", "PASS" if diff <= limit else "FAIL",
+                 f"largest weight difference after resuming from step 2: {diff:.3g}",
+                 "bit-identical (CPU kernels are deterministic)" if exact else f"{limit:g} (GPU kernels need not be)",
+                 {"max_abs_difference": diff})
+
+
+def check_activation_checkpointing(v: Verification) -> Check:
+    on, off = v.probes.get("ac-on"), v.probes.get("ac-off")
+    if on is None:
+        return Check("activation-checkpointing", "SKIP", "no dropout setting known for this model type")
+    if not on.ok or not off.ok:
+        return Check("activation-checkpointing", "FAIL", (on if not on.ok else off).failure())
+    exact = v.device == "cpu"
+    tol = {"loss": 0.0, "grad_norm": 0.0} if exact else TOLERANCE[v.precision]
+    same, dl, dg = compare_rows(on.train_rows(), off.train_rows(), tol, 2)
+    return Check("activation-checkpointing", "PASS" if same else "FAIL",
+                 f"with dropout 0.1, with vs without: loss {dl:.1e}, grad norm {dg:.1e} relative difference",
+                 "identical (CPU)" if exact else f"loss {tol['loss']:g}, grad norm {tol['grad_norm']:g}",
+                 {"loss_rel": dl, "grad_norm_rel": dg})
+
+
+def check_packing(v: Verification) -> Check:
+    """In this process: the recipe's model (depth 2, random weights: masking does not depend on them) with its
+    attention kernel, a micro-batch the trainer's collate builds from the recipe's own tokenized rows."""
+    import torch
+
+    from accel_fsdp.data import batches
+    from accel_fsdp.data.prepare import prepare_data
+    from accel_fsdp.model.build import model_config
+    from accel_fsdp.config.recipe import load_recipe
+    from accel_fsdp.model.tokenizer import build_tokenizer
+
+    recipe = load_recipe(v.recipe.source, v.sets(f"model.config_overrides.{layer_key(v.recipe)}=2",
+                                                 "data.eval_fraction=0", "data.max_rows=400"))
+    device = torch.device("cuda" if v.device == "cuda" else "cpu")
+    attn = recipe.model.attn_implementation or "sdpa"
+    if "flash" in attn and device.type != "cuda":
+        return Check("packing", "SKIP", f"{attn} needs a GPU")
+    tokenizer = build_tokenizer(recipe)
+    data = prepare_data(recipe, tokenizer)
+    config = model_config(recipe, tokenizer=tokenizer)
+    torch.manual_seed(0)  # random weights of the architecture: no download, and masking does not depend on them
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(v.precision, torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn).to(device).eval()
+    layout = batches.batch_layout(model.config._attn_implementation, True)
+    rows = data.train[list(range(min(len(data.train), max(2, recipe.training.micro_batch_size))))]
+    batch = {k: (t.to(device) if torch.is_tensor(t) else t) for k, t in
+             batches.collate(rows, tokenizer.pad_token_id, True, layout=layout).items()}
+    batch.pop("labels")
+    worst, documents = 0.0, 0
+    with torch.no_grad():
+        logits = model(**batch, use_cache=False).logits.float()
+        flat = layout == batches.PADDING_FREE
+        for r, (ids, pos, n) in enumerate(zip(rows["input_ids"], rows["position_ids"], rows["length"])):
+            starts = [i for i, p in enumerate(pos[:n]) if p == 0] + [n]
+            offset = sum(rows["length"][:r]) if flat else 0
+            for a, b in zip(starts, starts[1:]):
+                alone = model(input_ids=torch.tensor([ids[a:b]], device=device)).logits.float()[0]
+                packed = logits[0, offset + a:offset + b] if flat else logits[r, a:b]
+                worst = max(worst, float((packed - alone).abs().max() / alone.abs().max().clamp(min=1e-6)))
+                documents += 1
+    limit = 1e-4 if dtype == torch.float32 else 3e-2
+    return Check("packing", "PASS" if worst <= limit else "FAIL",
+                 f"{documents} documents in {len(rows['input_ids'])} rows ({layout} batch, {attn}): largest logit "
+                 f"difference to each document alone {worst:.1e} of the logit scale", f"{limit:g} ({v.precision})",
+                 {"documents": documents, "relative_difference": worst, "layout": layout, "attention": attn})
+
+
+def check_memory(v: Verification) -> Check:
+    from accel_fsdp.planning.memory import MemoryInputs, estimate
+
+    ref = v.probes["reference"]
+    info = ref.sharding()
+    if not info.get("state_bytes"):
+        return Check("memory", "FAIL", ref.failure())
+    counts = json.loads((ref.folder / "run_parameters.json").read_text())
+    settings = json.loads((ref.folder / "fsdp_settings.json").read_text())
+    strategy = settings["sharding_strategy"]["value"]
+    lora = counts["trainable"] < counts["parameters"]
+    predicted = estimate(MemoryInputs(
+        params=counts["parameters"], trainable=counts["trainable"], largest_unit=0, world=v.world,
+        shard_group=info["expected_shards"], strategy=strategy, precision="fp32" if v.precision == "fp32"
+        else "bf16-mixed", offload=settings["cpu_offload"]["value"], frozen_bytes=2 if lora and v.precision != "fp32"
+        else 4))
+    want = predicted.model_state + predicted.host
+    measured = [sum(r[k] for k in ("params", "grads", "optimizer", "frozen_params")) for r in info["state_bytes"]]
+    ratios = [m / want for m in measured]
+    ok = all(abs(r - 1) <= STATE_MARGIN for r in ratios)
+    text = f"model state per rank {', '.join(f'{r:.2f}' for r in ratios)} x the estimate ({want / 2**20:,.1f} MiB)"
+    data = {"state_ratio": ratios}
+    t = v.recipe.training
+    rows = ref.train_rows()
+    if v.device == "cuda" and rows:
+        peak = rows[-1].get("peak_memory_bytes_run") or rows[-1]["peak_memory_bytes"]
+        full = estimate(predicted_inputs(v, counts, info, strategy, settings))
+        peak_ratio = [p / full.total for p in peak]
+        ok &= all(r <= PEAK_MARGIN for r in peak_ratio)
+        text += f"; GPU peak {', '.join(f'{r:.2f}' for r in peak_ratio)} x the estimate"
+        data["peak_ratio"] = peak_ratio
+    text += f"; the recipe's micro batch ({t.micro_batch_size} x {v.recipe.data.seq_len} tokens) ran"
+    return Check("memory", "PASS" if ok else "FAIL", text,
+                 f"state within {STATE_MARGIN:.0%}" + (f", GPU peak at most {PEAK_MARGIN:.2f}x" if v.device == "cuda"
+                                                         else "; CPU peak memory is the whole process: not compared"),
+                 data)
+
+
+def predicted_inputs(v, counts, info, strategy, settings):
+    from accel_fsdp.planning.memory import MemoryInputs
+    from accel_fsdp.model.facts import facts_for
+
+    facts = facts_for(v.recipe)
+    return MemoryInputs(params=counts["parameters"], trainable=counts["trainable"],
+                        largest_unit=facts.block_params() if facts else 0, world=v.world,
+                        shard_group=info["expected_shards"], strategy=strategy,
+                        precision="fp32" if v.precision == "fp32" else "bf16-mixed",
+                        offload=settings["cpu_offload"]["value"],
+                        activation_checkpointing=settings["activation_checkpointing"]["value"],
+                        micro_batch=v.recipe.training.micro_batch_size, seq_len=v.recipe.data.seq_len,
+                        shape=facts.shape() if facts else None)
+
+
+def check_throughput(v: Verification) -> Check:
+    rows = v.probes["reference"].train_rows()[1:]  # the first step includes warm-up
+    if not rows:
+        return Check("throughput", "INFO", "no steps measured")
+    per_rank = statistics.median(r["tokens_per_s_per_rank"] for r in rows)
+    mfu = [r["mfu"] for r in rows if "mfu" in r]
+    return Check("throughput", "INFO", f"{per_rank:,.0f} tokens/s per rank" +
+                 (f", MFU {statistics.median(mfu):.1%}" if mfu else "") + f" ({v.device}, {v.precision})",
+                 "for the record", {"tokens_per_s_per_rank": per_rank, "mfu": statistics.median(mfu) if mfu else None})
+
+
+# -------------------------------------------------------------------------------------------------- driver
+
+
+def verify(recipe, config, num_processes: int | None, overrides: list[str], *, out_dir: Path, quick: bool,
+           layers: int | None, steps: int, only: list[str]) -> Verification:
+    from accel_fsdp.preflight import preflight
+
+    report = preflight(recipe, config, num_processes=num_processes, check_hub=True)
+    s = report.settings
+    v = Verification(recipe=recipe, config=config, world=s.num_processes.value, precision=s.mixed_precision.value,
+                     device=s.device.value, steps=steps, out_dir=out_dir, overrides=list(overrides), layers=layers)
+    prepare_folder(out_dir)
+    wanted = set(only or CHECKS)
+    sets = base_sets(v, steps)
+    extra = ["--num-processes", str(num_processes)] if num_processes else []
+    print(f"verify: {recipe.name} on {config.label}: {v.world} rank(s), {v.device}, {v.precision}; probes of "
+          f"{steps} steps in {out_dir}", flush=True)
+    needs_reference = wanted & {"sharding", "precision", "equivalence", "resume", "memory", "throughput"}
+    if needs_reference:
+        run_probe(v, "reference", sets, extra_args=extra, env={"ACCEL_FSDP_PROBE": "dtypes"})
+        record_counts(v.probes["reference"])
+    if "equivalence" in wanted:
+        micro = split_micro_batch(recipe, v.world)
+        if micro:
+            run_probe(v, "split", sets + [f"training.micro_batch_size={micro}", "training.max_steps=2"],
+                      extra_args=extra)
+        t = recipe.training
+        if not quick and v.world > 1 and t.global_batch_size % t.micro_batch_size == 0:
+            run_probe(v, "fewer-ranks", sets + ["training.max_steps=2"], extra_args=["--num-processes", "1"])
+    if "resume" in wanted and steps >= 3:
+        step_dir = v.out_dir / "reference" / "checkpoints" / "step-000002"
+        run_probe(v, "resume", sets, extra_args=[*extra, "--resume-from", str(step_dir)])
+    if "activation-checkpointing" in wanted:
+        keys = DROPOUT_KEYS.get(_model_type(recipe))
+        if keys:
+            dropout = [f"model.config_overrides.{k}=0.1" for k in keys] + ["training.max_steps=2"]
+            for name, on in (("ac-on", "true"), ("ac-off", "false")):
+                run_probe(v, name, sets + dropout + [f"model.activation_checkpointing={on}"], extra_args=extra)
+    runners = {"sharding": check_sharding, "precision": check_precision, "equivalence": check_equivalence,
+               "resume": check_resume, "packing": check_packing, "activation-checkpointing":
+               check_activation_checkpointing, "memory": check_memory, "throughput": check_throughput}
+    for name in CHECKS:
+        if name in wanted:
+            try:
+                v.checks.append(runners[name](v))
+            except UserError:
+                raise
+            except Exception as e:  # a check that cannot run says why instead of hiding the others
+                v.checks.append(Check(name, "FAIL", f"could not be measured: {type(e).__name__}: {e}"))
+    write_report(v)
+    return v
+
+
+def _model_type(recipe) -> str | None:
+    from accel_fsdp.model.facts import base_values
+
+    base = base_values(recipe)
+    return base[0] if base else None
+
+
+def record_counts(probe: Probe) -> None:
+    """Parameter counts of the probe run, from its checkpoint manifest (the run's own count)."""
+    manifests = sorted((probe.folder / "checkpoints").glob("step-*/manifest.json"))
+    if manifests:
+        m = json.loads(manifests[-1].read_text())
+        (probe.folder / "run_parameters.json").write_text(json.dumps(
+            {"parameters": m.get("parameters"), "trainable": m.get("trainable_parameters")}))
+
+
+def prepare_folder(out_dir: Path) -> None:
+    """The verify folder is ours alone: created, or an earlier verify's replaced; anything else is refused."""
+    if out_dir.exists():
+        if not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / MARKER).exists()):
+            raise UserError(Problem(str(out_dir), "exists and is not an earlier verify folder",
+                                    "give another --output-dir (nothing was changed)"))
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    (out_dir / MARKER).write_text(json.dumps({"started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
+
+
+def write_report(v: Verification) -> Path:
+    path = v.out_dir / "report.json"
+    report = {"recipe": v.recipe.name, "config": v.config.label, "ranks": v.world, "device": v.device,
+              "precision": v.precision, "steps": v.steps, "layers": v.layers,
+              "probes": {n: {"exit": p.returncode, "seconds": round(p.seconds, 1), "folder": str(p.folder)}
+                         for n, p in v.probes.items()},
+              "checks": [asdict(c) for c in v.checks],
+              "passed": not any(c.status == "FAIL" for c in v.checks)}
+    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (v.out_dir / MARKER).write_text(json.dumps({"report": str(path)}))
+    return path
+
+
+def format_table(v: Verification) -> str:
+    width = max(len(c.name) for c in v.checks)
+    lines = [f"{'CHECK':<{width}}  RESULT  MEASURED (TOLERANCE)"]
+    for c in v.checks:
+        lines.append(f"{c.name:<{width}}  {c.status:<6}  {c.measured}" + (f"  ({c.tolerance})" if c.tolerance else ""))
+    failed = sum(c.status == "FAIL" for c in v.checks)
+    passed = sum(c.status == "PASS" for c in v.checks)
+    lines.append(f"{passed} passed, {failed} failed" + (f", {sum(c.status == 'SKIP' for c in v.checks)} skipped"
+                                                        if any(c.status == "SKIP" for c in v.checks) else "")
+                 + f"; report: {v.out_dir / 'report.json'}")
+    return "\n".join(lines)

@@ -1,0 +1,191 @@
+"""The Accelerator of a run: Accelerate's FSDP plugin built from the resolved `FsdpSettings`.
+
+Every value comes from `launch_config.resolve_settings` (and is printed with its source); nothing here reads the
+environment or the config file again. On CPU ranks `cpu_fsdp.init_cpu_fsdp_state` makes Accelerate's own FSDP
+path shard for real.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from accel_fsdp.config.accelerate import MODEL_DEFAULT, FsdpSettings
+
+_ACCELERATE_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
+
+
+def build_fsdp_plugin(settings: FsdpSettings, *, for_planning: bool = False):
+    """Accelerate's FSDP plugin. `for_planning`: only to ask it for the wrap policy (the dry run), so leave out
+    the options that look for a device."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    s = settings
+    version = s.fsdp_version.value
+    classes = s.wrap_classes.value
+    named = [c for c in classes if c != MODEL_DEFAULT] or None
+    policy = s.wrap_policy.value.lower()
+    kwargs = dict(
+        fsdp_version=version,
+        auto_wrap_policy=policy,
+        transformer_cls_names_to_wrap=named if policy == "transformer_based_wrap" else None,
+        cpu_offload=_cpu_offload(s),
+        state_dict_type=s.state_dict_type.value,
+        # FSDP2: Accelerate would wrap blocks with checkpoint_wrapper(preserve_rng_state=False)
+        # (accelerate/utils/fsdp_utils.py, fsdp2_apply_ac, checked with 1.15.0), so the recompute would draw new
+        # dropout masks and the gradient would not be the gradient of the loss. `apply_activation_checkpointing`
+        # below wraps them itself, keeping the RNG. FSDP1's path (apply_activation_checkpointing) keeps it.
+        activation_checkpointing=bool(s.activation_checkpointing.value) and version == 1,
+        cpu_ram_efficient_loading=bool(s.cpu_ram_efficient_loading.value),
+        mixed_precision_policy=_mixed_precision_policy(version, s.mixed_precision.value),
+    )
+    if policy == "size_based_wrap":
+        kwargs["min_num_params"] = s.min_num_params.value
+    if version == 2:
+        kwargs["reshard_after_forward"] = s.sharding_strategy.value in ("FULL_SHARD", "HYBRID_SHARD")
+    else:
+        o = s.fsdp1_options.value
+        # Named explicitly: left unset, Accelerate would take FSDP_SHARDING_STRATEGY from the launch environment.
+        kwargs.update(sharding_strategy=s.sharding_strategy.value, backward_prefetch=o["backward_prefetch"],
+                      forward_prefetch=o["forward_prefetch"], limit_all_gathers=o["limit_all_gathers"],
+                      use_orig_params=o["use_orig_params"], sync_module_states=o["sync_module_states"])
+        if kwargs["cpu_ram_efficient_loading"]:
+            kwargs["sync_module_states"] = True
+    if for_planning:
+        kwargs.update(cpu_ram_efficient_loading=False, cpu_offload=False)
+        if version == 1:
+            kwargs["sync_module_states"] = False
+    return FullyShardedDataParallelPlugin(**kwargs)
+
+
+def _cpu_offload(settings: FsdpSettings):
+    if not settings.cpu_offload.value:
+        return False
+    if settings.device.value == "cpu" and settings.fsdp_version.value == 2:
+        # Without an accelerator there is no pinned memory; the offload path still runs (CPU to CPU copies).
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        return CPUOffloadPolicy(pin_memory=False)
+    return True
+
+
+def _mixed_precision_policy(version: int, precision: str):
+    """bf16/fp16 compute with fp32 master weights and fp32 gradient reduction (the torchtitan default)."""
+    from accel_fsdp.train.faults import broken
+
+    reduce = torch.bfloat16 if broken("bf16-reduce") else torch.float32
+    if precision == "fp32":
+        return None
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    if version == 2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce)
+    from torch.distributed.fsdp import MixedPrecision
+
+    return MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype)
+
+
+def process_group_kwargs(settings: FsdpSettings):
+    """How the process group is created: its backend(s) and the timeout of every collective.
+
+    On CUDA the group always gets both backends, `cuda:nccl,cpu:gloo`. Accelerate adds the CPU one only when the
+    *launcher* exported FSDP_OFFLOAD_PARAMS=true or FSDP_STATE_DICT_TYPE=FULL_STATE_DICT (accelerate/state.py,
+    PartialState.__init__, checked with 1.15.0); CPU offload or a full state dict asked for by the recipe would
+    then reduce CPU tensors over NCCL ("No backend type associated with device type cpu", pytorch#148532). The
+    CPU backend also carries our small control messages (preemption flags) without a GPU sync.
+    """
+    from accelerate.utils import InitProcessGroupKwargs
+
+    timeout = timedelta(minutes=settings.collective_timeout_minutes.value)
+    backend = "cuda:nccl,cpu:gloo" if settings.device.value == "cuda" else "gloo"
+    return InitProcessGroupKwargs(backend=backend, timeout=timeout)
+
+
+def gradient_accumulation_plugin(settings: FsdpSettings, steps: int):
+    """`sync_each_batch=True`: reduce-scatter after every micro-step. Without it, `accumulate()` runs the
+    non-final micro-steps under no_sync, where FSDP2 keeps each unit's unsharded gradient, upcast to the fp32
+    reduce dtype, until the last micro-step (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py,
+    post_backward, checked with torch 2.13.0): a whole fp32 model of gradients on every rank."""
+    from accelerate.utils import GradientAccumulationPlugin
+
+    return GradientAccumulationPlugin(num_steps=steps, sync_each_batch=bool(settings.reduce_every_micro_step.value),
+                                      sync_with_dataloader=False)
+
+
+def apply_activation_checkpointing(model, settings: FsdpSettings):
+    """Wrap every FSDP unit class (the wrap classes) in a non-reentrant checkpoint that restores the RNG state
+    for the recompute, so dropout draws the same masks as in the forward. Only for FSDP2 (before `prepare`,
+    in the order Accelerate uses: checkpoint first, then `fully_shard` of the wrapped block)."""
+    if not settings.activation_checkpointing.value or settings.fsdp_version.value != 2:
+        return model
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from accelerate.utils.other import get_module_children_bottom_up
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    from accel_fsdp.train.faults import broken
+
+    plugin = build_fsdp_plugin(settings, for_planning=True)
+    plugin.set_auto_wrap_policy(model)
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    if policy is None:
+        return model
+    for name, module in get_module_children_bottom_up(model, return_fqns=True)[:-1]:
+        if policy(module):
+            model.set_submodule(name, checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                                         preserve_rng_state=not broken("ac-rng")))
+    return model
+
+
+def build_parallelism_config(settings: FsdpSettings):
+    """Hybrid sharding under FSDP2: shard inside a group of dp_shard_size ranks, replicate across groups."""
+    if settings.fsdp_version.value != 2 or settings.sharding_strategy.value != "HYBRID_SHARD":
+        return None
+    from accelerate.parallelism_config import ParallelismConfig
+
+    return ParallelismConfig(dp_replicate_size=settings.dp_replicate_size.value,
+                             dp_shard_size=settings.dp_shard_size.value)
+
+
+def build_accelerator(settings: FsdpSettings, *, gradient_accumulation_steps: int, run_dir: Path | None,
+                      trackers: list[str] = ()):
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    plugin = build_fsdp_plugin(settings)
+    parallelism = build_parallelism_config(settings)
+    precision = _ACCELERATE_PRECISION[settings.mixed_precision.value]
+    group = process_group_kwargs(settings)
+    cpu = settings.device.value == "cpu"
+    from accel_fsdp.train.faults import broken
+
+    if cpu and not broken("unsharded"):  # broken on purpose: what stock Accelerate does on CPU (replicas)
+        from accel_fsdp.train.cpu_fsdp import init_cpu_fsdp_state
+
+        init_cpu_fsdp_state(plugin, mixed_precision=precision, parallelism_config=parallelism,
+                            process_group=group.to_kwargs())
+    project = ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / "logs")) if run_dir else None
+    return Accelerator(
+        cpu=cpu,
+        mixed_precision=precision,
+        fsdp_plugin=plugin,
+        parallelism_config=parallelism,
+        gradient_accumulation_plugin=gradient_accumulation_plugin(settings, gradient_accumulation_steps),
+        kwargs_handlers=[group],
+        log_with=list(trackers) or None,
+        project_config=project,
+        # The LR scheduler is stepped by the loop once per optimizer step; it is not prepared.
+        step_scheduler_with_optimizer=False,
+    )
+
+
+def expected_shards(settings: FsdpSettings) -> int:
+    """Into how many pieces each rank's parameters are cut."""
+    strategy = settings.sharding_strategy.value
+    if strategy == "NO_SHARD":
+        return 1
+    if strategy == "HYBRID_SHARD":
+        return settings.dp_shard_size.value
+    return settings.num_processes.value

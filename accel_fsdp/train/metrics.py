@@ -1,0 +1,254 @@
+"""What a run reports: the metrics JSONL file, trackers, peak memory per rank, throughput and MFU.
+
+One row per logged optimizer step in `<run>/metrics.jsonl` (written by the main process):
+    {"kind": "train", "step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_rank", "step_time_s",
+     "peak_memory_bytes": [one per rank], "tokens_seen", "mfu" (GPU only)}
+    {"kind": "eval", "step", "eval_loss", "eval_ppl", "eval_tokens"}
+The same numbers go to the trackers (tensorboard, wandb) through `accelerator.log`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+# Dense peak FLOP/s of common accelerators for MFU, per compute dtype: (bf16/fp16 tensor cores, fp32 without
+# TF32). Matched by the longest key contained in the device name, so "H100 PCIe" and "H100 NVL" are not read as
+# the SXM part. Vendor datasheets (dense, no sparsity).
+PEAK_FLOPS: dict[str, tuple[float, float]] = {
+    "H100 PCIe": (756e12, 51e12), "H100 NVL": (835e12, 60e12), "H100": (989e12, 67e12),
+    "H200 NVL": (835e12, 60e12), "H200": (989e12, 67e12), "GH200": (989e12, 67e12), "H800": (989e12, 67e12),
+    "H20": (148e12, 44e12), "B200": (2250e12, 80e12), "B100": (1750e12, 60e12),
+    "A100": (312e12, 19.5e12), "A800": (312e12, 19.5e12), "A40": (150e12, 37.4e12), "A30": (165e12, 10.3e12),
+    "A10G": (70e12, 31.2e12), "A10": (125e12, 31.2e12), "L40S": (362e12, 91.6e12), "L40": (181e12, 90.5e12),
+    "L4": (121e12, 30.3e12), "RTX 6000 Ada": (364e12, 91.1e12), "RTX 4090": (165e12, 82.6e12),
+    "RTX 3090": (71e12, 35.6e12), "V100": (125e12, 15.7e12), "T4": (65e12, 8.1e12),
+    "MI300X": (1307e12, 163e12), "MI250X": (383e12, 47.9e12),
+}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank since the last `reset_peak_memory`: the CUDA allocator's peak on GPU, the peak
+    resident set size of the process (VmHWM) on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return _vm_hwm() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window (a logging window)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: writing 5 to clear_refs resets VmHWM to the current RSS (proc(5))
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _vm_hwm() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def peak_flops(device_name: str, precision: str) -> float | None:
+    """Dense peak FLOP/s of the named device for `precision` (bf16, fp16: tensor cores; fp32: plain fp32
+    unless TF32 matmuls are allowed, then the tensor-core figure halved, about what TF32 delivers)."""
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if key in device_name:
+            low, fp32 = PEAK_FLOPS[key]
+            if precision in ("bf16", "fp16"):
+                return low
+            if torch.backends.cuda.matmul.allow_tf32:
+                return low / 2
+            return fp32
+    return None
+
+
+def device_peak_flops(device: torch.device, precision: str = "bf16") -> float | None:
+    if device.type != "cuda":
+        return None
+    return peak_flops(torch.cuda.get_device_name(device), precision)
+
+
+def flops_per_token(config, seq_len: int, trainable_fraction: float = 1.0) -> float:
+    """Training FLOPs per token: 6 x dense parameters (forward 2N, backward 4N) plus attention 12 x L x H x S
+    (the PaLM appendix B accounting; embeddings excluded). LoRA skips the weight-gradient half of the
+    backward of frozen weights: about 4N instead of 6N."""
+    from accel_fsdp.planning.memory import shape_of
+
+    s = shape_of(config)
+    head_dim = s.hidden // s.heads
+    attn = s.hidden * s.heads * head_dim * 2 + s.hidden * s.kv_heads * head_dim * 2
+    mlp = (3 if s.gated_mlp else 2) * s.hidden * s.intermediate
+    dense = s.layers * (attn + mlp) + s.vocab * s.hidden  # the output projection counts, the embedding lookup not
+    per_param = 6.0 if trainable_fraction >= 0.5 else 4.0
+    return per_param * dense + 12.0 * s.layers * s.heads * head_dim * seq_len
+
+
+class MetricsWriter:
+    """Appends rows to metrics.jsonl (main process only) and forwards them to the trackers."""
+
+    def __init__(self, accelerator, path: Path, start_step: int):
+        self.accelerator = accelerator
+        self.path = path
+        if accelerator.is_main_process and path.exists():
+            # A resumed run repeats the steps after its checkpoint: drop their rows from the interrupted attempt.
+            kept = [r for r in read_metrics(path, strict=False) if r.get("step", 0) <= start_step] if start_step else []
+            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def write(self, row: dict, step: int) -> None:
+        if self.accelerator.is_main_process:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+        if self.accelerator.trackers:
+            self.accelerator.log({f"{row['kind']}/{k}": v for k, v in scalars.items()}, step=step)
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))
+
+
+def read_metrics(path: Path, *, strict: bool = True) -> list[dict]:
+    """The rows of a metrics file. A last line cut short (the run was killed while writing it) is skipped. A
+    damaged line elsewhere is a UserError naming it (`strict`), or skipped (a resume rewrites the file anyway)."""
+    from accel_fsdp.errors import Problem, UserError
+
+    if not path.exists():
+        return []
+    try:
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError as e:
+        raise UserError(Problem(str(path), f"cannot be read ({e.strerror or e})", "check the file")) from None
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+            why = row_problem(row)
+        except ValueError:
+            row, why = None, "not JSON"
+        if why is None:
+            rows.append(row)
+        elif i == len(lines) - 1 and why == "not JSON" or not strict:
+            continue  # a last line cut short by a kill, or a resume that rewrites the file anyway
+        else:
+            raise UserError(Problem(f"{path}:{i + 1}", f"is not a metrics row: {why} (the file was edited or "
+                                    "damaged)", f"delete or repair line {i + 1}"))
+    return rows
+
+
+# The numbers each kind of row must carry (what report and bench read).
+_ROW_NUMBERS = {"train": ("loss", "tokens_per_s", "tokens_per_s_per_rank", "step_time_s"),
+                "eval": ("eval_loss", "eval_ppl"), "startup": ("time_to_first_step_s",)}
+
+
+def row_problem(row) -> str | None:
+    """What makes `row` not a metrics row, or None."""
+    if not isinstance(row, dict) or row.get("kind") not in _ROW_NUMBERS:
+        return "no known kind"
+    step = row.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"step {step!r} is not a step number"
+    for key in _ROW_NUMBERS[row["kind"]]:
+        value = row.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"{key} {value!r} is not a number"
+    if row["kind"] == "train":
+        peaks = row.get("peak_memory_bytes")
+        if not isinstance(peaks, list) or not all(isinstance(p, int) and not isinstance(p, bool) for p in peaks):
+            return "peak_memory_bytes is not a list of byte counts"
+    return None
+
+
+class PeakMemory:
+    """Resident memory of this process, sampled every few milliseconds by a background thread from now until
+    `stop()`: the peak of this operation alone, not of whatever the process did before."""
+
+    def __init__(self, interval: float = 0.002):
+        import threading
+
+        self.baseline = self.peak = rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(interval,), daemon=True)
+        self._thread.start()
+
+    def _sample(self, interval: float) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            self._stop.wait(interval)
+
+    def stop(self) -> "PeakMemory":
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+        return self
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.baseline
+
+
+def rss_bytes() -> int:
+    """Current resident memory of this process."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+START_ENV = "ACCEL_FSDP_T0"
+"""Set by the CLI to the wall-clock time its command started, so the ranks measure time to first step from there."""
+
+
+class StartupClock:
+    """Where the time to the first optimizer step goes: launch (the command's start to this process's start),
+    imports, data, model build, sharding, first step. Marks are taken in order; `phases` are the gaps."""
+
+    def __init__(self):
+        self.start = float(os.environ.get(START_ENV) or _process_start_time())
+        self.marks: list[tuple[str, float]] = [("launch", _process_start_time())]
+
+    def mark(self, phase: str) -> None:
+        """`phase` ended now."""
+        self.marks.append((phase, time.time()))
+
+    def phases(self) -> dict[str, float]:
+        out, last = {}, self.start
+        for name, t in self.marks:
+            out[name] = round(max(0.0, t - last), 3)
+            last = t
+        return out
+
+    def summary(self) -> str:
+        phases = self.phases()
+        return (f"first optimizer step after {sum(phases.values()):.1f}s ("
+                + ", ".join(f"{name} {seconds:.1f}" for name, seconds in phases.items()) + ")")
+
+
+def _process_start_time() -> float:
+    """Wall-clock start of this process (Linux: /proc; elsewhere: now)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return time.time()
