@@ -15,8 +15,9 @@ from pathlib import Path
 from accel_fsdp.model import checks as model_checks
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model.tokenizer import offline_tokenizer
-from accel_fsdp.config.accelerate import (AccelerateConfig, FsdpSettings, check_settings, detect_wrap_classes,
-                                      load_accelerate_config, resolve_settings)
+from accel_fsdp.config.accelerate import AccelerateConfig, load_accelerate_config
+from accel_fsdp.config.settings import (FsdpSettings, Setting, Source, check_settings, detect_wrap_classes,
+                                        resolve_settings)
 from accel_fsdp.config.shipped import shipped_accelerate_configs
 
 
@@ -62,12 +63,12 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
     cuda = bool(cuda_here) or (for_target_hardware and not config.get("use_cpu"))
     settings = resolve_settings(recipe, config, cuda_available=cuda, num_processes=num_processes)
     if for_target_hardware and cuda and not cuda_here:
-        settings.device.source = "the config's target hardware (this machine has no GPU)"
+        settings.device = Setting(settings.device.value, Source.TARGET_HARDWARE, "this machine has no GPU")
     report = PreflightReport(settings=settings, config=config, num_processes=settings.num_processes.value)
     here = cuda_here or None
     problems: list[Problem] = list(check_settings(settings, recipe, visible_gpus=None if for_target_hardware else here))
     if here is not None:
-        from accel_fsdp.config.accelerate import gpu_count_problems, idle_gpu_note
+        from accel_fsdp.config.settings import gpu_count_problems, idle_gpu_note
 
         if for_target_hardware:  # judged for other hardware: what this machine would do is only a note
             report.notes += [f"on this machine: {p.message}" for p in gpu_count_problems(settings, here)]
@@ -106,16 +107,38 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
                             "cache: wrap class and context length are checked when training starts")
     if view is not None:
         report.model_class, report.parameters = view.class_name, view.params
-        detect_wrap_classes(settings, view.no_split_modules)
-        problems += (model_checks.context_problems(recipe, view.context) +
-                     model_checks.wrap_class_problems(settings, view, recipe) +
-                     model_checks.lora_target_problems(view, recipe))
+        problems += model_problems(recipe, settings, view)
 
     if check_data and not problems:
         problems += _check_data(recipe, report)
     if problems:
         raise UserError(problems, title=f"{len(problems)} problems found before launching")
     return report
+
+
+# The stages of the check pipeline that the ranks run again on what they really built (train/setup.py, and so the
+# baseline): the settings of this launch, then the model against them.
+
+
+def settings_for_launch(recipe, config: AccelerateConfig, *, cuda_available: bool, num_processes: int,
+                        num_machines: int) -> FsdpSettings:
+    """The settings of the launch this process is part of, checked against this machine's GPUs."""
+    settings = resolve_settings(recipe, config, cuda_available=cuda_available, num_processes=num_processes,
+                                num_machines=num_machines)
+    gpus = visible_cuda_devices() if settings.device.value == "cuda" else None
+    problems = check_settings(settings, recipe, visible_gpus=gpus)
+    if problems:
+        raise UserError(problems, title=f"{len(problems)} problems with this recipe on this hardware")
+    return settings
+
+
+def model_problems(recipe, settings: FsdpSettings, view) -> list[Problem]:
+    """The model (facts or a meta-device build) against the recipe and the settings: context length, wrap class
+    (detected from the model when no config names one), LoRA targets."""
+    detect_wrap_classes(settings, view.no_split_modules)
+    return (model_checks.context_problems(recipe, view.context)
+            + model_checks.wrap_class_problems(settings, view, recipe)
+            + model_checks.lora_target_problems(view, recipe))
 
 
 VERIFY_BEFORE_LAUNCH_BYTES = 2 << 30
@@ -142,7 +165,7 @@ def _check_resume(recipe, settings, layout, resume_from: str | None) -> list[str
     from accel_fsdp.checkpoint import store as ckpt
 
     info = ckpt.checkpoint_to_resume(layout.checkpoints, resume_from)
-    if sum(info.manifest.get("files", {}).values()) <= VERIFY_BEFORE_LAUNCH_BYTES:
+    if info.manifest.total_bytes <= VERIFY_BEFORE_LAUNCH_BYTES:
         ckpt.verify_files(info)  # small: read it all here; larger ones are checked by the ranks, in parallel
     return [f"resuming from {info.path}"] + ckpt.check_resume(info, recipe, settings)
 
@@ -153,7 +176,7 @@ def model_view(recipe):
     neither known nor on this machine."""
     from accel_fsdp.model import facts as model_facts
 
-    model_checks.raise_problems(model_checks.source_problems(recipe))
+    model_checks.raise_problems(model_checks.source_problems(recipe) + model_checks.override_value_problems(recipe))
     facts = model_facts.facts_for(recipe)
     if facts is not None:
         overrides = recipe.model.config_overrides

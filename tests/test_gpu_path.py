@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from accel_fsdp.cli.commands import main
 from accel_fsdp.errors import UserError
-from accel_fsdp.config.accelerate import check_settings, load_accelerate_config, resolve_settings
+from accel_fsdp.config.accelerate import load_accelerate_config
+from accel_fsdp.config.settings import Source, check_settings, resolve_settings
 from accel_fsdp.config.shipped import shipped_recipes
 from accel_fsdp.config.recipe import load_recipe, recipe_from_text
 
@@ -43,12 +44,12 @@ def test_cuda_process_group_always_has_a_cpu_backend_and_the_recipe_timeout():
 
     recipe = load_recipe(shipped_recipes()["llama-3.1-70b-lora"])
     settings = resolve_settings(recipe, load_accelerate_config("llama_fsdp_8gpu"), cuda_available=True)
-    assert settings.cpu_offload.value is True and settings.cpu_offload.source.startswith("recipe")
+    assert settings.cpu_offload.value is True and settings.cpu_offload.source == Source.RECIPE
     kwargs = process_group_kwargs(settings).to_kwargs()
     assert kwargs == {"backend": "cuda:nccl,cpu:gloo", "timeout": timedelta(minutes=60)}
     _, settings = settings_for("fsdp_2gpu", ["fsdp.collective_timeout_minutes=90"])
     assert process_group_kwargs(settings).to_kwargs()["timeout"] == timedelta(minutes=90)
-    assert settings.collective_timeout_minutes.source == "--set"
+    assert settings.collective_timeout_minutes.source == Source.OVERRIDE
     _, cpu = settings_for("fsdp_cpu", cuda=False)
     assert process_group_kwargs(cpu).backend == "gloo"
 
@@ -115,7 +116,7 @@ def test_fewer_processes_than_gpus_is_said(monkeypatch):
 
 
 def test_offloaded_optimizer_step_is_fused_and_gets_the_cores():
-    from accel_fsdp.train.loop import fused_optimizer, offload_threads
+    from accel_fsdp.train.setup import fused_optimizer, offload_threads
 
     _, gpu = settings_for("fsdp_2gpu")
     _, offload = settings_for("fsdp_2gpu_offload")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from accel_fsdp.errors import UserError
-from accel_fsdp.config.accelerate import (check_settings, config_from_environment, load_accelerate_config,
-                                      resolve_settings)
+from accel_fsdp.config.accelerate import config_from_environment, load_accelerate_config
+from accel_fsdp.config.settings import Source, check_settings, resolve_settings
 from accel_fsdp.config.shipped import shipped_accelerate_configs
 from accel_fsdp.config.recipe import recipe_from_text
 
@@ -61,12 +61,16 @@ def test_recipe_overrides_win_and_name_their_source():
     config = load_accelerate_config("fsdp_2gpu")
     s = resolve_settings(recipe(["fsdp.wrap_class=LlamaDecoderLayer", "checkpoint.state_dict_type=FULL_STATE_DICT"]),
                          config, cuda_available=True)
-    assert s.wrap_classes.value == ["LlamaDecoderLayer"] and s.wrap_classes.source == "--set"
-    assert s.state_dict_type.value == "FULL_STATE_DICT" and s.state_dict_type.source == "--set"
-    assert s.cpu_offload.source == "accelerate_configs/fsdp_2gpu.yaml"
+    assert s.wrap_classes.value == ["LlamaDecoderLayer"] and s.wrap_classes.source == Source.OVERRIDE
+    assert s.state_dict_type.value == "FULL_STATE_DICT" and str(s.state_dict_type) == "FULL_STATE_DICT  (--set)"
+    assert s.cpu_offload.source == Source.ACCELERATE_CONFIG
+    assert s.cpu_offload.source_text == "accelerate_configs/fsdp_2gpu.yaml"
+    assert s.to_dict()["cpu_offload"] == {"value": False, "source": "accelerate_configs/fsdp_2gpu.yaml",
+                                          "source_kind": "accelerate_config"}
     assert s.sharding_strategy.value == "FULL_SHARD"
     s = resolve_settings(recipe(), load_accelerate_config("fsdp_cpu"), cuda_available=False)
-    assert s.wrap_classes.source.startswith("default") and s.device.value == "cpu"
+    assert s.wrap_classes.source == Source.DEFAULT and s.device.value == "cpu"
+    assert s.wrap_classes.source_text == "default: the model's _no_split_modules"
 
 
 def test_batch_arithmetic_error_names_key_values_and_fix():

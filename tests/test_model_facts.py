@@ -53,3 +53,11 @@ def test_config_keys_are_the_config_class_keys(model_type):
     cls = CONFIG_MAPPING[model_type]
     assert CONFIG_KEYS[model_type] == set(cls().to_dict()) | set(cls.attribute_map)
     assert AutoConfig.for_model(model_type).model_type == model_type
+
+
+def test_activation_names_are_transformers_own():
+    from transformers.activations import ACT2FN
+
+    from accel_fsdp.model.checks import ACTIVATIONS
+
+    assert set(ACTIVATIONS) == set(ACT2FN)

@@ -381,6 +381,17 @@ CORPUS = [
      "500 new tokens do not fit in the model's context of 128 tokens"),
     ("set-into-a-value", lambda t: ["recipe", "validate", "quickstart", "--set", "training.lr.value=1"],
      "training.lr is a value, not a section with keys"),
+    # model sizes and names that transformers would truncate, divide by, or not know
+    ("layers-not-whole", lambda t: ["recipe", "validate", "quickstart", "--set", "model.config_overrides.n_layer=2.5"],
+     "model.config_overrides.n_layer: 2.5 is not a whole number"),
+    ("heads-zero", lambda t: ["recipe", "validate", "quickstart", "--set", "model.config_overrides.n_head=0"],
+     "model.config_overrides.n_head: 0 is not above zero"),
+    ("activation-unknown", lambda t: ["recipe", "validate", "quickstart",
+                                      "--set", "model.config_overrides.activation_function=gelux"],
+     "'gelux' is not an activation transformers knows"),
+    ("estimate-of-a-recipe-that-cannot-build", lambda t: [
+        "estimate", write(t / "r.yaml", shipped_recipes()["quickstart"].read_text().replace(
+            "n_head: 4", "n_head: 3"))], "width 128 is not divisible by 3 attention heads"),
     # where the model comes from
     ("model-folder-missing", lambda t: ["recipe", "validate", "quickstart", "--set", "model.architecture=null",
                                         "--set", "model.name_or_path=./no-such-model"],
@@ -415,7 +426,7 @@ CORPUS = [
                                                 "--set", "model.config_overrides.n_head=3"],
      "width 128 is not divisible by 3 attention heads"),
     ("override-no-layers", lambda t: ["recipe", "validate", "quickstart", "--set", "model.config_overrides.n_layer=-2"],
-     "the model's layers would be -2"),
+     "model.config_overrides.n_layer: -2 is not above zero"),
     ("override-vocab-below-tokenizer", lambda t: ["recipe", "validate", "quickstart",
                                                   "--set", "model.config_overrides.vocab_size=10"],
      "vocabulary of 10 is smaller than the tokenizer's"),

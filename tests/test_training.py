@@ -45,7 +45,8 @@ def test_tiny_gpt2_trains_and_each_rank_holds_only_its_shard(tmp_path, tiny_gpt2
     assert "--- FSDP settings (value, source) ---" in proc.stdout
     assert "wrap_classes" in proc.stdout and "accelerate_configs/fsdp_cpu.yaml" in proc.stdout
     settings = json.loads((run / "fsdp_settings.json").read_text())
-    assert settings["wrap_classes"] == {"value": ["GPT2Block"], "source": "detected: model._no_split_modules"}
+    assert settings["wrap_classes"] == {"value": ["GPT2Block"], "source": "detected: model._no_split_modules",
+                                        "source_kind": "detected"}
     assert settings["mixed_precision"]["value"] == "bf16"
     assert "max_steps: 30" in (run / "recipe.yaml").read_text()
 
@@ -72,7 +73,8 @@ def test_tiny_llama_trains_with_its_decoder_layer_as_unit(tmp_path, tiny_llama, 
         scalars.update({tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]})
     assert scalars["train/loss"] == [5, 10, 15, 20] and "eval/eval_loss" in scalars
     settings = json.loads((run / "fsdp_settings.json").read_text())
-    assert settings["wrap_classes"] == {"value": ["LlamaDecoderLayer"], "source": "--set"}
+    assert settings["wrap_classes"] == {"value": ["LlamaDecoderLayer"], "source": "--set",
+                                        "source_kind": "override"}
     assert settings["device"]["value"] == "cpu"
     rows = [r for r in read_metrics(run) if r["kind"] == "train"]
     assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
@@ -149,5 +151,6 @@ def test_stock_accelerate_launch_spelling(tmp_path, tiny_gpt2, stories):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     settings = json.loads((tmp_path / "run" / "fsdp_settings.json").read_text())
-    assert settings["fsdp_version"] == {"value": 2, "source": "accelerate launch environment"}
+    assert settings["fsdp_version"] == {"value": 2, "source": "accelerate launch environment",
+                                        "source_kind": "accelerate_config"}
     assert len(json.loads((tmp_path / "run" / "sharding.json").read_text())["local_parameters"]) == 2

@@ -25,11 +25,13 @@ from pathlib import Path
 
 import torch
 
-from accel_fsdp.checkpoint.store import HF_DIR, MODEL_DIR, MODEL_FILE, CheckpointInfo
+from accel_fsdp.checkpoint.store import CheckpointInfo
+from accel_fsdp.config.precision import PRECISIONS, TRANSFORMERS, compute_dtype
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.run.layout import HF_DIR, MODEL_DIR, MODEL_FILE, RECIPE_FILE
 from accel_fsdp.train.metrics import PeakMemory
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {p: compute_dtype(p) for p in PRECISIONS}
 MARKER = "accel_fsdp_export.json"
 
 
@@ -60,7 +62,7 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
     start = time.perf_counter()
     out_dir = Path(out_dir)
     _check_destination(out_dir)
-    adapter = bool(info.manifest.get("lora"))
+    adapter = bool(info.manifest.lora)
     try:
         reader = _TensorSource(info)
         keys = _output_keys(info, reader, adapter)
@@ -76,11 +78,11 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
         prefix = "adapter_model" if adapter else "model"
         files, total, largest = _write_shards(reader, keys, tmp, prefix, DTYPES[dtype], max_shard_size)
         _copy_hf_files(info, tmp, dtype, adapter)
-        (tmp / "recipe.yaml").write_bytes((info.path / "recipe.yaml").read_bytes())
+        (tmp / RECIPE_FILE).write_bytes((info.path / RECIPE_FILE).read_bytes())
         if adapter and merge_lora:
             _merge_lora(tmp, tmp / "merged", dtype, base_model)
         written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-        (tmp / MARKER).write_text(json.dumps({"checkpoint": str(info.path), "step": info.manifest.get("step"),
+        (tmp / MARKER).write_text(json.dumps({"checkpoint": str(info.path), "step": info.manifest.step,
                                               "dtype": dtype, "adapter": adapter, "files": written}, indent=1))
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -239,7 +241,7 @@ def _copy_hf_files(info: CheckpointInfo, folder: Path, dtype: str, adapter: bool
             shutil.copy2(f, folder / f.name)
     if not adapter:
         config = json.loads((folder / "config.json").read_text())
-        config["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
+        config["dtype"] = TRANSFORMERS[dtype]
         (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

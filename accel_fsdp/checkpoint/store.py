@@ -23,26 +23,25 @@ which use torch.distributed.checkpoint; LoRA runs save only the adapter weights 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
 import re
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from accel_fsdp.checkpoint.records import FORMAT, DamagedRecord, Manifest, TrainerState
 from accel_fsdp.errors import Problem, UserError
+# A checkpoint's file names live with every other path of a run, in run/layout.py.
+from accel_fsdp.run.layout import (HF_DIR, MANIFEST, RECIPE_FILE, SCALER_FILE, SETTINGS_FILE, TRAINER_STATE, RunLayout,
+                                   rng_file)
 
-FORMAT = "accel-fsdp-checkpoint/1"
-MANIFEST = "manifest.json"
-TRAINER_STATE = "trainer_state.json"
-MODEL_DIR = "pytorch_model_fsdp_0"
-MODEL_FILE = "pytorch_model_fsdp.bin"
-HF_DIR = "hf"
 _NAME = re.compile(r"^step-(\d{6,})$")
 
 
@@ -53,11 +52,16 @@ def checkpoint_name(step: int) -> str:
 # --------------------------------------------------------------------------------------------------- save
 
 
-def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, step: int, trainer_state: dict,
+def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, step: int,
+                    trainer_state: TrainerState | dict,
                     recipe, settings, tokenizer, lora: bool, keep_last: int | None, faults=None,
                     run_id: str | None = None) -> Path:
-    """Write the checkpoint of optimizer step `step` atomically; rotate old ones. Collective: all ranks call it."""
+    """Write the checkpoint of optimizer step `step` atomically; rotate old ones. Collective: all ranks call it.
+    `trainer_state` is a TrainerState (a dict with its keys is accepted too); the scheduler's state is added here."""
     from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
+
+    if not isinstance(trainer_state, TrainerState):
+        trainer_state = TrainerState.from_dict(trainer_state)
 
     name = checkpoint_name(step)
     final, tmp = root / name, root / f".tmp-{name}"
@@ -75,16 +79,16 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, ste
         plugin = accelerator.state.fsdp_plugin
         save_fsdp_model(plugin, accelerator, model, str(tmp), adapter_only=lora)
         save_fsdp_optimizer(plugin, accelerator, optimizer, model, str(tmp))
-        torch.save(_rng_state(), tmp / f"rng_state_{accelerator.process_index}.pt")
+        torch.save(_rng_state(), tmp / rng_file(accelerator.process_index))
         if faults is not None:
             faults.in_save(step)
         if main:
             if accelerator.scaler is not None:
-                torch.save(accelerator.scaler.state_dict(), tmp / "scaler.pt")
-            state = dict(trainer_state, scheduler=scheduler.state_dict())
-            (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1, default=_jsonable))
-            (tmp / "recipe.yaml").write_text(recipe.to_yaml())
-            (tmp / "fsdp_settings.json").write_text(json.dumps(settings.to_dict(), indent=1, default=str))
+                torch.save(accelerator.scaler.state_dict(), tmp / SCALER_FILE)
+            state = dataclasses.replace(trainer_state, scheduler=scheduler.state_dict())
+            (tmp / TRAINER_STATE).write_text(json.dumps(state.to_dict(), indent=1, default=_jsonable))
+            (tmp / RECIPE_FILE).write_text(recipe.to_yaml())
+            (tmp / SETTINGS_FILE).write_text(json.dumps(settings.to_dict(), indent=1, default=str))
             _save_hf_files(accelerator, model, tokenizer, tmp / HF_DIR)
     except (OSError, CheckpointException) as e:  # DCP reports a failed write on any rank to every rank
         error = e
@@ -107,24 +111,13 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, ste
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
     checksums = _checksums_over_ranks(accelerator, tmp, sorted(files))
     if main:
-        manifest = {
-            "format": FORMAT,
-            "step": step,
-            "epoch": trainer_state.get("epoch"),
-            "world_size": accelerator.num_processes,
-            "state_dict_type": settings.state_dict_type.value,
-            "fsdp_version": settings.fsdp_version.value,
-            "lora": lora,
-            "recipe_fingerprint": recipe.fingerprint(),
-            "run_id": run_id,
-            "parameters": trainer_state.get("parameters"),
-            "trainable_parameters": trainer_state.get("trainable_parameters"),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "versions": _versions(),
-            "files": files,
-            "crc32": checksums,
-        }
-        _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        manifest = Manifest(
+            format=FORMAT, step=step, epoch=trainer_state.epoch, world_size=accelerator.num_processes,
+            state_dict_type=settings.state_dict_type.value, fsdp_version=settings.fsdp_version.value, lora=lora,
+            recipe_fingerprint=recipe.fingerprint(), run_id=run_id, parameters=trainer_state.parameters,
+            trainable_parameters=trainer_state.trainable_parameters, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            versions=_versions(), files=files, crc32=checksums)
+        _write_synced(tmp / MANIFEST, manifest.to_json())
         if final.exists():  # the same step saved again (e.g. the end of a resumed run): replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -165,7 +158,7 @@ def _checksums_over_ranks(accelerator, folder: Path, names: list[str]) -> dict[s
 def verify_files(info: CheckpointInfo, accelerator=None) -> None:
     """Compare every file of a checkpoint with the CRC-32 its manifest recorded; raise a UserError naming the damaged
     file(s) before anything reads them. With an `accelerator` (collective), the ranks share the reading."""
-    sums: dict[str, str] = info.manifest.get("crc32") or {}
+    sums = info.manifest.crc32
     names = sorted(sums)
     world = accelerator.num_processes if accelerator is not None else 1
     rank = accelerator.process_index if accelerator is not None else 0
@@ -311,7 +304,8 @@ class CheckpointInfo:
     complete: bool
     reason: str = ""
     """Why it is not complete."""
-    manifest: dict[str, Any] = field(default_factory=dict)
+    manifest: Manifest | None = None
+    """Its manifest when one could be read (also for some incomplete ones: another format, a missing file)."""
 
     @property
     def name(self) -> str:
@@ -327,47 +321,27 @@ def inspect_checkpoint(path: Path, *, verify: bool = False) -> CheckpointInfo:
     if path.name.startswith(".tmp-"):
         return CheckpointInfo(path, step, False, "a save that never finished (temporary folder)")
     if not manifest_path.is_file():
-        return CheckpointInfo(path, step, False, "no manifest.json (the save did not finish, or not a checkpoint)")
+        return CheckpointInfo(path, step, False, f"no {MANIFEST} (the save did not finish, or not a checkpoint)")
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
-        return CheckpointInfo(path, step, False, "manifest.json is corrupt")
-    shape = _manifest_shape_problem(manifest)
-    if shape:
-        return CheckpointInfo(path, step, False, f"manifest.json is damaged ({shape})")
-    if manifest.get("format") != FORMAT:
-        return CheckpointInfo(path, step, False, f"unknown format {manifest.get('format')!r}", manifest)
-    for rel, size in manifest.get("files", {}).items():
+        manifest = Manifest.read(path)
+    except DamagedRecord as e:
+        return CheckpointInfo(path, step, False, e.reason)
+    if manifest.format != FORMAT:
+        return CheckpointInfo(path, step, False, f"unknown format {manifest.format!r}", manifest)
+    for rel, size in manifest.files.items():
         f = path / rel
         if not f.is_file():
-            return CheckpointInfo(path, manifest.get("step"), False, f"{rel} is missing", manifest)
+            return CheckpointInfo(path, manifest.step, False, f"{rel} is missing", manifest)
         if f.stat().st_size != size:
-            return CheckpointInfo(path, manifest.get("step"), False,
+            return CheckpointInfo(path, manifest.step, False,
                                   f"{rel} has {f.stat().st_size} bytes, the manifest says {size}", manifest)
     if verify:
-        for rel, crc in (manifest.get("crc32") or {}).items():
+        for rel, crc in manifest.crc32.items():
             if crc32_of(path / rel) != crc:
-                return CheckpointInfo(path, manifest.get("step"), False,
+                return CheckpointInfo(path, manifest.step, False,
                                       f"{rel} changed since it was saved (CRC-32 differs from the manifest's)",
                                       manifest)
-    return CheckpointInfo(path, manifest.get("step"), True, "", manifest)
-
-
-def _manifest_shape_problem(manifest) -> str | None:
-    """What is wrong with a manifest that parses but is not one of ours (edited by hand, or damaged in place)."""
-    if not isinstance(manifest, dict):
-        return f"a JSON {type(manifest).__name__}, not an object"
-    if not isinstance(manifest.get("step"), int) or isinstance(manifest.get("step"), bool) or manifest["step"] < 0:
-        return f"step {manifest.get('step')!r} is not a step number"
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, int) for k, v in files.items()):
-        return "its file list is not a mapping of file to size"
-    if any(Path(k).is_absolute() or ".." in Path(k).parts for k in files):
-        return "its file list names paths outside the checkpoint"
-    crc = manifest.get("crc32", {})
-    if not isinstance(crc, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in crc.items()):
-        return "its checksums are not a mapping of file to CRC-32"
-    return None
+    return CheckpointInfo(path, manifest.step, True, "", manifest)
 
 
 def list_checkpoints(root: Path) -> list[CheckpointInfo]:
@@ -412,20 +386,9 @@ def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint", verify: bo
 
 
 def _checkpoint_folders_of(path: Path) -> list[Path]:
-    """Where a run folder keeps its checkpoints (run.json knows, also when checkpoint.dir moved them), or a
-    checkpoint folder itself."""
-    folders = []
-    from accel_fsdp.run.folder import RUN_FILE, RunIdentity, checkpoints_of
-
-    if (path / RUN_FILE).is_file():
-        try:
-            recorded = RunIdentity.read(path / RUN_FILE).checkpoint_dir
-        except UserError:
-            recorded = None
-        if recorded:
-            folders.append(checkpoints_of(path, recorded))
-    folders += [path / "checkpoints", path]
-    return list(dict.fromkeys(p.resolve() for p in folders))
+    """Where a run folder keeps its checkpoints (its run.json knows, also when checkpoint.dir moved them: see
+    RunLayout.at), then the folder itself (a checkpoint folder given directly)."""
+    return list(dict.fromkeys(p.resolve() for p in (RunLayout.at(path).checkpoints, Path(path))))
 
 
 # ------------------------------------------------------------------------------------------------- load
@@ -451,11 +414,11 @@ def check_resume(info: CheckpointInfo, recipe, settings) -> list[str]:
     from accel_fsdp.config.recipe import incompatible_keys
 
     try:
-        saved = yaml.safe_load((info.path / "recipe.yaml").read_text())
+        saved = yaml.safe_load((info.path / RECIPE_FILE).read_text())
         if not isinstance(saved, dict):
             raise ValueError("not a mapping")
     except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
-        raise UserError(Problem(str(info.path / "recipe.yaml"), f"is unreadable ({type(e).__name__}), so the recipe "
+        raise UserError(Problem(str(info.path / RECIPE_FILE), f"is unreadable ({type(e).__name__}), so the recipe "
                                 "that made this checkpoint is unknown", "use another checkpoint")) from None
     diff = incompatible_keys(saved, recipe.to_dict())
     if diff:
@@ -466,36 +429,40 @@ def check_resume(info: CheckpointInfo, recipe, settings) -> list[str]:
                                 "model.name_or_path"))
     m = info.manifest
     notes = []
-    if m.get("fsdp_version") != settings.fsdp_version.value:
-        raise UserError(Problem(str(info.path), f"was written with FSDP{m.get('fsdp_version')}, this run uses "
+    if m.fsdp_version != settings.fsdp_version.value:
+        raise UserError(Problem(str(info.path), f"was written with FSDP{m.fsdp_version}, this run uses "
                                 f"FSDP{settings.fsdp_version.value}; their optimizer states are not interchangeable",
-                                f"resume with an FSDP{m.get('fsdp_version')} accelerate config, or consolidate it "
+                                f"resume with an FSDP{m.fsdp_version} accelerate config, or consolidate it "
                                 "and start a new run from the export"))
-    if m.get("world_size") != settings.num_processes.value:
-        notes.append(f"resharding from {m.get('world_size')} to {settings.num_processes.value} ranks "
-                     f"({m.get('state_dict_type')} allows it); the data order is unchanged, the dropout RNG of "
+    if m.world_size != settings.num_processes.value:
+        notes.append(f"resharding from {m.world_size} to {settings.num_processes.value} ranks "
+                     f"({m.state_dict_type} allows it); the data order is unchanged, the dropout RNG of "
                      "ranks without a saved state restarts from the seed")
     return notes
 
 
-def load_checkpoint(accelerator, model, optimizer, scheduler, info: CheckpointInfo, *, lora: bool) -> dict:
-    """Restore model, optimizer, scheduler, scaler and RNG states; return the trainer state."""
+def load_checkpoint(accelerator, model, optimizer, scheduler, info: CheckpointInfo, *, lora: bool) -> TrainerState:
+    """Restore model, optimizer, scheduler, scaler and RNG states; return the trainer state (its scheduler state
+    consumed)."""
     from accelerate.utils import load_fsdp_model, load_fsdp_optimizer
 
     plugin = accelerator.state.fsdp_plugin
     current_type = plugin.state_dict_type
-    plugin.set_state_dict_type(info.manifest["state_dict_type"])  # read it the way it was written
+    plugin.set_state_dict_type(info.manifest.state_dict_type)  # read it the way it was written
     try:
         load_fsdp_model(plugin, accelerator, model, str(info.path), adapter_only=lora)
         load_fsdp_optimizer(plugin, accelerator, optimizer, model, str(info.path), adapter_only=lora)
     finally:
         plugin.set_state_dict_type(current_type)
-    state = json.loads((info.path / TRAINER_STATE).read_text())
-    scheduler.load_state_dict(state.pop("scheduler"))
-    if accelerator.scaler is not None and (info.path / "scaler.pt").exists():
-        accelerator.scaler.load_state_dict(torch.load(info.path / "scaler.pt", weights_only=True))
-    rng = info.path / f"rng_state_{accelerator.process_index}.pt"
-    if rng.exists() and info.manifest.get("world_size") == accelerator.num_processes:
+    state = TrainerState.read(info.path)
+    if state.scheduler is None:
+        raise DamagedRecord(info.path, f"{TRAINER_STATE} is damaged (no scheduler state)")
+    scheduler.load_state_dict(state.scheduler)
+    state.scheduler = None
+    if accelerator.scaler is not None and (info.path / SCALER_FILE).exists():
+        accelerator.scaler.load_state_dict(torch.load(info.path / SCALER_FILE, weights_only=True))
+    rng = info.path / rng_file(accelerator.process_index)
+    if rng.exists() and info.manifest.world_size == accelerator.num_processes:
         _set_rng_state(torch.load(rng, weights_only=False))
     accelerator.wait_for_everyone()
     return state
@@ -503,19 +470,17 @@ def load_checkpoint(accelerator, model, optimizer, scheduler, info: CheckpointIn
 
 def describe(info: CheckpointInfo) -> dict[str, Any]:
     """What `accel-fsdp checkpoint inspect` prints."""
-    m = info.manifest
-    files = m.get("files", {})
+    m = info.manifest or Manifest(step=info.step, format=None)  # no (readable) manifest: only the folder's step
     out = {"path": str(info.path), "complete": info.complete}
     if not info.complete:
         out["problem"] = info.reason
     out.update({
-        "step": m.get("step", info.step), "epoch": m.get("epoch"), "world_size": m.get("world_size"),
-        "state_dict_type": m.get("state_dict_type"), "fsdp_version": m.get("fsdp_version"), "lora": m.get("lora"),
-        "parameters": m.get("parameters"), "trainable_parameters": m.get("trainable_parameters"),
-        "bytes": sum(files.values()), "files": len(files), "created": m.get("created"),
-        "recipe_fingerprint": m.get("recipe_fingerprint"),
+        "step": m.step, "epoch": m.epoch, "world_size": m.world_size, "state_dict_type": m.state_dict_type,
+        "fsdp_version": m.fsdp_version, "lora": m.lora, "parameters": m.parameters,
+        "trainable_parameters": m.trainable_parameters, "bytes": m.total_bytes, "files": len(m.files),
+        "created": m.created, "recipe_fingerprint": m.recipe_fingerprint,
     })
-    recipe_file = info.path / "recipe.yaml"
+    recipe_file = info.path / RECIPE_FILE
     if recipe_file.exists():
         import yaml
 
@@ -525,7 +490,7 @@ def describe(info: CheckpointInfo) -> dict[str, Any]:
             r = None
         if not isinstance(r, dict) or not isinstance(r.get("model", {}), dict) or \
                 not isinstance(r.get("training", {}), dict):
-            out["recipe"] = {"name": "(recipe.yaml unreadable)", "model": None, "data": None,
+            out["recipe"] = {"name": f"({RECIPE_FILE} unreadable)", "model": None, "data": None,
                              "global_batch_size": None, "max_steps": None, "lr": None}
             return out
         model = r.get("model", {})

@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from accel_fsdp import __version__
+from accel_fsdp.config.precision import MEMORY, MEMORY_CHOICES
 from accel_fsdp.errors import Problem, UserError, raise_if, show_usage_error
 
 click.UsageError.show = show_usage_error  # one format for every user mistake, click's own included
@@ -136,8 +137,10 @@ def recipe_copy(name: str, dest: Path, force: bool) -> None:
 @click.option("--num-processes", type=click.IntRange(1, 1 << 20), help="All ranks of the job, overriding the config "
               "(what the SLURM script passes for its allocation).")
 @click.option("--num-machines", type=click.IntRange(1, 4096), help="Machines of the job, overriding the config.")
+@click.option("--output-dir", type=click.Path(path_type=Path), help="Run folder, to say where its checkpoints go. "
+              "Default: runs/<recipe name>.")
 def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_config: str | None,
-                    num_processes: int | None, num_machines: int | None) -> None:
+                    num_processes: int | None, num_machines: int | None, output_dir: Path | None) -> None:
     """Check a recipe with an accelerate config, offline: keys, types, ranges, batch arithmetic, wrap class,
     context length, data fields. Exit status 2 with every problem listed when something is wrong.
 
@@ -146,6 +149,7 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
     accel-fsdp recipe validate my.yaml --set training.global_batch_size=64
     """
     from accel_fsdp.preflight import load_config_or_default, preflight
+    from accel_fsdp.run.layout import RunLayout
 
     r = _load_recipe(name_or_path, overrides)
     config, n, why = load_config_or_default(accelerate_config)
@@ -159,11 +163,12 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
     if report.parameters:
         click.echo(f"  model: {report.model_class}, {report.parameters:,} parameters")
     t = r.training
-    k = t.global_batch_size // (t.micro_batch_size * s.num_processes.value)
+    k = t.accumulation_steps(s.num_processes.value)
     click.echo(f"  batch: global {t.global_batch_size} = micro {t.micro_batch_size} x {s.num_processes.value} "
                f"processes x {k} accumulation steps")
     if report.data_rows is not None:
         click.echo(f"  data: {r.data.path}: {report.data_rows:,} rows, format {r.data.format}")
+    click.echo(f"  checkpoints: {RunLayout.of(r, output_dir).checkpoints}")
     click.echo("  FSDP settings (value, source):")
     click.echo(s.format(indent=4))
     for note in report.notes:
@@ -281,14 +286,60 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
                + ("" if why == "given" else f" ({why})"), err=True)
     for note in report.notes:
         click.echo(f"note: {note}", err=True)
-    argv = ["recipe", "run", str(Path(r.source).absolute()), "--output-dir", str(run_dir)]
-    for item in overrides:
-        argv += ["--set", item]
-    argv += ["--resume", resume] * bool(resume) + ["--overwrite"] * overwrite + ["--benchmark"] * benchmark
-    argv += ["--verbose"] * verbose
-    if resume_from:
-        argv += ["--resume-from", str(Path(resume_from).absolute())]
+    # The ranks run this same command: what the user gave, with the paths the ranks must not resolve again (they
+    # may start elsewhere) made absolute, and without what the launcher alone consumes.
+    argv = child_argv(click.get_current_context(), parent_only=LAUNCHER_OPTIONS, given={
+        "name_or_path": str(Path(r.source).absolute()), "output_dir": str(run_dir),
+        "resume_from": str(Path(resume_from).absolute()) if resume_from else None})
     sys.exit(launch(config, argv, num_processes=n, machine=machine, run_dir=run_dir))
+
+
+LAUNCHER_OPTIONS = frozenset({"accelerate_config", "num_processes", "num_machines", "machine_rank", "main_process_ip",
+                              "main_process_port", "rendezvous_timeout", "dry_run", "gpu_memory"})
+"""Options of `recipe run` the launching process consumes (the accelerate config, the machines; a dry run never
+launches): never passed on to the ranks."""
+
+
+def child_argv(ctx: click.Context, *, parent_only=frozenset(), given: dict | None = None) -> list[str]:
+    """The argv that runs this command again in a child process, derived from the command's own parameters: its
+    subcommand path, then every parameter the user gave (not a default) in declaration order, each written as click
+    reads it back; `given` sets parameters the child must receive whatever the user typed (None: leave out), and
+    `parent_only` names those the parent alone consumes. A new option is forwarded without being listed here."""
+    from click.core import ParameterSource
+
+    given = given or {}
+    path, c = [], ctx
+    while c.parent is not None:
+        path.insert(0, c.info_name)
+        c = c.parent
+    argv = list(path)
+    for param in ctx.command.params:
+        name = param.name
+        if name in parent_only:
+            continue
+        if name in given:
+            value = given[name]
+        elif ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT,
+                                                ParameterSource.PROMPT):
+            value = ctx.params.get(name)
+        else:
+            continue
+        if value is None or (param.multiple and not value):
+            continue
+        if isinstance(param, click.Argument):
+            argv += [str(v) for v in value] if param.nargs != 1 else [str(value)]
+            continue
+        opt = next((o for o in param.opts if o.startswith("--")), param.opts[0])
+        if param.is_flag:  # a switch: written when on (or its --no- form when off), never with a value
+            on = param.flag_value if not param.is_bool_flag or isinstance(param.flag_value, bool) else True
+            if value == on:
+                argv.append(opt)
+            elif param.secondary_opts:
+                argv.append(next((o for o in param.secondary_opts if o.startswith("--")), param.secondary_opts[0]))
+            continue
+        for v in (value if param.multiple else [value]):
+            argv += [opt, *map(str, v)] if param.nargs != 1 else [opt, str(v)]
+    return argv
 
 
 def _finite(param, value):
@@ -352,6 +403,7 @@ def checkpoint_consolidate(checkpoint_or_run, out_dir, dtype, max_shard_size, me
     from accel_fsdp.checkpoint.store import resolve_checkpoint
     from accel_fsdp.checkpoint.consolidate import consolidate
     from accel_fsdp.planning.memory import parse_bytes, size_problem
+    from accel_fsdp.run.layout import RECIPE_FILE
 
     try:
         size = parse_bytes(max_shard_size)
@@ -362,14 +414,13 @@ def checkpoint_consolidate(checkpoint_or_run, out_dir, dtype, max_shard_size, me
         raise UserError(Problem(str(out_dir), f"is inside the checkpoint {info.path}", "write the export elsewhere"))
     if dtype is None:
         try:
-            saved = yaml.safe_load((info.path / "recipe.yaml").read_text()) or {}
+            saved = yaml.safe_load((info.path / RECIPE_FILE).read_text()) or {}
             dtype = saved.get("checkpoint", {}).get("export_dtype", "fp32")
         except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
             dtype = "fp32"
-    if merge and not info.manifest.get("lora"):
+    if merge and not info.manifest.lora:
         raise UserError(Problem("--merge", f"{info.path} is not a LoRA checkpoint", "drop --merge"))
-    click.echo(f"consolidating {info.path} (step {info.manifest.get('step')}, "
-               f"{info.manifest.get('state_dict_type')}) -> {out_dir}")
+    click.echo(f"consolidating {info.path} (step {info.manifest.step}, {info.manifest.state_dict_type}) -> {out_dir}")
     report = consolidate(info, out_dir, dtype=dtype, max_shard_size=size, merge_lora=merge, base_model=base_model)
     click.echo(report.summary())
 
@@ -395,7 +446,8 @@ def checkpoint_inspect(path: Path, as_json: bool) -> None:
     if (path / MANIFEST).exists() or path.name.startswith(("step-", ".tmp-step-")):
         infos = [inspect_checkpoint(path, verify=True)]
     else:
-        folder = next((f for f in _checkpoint_folders_of(path) if list_checkpoints(f)), path / "checkpoints")
+        folders = _checkpoint_folders_of(path)  # the run's own checkpoint folder first (RunLayout.at)
+        folder = next((f for f in folders if list_checkpoints(f)), folders[0])
         infos = [inspect_checkpoint(c.path, verify=True) for c in list_checkpoints(folder)]
         infos += [inspect_checkpoint(p) for p in sorted(folder.glob(".tmp-step-*"))]
     if not infos:
@@ -466,7 +518,7 @@ class _NegativeNumberArgument(click.Command):
 @click.option("--gpus", default=1, show_default=True, type=click.IntRange(1, 4096), help="GPUs per node.")
 @click.option("--nodes", default=1, show_default=True, type=click.IntRange(1, 4096))
 @click.option("--gpu-memory", default="80GB", show_default=True, metavar="SIZE", help="Memory of one GPU.")
-@click.option("--precision", default="bf16-mixed", show_default=True, type=click.Choice(["fp32", "bf16-mixed"]))
+@click.option("--precision", default=MEMORY["bf16"], show_default=True, type=click.Choice(MEMORY_CHOICES))
 @click.option("--strategy", "strategies", multiple=True,
               type=click.Choice(["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"]),
               help="Only these strategies (repeatable). Default: all.")
@@ -635,7 +687,8 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     """
     import shlex
 
-    from accel_fsdp.config.accelerate import batch_problem, load_accelerate_config
+    from accel_fsdp.config.accelerate import load_accelerate_config
+    from accel_fsdp.config.settings import batch_problem
     from accel_fsdp.preflight import preflight
     from accel_fsdp.run.folder import RunLayout
     from accel_fsdp.launch.slurm import render
@@ -667,7 +720,7 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     run_dir = layout.root
     t = r.training
     where = "--global-batch-size" if global_batch_size else r.where("training.global_batch_size")
-    batch = batch_problem(where, t.global_batch_size, t.micro_batch_size, [nodes, gpus_per_node], "GPUs")
+    batch = batch_problem(where, t, [nodes, gpus_per_node], "GPUs")
     problems = [batch] if batch else []
     try:
         text = render(r, config, nodes=nodes, gpus_per_node=gpus_per_node, time_limit=time_limit,
@@ -680,7 +733,7 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     preflight(r, config, num_processes=nodes * gpus_per_node, for_target_hardware=True)
     script.write_text(text)
     script.chmod(0o755)
-    k = t.global_batch_size // (t.micro_batch_size * nodes * gpus_per_node)
+    k = t.accumulation_steps(nodes * gpus_per_node)
     click.echo(f"wrote {script}: {nodes} node(s) x {gpus_per_node} GPU(s), global batch {t.global_batch_size} = micro "
                f"{t.micro_batch_size} x {nodes * gpus_per_node} GPUs x {k} accumulation steps; run folder {run_dir}")
     click.echo(f"submit with: sbatch {script}")
@@ -699,12 +752,13 @@ def report_command(run_dir: Path, as_json: bool) -> None:
     \b
     accel-fsdp report runs/quickstart
     """
+    from accel_fsdp.run.layout import RunLayout
     from accel_fsdp.tools.report import format_summary, plot, summarize
 
     summary = summarize(run_dir)
     try:
         png = plot(run_dir)
-        (run_dir / "report.json").write_text(json.dumps({**summary, "loss_curve": str(png) if png else None},
+        RunLayout.at(run_dir).report_file.write_text(json.dumps({**summary, "loss_curve": str(png) if png else None},
                                                         indent=1) + "\n")
     except OSError as e:  # a read-only run folder (someone else's run): report, write nothing
         png = None

@@ -153,6 +153,19 @@ class TrainingConfig:
     eval_max_batches: int | None = None
     """Evaluate on at most this many micro-batches per rank. Default: the whole held-out split."""
 
+    # The batch arithmetic, in one place (the seeds': global = micro x ranks x accumulation).
+    def rows_per_micro_step(self, ranks: int) -> int:
+        """Rows one micro-step reads over all ranks."""
+        return self.micro_batch_size * ranks
+
+    def splits_evenly(self, ranks: int) -> bool:
+        """The global batch is a whole number of micro-steps on `ranks` ranks."""
+        return self.global_batch_size % self.rows_per_micro_step(ranks) == 0
+
+    def accumulation_steps(self, ranks: int) -> int:
+        """Micro-steps per optimizer step on `ranks` ranks (checked to divide before any run starts)."""
+        return self.global_batch_size // self.rows_per_micro_step(ranks)
+
 
 @dataclass(kw_only=True)
 class FsdpConfig:

@@ -12,6 +12,7 @@ from typing import Iterator
 
 import torch
 
+from accel_fsdp.config.recipe import TrainingConfig
 from accel_fsdp.data.prepare import IGNORE_INDEX
 
 class GlobalBatchSampler:
@@ -26,7 +27,8 @@ class GlobalBatchSampler:
     def __init__(self, num_rows: int, *, global_batch: int, micro_batch: int, world_size: int, rank: int,
                  seed: int):
         self.n, self.G, self.B, self.W, self.r, self.seed = num_rows, global_batch, micro_batch, world_size, rank, seed
-        self.accumulation_steps = global_batch // (micro_batch * world_size)
+        batch = TrainingConfig(global_batch_size=global_batch, micro_batch_size=micro_batch)  # its formula, no copy
+        self.accumulation_steps = batch.accumulation_steps(world_size)
         self.steps_per_epoch = num_rows // global_batch
         self._perm: tuple[int, list[int]] | None = None
 

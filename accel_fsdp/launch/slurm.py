@@ -58,7 +58,7 @@ echo "nodes:         $NODES x $GPUS_PER_NODE GPUs = $TOTAL_GPUS ranks; main proc
 echo "run folder:    $RUN_DIR (resumed if it holds this run with a complete checkpoint, else started)"
 # The recipe on this allocation, checked and described by accel-fsdp itself (batch arithmetic included).
 accel-fsdp recipe validate "$RECIPE" --accelerate-config "$CONFIG" --num-machines "$NODES" \\
-  --num-processes "$TOTAL_GPUS"{validate_sets}
+  --num-processes "$TOTAL_GPUS" --output-dir "$RUN_DIR"{validate_sets}
 echo "-----"
 
 export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-$(( ${{SLURM_CPUS_PER_TASK:-{cpus}}} / GPUS_PER_NODE > 0 ? ${{SLURM_CPUS_PER_TASK:-{cpus}}} / GPUS_PER_NODE : 1 ))}}

@@ -72,7 +72,7 @@ def override_problems(recipe, config_class: str, known: frozenset[str] | set[str
 
 def wrap_class_problems(settings, view: ModelView, recipe) -> list[Problem]:
     """A wrap class the model does not have would make FSDP wrap nothing (or Accelerate fail later)."""
-    from accel_fsdp.config.accelerate import MODEL_DEFAULT
+    from accel_fsdp.config.settings import MODEL_DEFAULT
 
     classes = settings.wrap_classes.value
     if settings.wrap_policy.value != "TRANSFORMER_BASED_WRAP":
@@ -80,16 +80,14 @@ def wrap_class_problems(settings, view: ModelView, recipe) -> list[Problem]:
     if classes in ([MODEL_DEFAULT], []):  # nothing named: the model's own blocks, if it names them
         if view.no_split_modules:
             return []
-        return [Problem(settings.wrap_classes.source, f"{view.class_name} does not name its transformer "
+        return [Problem(settings.wrap_classes.source_text, f"{view.class_name} does not name its transformer "
                         "block (_no_split_modules is empty), so there is no default wrap class",
                         "set fsdp.wrap_class in the recipe to the model's block class")]
     missing = [c for c in classes if c not in view.module_classes]
     if not missing:
         return []
     blocks = view.no_split_modules or sorted(c for c in view.module_classes if "Block" in c or "Layer" in c)
-    source = settings.wrap_classes.source
-    where = recipe.where("fsdp.wrap_class") if source.startswith("recipe") or source == "--set" else \
-        f"{source}: fsdp_transformer_layer_cls_to_wrap"
+    where = settings.wrap_classes.where(recipe, "fsdp.wrap_class", "fsdp_transformer_layer_cls_to_wrap")
     suggestion = blocks[0] if blocks else "the model's block class"
     return [Problem(where, f"wrap class {', '.join(missing)} is not in the model {view.class_name} "
                     f"(its transformer block is {', '.join(blocks) or 'unknown'})",
@@ -236,6 +234,37 @@ def _damaged(path: Path) -> str | None:
     return None
 
 
+# transformers.activations.ACT2FN's names (5.23.0; tests/test_model_facts.py compares): kept here so that checking a
+# recipe does not import torch.
+ACTIVATIONS = ("gelu", "gelu_10", "gelu_accurate", "gelu_fast", "gelu_new", "gelu_python", "gelu_python_tanh",
+               "gelu_pytorch_tanh", "hardswish", "laplace", "leaky_relu", "linear", "mish", "prelu", "quick_gelu",
+               "relu", "relu2", "relu6", "sigmoid", "silu", "sqrtsoftplus", "swish", "tanh", "xielu")
+ACTIVATION_KEYS = ("activation_function", "hidden_act")  # GPT-2, Llama
+
+
+# Config keys that count something (layers, heads, widths, positions, tokens): whole numbers above zero.
+SIZE_KEYS = ("n_layer", "num_hidden_layers", "n_embd", "hidden_size", "n_head", "num_attention_heads",
+             "num_key_value_heads", "n_positions", "max_position_embeddings", "vocab_size", "n_inner",
+             "intermediate_size", "head_dim", "n_ctx")
+
+
+def override_value_problems(recipe) -> list[Problem]:
+    """Sizes in model.config_overrides that are not positive whole numbers (2.5 layers, true heads, 0 heads):
+    transformers would truncate, divide by zero, or build something else than asked."""
+    out = []
+    for key in SIZE_KEYS:
+        value = recipe.model.config_overrides.get(key)
+        if not isinstance(value, (int, float)):  # absent, or text: the type check of the facts names it
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            out.append(Problem(recipe.where(f"model.config_overrides.{key}"), f"{value!r} is not a whole number",
+                               "use a positive whole number"))
+        elif value < 1:
+            out.append(Problem(recipe.where(f"model.config_overrides.{key}"), f"{value} is not above zero",
+                               "use a positive whole number"))
+    return out
+
+
 def structure_problems(recipe, facts, tokenizer_size: int | None = None) -> list[Problem]:
     """Shapes that cannot make a model (heads that do not divide the width) or cannot run it (a vocabulary smaller
     than the tokenizer's: its ids would index past the embedding), named by the override that set them."""
@@ -248,12 +277,23 @@ def structure_problems(recipe, facts, tokenizer_size: int | None = None) -> list
                 return recipe.where(f"model.config_overrides.{key}")
         return recipe.where("model.config_overrides") if m.config_overrides else recipe.where("model")
 
-    sizes = {"layers": facts.layers, "width": facts.hidden, "heads": facts.heads, "context": facts.context,
-             "vocabulary": facts.vocab}
-    for what, value in sizes.items():
+    sizes = {"layers": (facts.layers, "n_layer", "num_hidden_layers"),
+             "width": (facts.hidden, "n_embd", "hidden_size"),
+             "heads": (facts.heads, "n_head", "num_attention_heads"),
+             "key/value heads": (facts.kv_heads, "num_key_value_heads"),
+             "context": (facts.context, "n_positions", "max_position_embeddings"),
+             "vocabulary": (facts.vocab, "vocab_size")}
+    for what, (value, *keys) in sizes.items():
         if value < 1:
-            out.append(Problem(where(), f"the model's {what} would be {value}", "use a positive value"))
-    if facts.heads >= 1 and facts.kv_heads >= 1:
+            out.append(Problem(where(*keys), f"the model's {what} would be {value}", "use a positive value"))
+    whole = not out
+    for key in ACTIVATION_KEYS:
+        value = m.config_overrides.get(key)
+        if value is not None and value not in ACTIVATIONS:
+            close = difflib.get_close_matches(str(value), ACTIVATIONS, n=1)
+            out.append(Problem(where(key), f"{value!r} is not an activation transformers knows",
+                               f"did you mean {close[0]}?" if close else f"use one of {', '.join(ACTIVATIONS)}"))
+    if whole and facts.heads >= 1 and facts.kv_heads >= 1:
         explicit_head_dim = facts.model_type == "llama" and "head_dim" in m.config_overrides
         if facts.hidden % facts.heads and not explicit_head_dim:
             out.append(Problem(where("n_head", "num_attention_heads", "n_embd", "hidden_size"),
@@ -263,7 +303,7 @@ def structure_problems(recipe, facts, tokenizer_size: int | None = None) -> list
             out.append(Problem(where("num_key_value_heads", "num_attention_heads"),
                                f"{facts.heads} attention heads cannot share {facts.kv_heads} key/value heads",
                                "num_attention_heads must be a multiple of num_key_value_heads"))
-    if tokenizer_size and facts.vocab < tokenizer_size:
+    if whole and tokenizer_size and facts.vocab < tokenizer_size:
         out.append(Problem(where("vocab_size"), f"vocabulary of {facts.vocab} is smaller than the tokenizer's "
                            f"{tokenizer_size} tokens, so its ids would index past the embedding",
                            f"use at least {tokenizer_size} (or leave vocab_size out: it follows the tokenizer)"))

@@ -71,17 +71,22 @@ def resolve_target(what: str, micro_batch: int | None, seq_len: int | None) -> T
 
 def _recipe_target(path, micro_batch, seq_len) -> Target:
     from accel_fsdp.model.facts import facts_for
+    from accel_fsdp.config import precision
     from accel_fsdp.config.shipped import display
     from accel_fsdp.config.recipe import load_recipe
 
     recipe = load_recipe(path)
     recipe.source = display(path)
     facts = facts_for(recipe)
+    if facts is not None:  # checked as `recipe validate` checks the model: shapes that cannot build are named
+        from accel_fsdp.preflight import model_view
+
+        model_view(recipe)
     if facts is not None:  # arithmetic: no model built (tests/test_model_facts.py holds the facts)
         lora = recipe.model.lora
         adapters = facts.lora_params(lora.target_modules, lora.r) if lora.enabled else 0
         params = facts.params() + adapters
-        compute = 4 if recipe.training.mixed_precision == "fp32" else 2
+        compute = precision.BYTES[recipe.training.mixed_precision or precision.DEFAULT]
         return Target(recipe.name, params, adapters if lora.enabled else params,
                       max(facts.block_params(), facts.vocab * facts.hidden), facts.shape(),
                       recipe.training.micro_batch_size if micro_batch is None else micro_batch,

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from accel_fsdp.config.precision import MEMORY, is_half
+
 GiB = 1024**3
 STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
 
@@ -75,8 +77,8 @@ class MemoryInputs:
     shard_group: int
     """Ranks each tensor is sharded over: world for FULL_SHARD / SHARD_GRAD_OP, the machine for HYBRID_SHARD."""
     strategy: str = "FULL_SHARD"
-    precision: str = "bf16-mixed"
-    """fp32 or bf16-mixed (bf16 compute, fp32 master weights)."""
+    precision: str = MEMORY["bf16"]
+    """fp32 or bf16-mixed (bf16 compute, fp32 master weights): config/precision.py MEMORY."""
     offload: bool = False
     activation_checkpointing: bool = False
     micro_batch: int = 0
@@ -109,7 +111,8 @@ class MemoryBreakdown:
 
 
 def compute_bytes(precision: str) -> int:
-    return 2 if precision in ("bf16-mixed", "bf16", "fp16") else 4
+    """Bytes per element of the compute copies: 2 under bf16-mixed (or a 16-bit recipe precision), else 4."""
+    return 2 if precision == MEMORY["bf16"] or is_half(precision) else 4
 
 
 def estimate(m: MemoryInputs) -> MemoryBreakdown:

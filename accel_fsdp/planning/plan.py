@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import click
 
+from accel_fsdp.config.precision import BYTES, MEMORY
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, estimate, gib, parse_bytes, shape_of, size_problem
 
@@ -127,18 +128,17 @@ def build_plan(recipe, config, *, num_processes: int | None = None) -> Plan:
     units = fsdp_units(meta, settings)
     strategy = settings.sharding_strategy.value
     shard_group = settings.dp_shard_size.value if strategy == "HYBRID_SHARD" else settings.num_processes.value
-    lora_bytes = 2 if settings.mixed_precision.value in ("bf16", "fp16") else 4  # frozen base in the compute dtype
-    frozen_bytes = lora_bytes if recipe.model.lora.enabled else 4
+    frozen_bytes = BYTES[settings.mixed_precision.value] if recipe.model.lora.enabled else 4  # LoRA: compute dtype
     inputs = MemoryInputs(
         params=parameters, trainable=trainable, largest_unit=max(u.params for u in units),
         world=settings.num_processes.value, shard_group=shard_group, strategy=strategy,
-        precision="fp32" if settings.mixed_precision.value == "fp32" else "bf16-mixed",
+        precision=MEMORY[settings.mixed_precision.value],
         offload=bool(settings.cpu_offload.value),
         activation_checkpointing=bool(settings.activation_checkpointing.value),
         micro_batch=recipe.training.micro_batch_size, seq_len=recipe.data.seq_len, shape=shape_of(config_obj),
         frozen_bytes=frozen_bytes,
-        deferred_reduce=not settings.reduce_every_micro_step.value and recipe.training.global_batch_size >
-        recipe.training.micro_batch_size * settings.num_processes.value)
+        deferred_reduce=not settings.reduce_every_micro_step.value
+        and recipe.training.accumulation_steps(settings.num_processes.value) > 1)
     return Plan(recipe, settings, config.label, type(meta).__name__, parameters, trainable, units, estimate(inputs),
                 inputs, report.notes)
 

@@ -1,15 +1,5 @@
-"""The run folder: where every file of a run lives, who owns it, and the guard that keeps runs from hurting each other.
-
-    <run>/run.json             identity: run id, recipe name and fingerprint, checkpoint folder, version, start time
-    <run>/recipe.yaml          the resolved recipe (every default filled in)
-    <run>/fsdp_settings.json   effective FSDP settings, each with its source
-    <run>/sharding.json        parameters each rank holds after sharding
-    <run>/metrics.jsonl        one row per logged step (see metrics.py)
-    <run>/checkpoints/         step-NNNNNN checkpoints (see checkpoint.py); `checkpoint.dir` may move it
-    <run>/final/               the consolidated Hugging Face export of the last step
-    <run>/preempted.json       written when a run stopped on a preemption signal (step, checkpoint)
-    <run>/logs/, trace/        tracker files (tensorboard); test traces
-    <run>/.accel-fsdp.lock     held (flock) by the live run; the kernel releases it when the holder dies
+"""The run folder: who owns it, what a start does with it, and the guard that keeps runs from hurting each other.
+Where each file of a run lives is run/layout.py's (`RunLayout`).
 
 Ownership: a run gets an id when it is created (run.json), and its checkpoint folder records the same id
 (`<checkpoints>/.accel-fsdp-run`), as does every checkpoint's manifest. A run never writes into, resumes from or
@@ -33,13 +23,14 @@ from enum import Enum
 from pathlib import Path
 
 from accel_fsdp.errors import Problem, UserError
+# RunLayout and checkpoints_of live in layout.py; importing them from here keeps working.
+from accel_fsdp.run.layout import (CHECKPOINTS_DIR, FINAL_DIR, LOCK_FILE, LOGS_DIR, LOSS_CURVE_FILE,
+                                   METRICS_FILE, OWNER_FILE, PREEMPTED_FILE, RECIPE_FILE, REPORT_FILE, RUN_FILE,
+                                   SETTINGS_FILE, SHARDING_FILE, TRACE_DIR, RunLayout, checkpoints_of)
 
-RUN_FILE = "run.json"
-OWNER_FILE = ".accel-fsdp-run"
-LOCK_FILE = ".accel-fsdp.lock"
 # Everything accel-fsdp writes into a run folder: an overwrite removes these and nothing else.
-OWNED = ("run.json", "recipe.yaml", "fsdp_settings.json", "sharding.json", "metrics.jsonl", "checkpoints", "final",
-         "logs", "trace", "loss_curve.png", "report.json", "preempted.json")
+OWNED = (RUN_FILE, RECIPE_FILE, SETTINGS_FILE, SHARDING_FILE, METRICS_FILE, CHECKPOINTS_DIR, FINAL_DIR, LOGS_DIR,
+         TRACE_DIR, LOSS_CURVE_FILE, REPORT_FILE, PREEMPTED_FILE)
 
 
 class Decision(str, Enum):
@@ -53,49 +44,6 @@ class Decision(str, Enum):
     """Replace the run here with a new one (its own files are deleted first)."""
     RESTART = "restart"
     """--resume auto on a run that never completed a checkpoint: start it again from step 0 (same id)."""
-
-
-@dataclass(frozen=True)
-class RunLayout:
-    """Every path of a run, in one place: the checkpoint folder included (`checkpoint.dir` may put it anywhere)."""
-
-    root: Path
-    checkpoints: Path
-
-    @classmethod
-    def of(cls, recipe, run_dir: Path | str | None = None) -> RunLayout:
-        root = Path(run_dir or recipe.output_dir or f"runs/{recipe.name}").expanduser().absolute()
-        d = Path(recipe.checkpoint.dir).expanduser()
-        return cls(root, d if d.is_absolute() else root / d)
-
-    run_file = property(lambda self: self.root / RUN_FILE)
-    recipe_file = property(lambda self: self.root / "recipe.yaml")
-    settings_file = property(lambda self: self.root / "fsdp_settings.json")
-    sharding_file = property(lambda self: self.root / "sharding.json")
-    metrics_file = property(lambda self: self.root / "metrics.jsonl")
-    final = property(lambda self: self.root / "final")
-    logs = property(lambda self: self.root / "logs")
-    trace = property(lambda self: self.root / "trace")
-    preempted_file = property(lambda self: self.root / "preempted.json")
-
-    @property
-    def external_checkpoints(self) -> bool:
-        """The checkpoint folder lies outside the run folder (e.g. on scratch)."""
-        return not self.checkpoints.is_relative_to(self.root)
-
-    @property
-    def recorded_checkpoints(self) -> str:
-        """How run.json records the checkpoint folder: relative when inside the run folder."""
-        return str(self.checkpoints) if self.external_checkpoints else str(self.checkpoints.relative_to(self.root))
-
-    def to_dict(self) -> dict[str, str]:
-        return {"run_dir": str(self.root), "checkpoint_dir": str(self.checkpoints)}
-
-
-def checkpoints_of(run_dir: Path, recorded: str) -> Path:
-    """The checkpoint folder run.json records, for the run folder where it is now."""
-    path = Path(recorded).expanduser()
-    return path if path.is_absolute() else Path(run_dir) / path
 
 
 @dataclass
@@ -237,11 +185,11 @@ def read_owner(folder: Path) -> dict | None:
 
 def checkpoint_run_id(path: Path) -> str | None:
     """The run id a checkpoint's manifest records (None for checkpoints made before run ids)."""
-    from accel_fsdp.checkpoint.store import MANIFEST
+    from accel_fsdp.checkpoint.records import Manifest
 
-    try:
-        return json.loads((Path(path) / MANIFEST).read_text()).get("run_id")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+    try:  # unchecked: whose it is can be told from a manifest that is otherwise damaged (resuming will refuse it)
+        return Manifest.read(Path(path), checked=False).run_id
+    except UserError:
         return None
 
 

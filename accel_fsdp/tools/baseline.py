@@ -1,10 +1,10 @@
 """The yardstick of `accel-fsdp bench --compare-baseline`: a minimal, hand-written Accelerate FSDP training loop.
 
-Same Accelerator and FSDP plugin as a real run (built from the same resolved settings, so both shard the same
-way), the same model, micro batch, sequence length, accumulation and precision; but no data pipeline, no loss
-normalization over the global batch, no metrics files, no checkpoints: random token rows straight into
-`model(input_ids, labels)`, and the global loss all-reduced every step (as `bench` makes our loop log every
-step). Whatever our loop costs on top of Accelerate shows up as the ratio of the two.
+Built by the same setup as a real run (train/setup.py: the settings checked the same way, the same Accelerator
+and FSDP plugin, tokenizer, model, LoRA, activation checkpointing, `prepare` order and optimizer); only the loop
+differs: no data pipeline, no loss normalization over the global batch, no metrics files, no checkpoints:
+random token rows straight into `model(input_ids, labels)`, and the global loss all-reduced every step (as
+`bench` makes our loop log every step). Whatever our loop costs on top of Accelerate shows up as the ratio.
 
 Run inside a launch: `python -m accel_fsdp.tools.baseline RECIPE_PATH OUT_JSON --steps N --warmup W [--set ...]`.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -29,26 +28,19 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
 
-    from accel_fsdp.train.accelerator import build_accelerator
-    from accel_fsdp.config.accelerate import resolve_settings
-    from accel_fsdp.model.build import build_model, model_config
-    from accel_fsdp.model.tokenizer import build_tokenizer
-    from accel_fsdp.quiet import quiet_libraries
     from accel_fsdp.config.recipe import load_recipe
-    from accel_fsdp.train.loop import current_accelerate_config
+    from accel_fsdp.quiet import quiet_libraries
+    from accel_fsdp.train.setup import build_sharded_model, describe_model, start_engine
 
     quiet_libraries()
     recipe = load_recipe(args.recipe, args.overrides)
     t = recipe.training
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    settings = resolve_settings(recipe, current_accelerate_config(), cuda_available=torch.cuda.is_available(),
-                                num_processes=world)
-    k = t.global_batch_size // (t.micro_batch_size * world)
-    acc = build_accelerator(settings, gradient_accumulation_steps=k, run_dir=None)
-    tokenizer = build_tokenizer(recipe)
-    model = build_model(recipe, model_config(recipe, tokenizer=tokenizer))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, fused=torch.cuda.is_available() or None)
-    model, optimizer = acc.prepare(model, optimizer)
+    engine = start_engine(recipe, run_dir=None)
+    acc, world = engine.accelerator, engine.world
+    k = t.accumulation_steps(world)
+    tokenizer, config = describe_model(recipe, engine)
+    built = build_sharded_model(recipe, engine, config)
+    model, optimizer = built.model, built.optimizer
     model.train()
     generator = torch.Generator().manual_seed(t.seed + acc.process_index)
     shape = (t.micro_batch_size, recipe.data.seq_len)

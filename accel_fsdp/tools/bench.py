@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from accel_fsdp.errors import UserError
+from accel_fsdp.run.layout import RunLayout
 
 
 @dataclass
@@ -57,9 +58,10 @@ def measure_ours(recipe: str, config: str, overrides: list[str], steps: int, war
     proc = _run(argv)
     if proc.returncode != 0:
         _fail(label, proc)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    layout = RunLayout.at(run_dir)
+    rows = [json.loads(line) for line in layout.metrics_file.read_text().splitlines()]
     rows = [r for r in rows if r["kind"] == "train" and r["step"] > warmup]
-    info = json.loads((run_dir / "sharding.json").read_text())
+    info = json.loads(layout.sharding_file.read_text())
     state = [r["params"] + r["grads"] + r["optimizer"] + r.get("frozen_params", 0) for r in info["state_bytes"]]
     peak = [max(r["peak_memory_bytes"][i] for r in rows) for i in range(len(rows[0]["peak_memory_bytes"]))]
     mfu = [r["mfu"] for r in rows if "mfu" in r]

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.run.layout import FINAL_DIR
 
 
 def resolve_model_dir(path: Path) -> Path:
@@ -15,7 +16,7 @@ def resolve_model_dir(path: Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise UserError(Problem(str(path), "does not exist", "give an exported model folder or a run folder"))
-    for candidate in (path, path / "final"):
+    for candidate in (path, path / FINAL_DIR):
         if (candidate / "config.json").exists() or (candidate / "adapter_config.json").exists():
             return candidate
     raise UserError(Problem(str(path), "is not a model folder (no config.json or adapter_config.json)",

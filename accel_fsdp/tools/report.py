@@ -8,17 +8,19 @@ import statistics
 from pathlib import Path
 
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.run.layout import METRICS_FILE, RunLayout
 from accel_fsdp.train.metrics import read_metrics
 
 
 def summarize(run_dir: Path) -> dict:
     run_dir = Path(run_dir)
-    metrics_file = run_dir / "metrics.jsonl"
+    layout = RunLayout.at(run_dir)
+    metrics_file = layout.metrics_file
     if not run_dir.is_dir():
         what = "does not exist" if not run_dir.exists() else "is a file, not a run folder"
         raise UserError(Problem(str(run_dir), what, "give the --output-dir of a run"))
     if not metrics_file.exists():
-        raise UserError(Problem(str(run_dir), "has no metrics.jsonl, so it is not a run folder (or the run logged "
+        raise UserError(Problem(str(run_dir), f"has no {METRICS_FILE}, so it is not a run folder (or the run logged "
                                 "nothing yet)", "give the --output-dir of a run"))
     rows = read_metrics(metrics_file)
     train = [r for r in rows if r["kind"] == "train"]  # every row was checked by read_metrics
@@ -27,7 +29,7 @@ def summarize(run_dir: Path) -> dict:
         raise UserError(Problem(str(metrics_file), "holds no training rows yet", "wait for the first logged step"))
     from accel_fsdp.run.folder import RunIdentity
 
-    info = RunIdentity.read(run_dir / "run.json") if (run_dir / "run.json").exists() else RunIdentity(None)
+    info = RunIdentity.read(layout.run_file) if layout.run_file.exists() else RunIdentity(None)
     out = {
         "run": str(run_dir), "recipe": info.recipe_name, "steps": train[-1]["step"],
         "tokens_seen": train[-1].get("tokens_seen"), "first_loss": train[0]["loss"], "final_loss": train[-1]["loss"],
@@ -70,7 +72,8 @@ def plot(run_dir: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    rows = read_metrics(Path(run_dir) / "metrics.jsonl")
+    layout = RunLayout.at(run_dir)
+    rows = read_metrics(layout.metrics_file)
     train = [r for r in rows if r["kind"] == "train" and "loss" in r]
     evals = [r for r in rows if r["kind"] == "eval" and "eval_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
@@ -83,7 +86,7 @@ def plot(run_dir: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    out = Path(run_dir) / "loss_curve.png"
+    out = layout.loss_curve
     fig.savefig(out)
     plt.close(fig)
     return out

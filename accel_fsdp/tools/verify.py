@@ -32,10 +32,12 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from accel_fsdp.config import precision
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.run.layout import CHECKPOINTS_DIR, RunLayout
 
 MARKER = "verify.json"
 CHECKS = ("sharding", "precision", "equivalence", "resume", "packing", "activation-checkpointing", "memory",
@@ -72,18 +74,22 @@ class Probe:
     def ok(self) -> bool:
         return self.returncode == 0
 
+    @property
+    def layout(self) -> RunLayout:
+        return RunLayout.at(self.folder)
+
     def train_rows(self) -> list[dict]:
         from accel_fsdp.train.metrics import read_metrics
 
-        return [r for r in read_metrics(self.folder / "metrics.jsonl", strict=False) if r["kind"] == "train"]
+        return [r for r in read_metrics(self.layout.metrics_file, strict=False) if r["kind"] == "train"]
 
     def sharding(self) -> dict:
-        path = self.folder / "sharding.json"
+        path = self.layout.sharding_file
         return json.loads(path.read_text()) if path.exists() else {}
 
     def trace(self, name: str) -> list[dict]:
         out = []
-        for path in sorted((self.folder / "trace").glob(f"{name}-rank*.json")):
+        for path in sorted(self.layout.trace.glob(f"{name}-rank*.json")):
             out.append(json.loads(path.read_text()))
         return out
 
@@ -140,7 +146,7 @@ def base_sets(v: Verification, steps: int) -> list[str]:
             "data.eval_fraction=0", f"data.max_rows={min(rows, v.recipe.data.max_rows or rows)}",
             "logging.every_steps=1", "logging.sample_prompt=null", "logging.trackers=[]",
             "checkpoint.every_steps=2", "checkpoint.keep_last=null", "checkpoint.export_final=true",
-            "checkpoint.export_dtype=fp32", "checkpoint.dir=checkpoints", "output_dir=null"]
+            "checkpoint.export_dtype=fp32", f"checkpoint.dir={CHECKPOINTS_DIR}", "output_dir=null"]
     if v.layers:
         sets.append(f"model.config_overrides.{layer_key(v.recipe)}={v.layers}")
     # Without dropout: two splits of a batch, or two ranks, would draw different masks and could not agree.
@@ -161,7 +167,7 @@ def split_micro_batch(recipe, world: int) -> int | None:
     """A different micro batch for the same global batch on the same ranks (so accumulation changes), or None."""
     t = recipe.training
     for micro in (t.micro_batch_size // 2, t.micro_batch_size * 2):
-        if micro >= 1 and micro != t.micro_batch_size and t.global_batch_size % (micro * world) == 0:
+        if micro >= 1 and micro != t.micro_batch_size and replace(t, micro_batch_size=micro).splits_evenly(world):
             return micro
     return None
 
@@ -205,8 +211,9 @@ def check_sharding(v: Verification) -> Check:
                  {"fractions": fractions, "dtypes": dtypes, "state_bytes": state})
 
 
-def compute_dtype(precision: str) -> str:
-    return {"bf16": "torch.bfloat16", "fp16": "torch.float16"}.get(precision, "torch.float32")
+def compute_dtype(name: str) -> str:
+    """The compute dtype of precision `name` as the probes record dtypes (`str(torch.bfloat16)`)."""
+    return f"torch.{precision.TORCH[name]}"
 
 
 def check_precision(v: Verification) -> Check:
@@ -272,7 +279,7 @@ def check_resume(v: Verification) -> Check:
         return Check("resume", "SKIP", "fewer than 3 steps: nothing to resume between")
     if not ref.ok or not res.ok:
         return Check("resume", "FAIL", (res if not res.ok else ref).failure())
-    diff = max_weight_difference(ref.folder / "final", res.folder / "final")
+    diff = max_weight_difference(ref.layout.final, res.layout.final)
     exact = v.device == "cpu"
     limit = 0.0 if exact else (1e-5 if v.precision == "fp32" else 1e-3)
     return Check("resume", "PASS" if diff <= limit else "FAIL",
@@ -319,7 +326,7 @@ def check_packing(v: Verification) -> Check:
     torch.manual_seed(0)  # random weights of the architecture: no download, and masking does not depend on them
     from transformers import AutoModelForCausalLM
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(v.precision, torch.float32)
+    dtype = precision.compute_dtype(v.precision)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn).to(device).eval()
     layout = batches.batch_layout(model.config._attn_implementation, True)
     rows = data.train[list(range(min(len(data.train), max(2, recipe.training.micro_batch_size))))]
@@ -353,14 +360,13 @@ def check_memory(v: Verification) -> Check:
     if not info.get("state_bytes"):
         return Check("memory", "FAIL", ref.failure())
     counts = json.loads((ref.folder / "run_parameters.json").read_text())
-    settings = json.loads((ref.folder / "fsdp_settings.json").read_text())
+    settings = json.loads(ref.layout.settings_file.read_text())
     strategy = settings["sharding_strategy"]["value"]
     lora = counts["trainable"] < counts["parameters"]
     predicted = estimate(MemoryInputs(
         params=counts["parameters"], trainable=counts["trainable"], largest_unit=0, world=v.world,
-        shard_group=info["expected_shards"], strategy=strategy, precision="fp32" if v.precision == "fp32"
-        else "bf16-mixed", offload=settings["cpu_offload"]["value"], frozen_bytes=2 if lora and v.precision != "fp32"
-        else 4))
+        shard_group=info["expected_shards"], strategy=strategy, precision=precision.MEMORY[v.precision],
+        offload=settings["cpu_offload"]["value"], frozen_bytes=precision.BYTES[v.precision] if lora else 4))
     want = predicted.model_state + predicted.host
     measured = [sum(r[k] for k in ("params", "grads", "optimizer", "frozen_params")) for r in info["state_bytes"]]
     ratios = [m / want for m in measured]
@@ -391,7 +397,7 @@ def predicted_inputs(v, counts, info, strategy, settings):
     return MemoryInputs(params=counts["parameters"], trainable=counts["trainable"],
                         largest_unit=facts.block_params() if facts else 0, world=v.world,
                         shard_group=info["expected_shards"], strategy=strategy,
-                        precision="fp32" if v.precision == "fp32" else "bf16-mixed",
+                        precision=precision.MEMORY[v.precision],
                         offload=settings["cpu_offload"]["value"],
                         activation_checkpointing=settings["activation_checkpointing"]["value"],
                         micro_batch=v.recipe.training.micro_batch_size, seq_len=v.recipe.data.seq_len,
@@ -436,10 +442,12 @@ def verify(recipe, config, num_processes: int | None, overrides: list[str], *, o
             run_probe(v, "split", sets + [f"training.micro_batch_size={micro}", "training.max_steps=2"],
                       extra_args=extra)
         t = recipe.training
-        if not quick and v.world > 1 and t.global_batch_size % t.micro_batch_size == 0:
+        if not quick and v.world > 1 and t.splits_evenly(1):
             run_probe(v, "fewer-ranks", sets + ["training.max_steps=2"], extra_args=["--num-processes", "1"])
     if "resume" in wanted and steps >= 3:
-        step_dir = v.out_dir / "reference" / "checkpoints" / "step-000002"
+        from accel_fsdp.checkpoint.store import checkpoint_name
+
+        step_dir = v.probes["reference"].layout.checkpoints / checkpoint_name(2)  # resume needs the reference
         run_probe(v, "resume", sets, extra_args=[*extra, "--resume-from", str(step_dir)])
     if "activation-checkpointing" in wanted:
         keys = DROPOUT_KEYS.get(_model_type(recipe))
@@ -471,11 +479,14 @@ def _model_type(recipe) -> str | None:
 
 def record_counts(probe: Probe) -> None:
     """Parameter counts of the probe run, from its checkpoint manifest (the run's own count)."""
-    manifests = sorted((probe.folder / "checkpoints").glob("step-*/manifest.json"))
+    from accel_fsdp.checkpoint.records import Manifest
+    from accel_fsdp.run.layout import MANIFEST
+
+    manifests = sorted(probe.layout.checkpoints.glob(f"step-*/{MANIFEST}"))
     if manifests:
-        m = json.loads(manifests[-1].read_text())
+        m = Manifest.read(manifests[-1].parent)
         (probe.folder / "run_parameters.json").write_text(json.dumps(
-            {"parameters": m.get("parameters"), "trainable": m.get("trainable_parameters")}))
+            {"parameters": m.parameters, "trainable": m.trainable_parameters}))
 
 
 def prepare_folder(out_dir: Path) -> None:

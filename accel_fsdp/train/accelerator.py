@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from accel_fsdp.config.accelerate import MODEL_DEFAULT, FsdpSettings
-
-_ACCELERATE_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
+from accel_fsdp.config.precision import ACCELERATE, compute_dtype
+from accel_fsdp.config.settings import MODEL_DEFAULT, FsdpSettings
+from accel_fsdp.run.layout import LOGS_DIR
 
 
 def build_fsdp_plugin(settings: FsdpSettings, *, for_planning: bool = False):
@@ -78,7 +78,7 @@ def _mixed_precision_policy(version: int, precision: str):
     reduce = torch.bfloat16 if broken("bf16-reduce") else torch.float32
     if precision == "fp32":
         return None
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    dtype = compute_dtype(precision)
     if version == 2:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -156,7 +156,7 @@ def build_accelerator(settings: FsdpSettings, *, gradient_accumulation_steps: in
 
     plugin = build_fsdp_plugin(settings)
     parallelism = build_parallelism_config(settings)
-    precision = _ACCELERATE_PRECISION[settings.mixed_precision.value]
+    precision = ACCELERATE[settings.mixed_precision.value]
     group = process_group_kwargs(settings)
     cpu = settings.device.value == "cpu"
     from accel_fsdp.train.faults import broken
@@ -166,7 +166,7 @@ def build_accelerator(settings: FsdpSettings, *, gradient_accumulation_steps: in
 
         init_cpu_fsdp_state(plugin, mixed_precision=precision, parallelism_config=parallelism,
                             process_group=group.to_kwargs())
-    project = ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / "logs")) if run_dir else None
+    project = ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / LOGS_DIR)) if run_dir else None
     return Accelerator(
         cpu=cpu,
         mixed_precision=precision,

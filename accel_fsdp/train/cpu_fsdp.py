@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from accel_fsdp.config.precision import ACCELERATE
+
 CHECKED_WITH = "accelerate 1.15.0, torch 2.13.0"
 
 
@@ -45,7 +47,7 @@ def init_cpu_fsdp_state(plugin, *, mixed_precision: str, parallelism_config=None
     state.fsdp_plugin = plugin
     # What AcceleratorState does for FSDP on accelerators: fill in the plugin's mixed precision policy
     # (kept as is when we passed one).
-    if mixed_precision != "no":
+    if mixed_precision != ACCELERATE["fp32"]:  # Accelerate's name for full precision
         plugin.set_mixed_precision(mixed_precision)
 
 

@@ -14,9 +14,12 @@ import math
 import os
 import resource
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from accel_fsdp.config.precision import is_half
 
 # Dense peak FLOP/s of common accelerators for MFU, per compute dtype: (bf16/fp16 tensor cores, fp32 without
 # TF32). Matched by the longest key contained in the device name, so "H100 PCIe" and "H100 NVL" are not read as
@@ -70,7 +73,7 @@ def peak_flops(device_name: str, precision: str) -> float | None:
     for key in sorted(PEAK_FLOPS, key=len, reverse=True):
         if key in device_name:
             low, fp32 = PEAK_FLOPS[key]
-            if precision in ("bf16", "fp16"):
+            if is_half(precision):
                 return low
             if torch.backends.cuda.matmul.allow_tf32:
                 return low / 2
@@ -99,6 +102,53 @@ def flops_per_token(config, seq_len: int, trainable_fraction: float = 1.0) -> fl
     return per_param * dense + 12.0 * s.layers * s.heads * head_dim * seq_len
 
 
+@dataclass
+class TrainRow:
+    """One logging window of training (the row of its last step)."""
+
+    step: int
+    loss: float
+    """Mean token loss over the window's global batches."""
+    lr: float
+    """The rate the window's last step used."""
+    grad_norm: float
+    """Mean gradient norm (before clipping) over the window's steps."""
+    tokens_per_s: float
+    tokens_per_s_per_rank: float
+    step_time_s: float
+    tokens_seen: int
+    peak_memory_bytes: list[int]
+    """Per rank, during this window."""
+    peak_memory_bytes_run: list[int]
+    """Per rank, the highest of any window so far."""
+    mfu: float | None = None
+    """GPU only: model FLOPs utilization against the device's peak for the run's precision."""
+    kind: str = "train"
+
+
+@dataclass
+class EvalRow:
+    step: int
+    eval_loss: float
+    eval_ppl: float
+    eval_tokens: int
+    kind: str = "eval"
+
+
+@dataclass
+class StartupRow:
+    step: int
+    time_to_first_step_s: float
+    phases_s: dict[str, float]
+    kind: str = "startup"
+
+
+def _row_dict(row) -> dict:
+    """The JSON of a row: kind first, as the file has always had it; no null MFU on CPU."""
+    d = {"kind": row.kind, **{k: v for k, v in asdict(row).items() if k != "kind"}}
+    return {k: v for k, v in d.items() if not (k == "mfu" and v is None)}
+
+
 class MetricsWriter:
     """Appends rows to metrics.jsonl (main process only) and forwards them to the trackers."""
 
@@ -110,7 +160,8 @@ class MetricsWriter:
             kept = [r for r in read_metrics(path, strict=False) if r.get("step", 0) <= start_step] if start_step else []
             path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
-    def write(self, row: dict, step: int) -> None:
+    def write(self, record: TrainRow | EvalRow | StartupRow) -> None:
+        row, step = _row_dict(record), record.step
         if self.accelerator.is_main_process:
             with self.path.open("a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -1,0 +1,186 @@
+"""The two JSON records of a checkpoint, typed: `manifest.json` (what the checkpoint holds; `Manifest`) and
+`trainer_state.json` (where training stood; `TrainerState`). Their keys on disk are the field names, in field
+order. Readers use attributes; a record damaged on disk is a `DamagedRecord` (a UserError naming the checkpoint),
+never a KeyError. This module reads and writes no checkpoint files besides these two records.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.run.layout import MANIFEST, TRAINER_STATE
+
+FORMAT = "accel-fsdp-checkpoint/1"
+
+
+class DamagedRecord(UserError):
+    """A manifest or trainer state that parses but is not one of ours (edited by hand, or damaged in place)."""
+
+    def __init__(self, checkpoint: Path | str, reason: str):
+        self.reason = reason
+        """Why, as `checkpoint inspect` shows it: "manifest.json is damaged (...)"."""
+        super().__init__(Problem(str(checkpoint), f"incomplete or corrupt checkpoint: {reason}",
+                                 "use an earlier complete checkpoint (see `accel-fsdp checkpoint inspect` on the run "
+                                 "folder)"))
+
+
+class _Record:
+    """A JSON file of a checkpoint, as a dataclass whose fields are its keys."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+@dataclass
+class Manifest(_Record):
+    """manifest.json: what a checkpoint holds. Written last, by the main process, once every rank's files are on disk:
+    a checkpoint without one never finished."""
+
+    format: str | None = FORMAT
+    """FORMAT; another value is a checkpoint this version cannot read."""
+    step: int = 0
+    """The optimizer step the checkpoint was taken after."""
+    epoch: int | None = None
+    """Epoch of the data at that step."""
+    world_size: int | None = None
+    """Ranks that wrote it."""
+    state_dict_type: str | None = None
+    """SHARDED_STATE_DICT or FULL_STATE_DICT: how the model and optimizer files are laid out."""
+    fsdp_version: int | None = None
+    """1 or 2; their optimizer states are not interchangeable."""
+    lora: bool | None = None
+    """Only the LoRA adapter weights (and their optimizer state) are saved."""
+    recipe_fingerprint: str | None = None
+    """Fingerprint of the recipe that made it."""
+    run_id: str | None = None
+    """The run that made it (None: made before run ids)."""
+    parameters: int | None = None
+    """Parameters of the model."""
+    trainable_parameters: int | None = None
+    """Parameters the optimizer updates."""
+    created: str | None = None
+    """When it was written (local time, ISO 8601)."""
+    versions: dict[str, str] | None = None
+    """accel_fsdp, torch, accelerate and transformers versions that wrote it."""
+    files: dict[str, int] = field(default_factory=dict)
+    """Every file (relative path) with its size in bytes."""
+    crc32: dict[str, str] = field(default_factory=dict)
+    """CRC-32 of every file, hex."""
+
+    @staticmethod
+    def shape_problem(data) -> str | None:
+        """What is wrong with a manifest that parses but is not one of ours, or None."""
+        if not isinstance(data, dict):
+            return f"a JSON {type(data).__name__}, not an object"
+        if not _is_count(data.get("step")):
+            return f"step {data.get('step')!r} is not a step number"
+        files = data.get("files")
+        if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, int) for k, v in files.items()):
+            return "its file list is not a mapping of file to size"
+        if any(Path(k).is_absolute() or ".." in Path(k).parts for k in files):
+            return "its file list names paths outside the checkpoint"
+        crc = data.get("crc32", {})
+        if not isinstance(crc, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in crc.items()):
+            return "its checksums are not a mapping of file to CRC-32"
+        return None
+
+    @classmethod
+    def from_dict(cls, data, *, checkpoint: Path | str = "", checked: bool = True) -> Manifest:
+        """The manifest a parsed manifest.json holds; unknown keys are ignored, missing ones are None. A DamagedRecord
+        naming `checkpoint` if its step, files or checksums are not what we write (`checked=False`: take what is
+        there, for questions such as which run made it)."""
+        if checked:
+            problem = cls.shape_problem(data)
+            if problem:
+                raise DamagedRecord(checkpoint, f"{MANIFEST} is damaged ({problem})")
+        elif not isinstance(data, dict):
+            data = {}
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        known.setdefault("format", None)  # a manifest that does not say its format is not one we can read
+        if known.get("crc32") is None:
+            known["crc32"] = {}
+        return cls(**known)
+
+    @classmethod
+    def read(cls, checkpoint: Path, *, checked: bool = True) -> Manifest:
+        """The manifest of the checkpoint folder `checkpoint`; a DamagedRecord if it is missing, unreadable or
+        damaged."""
+        try:
+            data = json.loads((Path(checkpoint) / MANIFEST).read_text())
+        except FileNotFoundError:
+            raise DamagedRecord(checkpoint, f"no {MANIFEST} (the save did not finish, or not a checkpoint)") from None
+        except (OSError, UnicodeDecodeError, ValueError):
+            raise DamagedRecord(checkpoint, f"{MANIFEST} is corrupt") from None
+        return cls.from_dict(data, checkpoint=checkpoint, checked=checked)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all its files."""
+        return sum(self.files.values())
+
+
+@dataclass
+class TrainerState(_Record):
+    """trainer_state.json: where training stood when the checkpoint was taken (the model, optimizer and RNG states
+    are in their own files)."""
+
+    step: int
+    """Optimizer steps done."""
+    epoch: int | None = None
+    """Epoch of the data the next step reads."""
+    batch_in_epoch: int | None = None
+    """Global batches of that epoch already consumed."""
+    rows_consumed: int | None = None
+    """Rows consumed since the start (global batch x step)."""
+    tokens_seen: int | None = None
+    """Tokens trained on since the start (labels counted)."""
+    total_steps: int | None = None
+    """Optimizer steps the run was set to do."""
+    parameters: int | None = None
+    """Parameters of the model."""
+    trainable_parameters: int | None = None
+    """Parameters the optimizer updates."""
+    scheduler: dict | None = None
+    """The learning-rate scheduler's state_dict (saved with the checkpoint, consumed by load_checkpoint)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Keys of a newer writer this version does not know: kept, written back as they were."""
+
+    @classmethod
+    def from_dict(cls, data, *, checkpoint: Path | str = "") -> TrainerState:
+        """A DamagedRecord naming `checkpoint` if it is not a JSON object with a step number."""
+        if not isinstance(data, dict):
+            raise DamagedRecord(checkpoint, f"{TRAINER_STATE} is damaged (a JSON {type(data).__name__}, not an object)")
+        if not _is_count(data.get("step")):
+            raise DamagedRecord(checkpoint, f"{TRAINER_STATE} is damaged (step {data.get('step')!r} is not a step "
+                                "number)")
+        names = [f.name for f in fields(cls) if f.name != "extra"]
+        return cls(**{k: data[k] for k in names if k in data},
+                   extra={k: v for k, v in data.items() if k not in names})
+
+    @classmethod
+    def read(cls, checkpoint: Path) -> TrainerState:
+        try:
+            data = json.loads((Path(checkpoint) / TRAINER_STATE).read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise DamagedRecord(checkpoint, f"{TRAINER_STATE} is unreadable ({type(e).__name__})") from None
+        return cls.from_dict(data, checkpoint=checkpoint)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object: the known keys in field order (the scheduler last, as it was always written), then the
+        unknown ones."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("extra", "scheduler")}
+        out.update(self.extra)
+        if self.scheduler is not None:
+            out["scheduler"] = self.scheduler
+        return out

@@ -1,0 +1,70 @@
+"""Held-out loss and perplexity, and the sample generated at the end. The evaluator decides its own cadence
+(`training.eval_every_steps`, and once at the end)."""
+
+from __future__ import annotations
+
+import torch
+
+from accel_fsdp.data import batches
+from accel_fsdp.data.prepare import IGNORE_INDEX
+from accel_fsdp.train.metrics import EvalRow, perplexity
+
+
+class Evaluator:
+    def __init__(self, run):
+        self.run = run
+        self.every = run.recipe.training.eval_every_steps
+        self.last_step: int | None = None
+
+    def after_step(self, step: int) -> None:
+        if self.every and step % self.every == 0 and step != self.run.total_steps:
+            self.evaluate(step)
+
+    def at_end(self) -> None:
+        if self.last_step != self.run.total_steps:
+            self.evaluate(self.run.total_steps)
+
+    def evaluate(self, step: int) -> EvalRow | None:
+        """Mean token loss and perplexity on the held-out split, exact over ranks."""
+        run = self.run
+        if run.data.eval is None or len(run.data.eval) == 0:
+            return None
+        acc, model, t = run.accelerator, run.model, run.recipe.training
+        total = torch.zeros(2, device=acc.device, dtype=torch.float64)
+        model.eval()
+        with torch.no_grad():
+            for rows in batches.iter_eval_batches(run.data.eval, micro_batch=t.micro_batch_size,
+                                                  world_size=acc.num_processes, rank=acc.process_index,
+                                                  max_batches=t.eval_max_batches):
+                dummy = rows is None  # this rank ran out of rows but must join the collective forward
+                batch = run.batch(rows or [0], split="eval")
+                if dummy:
+                    batch["labels"].fill_(IGNORE_INDEX)
+                with acc.autocast():
+                    loss_sum = model(**batch, num_items_in_batch=1, use_cache=False).loss
+                total[0] += loss_sum.double()
+                total[1] += batches.label_count(batch["labels"])
+        model.train()
+        total = acc.reduce(total, reduction="sum")
+        loss = (total[0] / total[1].clamp(min=1)).item()
+        row = EvalRow(step=step, eval_loss=loss, eval_ppl=perplexity(loss), eval_tokens=int(total[1].item()))
+        run.metrics.write(row)
+        self.last_step = step
+        run.say(f"eval @ step {step}: loss {loss:.4f}, perplexity {row.eval_ppl:.2f} ({row.eval_tokens:,} tokens)")
+        return row
+
+
+def generate_sample(run, prompt: str, max_new_tokens: int) -> str:
+    """Greedy continuation with the sharded model (every rank takes part in each forward)."""
+    tok, model, acc = run.tokenizer, run.model, run.accelerator
+    ids = tok(prompt, return_tensors="pt")["input_ids"].to(acc.device)
+    model.eval()
+    with torch.no_grad(), acc.autocast():
+        for _ in range(max_new_tokens):  # a fixed number of steps: every rank must run the same forwards
+            logits = model(input_ids=ids).logits[:, -1, :]
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+    model.train()
+    new = ids[0, -max_new_tokens:].tolist()
+    if tok.eos_token_id in new:
+        new = new[:new.index(tok.eos_token_id)]
+    return tok.decode(new, skip_special_tokens=True).strip()

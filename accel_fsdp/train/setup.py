@@ -1,0 +1,423 @@
+"""Everything a rank builds before its first optimizer step, in the order it happens:
+
+recipe -> settings of this launch (checked) -> Accelerator -> run folder claimed -> tokenizer and a meta model
+(checked) -> data -> model, sharded, with its optimizer -> batches and schedule -> [resume] -> the components
+of the loop (metrics logger, evaluator, checkpointer, test hooks).
+
+`start_engine`, `describe_model` and `build_sharded_model` are also the whole setup of the hand-written baseline
+(tools/baseline.py): only the loop differs between the two.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.utils import set_seed
+
+from accel_fsdp.config.accelerate import (CONFIG_PATH_ENV, AccelerateConfig, config_from_environment,
+                                          load_accelerate_config)
+from accel_fsdp.config.settings import FsdpSettings, Source
+from accel_fsdp.config.precision import compute_dtype
+from accel_fsdp.data import batches
+from accel_fsdp.data import prepare as data_lib
+from accel_fsdp.errors import UserError
+from accel_fsdp.model.build import build_model, count_parameters, meta_model, model_config, view_of
+from accel_fsdp.model.checks import human_count
+from accel_fsdp.model.tokenizer import build_tokenizer
+from accel_fsdp.preflight import model_problems, settings_for_launch
+from accel_fsdp.run.folder import Decision, FolderLock, RunLayout, decide, prepare
+from accel_fsdp.train.accelerator import apply_activation_checkpointing, build_accelerator, expected_shards
+from accel_fsdp.train.cpu_fsdp import check_sharded
+from accel_fsdp.train.faults import broken
+from accel_fsdp.train.lifetime import Preemption
+from accel_fsdp.train.metrics import MetricsWriter, PeakMemory, StartupClock, flops_per_token
+from accel_fsdp.train.sharding import ShardingRecord
+
+
+@dataclass
+class RunRequest:
+    recipe: Any
+    run_dir: Path
+    resume: str | None = None
+    """None, "latest" (--resume) or "auto" (--resume auto)."""
+    verbose: bool = False
+    """Print the resolved recipe and every FSDP setting with its source at start."""
+    resume_from: str | None = None
+    overwrite: bool = False
+    benchmark: bool = False
+    """accel-fsdp bench: skip the final evaluation, checkpoint, sample and export."""
+
+
+@dataclass
+class Engine:
+    """The settings of this launch, checked, and the Accelerator built from them."""
+
+    settings: FsdpSettings
+    accelerator: Any
+    world: int
+    local_world: int
+
+
+@dataclass
+class ShardedModel:
+    """The model after `accelerator.prepare`, its optimizer, and what the loop needs to know about it."""
+
+    model: Any
+    optimizer: Any
+    parameters: int
+    trainable_parameters: int
+    model_class: str
+    use_position_ids: bool
+    batch_layout: str
+    """data.PADDED or data.PADDING_FREE (varlen flash attention), from the model's attention kernel."""
+    rank0_only_loading: bool
+    loading_growth: int
+    """This rank's peak resident-memory growth while the weights were loaded and sharded."""
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built by `setup`."""
+
+    request: RunRequest
+    settings: FsdpSettings
+    accelerator: Any
+    tokenizer: Any
+    data: data_lib.PreparedData
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    sampler: batches.GlobalBatchSampler
+    total_steps: int
+    layout: RunLayout
+    decision: Decision
+    preemption: Preemption
+    locks: list
+    use_position_ids: bool
+    batch_layout: str
+    parameters: int
+    trainable_parameters: int
+    flops_per_token: float
+    clock: StartupClock
+    sharding: ShardingRecord
+    start_step: int = 0
+    tokens_seen: int = 0
+    metrics: MetricsWriter | None = None
+    progress: Any = None
+    """The main process's progress bar while the loop runs."""
+    # The loop's components (train/observe.py, evaluate.py, checkpointing.py, hooks.py), set at the end of setup.
+    logger: Any = None
+    evaluator: Any = None
+    checkpointer: Any = None
+    hooks: Any = None
+    label_counts: list[int] = field(default_factory=list, repr=False)
+    lengths: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def recipe(self):
+        return self.request.recipe
+
+    def say(self, text: str) -> None:
+        """A line for the person at the terminal (main process only), written above the progress bar."""
+        if self.accelerator.is_main_process:
+            if self.progress is not None:
+                self.progress.write(text)
+            else:
+                print(text, flush=True)
+
+    def batch(self, rows: list[int], split: str = "train") -> dict:
+        """The tensors of these rows on this rank's device, in the layout the attention kernel needs."""
+        table = self.data.train if split == "train" else self.data.eval
+        batch = batches.collate(table[rows], self.tokenizer.pad_token_id, self.use_position_ids,
+                                layout=self.batch_layout)
+        return {k: v.to(self.accelerator.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                for k, v in batch.items()}
+
+    def loss_denominator(self, rows: list[int]) -> float | None:
+        """num_items_in_batch of every micro-step of an optimizer step over the global batch `rows`: its
+        loss-carrying tokens / (ranks x accumulation steps). Every rank computes it from the dataset's per-row
+        counts, so no communication is needed (see train/loop.py)."""
+        if broken("mean-loss"):
+            return None
+        acc = self.accelerator
+        return max(1, sum(self.label_counts[i] for i in rows)) / (acc.num_processes * self.sampler.accumulation_steps)
+
+    def step_tokens(self, rows: list[int]) -> int:
+        return sum(self.lengths[i] for i in rows)
+
+
+def current_accelerate_config() -> AccelerateConfig:
+    """The accelerate config this rank was launched with: the file (when the CLI launched itself), else what
+    `accelerate launch` exported, else none (defaults)."""
+    path = os.environ.get(CONFIG_PATH_ENV)
+    if path:
+        return load_accelerate_config(path)
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return config_from_environment(os.environ)
+    return AccelerateConfig(values={}, label="no accelerate config")
+
+
+def start_engine(recipe, *, run_dir: Path | None, trackers=()) -> Engine:
+    """Settings of this launch (checked like `recipe validate` does, now on the real GPUs), then the Accelerator."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    settings = settings_for_launch(recipe, current_accelerate_config(), cuda_available=torch.cuda.is_available(),
+                                   num_processes=world, num_machines=max(1, world // local_world))
+    accelerator = build_accelerator(settings, gradient_accumulation_steps=recipe.training.accumulation_steps(world),
+                                    run_dir=run_dir, trackers=trackers)
+    return Engine(settings, accelerator, world, local_world)
+
+
+def describe_model(recipe, engine: Engine):
+    """The tokenizer and the model's config; the model is checked on the meta device before any weight is read."""
+    with engine.accelerator.local_main_process_first():  # a tokenizer trained on the data (bpe:N): once per machine
+        tokenizer = build_tokenizer(recipe)
+    config = model_config(recipe, tokenizer=tokenizer)
+    problems = model_problems(recipe, engine.settings, view_of(meta_model(config, recipe.model.trust_remote_code),
+                                                               config))
+    if problems:
+        raise UserError(problems)
+    return tokenizer, config
+
+
+def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | None = None) -> ShardedModel:
+    """Weights (read by global rank 0 only when the settings say so), LoRA, activation checkpointing, then
+    `accelerator.prepare`: the model sharded and its optimizer over the shards."""
+    settings, accelerator = engine.settings, engine.accelerator
+    threads = offload_threads(settings, os.environ, _usable_cores(), engine.local_world)
+    if threads:
+        torch.set_num_threads(threads)  # the offloaded optimizer step runs on this rank's share of the cores
+    # LoRA keeps the frozen base weights in the compute dtype (no fp32 master copy needed: they never change).
+    frozen_dtype = compute_dtype(settings.mixed_precision.value) if recipe.model.lora.enabled else torch.float32
+    # With fsdp_cpu_ram_efficient_loading only global rank 0 reads the weights; `prepare` sends every rank its
+    # shards from there (accelerate/utils/fsdp_utils.py, fsdp2_load_full_state_dict; FSDP1: sync_module_states).
+    rank0_only = bool(settings.cpu_ram_efficient_loading.value)
+    loading = PeakMemory()
+    model = build_model(recipe, config, dtype=frozen_dtype, empty=rank0_only and not accelerator.is_main_process)
+    parameters, trainable = count_parameters(model), count_parameters(model, trainable_only=True)
+    use_position_ids = "position_ids" in _forward_parameters(model)
+    model_class = type(model).__name__
+    batch_layout = batches.batch_layout(getattr(model.config, "_attn_implementation", None), use_position_ids)
+    model = apply_activation_checkpointing(model, settings)
+    if clock is not None:
+        clock.mark("model")
+    if settings.fsdp_version.value == 1:
+        # FSDP1 replaces the parameters when it wraps the model: the optimizer is built from the wrapped one.
+        model = accelerator.prepare(model)
+        optimizer = accelerator.prepare(build_optimizer(model, recipe, settings))
+    else:
+        # FSDP2 takes both at once and swaps the optimizer's parameters for the sharded DTensors.
+        model, optimizer = accelerator.prepare(model, build_optimizer(model, recipe, settings))
+    loading.stop()
+    if clock is not None:
+        clock.mark("sharding")
+    if not broken("unsharded"):
+        check_sharded(accelerator, model, parameters, expected_shards(settings))
+    return ShardedModel(model, optimizer, parameters, trainable, model_class, use_position_ids, batch_layout,
+                        rank0_only, loading.growth)
+
+
+def setup(request: RunRequest) -> Run:
+    clock = StartupClock()
+    clock.mark("imports")
+    recipe, run_dir = request.recipe, request.run_dir
+    t = recipe.training
+    engine = start_engine(recipe, run_dir=run_dir, trackers=recipe.logging.trackers)
+    settings, accelerator = engine.settings, engine.accelerator
+    layout = RunLayout.of(recipe, run_dir)
+    decision, locks = claim_run_folder(accelerator, layout, request)
+    preemption = Preemption().install()
+    preemption.join_group()
+    tokenizer, config = describe_model(recipe, engine)
+
+    if accelerator.is_main_process:
+        prepare(layout, recipe, settings, decision, resumed_from=request.resume_from)
+    accelerator.wait_for_everyone()
+    say = accelerator.print
+    what = {Decision.NEW: "new run", Decision.OVERWRITE: "replacing the run there", Decision.RESUME: "resuming",
+            Decision.RESTART: "starting it again: no complete checkpoint"}[decision]
+    say(f"accel-fsdp: {recipe.name} ({recipe.source}) -> {run_dir} ({what})")
+    if request.verbose:
+        say(f"--- resolved recipe ---\n{recipe.to_yaml().rstrip()}\n--- FSDP settings (value, source) ---\n"
+            f"{settings.format()}")
+
+    data = data_lib.prepare_data(recipe, tokenizer, accelerator)
+    clock.mark("data")
+    for warning in data.stats.warnings(recipe):
+        say(f"warning: {warning}")
+    built = build_sharded_model(recipe, engine, config, clock)
+    sharding = ShardingRecord.measure(accelerator, built, settings)  # collective
+    if accelerator.is_main_process:
+        sharding.write(layout.sharding_file)  # a resumed or overwritten run starts it afresh
+
+    sampler = batches.GlobalBatchSampler(len(data.train), global_batch=t.global_batch_size,
+                                          micro_batch=t.micro_batch_size, world_size=engine.world,
+                                          rank=accelerator.process_index, seed=t.seed)
+    little = data_lib.too_little_data(recipe, len(data.train))
+    if little:
+        raise UserError(little)
+    total_steps = batches.total_steps(recipe, sampler.steps_per_epoch)
+    say(startup_summary(recipe, settings, layout, data, built, sharding.local_parameters, total_steps, sampler))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(built.optimizer, lr_lambda=lr_schedule(recipe, total_steps))
+
+    run = Run(request=request, settings=settings, accelerator=accelerator, tokenizer=tokenizer, data=data,
+              model=built.model, optimizer=built.optimizer, scheduler=scheduler, sampler=sampler,
+              total_steps=total_steps, layout=layout, decision=decision, preemption=preemption, locks=locks,
+              use_position_ids=built.use_position_ids, batch_layout=built.batch_layout,
+              parameters=built.parameters, trainable_parameters=built.trainable_parameters,
+              flops_per_token=flops_per_token(config, recipe.data.seq_len,
+                                              built.trainable_parameters / max(1, built.parameters)),
+              clock=clock, sharding=sharding,
+              label_counts=list(data.train["n_labels"]), lengths=list(data.train["length"]))  # plain lists: O(1)
+    # Dropout and any other randomness of the loop: seeded, different on each rank, and saved in checkpoints.
+    set_seed(t.seed, device_specific=True)
+    from accel_fsdp.train.checkpointing import Checkpointer
+    from accel_fsdp.train.evaluate import Evaluator
+    from accel_fsdp.train.hooks import TestHooks
+    from accel_fsdp.train.observe import TrainLogger
+
+    run.hooks = TestHooks(run)
+    run.checkpointer = Checkpointer(run, faults=run.hooks.faults)
+    if decision == Decision.RESUME or request.resume_from:
+        run.checkpointer.resume()
+    run.metrics = MetricsWriter(accelerator, layout.metrics_file, run.start_step)
+    run.evaluator = Evaluator(run)
+    run.logger = TrainLogger(run)
+    if recipe.logging.trackers:
+        from accel_fsdp.config.recipe import flatten
+
+        accelerator.init_trackers(recipe.logging.project or recipe.name,
+                                  config={k: v for k, v in flatten(recipe.to_dict()).items()
+                                          if isinstance(v, (int, float, str, bool))})
+    return run
+
+
+def startup_summary(recipe, settings, layout: RunLayout, data, built: ShardedModel, held: list[int],
+                    total_steps: int, sampler) -> str:
+    """What a person checks before walking away: model, data, batch arithmetic, sharding, where files go. Every
+    setting with its source is in fsdp_settings.json (and printed by --verbose)."""
+    s, t = settings, recipe.training
+    parameters, trainable = built.parameters, built.trainable_parameters
+    source = "from scratch" if recipe.model.architecture else \
+        ("read by rank 0 only, shards sent to the others" if built.rank0_only_loading else "read by every rank")
+    trained = "all trainable" if trainable == parameters else f"{trainable:,} trainable (LoRA)"
+    epochs = total_steps / max(1, sampler.steps_per_epoch)
+    every = recipe.checkpoint.every_steps
+    lines = [
+        f"  model     {built.model_class}, {human_count(parameters)} parameters ({trained}); weights {source}",
+        f"  data      {recipe.data.path}: {data.stats.summary()}",
+        f"  batch     global {t.global_batch_size} = micro {t.micro_batch_size} x {sampler.W} rank(s) x "
+        f"{sampler.accumulation_steps} accumulation step(s); {total_steps:,} optimizer steps ({epochs:.2f} epochs)",
+        f"  sharding  FSDP{s.fsdp_version.value} {s.sharding_strategy.value} on {s.device.value}: ranks hold "
+        f"{' / '.join(f'{n:,}' for n in held)} of {parameters:,} parameters; units "
+        f"{', '.join(s.wrap_classes.value) or s.wrap_policy.value}; {s.mixed_precision.value} compute"
+        + (f" ({s.mixed_precision.source_text})" if s.mixed_precision.source == Source.DETECTED else "")
+        + (", CPU offload" if s.cpu_offload.value else "") + (", activation checkpointing"
+                                                              if s.activation_checkpointing.value else ""),
+        f"  files     {layout.root}: recipe.yaml, fsdp_settings.json (every setting and its source), metrics.jsonl; "
+        f"checkpoints {'every ' + str(every) + ' steps and ' if every else ''}at the end in {layout.checkpoints}",
+    ]
+    return "\n".join(lines)
+
+
+def build_optimizer(model, recipe, settings) -> torch.optim.AdamW:
+    """AdamW with decoupled weight decay on matrices only (not on biases and norm weights).
+
+    The fused kernel runs wherever the parameters are: on the GPU, and on the CPU (torch 2.13 has a CPU fused
+    AdamW; with FSDP2 DTensor shards it measured 4x faster per step than the default foreach path on 2 CPU
+    ranks), so also for CPU offload, where the step runs on the host."""
+    t = recipe.training
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                             fused=fused_optimizer(settings))
+
+
+def fused_optimizer(settings) -> bool:
+    """The fused AdamW kernel exists for the parameters' device: CUDA, and the CPU (offloaded shards, CPU ranks)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    device = "cpu" if settings.cpu_offload.value else settings.device.value
+    return device in _get_fused_kernels_supported_devices()
+
+
+def offload_threads(settings, env, cores: int, local_world: int) -> int | None:
+    """CPU threads of a GPU rank under CPU offload: its share of the machine's cores. torchrun (and so
+    `accelerate launch`) sets OMP_NUM_THREADS=1 for every rank (torch/distributed/run.py), which would run the
+    offloaded optimizer step on one core per rank. An OMP_NUM_THREADS above 1 is the user's choice and kept."""
+    if not settings.cpu_offload.value or settings.device.value != "cuda":
+        return None
+    if env.get("OMP_NUM_THREADS", "1") not in ("", "1"):
+        return None
+    return max(1, cores // max(1, local_world))
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # what this process may use (cgroups, SLURM, taskset)
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def lr_schedule(recipe, total_steps: int):
+    """Linear warm-up to lr, then cosine (or linear) decay to lr x min_lr_ratio at the last step."""
+    import math
+
+    t = recipe.training
+
+    def factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / (t.warmup_steps + 1)
+        if t.scheduler == "constant":
+            return 1.0
+        progress = min(1.0, (step - t.warmup_steps) / max(1, total_steps - t.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if t.scheduler == "cosine" else 1 - progress
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * shape
+
+    return factor
+
+
+def claim_run_folder(acc, layout: RunLayout, request: RunRequest) -> tuple[Decision, list]:
+    """The main process locks the run folder (and an outside checkpoint folder) for the life of the run, then decides
+    what the start does with it; every rank gets the decision, or stops with the same error."""
+    from accelerate.utils import broadcast_object_list
+
+    outcome: list = [None]
+    locks: list[FolderLock] = []
+    error: UserError | None = None
+    if acc.is_main_process:
+        try:
+            locks.append(FolderLock(layout.root).acquire("run folder"))
+            if layout.external_checkpoints:
+                locks.append(FolderLock(layout.checkpoints).acquire("checkpoint folder"))
+            outcome = [decide(layout, request.recipe, resume=request.resume, resume_from=request.resume_from,
+                              overwrite=request.overwrite).value]
+        except UserError as e:
+            for lock in locks:
+                lock.release(remove_if_created=True)
+            error, outcome = e, ["error: " + e.format_message()]
+    if acc.num_processes > 1:
+        broadcast_object_list(outcome, from_process=0)
+    if error is not None:
+        raise error
+    if outcome[0].startswith("error: "):
+        raise UserError(outcome[0].removeprefix("error: "))
+    return Decision(outcome[0]), locks
+
+
+def _forward_parameters(model) -> set[str]:
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return set(inspect.signature(base.forward).parameters)
+
+
+__all__ = ["RunRequest", "Run", "Engine", "ShardedModel", "setup", "start_engine", "describe_model",
+           "build_sharded_model", "build_optimizer", "fused_optimizer", "offload_threads", "lr_schedule",
+           "current_accelerate_config", "claim_run_folder"]

@@ -1,0 +1,129 @@
+"""What each rank holds: the record written to `<run>/sharding.json`, read by `bench`, `verify` and the tests.
+
+One typed record, measured in three moments (after `prepare`, at the first optimizer step when gradients and
+optimizer state both exist, after training) and written whole by the main process each time it grows.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from accel_fsdp.train.accelerator import expected_shards
+from accel_fsdp.train.cpu_fsdp import local_numel
+
+
+@dataclass
+class ShardingRecord:
+    parameters: int
+    """Parameters of the whole model."""
+    local_parameters: list[int]
+    """Parameters each rank holds after `prepare` (its shards), in rank order."""
+    expected_shards: int
+    strategy: str
+    ranks: list[dict]
+    """Per rank: its (replica, shard) coordinates and a checksum of what it holds."""
+    rank0_only_loading: bool
+    loading_peak_rss_growth_bytes: list[int]
+    """Per rank: peak resident-memory growth while the weights were loaded and sharded."""
+    process_group: dict
+    """The backends and collective timeout the default process group really has."""
+    state_bytes: list[dict] | None = None
+    """Per rank, at the first optimizer step: bytes of parameters, gradients, optimizer state, frozen parameters."""
+    ranks_after_training: list[dict] | None = field(default=None)
+    """`ranks` again after training: replicas must still agree."""
+
+    @classmethod
+    def measure(cls, acc, built, settings) -> ShardingRecord:
+        """After `prepare` (collective: every rank calls it)."""
+        shards = shard_layout(acc, built.model)
+        return cls(parameters=built.parameters, local_parameters=[int(row[0]) for row in shards],
+                   expected_shards=expected_shards(settings), strategy=settings.sharding_strategy.value,
+                   ranks=layout_rows(shards), rank0_only_loading=built.rank0_only_loading,
+                   loading_peak_rss_growth_bytes=gather_ints(acc, [built.loading_growth]),
+                   process_group=process_group_record())
+
+    def measure_after_training(self, acc, model) -> None:
+        """Where every rank stands after training (collective)."""
+        self.ranks_after_training = layout_rows(shard_layout(acc, model))
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+def layout_rows(layout: list[list[float]]) -> list[dict]:
+    return [{"rank": r, "replica": int(row[2]), "shard": int(row[3]), "checksum": row[1]}
+            for r, row in enumerate(layout)]
+
+
+def shard_layout(acc, model) -> list[list[float]]:
+    """Per rank: parameters held, a checksum of them, and its (replica, shard) coordinates in the device mesh.
+    Replicas of one shard hold identical values; the ranks of a shard group hold different pieces."""
+    checksum = sum(float((p.to_local() if isinstance(p, DTensor) else p).detach().double().sum())
+                   for p in model.parameters())
+    mesh = getattr(acc, "torch_device_mesh", None)
+    if mesh is not None and "dp_replicate" in (mesh.mesh_dim_names or ()):
+        coordinate = mesh.get_coordinate()
+        names = list(mesh.mesh_dim_names)
+        replica, shard = coordinate[names.index("dp_replicate")], coordinate[names.index("dp_shard")]
+    else:
+        replica, shard = 0, acc.process_index
+    mine = torch.tensor([local_numel(model), checksum, replica, shard], device=acc.device, dtype=torch.float64)
+    return acc.gather(mine).view(acc.num_processes, 4).tolist()
+
+
+def state_bytes(optimizer) -> dict[str, int]:
+    """Bytes this rank stores for the parameters the optimizer updates, their gradients and the optimizer state
+    (local shards only), plus frozen parameters: what the memory estimate predicts per rank."""
+    def local(t) -> int:
+        if t is None or not isinstance(t, torch.Tensor):
+            return 0
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    out = {"params": 0, "grads": 0, "optimizer": 0}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            out["params"] += local(p)
+            out["grads"] += local(p.grad)
+            out["optimizer"] += sum(local(v) for v in optimizer.state.get(p, {}).values() if getattr(v, "ndim", 0))
+    return out
+
+
+def gathered_state_bytes(acc, model, optimizer) -> list[dict]:
+    """`state_bytes` of every rank plus its frozen parameters (collective)."""
+    mine = state_bytes(optimizer)
+    trainable = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    mine["frozen_params"] = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+                                for p in model.parameters() if id(p) not in trainable)
+    keys = sorted(mine)
+    gathered = acc.gather(torch.tensor([mine[k] for k in keys], device=acc.device, dtype=torch.int64))
+    return [dict(zip(keys, row)) for row in gathered.view(acc.num_processes, len(keys)).tolist()]
+
+
+def gather_ints(acc, values: list[int]) -> list[int]:
+    """`values` of every rank, concatenated in rank order (collective: every rank calls it)."""
+    mine = torch.tensor(values, device=acc.device, dtype=torch.int64)
+    return [int(x) for x in acc.gather(mine).tolist()]
+
+
+def process_group_record() -> dict:
+    """The backends and collective timeout the default process group really has (private c10d fields, read for
+    the record only: torch 2.13.0 keeps them in _world.pg_backend_config and each backend's options)."""
+    import torch.distributed as dist
+
+    group = dist.distributed_c10d._get_default_group()
+    record: dict = {"world_size": dist.get_world_size()}
+    try:
+        record["backends"] = dist.distributed_c10d._world.pg_backend_config[group]
+        record["timeout_s"] = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, KeyError, RuntimeError):
+        record["backends"] = str(dist.get_backend())
+    return record
