@@ -12,13 +12,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from accel_fsdp.model import checks as model_checks
-from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.model.tokenizer import offline_tokenizer
 from accel_fsdp.config.accelerate import AccelerateConfig, load_accelerate_config
-from accel_fsdp.config.settings import (FsdpSettings, Setting, Source, check_settings, detect_wrap_classes,
-                                        resolve_settings)
+from accel_fsdp.config.settings import (
+    FsdpSettings,
+    Setting,
+    Source,
+    check_settings,
+    detect_wrap_classes,
+    resolve_settings,
+)
 from accel_fsdp.config.shipped import shipped_accelerate_configs
+from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.model import checks as model_checks
+from accel_fsdp.model.tokenizer import offline_tokenizer
 
 
 @dataclass

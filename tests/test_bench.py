@@ -7,10 +7,9 @@ import json
 
 import pytest
 from click.testing import CliRunner
-
-from accel_fsdp.cli.commands import main
-
 from conftest import run_cli, tiny_recipe
+
+from accel_fsdp.cli import main
 
 
 @pytest.fixture(scope="module")

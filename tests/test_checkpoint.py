@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import load_weights, read_metrics, run_cli, tiny_recipe
 
 pytestmark = pytest.mark.multiprocess

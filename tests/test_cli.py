@@ -9,11 +9,10 @@ import re
 
 import pytest
 from click.testing import CliRunner
-
-from accel_fsdp.cli.commands import main
-from accel_fsdp.config.shipped import shipped_accelerate_configs, shipped_recipes
-
 from conftest import tiny_recipe, write_jsonl
+
+from accel_fsdp.cli import main
+from accel_fsdp.config.shipped import shipped_accelerate_configs, shipped_recipes
 
 
 def cli(*args):

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from conftest import write_jsonl
 
+from accel_fsdp.config.recipe import recipe_from_text
 from accel_fsdp.data.batches import GlobalBatchSampler, collate, label_count
 from accel_fsdp.data.prepare import ALPACA_PROMPT, IGNORE_INDEX, _tokenize_batch, prepare_data, tokenize_example
-from accel_fsdp.errors import UserError
-from accel_fsdp.config.recipe import recipe_from_text
 from accel_fsdp.data.synthetic import build_tokenizer
-
-from conftest import write_jsonl
+from accel_fsdp.errors import UserError
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,10 @@ import re
 import shlex
 
 from click.testing import CliRunner
-
-from accel_fsdp.cli.commands import main
-from accel_fsdp.config.shipped import shipped_accelerate_configs, shipped_recipes
-
 from conftest import REPO
+
+from accel_fsdp.cli import main
+from accel_fsdp.config.shipped import shipped_accelerate_configs, shipped_recipes
 
 README = (REPO / "README.md").read_text()
 

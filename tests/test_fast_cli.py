@@ -12,17 +12,16 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-
-from accel_fsdp.cli.commands import main
-
 from conftest import REPO, read_metrics, run_cli, write_jsonl
+
+from accel_fsdp.cli import main
 
 HEAVY = ("torch", "transformers.models", "accelerate", "datasets")
 
 
 def imported_by(*args) -> set[str]:
     """Heavy modules imported by running the CLI command in a fresh interpreter."""
-    code = ("import sys; from click.testing import CliRunner; from accel_fsdp.cli.commands import main; "
+    code = ("import sys; from click.testing import CliRunner; from accel_fsdp.cli import main; "
             f"r = CliRunner().invoke(main, {list(args)!r}); assert r.exit_code == 0, r.output; "
             "print('\\n'.join(sorted(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout

@@ -12,15 +12,14 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
+from conftest import REPO, load_weights, read_metrics, run_cli, save_tiny_model, tiny_recipe
 
-from accel_fsdp.cli.commands import main
-from accel_fsdp.errors import UserError
+from accel_fsdp.cli import main
 from accel_fsdp.config.accelerate import load_accelerate_config
+from accel_fsdp.config.recipe import load_recipe, recipe_from_text
 from accel_fsdp.config.settings import Source, check_settings, resolve_settings
 from accel_fsdp.config.shipped import shipped_recipes
-from accel_fsdp.config.recipe import load_recipe, recipe_from_text
-
-from conftest import REPO, load_weights, read_metrics, run_cli, save_tiny_model, tiny_recipe
+from accel_fsdp.errors import UserError
 
 TINY = """
 model: {architecture: gpt2, tokenizer: "builtin:quickstart", config_overrides: {n_layer: 2, n_embd: 64, n_head: 4}}

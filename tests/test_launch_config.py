@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from accel_fsdp.errors import UserError
 from accel_fsdp.config.accelerate import config_from_environment, load_accelerate_config
+from accel_fsdp.config.recipe import recipe_from_text
 from accel_fsdp.config.settings import Source, check_settings, resolve_settings
 from accel_fsdp.config.shipped import shipped_accelerate_configs
-from accel_fsdp.config.recipe import recipe_from_text
+from accel_fsdp.errors import UserError
 
 RECIPE = """
 model: {architecture: gpt2, tokenizer: "builtin:quickstart"}

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from accel_fsdp.cli.commands import main
+from accel_fsdp.cli import main
 from accel_fsdp.config.shipped import shipped_recipes
 
 
@@ -193,7 +193,7 @@ def test_recipe_run_hands_its_ranks_what_the_user_gave_less_what_the_launcher_co
 def test_child_argv_writes_back_every_kind_of_parameter():
     import click
 
-    from accel_fsdp.cli.commands import child_argv
+    from accel_fsdp.cli.options import child_argv
 
     seen = []
 

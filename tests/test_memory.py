@@ -7,12 +7,11 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from conftest import run_cli, tiny_recipe
 
-from accel_fsdp.cli.commands import main
+from accel_fsdp.cli import main
 from accel_fsdp.planning.estimate import Row, cheapest, parse_count
 from accel_fsdp.planning.memory import GiB, MemoryInputs, estimate, seeds_simple
-
-from conftest import run_cli, tiny_recipe
 
 
 def test_seeds_calculator_numbers():

@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-
-from accel_fsdp.cli.commands import main
-
 from conftest import REPO, read_metrics, run_cli, tiny_recipe
+
+from accel_fsdp.cli import main
 
 pytestmark = pytest.mark.multiprocess
 

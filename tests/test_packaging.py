@@ -7,10 +7,9 @@ import sys
 import zipfile
 
 import pytest
+from conftest import REPO
 
 from accel_fsdp.config.shipped import shipped_accelerate_configs, shipped_recipes
-
-from conftest import REPO
 
 
 @pytest.mark.multiprocess

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from accel_fsdp.errors import UserError
 from accel_fsdp.config.recipe import Recipe, incompatible_keys, key_reference, load_recipe, recipe_from_text
+from accel_fsdp.errors import UserError
 
 GOOD = """
 model:

@@ -8,12 +8,11 @@ import re
 
 import pytest
 from click.testing import CliRunner
-
-from accel_fsdp.model.architectures import KNOWN, lookup
-from accel_fsdp.cli.commands import main
-from accel_fsdp.config.shipped import shipped_recipes
-
 from conftest import read_metrics, run_cli, tiny_recipe
+
+from accel_fsdp.cli import main
+from accel_fsdp.config.shipped import shipped_recipes
+from accel_fsdp.model.architectures import KNOWN, lookup
 
 
 def paired_config(name: str) -> str:
@@ -71,8 +70,8 @@ def test_unknown_architecture_is_one_clear_message():
 
 @pytest.mark.parametrize("suffix", [".csv", ".parquet", ".json", ".txt"])
 def test_every_local_file_format_is_read(tmp_path, suffix):
-    from accel_fsdp.data.prepare import read_rows
     from accel_fsdp.config.recipe import recipe_from_text
+    from accel_fsdp.data.prepare import read_rows
 
     texts = ["alice has a red cat .", "bob has a blue dog .", "the cat is happy ."]
     path = tmp_path / f"data{suffix}"

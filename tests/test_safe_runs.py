@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
-from accel_fsdp.cli.commands import main
-from accel_fsdp.config.shipped import shipped_recipes
-
 from conftest import save_tiny_model, tiny_recipe, write_jsonl
+
+from accel_fsdp.cli import main
+from accel_fsdp.config.shipped import shipped_recipes
 
 
 def user_error(*args) -> str:
@@ -495,6 +494,27 @@ def test_bad_input_corpus(tmp_path, monkeypatch, name, make_args, expected):
     msg = user_error(*make_args(tmp_path))
     assert expected in msg, msg
     assert "fix:" in msg
+
+
+@pytest.mark.parametrize("command", ["inspect", "consolidate"])
+def test_a_copied_run_folder_with_an_absolute_record_never_reads_the_original(tmp_path, command):
+    """Older run.json files record `<run>/checkpoints` as an absolute path: a copy (cp -r) of such a run folder
+    must use its own checkpoints, never export or describe the original's as its own."""
+    import shutil
+
+    from accel_fsdp.run.layout import RunLayout
+
+    original = fake_run(tmp_path / "original", "hhhh")
+    assert Path(json.loads((original / "run.json").read_text())["checkpoint_dir"]).is_absolute()
+    copy = tmp_path / "copy"
+    shutil.copytree(original, copy)
+    shutil.rmtree(copy / "checkpoints")
+    assert RunLayout.at(copy).checkpoints == copy / "checkpoints"
+    assert RunLayout.at(original).checkpoints == original / "checkpoints"
+    args = ["checkpoint", "inspect", copy] if command == "inspect" else ["checkpoint", "consolidate", copy,
+                                                                         tmp_path / "out"]
+    msg = user_error(*args)
+    assert str(original) not in msg and str(copy) in msg
 
 
 def test_a_moved_run_folder_uses_its_own_checkpoints(tmp_path):

@@ -11,7 +11,6 @@ import time
 
 import pytest
 import torch
-
 from conftest import REPO, load_weights, read_metrics, run_cli, tiny_recipe, write_jsonl
 
 pytestmark = pytest.mark.multiprocess

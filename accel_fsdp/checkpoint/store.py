@@ -38,15 +38,24 @@ import torch
 
 from accel_fsdp.checkpoint.records import FORMAT, DamagedRecord, Manifest, TrainerState
 from accel_fsdp.errors import Problem, UserError
+
 # A checkpoint's file names live with every other path of a run, in run/layout.py.
-from accel_fsdp.run.layout import (HF_DIR, MANIFEST, RECIPE_FILE, SCALER_FILE, SETTINGS_FILE, TRAINER_STATE, RunLayout,
-                                   rng_file)
+from accel_fsdp.run.layout import (
+    HF_DIR,
+    MANIFEST,
+    RECIPE_FILE,
+    SCALER_FILE,
+    SETTINGS_FILE,
+    STEP_PREFIX,
+    TMP_PREFIX,
+    TRAINER_STATE,
+    TRASH_PREFIX,
+    RunLayout,
+    checkpoint_name,
+    rng_file,
+)
 
-_NAME = re.compile(r"^step-(\d{6,})$")
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:06d}"
+_NAME = re.compile(rf"^{STEP_PREFIX}(\d{{6,}})$")
 
 
 # --------------------------------------------------------------------------------------------------- save
@@ -64,11 +73,11 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, ste
         trainer_state = TrainerState.from_dict(trainer_state)
 
     name = checkpoint_name(step)
-    final, tmp = root / name, root / f".tmp-{name}"
+    final, tmp = root / name, root / f"{TMP_PREFIX}{name}"
     main = accelerator.is_main_process
     if main:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-step-*"):  # left by a crash; never a valid checkpoint
+        for stale in root.glob(f"{TMP_PREFIX}{STEP_PREFIX}*"):  # left by a crash; never a valid checkpoint
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     accelerator.wait_for_everyone()
@@ -209,13 +218,13 @@ def rotate(root: Path, keep_last: int | None, *, background: bool = False) -> li
     complete = [c for c in list_checkpoints(root) if c.complete]
     trashed = []
     for c in complete[:-keep_last]:
-        trash = c.path.with_name(".trash-" + c.path.name)
+        trash = c.path.with_name(TRASH_PREFIX + c.path.name)
         try:
             os.rename(c.path, trash)
         except OSError:
             continue
         trashed.append((c.path, trash))
-    for stale in root.glob(".trash-step-*"):  # left by a process that ended while deleting
+    for stale in root.glob(f"{TRASH_PREFIX}{STEP_PREFIX}*"):  # left by a process that ended while deleting
         if all(stale != t for _, t in trashed):
             trashed.append((stale, stale))
 
@@ -365,7 +374,7 @@ def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint", verify: bo
         raise UserError(Problem(str(p), f"no such {what}", "give a step-NNNNNN folder or a run folder"))
     if not p.is_dir():
         raise UserError(Problem(str(p), f"is a file, not a {what} folder", "give a step-NNNNNN folder or a run folder"))
-    if _NAME.match(p.name) or p.name.startswith(".tmp-step-") or (p / MANIFEST).exists():
+    if _NAME.match(p.name) or p.name.startswith(TMP_PREFIX + STEP_PREFIX) or (p / MANIFEST).exists():
         info = inspect_checkpoint(p, verify=verify)
         if not info.complete:
             raise UserError(Problem(str(p), f"incomplete or corrupt checkpoint: {info.reason}",

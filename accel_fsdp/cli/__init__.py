@@ -1,5 +1,8 @@
-"""The `accel-fsdp` command line: click commands that parse, load and call one function each."""
+"""The `accel-fsdp` command line: click commands that parse, load and call one function each.
 
-from accel_fsdp.cli.commands import main
+main.py holds the group; recipe.py, checkpoint.py, plan.py and tools.py its commands; options.py what they share.
+"""
+
+from accel_fsdp.cli.main import main
 
 __all__ = ["main"]

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from accel_fsdp.config import precision
-from accel_fsdp.errors import Problem, UserError, raise_if
 from accel_fsdp.config.shipped import display, resolve_accelerate_config
 from accel_fsdp.config.yaml_file import load_yaml
+from accel_fsdp.errors import Problem, UserError, raise_if
 
 CONFIG_PATH_ENV = "ACCEL_FSDP_ACCELERATE_CONFIG"
 """Set by the CLI when it launches itself, so each rank reads the same file (and can name it in messages)."""

@@ -6,11 +6,11 @@ torch nor transformers, so it answers at once. A model the facts do not know sho
 
 from __future__ import annotations
 
+from accel_fsdp.config.recipe import load_recipe
+from accel_fsdp.config.shipped import shipped_recipes
 from accel_fsdp.errors import UserError
 from accel_fsdp.model.checks import human_count
 from accel_fsdp.model.facts import facts_for
-from accel_fsdp.config.shipped import shipped_recipes
-from accel_fsdp.config.recipe import load_recipe
 
 
 def parameter_count(recipe) -> int | None:

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import ast
 import copy
-import math
 import dataclasses
 import difflib
 import hashlib
 import inspect
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -28,8 +28,9 @@ from typing import Any, Literal
 
 import yaml
 
-from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.config.yaml_file import load_yaml
+from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.run.layout import CHECKPOINTS_DIR
 
 TRACKERS = ("tensorboard", "wandb")
 ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -107,7 +108,7 @@ class DataConfig:
     eval_fraction: float = 0.05
     """Share of rows held out for evaluation (deterministic split). 0 disables evaluation."""
     max_rows: int | None = None
-    """Read at most this many rows from the source (for quick experiments)."""
+    """Read at most this many examples (rows of the source), for quick experiments."""
     num_proc: int | None = None
     """Processes used for tokenization. Default: one."""
 
@@ -117,14 +118,15 @@ class TrainingConfig:
     """Batch, schedule and precision."""
 
     micro_batch_size: int = 1
-    """Rows per rank per micro-step (forward + backward)."""
+    """Training sequences per rank per micro-step (forward + backward)."""
     global_batch_size: int = 8
-    """Rows per optimizer step over all ranks. Gradient accumulation steps are derived:
-    global_batch_size / (micro_batch_size x processes), which must be a whole number."""
+    """Training sequences (examples, or packed rows of up to seq_len tokens) per optimizer step over all ranks.
+    Gradient accumulation steps are derived: global_batch_size / (micro_batch_size x processes), which must be a
+    whole number."""
     max_steps: int | None = None
     """Optimizer steps to run. Exclusive with epochs."""
     epochs: float | None = None
-    """Passes over the training rows (may be fractional). Used when max_steps is not set; default 1."""
+    """Passes over the training sequences (may be fractional). Used when max_steps is not set; default 1."""
     lr: float = 2e-5
     """Peak learning rate (AdamW)."""
     min_lr_ratio: float = 0.1
@@ -155,7 +157,7 @@ class TrainingConfig:
 
     # The batch arithmetic, in one place (the seeds': global = micro x ranks x accumulation).
     def rows_per_micro_step(self, ranks: int) -> int:
-        """Rows one micro-step reads over all ranks."""
+        """Sequences one micro-step reads over all ranks."""
         return self.micro_batch_size * ranks
 
     def splits_evenly(self, ranks: int) -> bool:
@@ -192,7 +194,7 @@ class FsdpConfig:
 class CheckpointConfig:
     """Where and how often training state is saved."""
 
-    dir: str = "checkpoints"
+    dir: str = CHECKPOINTS_DIR
     """Checkpoint folder; relative paths are inside the run folder."""
     every_steps: int | None = None
     """Save every N optimizer steps. Default: only at the end of the run."""
@@ -445,7 +447,7 @@ def check_recipe(r: Recipe) -> list[Problem]:
     need(t.global_batch_size >= 1, "training.global_batch_size", f"{t.global_batch_size} must be at least 1",
          "rows per optimizer step over all ranks")
     if t.micro_batch_size >= 1 and t.global_batch_size >= 1:
-        need(t.global_batch_size % t.micro_batch_size == 0, "training.global_batch_size",
+        need(t.splits_evenly(1), "training.global_batch_size",
              f"{t.global_batch_size} is not a multiple of training.micro_batch_size = {t.micro_batch_size}",
              f"use a global batch that is a multiple of micro_batch_size x processes (e.g. "
              f"{_round_up(t.global_batch_size, t.micro_batch_size)}), or a smaller micro batch")

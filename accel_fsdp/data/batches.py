@@ -1,8 +1,11 @@
-"""Batches: which rows form each optimizer step, and how a micro-batch becomes model inputs.
+"""Batches: which training sequences form each optimizer step, and how a micro-batch becomes model inputs.
 
-`GlobalBatchSampler` fixes which rows form optimizer step s (a seeded permutation per epoch), no matter how many
-ranks share it: a resumed run continues at step s, also after the number of ranks changed, and sees exactly the rows
-an uninterrupted run would have seen. `collate` lays a micro-batch out for the model's attention kernel.
+Vocabulary (data/prepare.py too): an *example* is a row of the source; a *sequence* is what training reads, one
+example or several packed into up to seq_len tokens. Batch sizes count sequences.
+
+`GlobalBatchSampler` fixes which sequences form optimizer step s (a seeded permutation per epoch), no matter how many
+ranks share it: a resumed run continues at step s, also after the number of ranks changed, and sees exactly the
+sequences an uninterrupted run would have seen. `collate` lays a micro-batch out for the model's attention kernel.
 """
 
 from __future__ import annotations
@@ -15,24 +18,26 @@ import torch
 from accel_fsdp.config.recipe import TrainingConfig
 from accel_fsdp.data.prepare import IGNORE_INDEX
 
-class GlobalBatchSampler:
-    """Which rows each rank reads at each micro-step, derived from the optimizer step alone.
 
-    Optimizer step s of epoch e = s // steps_per_epoch takes the rows perm_e[b*G:(b+1)*G] of a permutation
+class GlobalBatchSampler:
+    """Which sequences each rank reads at each micro-step, derived from the optimizer step alone.
+
+    Optimizer step s of epoch e = s // steps_per_epoch takes the sequences perm_e[b*G:(b+1)*G] of a permutation
     seeded by (seed, e), where b = s % steps_per_epoch and G = global batch size. Micro-step m of rank r gets
-    the slice [(m*W + r)*B, (m*W + r + 1)*B) of those rows (W ranks, micro batch B). Rows left over at the end
+    the slice [(m*W + r)*B, (m*W + r + 1)*B) of those sequences (W ranks, micro batch B). Sequences left over at the end
     of an epoch (fewer than G) are skipped for that epoch, like drop_last.
     """
 
-    def __init__(self, num_rows: int, *, global_batch: int, micro_batch: int, world_size: int, rank: int,
+    def __init__(self, num_sequences: int, *, global_batch: int, micro_batch: int, world_size: int, rank: int,
                  seed: int):
-        self.n, self.G, self.B, self.W, self.r, self.seed = num_rows, global_batch, micro_batch, world_size, rank, seed
+        self.n, self.G, self.B = num_sequences, global_batch, micro_batch
+        self.W, self.r, self.seed = world_size, rank, seed
         batch = TrainingConfig(global_batch_size=global_batch, micro_batch_size=micro_batch)  # its formula, no copy
         self.accumulation_steps = batch.accumulation_steps(world_size)
-        self.steps_per_epoch = num_rows // global_batch
+        self.steps_per_epoch = num_sequences // global_batch
         self._perm: tuple[int, list[int]] | None = None
 
-    def global_rows(self, step: int) -> list[int]:
+    def global_sequences(self, step: int) -> list[int]:
         epoch, b = divmod(step, self.steps_per_epoch)
         if self._perm is None or self._perm[0] != epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
@@ -40,13 +45,13 @@ class GlobalBatchSampler:
         return self._perm[1][b * self.G:(b + 1) * self.G]
 
     def micro_batches(self, step: int) -> list[list[int]]:
-        rows = self.global_rows(step)
-        return [rows[(m * self.W + self.r) * self.B:(m * self.W + self.r + 1) * self.B]
+        seqs = self.global_sequences(step)
+        return [seqs[(m * self.W + self.r) * self.B:(m * self.W + self.r + 1) * self.B]
                 for m in range(self.accumulation_steps)]
 
     def position(self, step: int) -> dict[str, int]:
         epoch, b = divmod(step, self.steps_per_epoch)
-        return {"epoch": epoch, "batch_in_epoch": b, "rows_consumed": step * self.G}
+        return {"epoch": epoch, "batch_in_epoch": b, "rows_consumed": step * self.G}  # sequences; the key is on disk
 
 
 def total_steps(recipe, steps_per_epoch: int) -> int:

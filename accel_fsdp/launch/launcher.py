@@ -18,10 +18,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.config.accelerate import CONFIG_PATH_ENV, AccelerateConfig
+from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.train.lifetime import PREEMPTED
-
 
 
 def inside_launch() -> bool:
@@ -52,8 +51,9 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
 
     A preemption signal (SIGTERM, SIGUSR1) to this process reaches every rank, which finishes its step and writes a
     checkpoint; the status is then PREEMPTED (75). Ctrl-C stops the ranks at once (130)."""
-    from accel_fsdp.train.lifetime import launcher_environment
     from accelerate.commands.launch import launch_command, launch_command_parser
+
+    from accel_fsdp.train.lifetime import launcher_environment
 
     machine = machine or MachineOptions()
     machines = int(config.get("num_machines", 1) or 1)

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from accel_fsdp.model import architectures
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.model import architectures
 from accel_fsdp.model.checks import ModelView, lora_target_problems, override_problems, raise_problems
 from accel_fsdp.model.tokenizer import is_local
 

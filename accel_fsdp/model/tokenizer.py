@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from accel_fsdp.data.synthetic import BUILTIN_TOKENIZER
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model.checks import tokenizer_files_problem
-from accel_fsdp.data.synthetic import BUILTIN_TOKENIZER
 
 
 def is_local(path: str | None) -> bool:
@@ -115,8 +115,8 @@ def _bpe_cache_folder(recipe, vocab: int) -> Path:
     import os
     from dataclasses import asdict
 
-    from accel_fsdp.data.prepare import resolve_data_path
     from accel_fsdp.config.shipped import cache_dir
+    from accel_fsdp.data.prepare import resolve_data_path
 
     d = recipe.data
     kind, local = resolve_data_path(recipe)

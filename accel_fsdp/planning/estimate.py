@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from accel_fsdp.model import architectures
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.model import architectures
 from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, Shape, estimate, gib, seeds_simple
 
 HEADROOM = 0.9  # keep 10% of the GPU for the CUDA context, NCCL buffers and allocator fragmentation
@@ -70,10 +70,10 @@ def resolve_target(what: str, micro_batch: int | None, seq_len: int | None) -> T
 
 
 def _recipe_target(path, micro_batch, seq_len) -> Target:
-    from accel_fsdp.model.facts import facts_for
     from accel_fsdp.config import precision
-    from accel_fsdp.config.shipped import display
     from accel_fsdp.config.recipe import load_recipe
+    from accel_fsdp.config.shipped import display
+    from accel_fsdp.model.facts import facts_for
 
     recipe = load_recipe(path)
     recipe.source = display(path)

@@ -108,8 +108,8 @@ def _fsdp1_policy(plugin):
 
 def build_plan(recipe, config, *, num_processes: int | None = None) -> Plan:
     from accel_fsdp.model import build as model_lib
-    from accel_fsdp.preflight import preflight
     from accel_fsdp.model.tokenizer import offline_tokenizer
+    from accel_fsdp.preflight import preflight
 
     report = preflight(recipe, config, num_processes=num_processes, check_data=False, for_target_hardware=True)
     settings = report.settings

@@ -23,10 +23,27 @@ from enum import Enum
 from pathlib import Path
 
 from accel_fsdp.errors import Problem, UserError
+
 # RunLayout and checkpoints_of live in layout.py; importing them from here keeps working.
-from accel_fsdp.run.layout import (CHECKPOINTS_DIR, FINAL_DIR, LOCK_FILE, LOGS_DIR, LOSS_CURVE_FILE,
-                                   METRICS_FILE, OWNER_FILE, PREEMPTED_FILE, RECIPE_FILE, REPORT_FILE, RUN_FILE,
-                                   SETTINGS_FILE, SHARDING_FILE, TRACE_DIR, RunLayout, checkpoints_of)
+from accel_fsdp.run.layout import (
+    CHECKPOINT_PREFIXES,
+    CHECKPOINTS_DIR,
+    FINAL_DIR,
+    LOCK_FILE,
+    LOGS_DIR,
+    LOSS_CURVE_FILE,
+    METRICS_FILE,
+    OWNER_FILE,
+    PREEMPTED_FILE,
+    RECIPE_FILE,
+    REPORT_FILE,
+    RUN_FILE,
+    SETTINGS_FILE,
+    SHARDING_FILE,
+    TRACE_DIR,
+    RunLayout,
+    checkpoints_of,
+)
 
 # Everything accel-fsdp writes into a run folder: an overwrite removes these and nothing else.
 OWNED = (RUN_FILE, RECIPE_FILE, SETTINGS_FILE, SHARDING_FILE, METRICS_FILE, CHECKPOINTS_DIR, FINAL_DIR, LOGS_DIR,
@@ -233,7 +250,7 @@ def prepare(layout: RunLayout, recipe, settings, decision: Decision, *, resumed_
             owner = read_owner(folder) if folder.is_dir() else None
             if owner is not None and owner.get("run_id") == old.run_id and old.run_id is not None:
                 for entry in folder.iterdir():
-                    if entry.name.startswith(("step-", ".tmp-step-", ".trash-step-")) and entry.is_dir():
+                    if entry.name.startswith(CHECKPOINT_PREFIXES) and entry.is_dir():
                         shutil.rmtree(entry)
     root.mkdir(parents=True, exist_ok=True)
     if decision == Decision.RESUME and old is not None:

@@ -56,6 +56,16 @@ def rng_file(rank: int) -> str:
     return f"rng_state_{rank}.pt"
 
 
+# Checkpoint folders: `step-000200`, written as `.tmp-step-000200` until complete, renamed `.trash-step-000200`
+# while being deleted (rotation). All three belong to the run that owns the checkpoint folder.
+STEP_PREFIX, TMP_PREFIX, TRASH_PREFIX = "step-", ".tmp-", ".trash-"
+CHECKPOINT_PREFIXES = (STEP_PREFIX, TMP_PREFIX + STEP_PREFIX, TRASH_PREFIX + STEP_PREFIX)
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:06d}"
+
+
 def checkpoints_of(run_dir: Path, recorded: str) -> Path:
     """The checkpoint folder run.json records, for the run folder where it is now."""
     path = Path(recorded).expanduser()

@@ -308,10 +308,10 @@ def check_packing(v: Verification) -> Check:
     attention kernel, a micro-batch the trainer's collate builds from the recipe's own tokenized rows."""
     import torch
 
+    from accel_fsdp.config.recipe import load_recipe
     from accel_fsdp.data import batches
     from accel_fsdp.data.prepare import prepare_data
     from accel_fsdp.model.build import model_config
-    from accel_fsdp.config.recipe import load_recipe
     from accel_fsdp.model.tokenizer import build_tokenizer
 
     recipe = load_recipe(v.recipe.source, v.sets(f"model.config_overrides.{layer_key(v.recipe)}=2",
@@ -390,8 +390,8 @@ def check_memory(v: Verification) -> Check:
 
 
 def predicted_inputs(v, counts, info, strategy, settings):
-    from accel_fsdp.planning.memory import MemoryInputs
     from accel_fsdp.model.facts import facts_for
+    from accel_fsdp.planning.memory import MemoryInputs
 
     facts = facts_for(v.recipe)
     return MemoryInputs(params=counts["parameters"], trainable=counts["trainable"],
@@ -480,9 +480,9 @@ def _model_type(recipe) -> str | None:
 def record_counts(probe: Probe) -> None:
     """Parameter counts of the probe run, from its checkpoint manifest (the run's own count)."""
     from accel_fsdp.checkpoint.records import Manifest
-    from accel_fsdp.run.layout import MANIFEST
+    from accel_fsdp.run.layout import MANIFEST, STEP_PREFIX
 
-    manifests = sorted(probe.layout.checkpoints.glob(f"step-*/{MANIFEST}"))
+    manifests = sorted(probe.layout.checkpoints.glob(f"{STEP_PREFIX}*/{MANIFEST}"))
     if manifests:
         m = Manifest.read(manifests[-1].parent)
         (probe.folder / "run_parameters.json").write_text(json.dumps(

@@ -1,6 +1,6 @@
 """What tests and `accel-fsdp verify` attach to a run, outside the loop body. Unset, none of it runs.
 
-  ACCEL_FSDP_TRACE_ROWS=1   per rank and step, the training rows read, in <run>/trace/ (resume tests)
+  ACCEL_FSDP_TRACE_ROWS=1   per rank and step, the training sequences read, in <run>/trace/ (resume tests)
   ACCEL_FSDP_FAULT=...      a crash or hang injected after an optimizer step or inside a save (faults.py)
   ACCEL_FSDP_PROBE=...      measurements of internals through model hooks (probes.py)
 
@@ -18,7 +18,7 @@ from accel_fsdp.train.faults import Faults
 from accel_fsdp.train.sharding import gathered_state_bytes
 
 TRACE_ENV = "ACCEL_FSDP_TRACE_ROWS"
-"""Set to 1 to record, per rank and step, the training rows read (in <run>/trace/); used by resume tests."""
+"""Set to 1 to record, per rank and step, the training sequences read (in <run>/trace/); used by resume tests."""
 
 
 class TestHooks:

@@ -25,10 +25,10 @@ def fit(run: Run) -> None:
     run.logger.start()
     model.train()
     for step in range(run.start_step, run.total_steps):
-        global_rows, micro_batches = sampler.global_rows(step), sampler.micro_batches(step)
-        num_items = run.loss_denominator(global_rows)
-        for rows in micro_batches:
-            batch = run.batch(rows)
+        sequences, micro_batches = sampler.global_sequences(step), sampler.micro_batches(step)
+        num_items = run.loss_denominator(sequences)
+        for seqs in micro_batches:
+            batch = run.batch(seqs)
             with acc.accumulate(model):
                 with acc.autocast():
                     # use_cache=False: with a KV cache transformers skips the packed-document mask
@@ -44,7 +44,7 @@ def fit(run: Run) -> None:
 
         done = step + 1
         run.hooks.after_step(done, micro_batches)
-        run.logger.after_step(done, lr, grad_norm, global_rows)
+        run.logger.after_step(done, lr, grad_norm, sequences)
         run.evaluator.after_step(done)
         run.checkpointer.after_step(done)
     run.logger.close()

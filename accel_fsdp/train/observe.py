@@ -11,8 +11,7 @@ import time
 
 import torch
 
-from accel_fsdp.train.metrics import (StartupRow, TrainRow, device_peak_flops, peak_memory_bytes,
-                                      reset_peak_memory)
+from accel_fsdp.train.metrics import StartupRow, TrainRow, device_peak_flops, peak_memory_bytes, reset_peak_memory
 from accel_fsdp.train.sharding import gather_ints
 
 
@@ -43,10 +42,10 @@ class TrainLogger:
     def add_loss(self, loss: torch.Tensor) -> None:
         self.loss += loss.detach()
 
-    def after_step(self, step: int, lr: float, grad_norm, rows: list[int]) -> None:
+    def after_step(self, step: int, lr: float, grad_norm, seqs: list[int]) -> None:
         run = self.run
         self.norm += _full(grad_norm).detach()
-        tokens = run.step_tokens(rows)
+        tokens = run.step_tokens(seqs)
         self.tokens += tokens
         run.tokens_seen += tokens
         self.steps += 1

@@ -18,10 +18,14 @@ from typing import Any
 import torch
 from accelerate.utils import set_seed
 
-from accel_fsdp.config.accelerate import (CONFIG_PATH_ENV, AccelerateConfig, config_from_environment,
-                                          load_accelerate_config)
-from accel_fsdp.config.settings import FsdpSettings, Source
+from accel_fsdp.config.accelerate import (
+    CONFIG_PATH_ENV,
+    AccelerateConfig,
+    config_from_environment,
+    load_accelerate_config,
+)
 from accel_fsdp.config.precision import compute_dtype
+from accel_fsdp.config.settings import FsdpSettings, Source
 from accel_fsdp.data import batches
 from accel_fsdp.data import prepare as data_lib
 from accel_fsdp.errors import UserError
@@ -129,25 +133,25 @@ class Run:
             else:
                 print(text, flush=True)
 
-    def batch(self, rows: list[int], split: str = "train") -> dict:
-        """The tensors of these rows on this rank's device, in the layout the attention kernel needs."""
+    def batch(self, seqs: list[int], split: str = "train") -> dict:
+        """The tensors of these sequences on this rank's device, in the layout the attention kernel needs."""
         table = self.data.train if split == "train" else self.data.eval
-        batch = batches.collate(table[rows], self.tokenizer.pad_token_id, self.use_position_ids,
+        batch = batches.collate(table[seqs], self.tokenizer.pad_token_id, self.use_position_ids,
                                 layout=self.batch_layout)
         return {k: v.to(self.accelerator.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                 for k, v in batch.items()}
 
-    def loss_denominator(self, rows: list[int]) -> float | None:
-        """num_items_in_batch of every micro-step of an optimizer step over the global batch `rows`: its
+    def loss_denominator(self, seqs: list[int]) -> float | None:
+        """num_items_in_batch of every micro-step of an optimizer step over the global batch `seqs`: its
         loss-carrying tokens / (ranks x accumulation steps). Every rank computes it from the dataset's per-row
         counts, so no communication is needed (see train/loop.py)."""
         if broken("mean-loss"):
             return None
         acc = self.accelerator
-        return max(1, sum(self.label_counts[i] for i in rows)) / (acc.num_processes * self.sampler.accumulation_steps)
+        return max(1, sum(self.label_counts[i] for i in seqs)) / (acc.num_processes * self.sampler.accumulation_steps)
 
-    def step_tokens(self, rows: list[int]) -> int:
-        return sum(self.lengths[i] for i in rows)
+    def step_tokens(self, seqs: list[int]) -> int:
+        return sum(self.lengths[i] for i in seqs)
 
 
 def current_accelerate_config() -> AccelerateConfig:

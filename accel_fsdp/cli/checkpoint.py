@@ -1,0 +1,104 @@
+"""`accel-fsdp checkpoint ...`: consolidate a checkpoint into a Hugging Face folder, inspect checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from accel_fsdp.config.precision import PRECISIONS
+from accel_fsdp.errors import Problem, UserError
+
+# ------------------------------------------------------------------------------------------ checkpoint
+
+
+@click.group()
+def checkpoint() -> None:
+    """Inspect checkpoints and consolidate them into Hugging Face model folders."""
+
+
+@checkpoint.command("consolidate")
+@click.argument("checkpoint_or_run", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--dtype", type=click.Choice(PRECISIONS), default=None,
+              help="Weight dtype of the export. Default: the recipe's checkpoint.export_dtype.")
+@click.option("--max-shard-size", default="2GB", show_default=True, help="Split the weights into files of at most "
+              "this size (with an index file); also bounds the memory used.")
+@click.option("--merge", is_flag=True, help="LoRA checkpoints: also write the base model with the adapter merged "
+              "into OUT_DIR/merged.")
+@click.option("--base-model", help="LoRA with --merge: the base model (default: the one the adapter names).")
+def checkpoint_consolidate(checkpoint_or_run, out_dir, dtype, max_shard_size, merge, base_model) -> None:
+    """Turn a checkpoint (or a run folder's newest complete one) into a folder `from_pretrained` loads.
+
+    \b
+    accel-fsdp checkpoint consolidate runs/gpt2-xl out/gpt2-xl --dtype bf16
+    accel-fsdp checkpoint consolidate runs/x/checkpoints/step-000200 out/x --max-shard-size 500MB
+    """
+    import yaml
+
+    from accel_fsdp.checkpoint.consolidate import consolidate
+    from accel_fsdp.checkpoint.store import resolve_checkpoint
+    from accel_fsdp.planning.memory import parse_bytes, size_problem
+    from accel_fsdp.run.layout import RECIPE_FILE
+
+    try:
+        size = parse_bytes(max_shard_size)
+    except ValueError:
+        raise UserError(size_problem("--max-shard-size", max_shard_size, "2GB or 500MB")) from None
+    info = resolve_checkpoint(checkpoint_or_run, verify=True)
+    if out_dir.resolve().is_relative_to(info.path.resolve()):
+        raise UserError(Problem(str(out_dir), f"is inside the checkpoint {info.path}", "write the export elsewhere"))
+    if dtype is None:
+        try:
+            saved = yaml.safe_load((info.path / RECIPE_FILE).read_text()) or {}
+            dtype = saved.get("checkpoint", {}).get("export_dtype", "fp32")
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+            dtype = "fp32"
+    if merge and not info.manifest.lora:
+        raise UserError(Problem("--merge", f"{info.path} is not a LoRA checkpoint", "drop --merge"))
+    click.echo(f"consolidating {info.path} (step {info.manifest.step}, {info.manifest.state_dict_type}) -> {out_dir}")
+    report = consolidate(info, out_dir, dtype=dtype, max_shard_size=size, merge_lora=merge, base_model=base_model)
+    click.echo(report.summary())
+
+
+@checkpoint.command("inspect")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def checkpoint_inspect(path: Path, as_json: bool) -> None:
+    """Describe a checkpoint, or every checkpoint of a run folder: step, world size, type, parameters, bytes,
+    recipe, complete or not.
+
+    \b
+    accel-fsdp checkpoint inspect runs/quickstart
+    """
+    from accel_fsdp.checkpoint.store import (
+        MANIFEST,
+        _checkpoint_folders_of,
+        describe,
+        format_description,
+        inspect_checkpoint,
+        list_checkpoints,
+    )
+
+    from accel_fsdp.run.layout import CHECKPOINT_PREFIXES
+
+    if not path.exists():
+        raise UserError(Problem(str(path), "does not exist", "give a checkpoint or run folder"))
+    if not path.is_dir():
+        raise UserError(Problem(str(path), "is a file, not a checkpoint or run folder",
+                                "give a step-NNNNNN folder or a run folder"))
+    if (path / MANIFEST).exists() or path.name.startswith(CHECKPOINT_PREFIXES[:2]):
+        infos = [inspect_checkpoint(path, verify=True)]
+    else:
+        folders = _checkpoint_folders_of(path)  # the run's own checkpoint folder first (RunLayout.at)
+        folder = next((f for f in folders if list_checkpoints(f)), folders[0])
+        infos = [inspect_checkpoint(c.path, verify=True) for c in list_checkpoints(folder)]
+        infos += [inspect_checkpoint(p) for p in sorted(folder.glob(f"{CHECKPOINT_PREFIXES[1]}*"))]
+    if not infos:
+        raise UserError(Problem(str(path), "holds no checkpoints", "give a run folder or a step-NNNNNN folder"))
+    described = [describe(i) for i in infos]
+    if as_json:
+        click.echo(json.dumps(described if len(described) > 1 else described[0], indent=1))
+        return
+    click.echo("\n".join(format_description(d) for d in described))

@@ -1,0 +1,43 @@
+"""The `accel-fsdp` command line. Thin: each command parses, loads, and calls one library function.
+
+User mistakes are `UserError`s (click exceptions with exit status 2): one message naming the file or key, the
+value and the fix; never a traceback.
+"""
+
+from __future__ import annotations
+
+import click
+
+from accel_fsdp import __version__
+from accel_fsdp.cli import checkpoint, plan, recipe, tools
+from accel_fsdp.errors import show_usage_error
+
+click.UsageError.show = show_usage_error  # one format for every user mistake, click's own included
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="accel-fsdp")
+def main() -> None:
+    """Fine-tune GPT-2 and Llama models with PyTorch FSDP through Hugging Face Accelerate.
+
+    \b
+    accel-fsdp recipe list                      what can be trained
+    accel-fsdp recipe run quickstart            a tiny model, anywhere, in about a minute
+    accel-fsdp recipe run gpt2-xl --accelerate-config fsdp_2gpu
+    accel-fsdp checkpoint consolidate runs/gpt2-xl out/gpt2-xl
+    """
+    from accel_fsdp.quiet import quiet_warnings
+
+    quiet_warnings()
+
+
+# The commands, each in the module of its kind.
+main.add_command(recipe.recipe)
+main.add_command(checkpoint.checkpoint)
+main.add_command(tools.tokenizer)
+main.add_command(plan.estimate_command)
+main.add_command(tools.bench_command)
+main.add_command(tools.verify_command)
+main.add_command(plan.slurm_command)
+main.add_command(tools.report_command)
+main.add_command(tools.generate_command)

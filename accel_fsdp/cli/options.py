@@ -1,0 +1,73 @@
+"""What several commands share: the help of their common options, loading a recipe by name or path, and the
+argv of a command run again in a child process."""
+
+from __future__ import annotations
+
+import click
+
+SET_HELP = "Override a recipe key, typed as YAML: --set training.lr=3e-4 --set model.lora.enabled=true (repeatable)."
+CONFIG_HELP = ("Accelerate config: a shipped name (fsdp_2gpu) or a path. Default: fsdp_cpu (2 CPU ranks) without a "
+               "GPU, else fsdp_1gpu with one process per local GPU.")
+
+
+def load_recipe(name_or_path: str, overrides):
+    """A shipped recipe by name, or a file, with --set applied; messages quote it as the user wrote it."""
+    from accel_fsdp.config.recipe import load_recipe as read_recipe
+    from accel_fsdp.config.shipped import display, resolve_recipe
+
+    path = resolve_recipe(name_or_path)
+    r = read_recipe(path, overrides)
+    r.source = display(path)
+    return r
+
+
+def finite(param, value):
+    import math
+
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number", param=param)
+    return value
+
+
+def child_argv(ctx: click.Context, *, parent_only=frozenset(), given: dict | None = None) -> list[str]:
+    """The argv that runs this command again in a child process, derived from the command's own parameters: its
+    subcommand path, then every parameter the user gave (not a default) in declaration order, each written as click
+    reads it back; `given` sets parameters the child must receive whatever the user typed (None: leave out), and
+    `parent_only` names those the parent alone consumes. A new option is forwarded without being listed here."""
+    from click.core import ParameterSource
+
+    given = given or {}
+    path, c = [], ctx
+    while c.parent is not None:
+        path.insert(0, c.info_name)
+        c = c.parent
+    argv = list(path)
+    for param in ctx.command.params:
+        name = param.name
+        if name in parent_only:
+            continue
+        if name in given:
+            value = given[name]
+        elif ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT,
+                                                ParameterSource.PROMPT):
+            value = ctx.params.get(name)
+        else:
+            continue
+        if value is None or (param.multiple and not value):
+            continue
+        if isinstance(param, click.Argument):
+            argv += [str(v) for v in value] if param.nargs != 1 else [str(value)]
+            continue
+        opt = next((o for o in param.opts if o.startswith("--")), param.opts[0])
+        if param.is_flag:  # a switch: written when on (or its --no- form when off), never with a value
+            on = param.flag_value if not param.is_bool_flag or isinstance(param.flag_value, bool) else True
+            if value == on:
+                argv.append(opt)
+            elif param.secondary_opts:
+                argv.append(next((o for o in param.secondary_opts if o.startswith("--")), param.secondary_opts[0]))
+            continue
+        for v in (value if param.multiple else [value]):
+            argv += [opt, *map(str, v)] if param.nargs != 1 else [opt, str(v)]
+    return argv
+
+
