@@ -60,3 +60,22 @@ def test_readme_lists_every_shipped_config():
 def test_recipe_key_table_is_current():
     table = CliRunner().invoke(main, ["recipe", "keys", "--markdown"]).output
     assert table.strip() in (REPO / "docs" / "RECIPES.md").read_text(), "regenerate: accel-fsdp recipe keys --markdown"
+
+
+def test_architecture_names_every_module_of_the_tree():
+    """docs/ARCHITECTURE.md draws the package tree: every module is in it, under its folder, and nothing else is."""
+    text = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    tree = text[text.index("```\naccel_fsdp/"):text.index("```", text.index("```\naccel_fsdp/") + 4)]
+    named, folder = set(), ""
+    for line in tree.splitlines()[2:]:
+        m = re.match(r"  ([a-z_]+/|[a-z_]+\.py)", line)
+        if m and m.group(1).endswith("/"):
+            folder = m.group(1)
+        elif m:
+            folder = ""
+            named.add(m.group(1))
+        named |= {folder + name for name in re.findall(r"\b([a-z_]+\.py)\b", line) if not line.startswith(f"  {name}")}
+    modules = {str(p.relative_to(REPO / "accel_fsdp")) for p in (REPO / "accel_fsdp").rglob("*.py")
+               if p.name not in ("__init__.py", "__main__.py")}
+    assert modules - named == set(), "modules the architecture drawing leaves out"
+    assert named - modules == set(), "names in the drawing that are not modules"

@@ -2,9 +2,9 @@
 
 Built by the same setup as a real run (train/setup.py: the settings checked the same way, the same Accelerator
 and FSDP plugin, tokenizer, model, LoRA, activation checkpointing, `prepare` order and optimizer); only the loop
-differs: no data pipeline, no loss normalization over the global batch, no metrics files, no checkpoints:
-random token rows straight into `model(input_ids, labels)`, and the global loss all-reduced every step (as
-`bench` makes our loop log every step). Whatever our loop costs on top of Accelerate shows up as the ratio.
+differs: one global batch collated once and fed again every step, no loss normalization over the global batch, no
+metrics files, no checkpoints, and the global loss all-reduced every step (as `bench` makes our loop log every
+step). Whatever our loop costs on top of Accelerate shows up as the ratio.
 
 Run inside a launch: `python -m accel_fsdp.tools.baseline RECIPE_PATH OUT_JSON --steps N --warmup W [--set ...]`.
 """
@@ -29,6 +29,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from accel_fsdp.config.recipe import load_recipe
+    from accel_fsdp.data.batches import GlobalBatchSampler, collate
+    from accel_fsdp.data.prepare import prepare_data
     from accel_fsdp.quiet import quiet_libraries
     from accel_fsdp.train.setup import build_sharded_model, describe_model, start_engine
 
@@ -37,23 +39,28 @@ def main() -> None:
     t = recipe.training
     engine = start_engine(recipe, run_dir=None)
     acc, world = engine.accelerator, engine.world
-    k = t.accumulation_steps(world)
     tokenizer, config = describe_model(recipe, engine)
     built = build_sharded_model(recipe, engine, config)
     model, optimizer = built.model, built.optimizer
+    # The micro-batches of the run's first optimizer step, collated once, outside the timed loop: the model sees
+    # what it sees in our loop (packed documents kept apart by their positions, the attention kernel's layout),
+    # so the ratio measures the loop, not the mask. Reading and collating every step is part of ours.
+    data = prepare_data(recipe, tokenizer, acc)
+    sampler = GlobalBatchSampler(len(data.train), global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
+                                 world_size=world, rank=acc.process_index, seed=t.seed)
+    micro_batches = [{key: value.to(acc.device) if isinstance(value, torch.Tensor) else value
+                      for key, value in collate(data.train[seqs], tokenizer.pad_token_id, built.use_position_ids,
+                                                layout=built.batch_layout).items()}
+                     for seqs in sampler.micro_batches(0)]
     model.train()
-    generator = torch.Generator().manual_seed(t.seed + acc.process_index)
-    shape = (t.micro_batch_size, recipe.data.seq_len)
-    batches = [torch.randint(0, tokenizer.vocab_size, shape, generator=generator) for _ in range(k)]
 
     times = []
     for step in range(args.warmup + args.steps):
         start = time.perf_counter()
-        for ids in batches:
-            ids = ids.to(acc.device)
+        for batch in micro_batches:
             with acc.accumulate(model):
                 with acc.autocast():
-                    loss = model(input_ids=ids, labels=ids).loss
+                    loss = model(**batch, use_cache=False).loss
                 acc.backward(loss)
                 if acc.sync_gradients:
                     acc.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf"))
