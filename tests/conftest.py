@@ -117,9 +117,11 @@ def tiny_recipe(path: Path, model_path: Path, data_path: Path, **sections) -> Pa
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl as the JSON has them (read and checked by the product's reader)."""
     from accel_fsdp.train.metrics import read_metrics as read
+    from accel_fsdp.train.metrics import row_to_dict
 
-    return read(run_dir / "metrics.jsonl")
+    return [row_to_dict(r) for r in read(run_dir / "metrics.jsonl")]
 
 
 def load_weights(folder: Path) -> dict:

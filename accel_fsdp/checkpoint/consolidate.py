@@ -174,7 +174,15 @@ def _output_keys(info: CheckpointInfo, reader: _TensorSource, adapter: bool) -> 
         # PEFT's files name adapter weights without the adapter name ("...lora_A.weight").
         pairs = [(k, n.replace(".default.", ".")) for k, n in pairs]
     else:
-        config = json.loads((info.path / HF_DIR / "config.json").read_text())
+        config_file = info.path / HF_DIR / "config.json"
+        try:
+            config = json.loads(config_file.read_text())
+            if not isinstance(config, dict):
+                raise ValueError("not a JSON object")
+        except (ValueError, UnicodeDecodeError, OSError) as e:
+            raise UserError(Problem(str(config_file), f"cannot be read ({type(e).__name__}: {str(e)[:120]}), so the "
+                                    "model it describes is unknown", "use an earlier checkpoint (see `accel-fsdp "
+                                    "checkpoint inspect` on the run)")) from None
         if config.get("tie_word_embeddings", True):
             tied = _tied_output_keys(info)
             pairs = [(k, n) for k, n in pairs if n not in tied]

@@ -59,15 +59,16 @@ def measure_ours(recipe: str, config: str, overrides: list[str], steps: int, war
     if proc.returncode != 0:
         _fail(label, proc)
     layout = RunLayout.at(run_dir)
-    rows = [json.loads(line) for line in layout.metrics_file.read_text().splitlines()]
-    rows = [r for r in rows if r["kind"] == "train" and r["step"] > warmup]
-    info = json.loads(layout.sharding_file.read_text())
-    state = [r["params"] + r["grads"] + r["optimizer"] + r.get("frozen_params", 0) for r in info["state_bytes"]]
-    peak = [max(r["peak_memory_bytes"][i] for r in rows) for i in range(len(rows[0]["peak_memory_bytes"]))]
-    mfu = [r["mfu"] for r in rows if "mfu" in r]
-    return Measurement(label, statistics.median(r["tokens_per_s"] for r in rows),
-                       statistics.median(r["tokens_per_s_per_rank"] for r in rows),
-                       statistics.median(r["step_time_s"] for r in rows), peak, state,
+    from accel_fsdp.train.metrics import TrainRow, read_metrics
+    from accel_fsdp.train.sharding import ShardingRecord
+
+    rows = [r for r in read_metrics(layout.metrics_file) if isinstance(r, TrainRow) and r.step > warmup]
+    state = ShardingRecord.read(layout.sharding_file).model_state_bytes()
+    peak = [max(r.peak_memory_bytes[i] for r in rows) for i in range(len(rows[0].peak_memory_bytes))]
+    mfu = [r.mfu for r in rows if r.mfu is not None]
+    return Measurement(label, statistics.median(r.tokens_per_s for r in rows),
+                       statistics.median(r.tokens_per_s_per_rank for r in rows),
+                       statistics.median(r.step_time_s for r in rows), peak, state,
                        statistics.median(mfu) if mfu else None)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.run.layout import METRICS_FILE, RunLayout
-from accel_fsdp.train.metrics import read_metrics
+from accel_fsdp.train.metrics import EvalRow, TrainRow, read_metrics
 
 
 def summarize(run_dir: Path) -> dict:
@@ -23,29 +23,29 @@ def summarize(run_dir: Path) -> dict:
         raise UserError(Problem(str(run_dir), f"has no {METRICS_FILE}, so it is not a run folder (or the run logged "
                                 "nothing yet)", "give the --output-dir of a run"))
     rows = read_metrics(metrics_file)
-    train = [r for r in rows if r["kind"] == "train"]  # every row was checked by read_metrics
-    evals = [r for r in rows if r["kind"] == "eval"]
+    train = [r for r in rows if isinstance(r, TrainRow)]  # every row was checked by read_metrics
+    evals = [r for r in rows if isinstance(r, EvalRow)]
     if not train:
         raise UserError(Problem(str(metrics_file), "holds no training rows yet", "wait for the first logged step"))
     from accel_fsdp.run.folder import RunIdentity
 
     info = RunIdentity.read(layout.run_file) if layout.run_file.exists() else RunIdentity(None)
     out = {
-        "run": str(run_dir), "recipe": info.recipe_name, "steps": train[-1]["step"],
-        "tokens_seen": train[-1].get("tokens_seen"), "first_loss": train[0]["loss"], "final_loss": train[-1]["loss"],
-        "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in train),
-        "tokens_per_s_per_rank_median": statistics.median(r["tokens_per_s_per_rank"] for r in train),
-        "step_time_s_median": statistics.median(r["step_time_s"] for r in train),
-        "peak_memory_bytes_per_rank": [max(r["peak_memory_bytes"][i] for r in train if i < len(r["peak_memory_bytes"]))
-                                       for i in range(max(len(r["peak_memory_bytes"]) for r in train))],
+        "run": str(run_dir), "recipe": info.recipe_name, "steps": train[-1].step,
+        "tokens_seen": train[-1].tokens_seen, "first_loss": train[0].loss, "final_loss": train[-1].loss,
+        "tokens_per_s_median": statistics.median(r.tokens_per_s for r in train),
+        "tokens_per_s_per_rank_median": statistics.median(r.tokens_per_s_per_rank for r in train),
+        "step_time_s_median": statistics.median(r.step_time_s for r in train),
+        "peak_memory_bytes_per_rank": [max(r.peak_memory_bytes[i] for r in train if i < len(r.peak_memory_bytes))
+                                       for i in range(max(len(r.peak_memory_bytes) for r in train))],
     }
-    mfu = [r["mfu"] for r in train if "mfu" in r]
+    mfu = [r.mfu for r in train if r.mfu is not None]
     if mfu:
         out["mfu_median"] = statistics.median(mfu)
     if evals:
-        best = min(evals, key=lambda r: r["eval_loss"])
-        out.update(final_eval_loss=evals[-1]["eval_loss"], final_eval_ppl=evals[-1]["eval_ppl"],
-                   best_eval_loss=best["eval_loss"], best_eval_step=best["step"])
+        best = min(evals, key=lambda r: r.eval_loss)
+        out.update(final_eval_loss=evals[-1].eval_loss, final_eval_ppl=evals[-1].eval_ppl,
+                   best_eval_loss=best.eval_loss, best_eval_step=best.step)
     return out
 
 
@@ -74,12 +74,12 @@ def plot(run_dir: Path) -> Path | None:
         return None
     layout = RunLayout.at(run_dir)
     rows = read_metrics(layout.metrics_file)
-    train = [r for r in rows if r["kind"] == "train" and "loss" in r]
-    evals = [r for r in rows if r["kind"] == "eval" and "eval_loss" in r]
+    train = [r for r in rows if isinstance(r, TrainRow)]
+    evals = [r for r in rows if isinstance(r, EvalRow)]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", linewidth=1.5)
+    ax.plot([r.step for r in train], [r.loss for r in train], label="train loss", linewidth=1.5)
     if evals:
-        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+        ax.plot([r.step for r in evals], [r.eval_loss for r in evals], "o-", label="eval loss")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (mean per token)")
     ax.set_title(Path(run_dir).name)

@@ -78,14 +78,15 @@ class Probe:
     def layout(self) -> RunLayout:
         return RunLayout.at(self.folder)
 
-    def train_rows(self) -> list[dict]:
+    def train_rows(self) -> list:
         from accel_fsdp.train.metrics import read_metrics
 
-        return [r for r in read_metrics(self.layout.metrics_file, strict=False) if r["kind"] == "train"]
+        return [r for r in read_metrics(self.layout.metrics_file, strict=False) if r.kind == "train"]
 
-    def sharding(self) -> dict:
-        path = self.layout.sharding_file
-        return json.loads(path.read_text()) if path.exists() else {}
+    def sharding(self):
+        from accel_fsdp.train.sharding import ShardingRecord
+
+        return ShardingRecord.read(self.layout.sharding_file)
 
     def trace(self, name: str) -> list[dict]:
         out = []
@@ -180,12 +181,12 @@ def check_sharding(v: Verification) -> Check:
     info = ref.sharding()
     if not info:
         return Check("sharding", "FAIL", ref.failure())
-    total, held, shards = info["parameters"], info["local_parameters"], info["expected_shards"]
+    total, held, shards = info.parameters, info.local_parameters, info.expected_shards
     fractions = [n / total for n in held]
     ok = all(abs(f - 1 / shards) <= 0.02 + 4096 / total for f in fractions)
     measured = f"ranks hold {', '.join(f'{f:.3f}' for f in fractions)} of the parameters"
     problems = []
-    state = info.get("state_bytes") or []
+    state = info.state_bytes or []
     counts = ref.folder / "run_parameters.json"
     trainable = json.loads(counts.read_text())["trainable"] if counts.exists() else None
     if state:
@@ -231,11 +232,13 @@ def check_precision(v: Verification) -> Check:
                  {"compute": compute, "reduce": reduce})
 
 
-def compare_rows(a: list[dict], b: list[dict], tol: dict, steps: int) -> tuple[bool, float, float]:
+def compare_rows(a: list, b: list, tol: dict, steps: int) -> tuple[bool, float, float]:
+    """The largest relative differences of loss and gradient norm over the first `steps` training rows."""
     worst = {"loss": 0.0, "grad_norm": 0.0}
     for ra, rb in zip(a[:steps], b[:steps]):
         for key in worst:
-            worst[key] = max(worst[key], abs(ra[key] - rb[key]) / max(abs(rb[key]), 1e-12))
+            x, y = getattr(ra, key), getattr(rb, key)
+            worst[key] = max(worst[key], abs(x - y) / max(abs(y), 1e-12))
     ok = len(a) >= steps and len(b) >= steps and all(worst[k] <= tol[k] for k in worst)
     return ok, worst["loss"], worst["grad_norm"]
 
@@ -357,7 +360,7 @@ def check_memory(v: Verification) -> Check:
 
     ref = v.probes["reference"]
     info = ref.sharding()
-    if not info.get("state_bytes"):
+    if info is None or not info.state_bytes:
         return Check("memory", "FAIL", ref.failure())
     counts = json.loads((ref.folder / "run_parameters.json").read_text())
     settings = json.loads(ref.layout.settings_file.read_text())
@@ -365,10 +368,10 @@ def check_memory(v: Verification) -> Check:
     lora = counts["trainable"] < counts["parameters"]
     predicted = estimate(MemoryInputs(
         params=counts["parameters"], trainable=counts["trainable"], largest_unit=0, world=v.world,
-        shard_group=info["expected_shards"], strategy=strategy, precision=precision.MEMORY[v.precision],
+        shard_group=info.expected_shards, strategy=strategy, precision=precision.MEMORY[v.precision],
         offload=settings["cpu_offload"]["value"], frozen_bytes=precision.BYTES[v.precision] if lora else 4))
     want = predicted.model_state + predicted.host
-    measured = [sum(r[k] for k in ("params", "grads", "optimizer", "frozen_params")) for r in info["state_bytes"]]
+    measured = info.model_state_bytes()
     ratios = [m / want for m in measured]
     ok = all(abs(r - 1) <= STATE_MARGIN for r in ratios)
     text = f"model state per rank {', '.join(f'{r:.2f}' for r in ratios)} x the estimate ({want / 2**20:,.1f} MiB)"
@@ -376,7 +379,7 @@ def check_memory(v: Verification) -> Check:
     t = v.recipe.training
     rows = ref.train_rows()
     if v.device == "cuda" and rows:
-        peak = rows[-1].get("peak_memory_bytes_run") or rows[-1]["peak_memory_bytes"]
+        peak = rows[-1].peak_memory_bytes_run or rows[-1].peak_memory_bytes
         full = estimate(predicted_inputs(v, counts, info, strategy, settings))
         peak_ratio = [p / full.total for p in peak]
         ok &= all(r <= PEAK_MARGIN for r in peak_ratio)
@@ -396,7 +399,7 @@ def predicted_inputs(v, counts, info, strategy, settings):
     facts = facts_for(v.recipe)
     return MemoryInputs(params=counts["parameters"], trainable=counts["trainable"],
                         largest_unit=facts.block_params() if facts else 0, world=v.world,
-                        shard_group=info["expected_shards"], strategy=strategy,
+                        shard_group=info.expected_shards, strategy=strategy,
                         precision=precision.MEMORY[v.precision],
                         offload=settings["cpu_offload"]["value"],
                         activation_checkpointing=settings["activation_checkpointing"]["value"],
@@ -408,8 +411,8 @@ def check_throughput(v: Verification) -> Check:
     rows = v.probes["reference"].train_rows()[1:]  # the first step includes warm-up
     if not rows:
         return Check("throughput", "INFO", "no steps measured")
-    per_rank = statistics.median(r["tokens_per_s_per_rank"] for r in rows)
-    mfu = [r["mfu"] for r in rows if "mfu" in r]
+    per_rank = statistics.median(r.tokens_per_s_per_rank for r in rows)
+    mfu = [r.mfu for r in rows if r.mfu is not None]
     return Check("throughput", "INFO", f"{per_rank:,.0f} tokens/s per rank" +
                  (f", MFU {statistics.median(mfu):.1%}" if mfu else "") + f" ({v.device}, {v.precision})",
                  "for the record", {"tokens_per_s_per_rank": per_rank, "mfu": statistics.median(mfu) if mfu else None})

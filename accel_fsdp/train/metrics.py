@@ -102,51 +102,63 @@ def flops_per_token(config, seq_len: int, trainable_fraction: float = 1.0) -> fl
     return per_param * dense + 12.0 * s.layers * s.heads * head_dim * seq_len
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainRow:
-    """One logging window of training (the row of its last step)."""
+    """One logging window of training (the row of its last step). Fields that files from older versions (or other
+    writers) may lack default to None; `row_problem` says which a row must have."""
 
     step: int
     loss: float
     """Mean token loss over the window's global batches."""
-    lr: float
+    lr: float | None = None
     """The rate the window's last step used."""
-    grad_norm: float
+    grad_norm: float | None = None
     """Mean gradient norm (before clipping) over the window's steps."""
     tokens_per_s: float
     tokens_per_s_per_rank: float
     step_time_s: float
-    tokens_seen: int
+    tokens_seen: int | None = None
     peak_memory_bytes: list[int]
     """Per rank, during this window."""
-    peak_memory_bytes_run: list[int]
+    peak_memory_bytes_run: list[int] | None = None
     """Per rank, the highest of any window so far."""
     mfu: float | None = None
     """GPU only: model FLOPs utilization against the device's peak for the run's precision."""
     kind: str = "train"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EvalRow:
     step: int
     eval_loss: float
     eval_ppl: float
-    eval_tokens: int
+    eval_tokens: int | None = None
     kind: str = "eval"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StartupRow:
     step: int
     time_to_first_step_s: float
-    phases_s: dict[str, float]
+    phases_s: dict[str, float] | None = None
     kind: str = "startup"
 
 
-def _row_dict(row) -> dict:
+MetricsRow = TrainRow | EvalRow | StartupRow
+ROW_TYPES = {"train": TrainRow, "eval": EvalRow, "startup": StartupRow}
+
+
+def row_to_dict(row: MetricsRow) -> dict:
     """The JSON of a row: kind first, as the file has always had it; no null MFU on CPU."""
     d = {"kind": row.kind, **{k: v for k, v in asdict(row).items() if k != "kind"}}
     return {k: v for k, v in d.items() if not (k == "mfu" and v is None)}
+
+
+def row_from_dict(d: dict) -> MetricsRow:
+    """A row checked by `row_problem`; keys this version does not know are left out."""
+    cls = ROW_TYPES[d["kind"]]
+    names = set(cls.__dataclass_fields__)
+    return cls(**{k: v for k, v in d.items() if k in names})
 
 
 class MetricsWriter:
@@ -157,11 +169,11 @@ class MetricsWriter:
         self.path = path
         if accelerator.is_main_process and path.exists():
             # A resumed run repeats the steps after its checkpoint: drop their rows from the interrupted attempt.
-            kept = [r for r in read_metrics(path, strict=False) if r.get("step", 0) <= start_step] if start_step else []
-            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            kept = [r for r in read_metrics(path, strict=False) if r.step <= start_step] if start_step else []
+            path.write_text("".join(json.dumps(row_to_dict(r)) + "\n" for r in kept))
 
     def write(self, record: TrainRow | EvalRow | StartupRow) -> None:
-        row, step = _row_dict(record), record.step
+        row, step = row_to_dict(record), record.step
         if self.accelerator.is_main_process:
             with self.path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -174,7 +186,7 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
 
 
-def read_metrics(path: Path, *, strict: bool = True) -> list[dict]:
+def read_metrics(path: Path, *, strict: bool = True) -> list[MetricsRow]:
     """The rows of a metrics file. A last line cut short (the run was killed while writing it) is skipped. A
     damaged line elsewhere is a UserError naming it (`strict`), or skipped (a resume rewrites the file anyway)."""
     from accel_fsdp.errors import Problem, UserError
@@ -193,7 +205,7 @@ def read_metrics(path: Path, *, strict: bool = True) -> list[dict]:
         except ValueError:
             row, why = None, "not JSON"
         if why is None:
-            rows.append(row)
+            rows.append(row_from_dict(row))
         elif i == len(lines) - 1 and why == "not JSON" or not strict:
             continue  # a last line cut short by a kill, or a resume that rewrites the file anyway
         else:

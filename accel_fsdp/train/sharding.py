@@ -51,6 +51,20 @@ class ShardingRecord:
         """Where every rank stands after training (collective)."""
         self.ranks_after_training = layout_rows(shard_layout(acc, model))
 
+    @classmethod
+    def read(cls, path: Path) -> ShardingRecord | None:
+        """The record a run wrote (None when it wrote none yet)."""
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+    def model_state_bytes(self) -> list[int]:
+        """Per rank, at the first optimizer step: parameters, gradients and optimizer state it stores, frozen
+        parameters included (what the memory estimate predicts)."""
+        kinds = ("params", "grads", "optimizer", "frozen_params")
+        return [sum(r.get(k, 0) for k in kinds) for r in self.state_bytes or []]
+
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
