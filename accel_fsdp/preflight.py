@@ -82,7 +82,8 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
         if note:
             report.notes.append(note)
     if run_dir is not None:
-        from accel_fsdp.run.folder import Decision, RunLayout, decide, lock_problems, writable_problems
+        from accel_fsdp.run.folder import Decision, decide, lock_problems, writable_problems
+        from accel_fsdp.run.layout import RunLayout
 
         layout = RunLayout.of(recipe, run_dir)
         locked, unwritable = lock_problems(layout), writable_problems(layout)

@@ -98,7 +98,8 @@ def test_resume_auto_refuses_a_folder_of_another_run(tmp_path):
 
 def test_overwrite_never_deletes_a_checkpoint_folder_it_cannot_prove_is_the_replaced_runs(tmp_path):
     from accel_fsdp.config.recipe import load_recipe
-    from accel_fsdp.run.folder import Decision, RunLayout, prepare
+    from accel_fsdp.run.folder import Decision, prepare
+    from accel_fsdp.run.layout import RunLayout
 
     recipe = load_recipe(shipped_recipes()["quickstart"], [f"checkpoint.dir={tmp_path / 'scratch'}"])
     run = fake_run(tmp_path / "run", "eeee", checkpoint_dir=tmp_path / "scratch")
@@ -385,6 +386,9 @@ CORPUS = [
      "model.config_overrides.n_layer: 2.5 is not a whole number"),
     ("heads-zero", lambda t: ["recipe", "validate", "quickstart", "--set", "model.config_overrides.n_head=0"],
      "model.config_overrides.n_head: 0 is not above zero"),
+    ("width-beyond-any-machine", lambda t: ["recipe", "validate", "quickstart",
+                                            "--set", "model.config_overrides.n_embd=100000000"],
+     "model.config_overrides.n_embd: the model would have"),
     ("activation-unknown", lambda t: ["recipe", "validate", "quickstart",
                                       "--set", "model.config_overrides.activation_function=gelux"],
      "'gelux' is not an activation transformers knows"),

@@ -189,7 +189,7 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     accel-fsdp recipe run llama-3.1-8b --dry-run --accelerate-config llama_fsdp_8gpu --gpu-memory 80GB
     """
     from accel_fsdp.launch.launcher import inside_launch
-    from accel_fsdp.run.folder import RunLayout
+    from accel_fsdp.run.layout import RunLayout
     from accel_fsdp.train.metrics import START_ENV
 
     os.environ.setdefault(START_ENV, repr(time.time()))  # the ranks measure time to first step from here

@@ -242,6 +242,9 @@ ACTIVATIONS = ("gelu", "gelu_10", "gelu_accurate", "gelu_fast", "gelu_new", "gel
 ACTIVATION_KEYS = ("activation_function", "hidden_act")  # GPT-2, Llama
 
 
+MAX_PARAMETERS = 10**13
+"""Ten trillion: no checkpoint this tool could train or hold is larger; above it a size is a typo."""
+
 # Config keys that count something (layers, heads, widths, positions, tokens): whole numbers above zero.
 SIZE_KEYS = ("n_layer", "num_hidden_layers", "n_embd", "hidden_size", "n_head", "num_attention_heads",
              "num_key_value_heads", "n_positions", "max_position_embeddings", "vocab_size", "n_inner",
@@ -307,4 +310,9 @@ def structure_problems(recipe, facts, tokenizer_size: int | None = None) -> list
         out.append(Problem(where("vocab_size"), f"vocabulary of {facts.vocab} is smaller than the tokenizer's "
                            f"{tokenizer_size} tokens, so its ids would index past the embedding",
                            f"use at least {tokenizer_size} (or leave vocab_size out: it follows the tokenizer)"))
+    if whole and not out and facts.params() > MAX_PARAMETERS:
+        given = sorted((k for k in SIZE_KEYS if k in m.config_overrides), key=lambda k: -m.config_overrides[k])
+        out.append(Problem(where(*given), f"the model would have {facts.params():.2e} parameters, more than any "
+                           f"machine holds (over {MAX_PARAMETERS:.0e})",
+                           f"check {given[0] if given else 'the model sizes'} (a typo of a few digits?)"))
     return out

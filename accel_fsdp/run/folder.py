@@ -24,7 +24,7 @@ from pathlib import Path
 
 from accel_fsdp.errors import Problem, UserError
 
-# RunLayout and checkpoints_of live in layout.py; importing them from here keeps working.
+# The paths of a run are layout.py's; this module decides what a start may do with them.
 from accel_fsdp.run.layout import (
     CHECKPOINT_PREFIXES,
     CHECKPOINTS_DIR,

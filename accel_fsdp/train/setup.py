@@ -33,7 +33,8 @@ from accel_fsdp.model.build import build_model, count_parameters, meta_model, mo
 from accel_fsdp.model.checks import human_count
 from accel_fsdp.model.tokenizer import build_tokenizer
 from accel_fsdp.preflight import model_problems, settings_for_launch
-from accel_fsdp.run.folder import Decision, FolderLock, RunLayout, decide, prepare
+from accel_fsdp.run.folder import Decision, FolderLock, decide, prepare
+from accel_fsdp.run.layout import RunLayout
 from accel_fsdp.train.accelerator import apply_activation_checkpointing, build_accelerator, expected_shards
 from accel_fsdp.train.cpu_fsdp import check_sharded
 from accel_fsdp.train.faults import broken
