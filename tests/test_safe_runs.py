@@ -534,3 +534,17 @@ def test_a_moved_run_folder_uses_its_own_checkpoints(tmp_path):
     shutil.rmtree(copy / "checkpoints" / "step-000003")
     msg = user_error("checkpoint", "consolidate", copy, tmp_path / "out")
     assert str(original) not in msg and "no complete checkpoint found" in msg
+
+
+def test_a_newer_damaged_checkpoint_passed_over_is_named(tmp_path):
+    """Given a run folder, consolidate and --resume take the newest complete checkpoint; a newer one that is damaged
+    is said, not skipped in silence."""
+    from accel_fsdp.checkpoint.store import resolve_checkpoint, skipped_newer
+
+    run = fake_run(tmp_path / "run", "hhhh", checkpoint_steps=(3, 6))
+    manifest = run / "checkpoints" / "step-000006" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"step": 6', '"step": "six"'))
+    info = resolve_checkpoint(run)
+    assert info.name == "step-000003"
+    assert [(c.name, "step 'six' is not a step number" in c.reason) for c in skipped_newer(info)] == [
+        ("step-000006", True)]

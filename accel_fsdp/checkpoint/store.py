@@ -367,6 +367,12 @@ def latest_complete(root: Path) -> CheckpointInfo | None:
     return complete[-1] if complete else None
 
 
+def skipped_newer(info: CheckpointInfo) -> list[CheckpointInfo]:
+    """Checkpoints next to `info` that are newer but incomplete or damaged: passed over when a run folder was given,
+    which the user should hear about."""
+    return [c for c in list_checkpoints(info.path.parent) if c.name > info.name and not c.complete]
+
+
 def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint", verify: bool = False) -> CheckpointInfo:
     """A checkpoint folder, or a run folder / checkpoints folder (its newest complete checkpoint)."""
     p = Path(path).expanduser()

@@ -38,7 +38,7 @@ def checkpoint_consolidate(checkpoint_or_run, out_dir, dtype, max_shard_size, me
     import yaml
 
     from accel_fsdp.checkpoint.consolidate import consolidate
-    from accel_fsdp.checkpoint.store import resolve_checkpoint
+    from accel_fsdp.checkpoint.store import resolve_checkpoint, skipped_newer
     from accel_fsdp.planning.memory import parse_bytes, size_problem
     from accel_fsdp.run.layout import RECIPE_FILE
 
@@ -47,6 +47,8 @@ def checkpoint_consolidate(checkpoint_or_run, out_dir, dtype, max_shard_size, me
     except ValueError:
         raise UserError(size_problem("--max-shard-size", max_shard_size, "2GB or 500MB")) from None
     info = resolve_checkpoint(checkpoint_or_run, verify=True)
+    for newer in skipped_newer(info):
+        click.echo(f"note: {newer.path} is newer but not usable ({newer.reason}): exporting {info.name}", err=True)
     if out_dir.resolve().is_relative_to(info.path.resolve()):
         raise UserError(Problem(str(out_dir), f"is inside the checkpoint {info.path}", "write the export elsewhere"))
     if dtype is None:

@@ -52,6 +52,9 @@ class Checkpointer:
         request, recipe, acc = run.request, run.recipe, run.accelerator
         info = ckpt.checkpoint_to_resume(run.layout.checkpoints, request.resume_from)
         ckpt.verify_files(info, acc)  # a file damaged since it was saved is named before anything reads it
+        if not request.resume_from:
+            for newer in ckpt.skipped_newer(info):
+                run.say(f"resume: {newer.name} is newer but not usable ({newer.reason})")
         for note in ckpt.check_resume(info, recipe, run.settings):
             run.say(f"resume: {note}")
         state = ckpt.load_checkpoint(acc, run.model, run.optimizer, run.scheduler, info,
