@@ -76,3 +76,19 @@ def raise_if(problems: list[Problem], title: str) -> None:
     """Raise one `UserError` listing every problem gathered, or return when there are none."""
     if problems:
         raise UserError(problems, title=title if len(problems) > 1 else None)
+
+
+def read_json_object(path, *, what: str, fix: str, then: str = "") -> dict:
+    """The JSON object in `path`, or one UserError naming the file: "{what} ({why}){then}" and `fix`. For the files
+    we wrote that a person or a disk may have damaged since (run.json, a checkpoint's config.json)."""
+    import json
+    from pathlib import Path
+
+    try:
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        why = type(e).__name__ + (": " + str(e).splitlines()[0][:120] if str(e) else "")
+        raise UserError(Problem(str(path), f"{what} ({why}){then}", fix)) from None
+    return data

@@ -27,7 +27,7 @@ import torch
 
 from accel_fsdp.checkpoint.store import CheckpointInfo
 from accel_fsdp.config.precision import PRECISIONS, TRANSFORMERS, compute_dtype
-from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.errors import Problem, UserError, read_json_object
 from accel_fsdp.run.layout import HF_DIR, MODEL_DIR, MODEL_FILE, RECIPE_FILE
 from accel_fsdp.train.metrics import PeakMemory
 
@@ -174,15 +174,9 @@ def _output_keys(info: CheckpointInfo, reader: _TensorSource, adapter: bool) -> 
         # PEFT's files name adapter weights without the adapter name ("...lora_A.weight").
         pairs = [(k, n.replace(".default.", ".")) for k, n in pairs]
     else:
-        config_file = info.path / HF_DIR / "config.json"
-        try:
-            config = json.loads(config_file.read_text())
-            if not isinstance(config, dict):
-                raise ValueError("not a JSON object")
-        except (ValueError, UnicodeDecodeError, OSError) as e:
-            raise UserError(Problem(str(config_file), f"cannot be read ({type(e).__name__}: {str(e)[:120]}), so the "
-                                    "model it describes is unknown", "use an earlier checkpoint (see `accel-fsdp "
-                                    "checkpoint inspect` on the run)")) from None
+        config = read_json_object(info.path / HF_DIR / "config.json", what="cannot be read",
+                                  then=", so the model it describes is unknown",
+                                  fix="use an earlier checkpoint (see `accel-fsdp checkpoint inspect` on the run)")
         if config.get("tie_word_embeddings", True):
             tied = _tied_output_keys(info)
             pairs = [(k, n) for k, n in pairs if n not in tied]

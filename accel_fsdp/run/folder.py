@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
 
-from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.errors import Problem, UserError, read_json_object
 
 # The paths of a run are layout.py's; this module decides what a start may do with them.
 from accel_fsdp.run.layout import (
@@ -88,15 +88,9 @@ class RunIdentity:
     @classmethod
     def read(cls, path: Path) -> RunIdentity:
         """Read run.json; a damaged one is the user's to fix (we cannot tell whose run it is)."""
-        try:
-            data = json.loads(path.read_text())
-            if not isinstance(data, dict):
-                raise ValueError("not a JSON object")
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise UserError(Problem(str(path), f"is unreadable or corrupt ({type(e).__name__}: "
-                                    f"{str(e).splitlines()[0][:120] if str(e) else ''}), so it is not known which run "
-                                    "this folder holds", "restore run.json, or choose another --output-dir (nothing "
-                                    "was changed)")) from None
+        data = read_json_object(path, what="is unreadable or corrupt",
+                                then=", so it is not known which run this folder holds",
+                                fix="restore run.json, or choose another --output-dir (nothing was changed)")
         known = {k: data.get(k) for k in cls.__dataclass_fields__}
         return cls(**known)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.errors import Problem, UserError, read_json_object
 from accel_fsdp.run.layout import FINAL_DIR
 
 
@@ -40,14 +40,8 @@ def load_model(folder: Path, device: str = "auto"):
     if missing:
         raise UserError(Problem(str(folder), missing, fix))
     config = folder / ("adapter_config.json" if (folder / "adapter_config.json").exists() else "config.json")
-    try:
-        import json
-
-        if not isinstance(json.loads(config.read_text()), dict):
-            raise ValueError("not a JSON object")
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise UserError(Problem(str(config), f"is not a valid config ({type(e).__name__})",
-                                "export the model again with `accel-fsdp checkpoint consolidate RUN OUT`")) from None
+    read_json_object(config, what="is not a valid config",
+                     fix="export the model again with `accel-fsdp checkpoint consolidate RUN OUT`")
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as e:  # transformers raises OSError, ValueError, TypeError... for a folder without a tokenizer
