@@ -53,6 +53,18 @@ def test_cuda_process_group_always_has_a_cpu_backend_and_the_recipe_timeout():
     assert process_group_kwargs(cpu).backend == "gloo"
 
 
+def test_the_preemption_flag_rides_on_the_default_group_when_it_has_a_cpu_backend():
+    """On CPU ranks and with the group we create on CUDA, the flag's all-reduce uses the default group (a group of
+    its own cost ~5% of a small step); a CUDA-only group (a launch we did not configure) gets a gloo group."""
+    from accel_fsdp.train.accelerator import process_group_kwargs
+    from accel_fsdp.train.lifetime import flag_needs_own_group
+
+    _, gpu = settings_for("fsdp_2gpu")
+    assert not flag_needs_own_group(process_group_kwargs(gpu).backend)  # cuda:nccl,cpu:gloo
+    assert not flag_needs_own_group("cpu:gloo,cuda:gloo")  # what a gloo group on CPU ranks reports
+    assert flag_needs_own_group("cuda:nccl")
+
+
 def test_accelerate_keeps_the_two_backend_group_on_cuda(monkeypatch):
     """What Accelerate does with the backend we pass on a CUDA rank (device count simulated): it keeps it."""
     from accelerate.state import PartialState

@@ -190,9 +190,3 @@ def builtin_vocab_size(tokenizer: str | None) -> int | None:
     from accel_fsdp.data.synthetic import BUILTIN_TOKENIZER, vocabulary
 
     return len(vocabulary()) if tokenizer == BUILTIN_TOKENIZER else None
-
-
-def unknown_keys(model_type: str, overrides: dict) -> list[str] | None:
-    """Override keys the model type's config does not have; None when the type is not known here."""
-    keys = CONFIG_KEYS.get(model_type)
-    return None if keys is None else [k for k in overrides if k not in keys]

@@ -72,6 +72,12 @@ def launcher_environment(env: dict) -> dict:
     return out
 
 
+def flag_needs_own_group(backend_config: str) -> bool:
+    """The default group cannot all-reduce a CPU tensor (no CPU backend in `torch.distributed.get_backend_config()`,
+    e.g. "cuda:nccl" from a launch we did not configure): the flag then needs a gloo group of its own."""
+    return "cpu:" not in backend_config
+
+
 class Preemption:
     """A rank's view of preemption: the signal handlers, and the agreement of all ranks on when to stop."""
 
@@ -101,8 +107,8 @@ class Preemption:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            default_has_cpu = "cpu:gloo" in dist.get_backend_config()
-            self._group = dist.group.WORLD if default_has_cpu else dist.new_group(backend="gloo")
+            own = flag_needs_own_group(dist.get_backend_config())
+            self._group = dist.new_group(backend="gloo") if own else dist.group.WORLD
             self._flag = torch.zeros(1, dtype=torch.int32)
 
     def agreed(self) -> bool:

@@ -119,6 +119,8 @@ class Run:
     evaluator: Any = None
     checkpointer: Any = None
     hooks: Any = None
+    global_loss_normalization: bool = True
+    """False only with ACCEL_FSDP_BREAK=mean-loss (verify's fault injection): each micro-step takes its own mean."""
     label_counts: list[int] = field(default_factory=list, repr=False)
     lengths: list[int] = field(default_factory=list, repr=False)
 
@@ -146,7 +148,7 @@ class Run:
         """num_items_in_batch of every micro-step of an optimizer step over the global batch `seqs`: its
         loss-carrying tokens / (ranks x accumulation steps). Every rank computes it from the dataset's per-row
         counts, so no communication is needed (see train/loop.py)."""
-        if broken("mean-loss"):
+        if not self.global_loss_normalization:
             return None
         acc = self.accelerator
         return max(1, sum(self.label_counts[i] for i in seqs)) / (acc.num_processes * self.sampler.accumulation_steps)
@@ -276,7 +278,7 @@ def setup(request: RunRequest) -> Run:
               parameters=built.parameters, trainable_parameters=built.trainable_parameters,
               flops_per_token=flops_per_token(config, recipe.data.seq_len,
                                               built.trainable_parameters / max(1, built.parameters)),
-              clock=clock, sharding=sharding,
+              clock=clock, sharding=sharding, global_loss_normalization=not broken("mean-loss"),
               label_counts=list(data.train["n_labels"]), lengths=list(data.train["length"]))  # plain lists: O(1)
     # Dropout and any other randomness of the loop: seeded, different on each rank, and saved in checkpoints.
     set_seed(t.seed, device_specific=True)
