@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from accel_fsdp import hardware
 from accel_fsdp.config.accelerate import AccelerateConfig, load_accelerate_config
 from accel_fsdp.config.settings import (
+    MODEL_DEFAULT,
     FsdpSettings,
     Setting,
     Source,
@@ -39,20 +41,10 @@ class PreflightReport:
     data_stats: object | None = None
 
 
-def visible_cuda_devices() -> int:
-    """CUDA devices this process can use. Without an NVIDIA device node (or WSL's) there are none, and torch (1.8 s
-    to import) is not asked."""
-    if not any(Path(p).exists() for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg", "/proc/driver/nvidia")):
-        return 0
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def default_accelerate_config() -> tuple[Path, int | None, str]:
     """(config file, number of processes to override, why): 2 CPU ranks without a GPU, else one per local GPU."""
     shipped = shipped_accelerate_configs()
-    n = visible_cuda_devices()
+    n = hardware.visible_cuda_devices()
     if n:
         return shipped["fsdp_1gpu"], n, f"{n} local GPU(s) detected"
     return shipped["fsdp_cpu"], None, "no GPU detected"
@@ -65,7 +57,7 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
 
     `for_target_hardware`: judge the config on the hardware it is written for (GPUs unless it says use_cpu),
     not on this machine: `recipe validate` of a GPU config on a laptop."""
-    cuda_here = visible_cuda_devices()
+    cuda_here = hardware.visible_cuda_devices()
     cuda = bool(cuda_here) or (for_target_hardware and not config.get("use_cpu"))
     settings = resolve_settings(recipe, config, cuda_available=cuda, num_processes=num_processes)
     if for_target_hardware and cuda and not cuda_here:
@@ -82,8 +74,8 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
         if note:
             report.notes.append(note)
     if run_dir is not None:
+        from accel_fsdp.layout import RunLayout
         from accel_fsdp.run.folder import Decision, decide, lock_problems, writable_problems
-        from accel_fsdp.run.layout import RunLayout
 
         layout = RunLayout.of(recipe, run_dir)
         locked, unwritable = lock_problems(layout), writable_problems(layout)
@@ -132,7 +124,7 @@ def settings_for_launch(recipe, config: AccelerateConfig, *, cuda_available: boo
     """The settings of the launch this process is part of, checked against this machine's GPUs."""
     settings = resolve_settings(recipe, config, cuda_available=cuda_available, num_processes=num_processes,
                                 num_machines=num_machines)
-    gpus = visible_cuda_devices() if settings.device.value == "cuda" else None
+    gpus = hardware.visible_cuda_devices() if settings.device.value == "cuda" else None
     problems = check_settings(settings, recipe, visible_gpus=gpus)
     if problems:
         raise UserError(problems, title=f"{len(problems)} problems with this recipe on this hardware")
@@ -144,7 +136,7 @@ def model_problems(recipe, settings: FsdpSettings, view) -> list[Problem]:
     (detected from the model when no config names one), LoRA targets."""
     detect_wrap_classes(settings, view.no_split_modules)
     return (model_checks.context_problems(recipe, view.context)
-            + model_checks.wrap_class_problems(settings, view, recipe)
+            + wrap_class_problems(settings, view, recipe)
             + model_checks.lora_target_problems(view, recipe))
 
 
@@ -246,3 +238,27 @@ def load_config_or_default(name_or_path: str | None) -> tuple[AccelerateConfig, 
         return load_accelerate_config(name_or_path), None, "given"
     path, n, why = default_accelerate_config()
     return load_accelerate_config(path), n, why
+
+
+def wrap_class_problems(settings, view: model_checks.ModelView, recipe) -> list[Problem]:
+    """A wrap class the model does not have would make FSDP wrap nothing (or Accelerate fail later)."""
+    classes = settings.wrap_classes.value
+    if settings.wrap_policy.value != "TRANSFORMER_BASED_WRAP":
+        return []
+    if classes in ([MODEL_DEFAULT], []):  # nothing named: the model's own blocks, if it names them
+        if view.no_split_modules:
+            return []
+        return [Problem(settings.wrap_classes.source_text, f"{view.class_name} does not name its transformer "
+                        "block (_no_split_modules is empty), so there is no default wrap class",
+                        "set fsdp.wrap_class in the recipe to the model's block class")]
+    missing = [c for c in classes if c not in view.module_classes]
+    if not missing:
+        return []
+    blocks = view.no_split_modules or sorted(c for c in view.module_classes if "Block" in c or "Layer" in c)
+    where = settings.wrap_classes.where(recipe, "fsdp.wrap_class", "fsdp_transformer_layer_cls_to_wrap")
+    suggestion = blocks[0] if blocks else "the model's block class"
+    return [Problem(where, f"wrap class {', '.join(missing)} is not in the model {view.class_name} "
+                    f"(its transformer block is {', '.join(blocks) or 'unknown'})",
+                    f"--set fsdp.wrap_class={suggestion} (or in the recipe: fsdp.wrap_class: {suggestion}), "
+                    "or use an accelerate config that names no class (fsdp_cpu.yaml, fsdp_1gpu.yaml, fsdp_8gpu.yaml) "
+                    "so the model's own _no_split_modules is used")]

@@ -208,14 +208,14 @@ def main() -> None:
         " | ".join(line.strip() for line in proc.stdout.splitlines()[1:]) or failed(proc))
 
     # 9: MFU
-    from accel_fsdp.train.metrics import peak_flops
+    from accel_fsdp.hardware import peak_flops
 
     run = work / "mfu"
     proc = cli("recipe", "run", recipe(work, "mfu", big, gpus, training={"max_steps": 6, "mixed_precision": "bf16"}),
                "--accelerate-config", full, "--output-dir", run, "--overwrite", "--benchmark")
     mfu = [r["mfu"] for r in metrics(run) if "mfu" in r] if proc.returncode == 0 else []
-    say("9 MFU", "INFO" if mfu else "FAIL", f"{name}: bf16 peak {peak_flops(name, 'bf16')}, fp32 peak "
-        f"{peak_flops(name, 'fp32')}; MFU of the last step {mfu[-1]:.1%}" if mfu else failed(proc))
+    say("9 MFU", "INFO" if mfu else "FAIL", f"{name}: bf16 peak {peak_flops(name, half=True)}, fp32 peak "
+        f"{peak_flops(name, half=False)}; MFU of the last step {mfu[-1]:.1%}" if mfu else failed(proc))
     print(f"{sum(s == 'PASS' for _, s, _ in RESULTS)} passed, {sum(s == 'FAIL' for _, s, _ in RESULTS)} failed")
     sys.exit(1 if any(s == "FAIL" for _, s, _ in RESULTS) else 0)
 

@@ -102,7 +102,7 @@ def test_rotation_renames_before_deleting_and_never_blocks(tmp_path):
 
 
 def test_more_processes_than_gpus_is_refused_before_launch(monkeypatch, tmp_path):
-    monkeypatch.setattr("accel_fsdp.preflight.visible_cuda_devices", lambda: 1)  # the one place that asks
+    monkeypatch.setattr("accel_fsdp.hardware.visible_cuda_devices", lambda: 1)  # the one place that asks
     launched = []
     monkeypatch.setattr("accel_fsdp.launch.launcher.launch", lambda *a, **k: launched.append(a) or 0)
     result = CliRunner().invoke(main, ["recipe", "run", "quickstart", "--accelerate-config", "fsdp_2gpu",
@@ -114,7 +114,7 @@ def test_more_processes_than_gpus_is_refused_before_launch(monkeypatch, tmp_path
 
 
 def test_fewer_processes_than_gpus_is_said(monkeypatch):
-    monkeypatch.setattr("accel_fsdp.preflight.visible_cuda_devices", lambda: 8)
+    monkeypatch.setattr("accel_fsdp.hardware.visible_cuda_devices", lambda: 8)
     result = CliRunner().invoke(main, ["recipe", "validate", "quickstart", "--accelerate-config", "fsdp_2gpu"])
     assert result.exit_code == 0, result.output
     assert "note: 2 process(es) per machine on 8 visible GPUs: 6 GPU(s) stay idle" in result.output
@@ -149,7 +149,7 @@ def test_offloaded_optimizer_step_is_fused_and_gets_the_cores():
     ("NVIDIA H100 80GB HBM3", "fp32", 67e12), ("NVIDIA GH200 480GB", "bf16", 989e12), ("Some New GPU", "bf16", None),
 ])
 def test_mfu_uses_the_peak_of_the_exact_part_and_precision(name, precision, peak):
-    from accel_fsdp.train.metrics import peak_flops
+    from accel_fsdp.hardware import peak_flops
 
     assert peak_flops(name, precision) == peak
 

@@ -71,8 +71,8 @@ def fabricate_checkpoint(folder: Path, step: int, run_id: str | None) -> Path:
 def test_slurm_script_checkpoint_code_and_cli_agree_on_where_checkpoints_are(tmp_path, where):
     from accel_fsdp.checkpoint.store import checkpoint_to_resume, list_checkpoints
     from accel_fsdp.config.recipe import load_recipe
+    from accel_fsdp.layout import RunLayout
     from accel_fsdp.run.folder import Decision, decide, prepare
-    from accel_fsdp.run.layout import RunLayout
 
     scratch = tmp_path / "scratch" / "ckpts"
     overrides = [f"checkpoint.dir={scratch}"] if where != "default" else []
@@ -108,7 +108,7 @@ def test_slurm_script_checkpoint_code_and_cli_agree_on_where_checkpoints_are(tmp
 
 
 def test_run_layout_at_reads_the_recorded_checkpoint_folder(tmp_path):
-    from accel_fsdp.run.layout import RunLayout
+    from accel_fsdp.layout import RunLayout
 
     run = tmp_path / "run"
     run.mkdir()
@@ -122,12 +122,13 @@ def test_run_layout_at_reads_the_recorded_checkpoint_folder(tmp_path):
 
 
 def test_owned_names_come_from_the_layout():
-    from accel_fsdp.run import layout
-    from accel_fsdp.run.folder import OWNED
+    from accel_fsdp import layout
+    from accel_fsdp.layout import RUN_FOLDER_ENTRIES as OWNED
 
     assert set(OWNED) == {layout.RUN_FILE, layout.RECIPE_FILE, layout.SETTINGS_FILE, layout.SHARDING_FILE,
                           layout.METRICS_FILE, layout.CHECKPOINTS_DIR, layout.FINAL_DIR, layout.LOGS_DIR,
-                          layout.TRACE_DIR, layout.LOSS_CURVE_FILE, layout.REPORT_FILE, layout.PREEMPTED_FILE}
+                          layout.TRACE_DIR, layout.LOSS_CURVE_FILE, layout.REPORT_FILE, layout.PREEMPTED_FILE,
+                          layout.RUN_PARAMETERS_FILE}
 
 
 # ------------------------------------------------------------------------------------------------ records

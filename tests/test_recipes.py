@@ -51,13 +51,14 @@ def test_architecture_facts_match_transformers(name):
     from transformers import AutoConfig
 
     from accel_fsdp.model.build import count_parameters, meta_model
+    from accel_fsdp.model.facts import facts_of
 
     arch = KNOWN[name]
     model = meta_model(AutoConfig.for_model(arch.model_type, **arch.config_kwargs()))
-    assert count_parameters(model) == arch.param_count()
+    assert count_parameters(model) == facts_of(arch).params()
     blocks = [m for m in model.modules() if type(m).__name__ == arch.block_class]
     assert len(blocks) == arch.layers
-    assert sum(p.numel() for p in blocks[0].parameters()) == arch.block_param_count()
+    assert sum(p.numel() for p in blocks[0].parameters()) == facts_of(arch).block_params()
     assert lookup(arch.hub_id) is arch and lookup(arch.hub_id + "-Instruct") is arch
 
 

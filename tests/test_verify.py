@@ -1,5 +1,5 @@
 """`accel-fsdp verify` on 2 CPU ranks: the shipped quick recipes pass, and every check fails when the property it
-proves is broken on purpose (ACCEL_FSDP_BREAK, accel_fsdp/train/faults.py), so no check can pass vacuously."""
+proves is broken on purpose (ACCEL_FSDP_BREAK, accel_fsdp/train/hooks.py), so no check can pass vacuously."""
 
 from __future__ import annotations
 

@@ -28,8 +28,8 @@ import torch
 from accel_fsdp.checkpoint.store import CheckpointInfo
 from accel_fsdp.config.precision import PRECISIONS, TRANSFORMERS, compute_dtype
 from accel_fsdp.errors import Problem, UserError, read_json_object
-from accel_fsdp.run.layout import HF_DIR, MODEL_DIR, MODEL_FILE, RECIPE_FILE
-from accel_fsdp.train.metrics import PeakMemory
+from accel_fsdp.hardware import PeakMemory
+from accel_fsdp.layout import HF_DIR, MODEL_DIR, MODEL_FILE, RECIPE_FILE
 
 DTYPES = {p: compute_dtype(p) for p in PRECISIONS}
 MARKER = "accel_fsdp_export.json"

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.run.layout import MANIFEST, TRAINER_STATE
+from accel_fsdp.layout import MANIFEST, TRAINER_STATE
 
 FORMAT = "accel-fsdp-checkpoint/1"
 

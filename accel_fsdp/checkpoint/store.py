@@ -39,8 +39,8 @@ import torch
 from accel_fsdp.checkpoint.records import FORMAT, DamagedRecord, Manifest, TrainerState
 from accel_fsdp.errors import Problem, UserError
 
-# A checkpoint's file names live with every other path of a run, in run/layout.py.
-from accel_fsdp.run.layout import (
+# A checkpoint's file names live with every other path of a run, in layout.py.
+from accel_fsdp.layout import (
     HF_DIR,
     MANIFEST,
     RECIPE_FILE,

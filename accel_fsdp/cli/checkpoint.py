@@ -39,8 +39,8 @@ def checkpoint_consolidate(checkpoint_or_run, out_dir, dtype, max_shard_size, me
 
     from accel_fsdp.checkpoint.consolidate import consolidate
     from accel_fsdp.checkpoint.store import resolve_checkpoint, skipped_newer
+    from accel_fsdp.layout import RECIPE_FILE
     from accel_fsdp.planning.memory import parse_bytes, size_problem
-    from accel_fsdp.run.layout import RECIPE_FILE
 
     try:
         size = parse_bytes(max_shard_size)
@@ -82,8 +82,7 @@ def checkpoint_inspect(path: Path, as_json: bool) -> None:
         inspect_checkpoint,
         list_checkpoints,
     )
-
-    from accel_fsdp.run.layout import CHECKPOINT_PREFIXES
+    from accel_fsdp.layout import CHECKPOINT_PREFIXES
 
     if not path.exists():
         raise UserError(Problem(str(path), "does not exist", "give a checkpoint or run folder"))

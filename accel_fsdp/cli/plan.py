@@ -122,8 +122,8 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     from accel_fsdp.config.accelerate import load_accelerate_config
     from accel_fsdp.config.settings import batch_problem
     from accel_fsdp.launch.slurm import render
+    from accel_fsdp.layout import RunLayout
     from accel_fsdp.preflight import preflight
-    from accel_fsdp.run.layout import RunLayout
 
     all_overrides = list(overrides) + ([f"training.global_batch_size={global_batch_size}"]
                                        if global_batch_size else [])

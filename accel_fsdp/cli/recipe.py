@@ -28,7 +28,7 @@ def recipe_list() -> None:
     \b
     accel-fsdp recipe list
     """
-    from accel_fsdp.config.catalog import recipe_rows
+    from accel_fsdp.cli.catalog import recipe_rows
 
     rows = recipe_rows()
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
@@ -119,8 +119,8 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
     accel-fsdp recipe validate gpt2-xl --accelerate-config fsdp_2gpu
     accel-fsdp recipe validate my.yaml --set training.global_batch_size=64
     """
+    from accel_fsdp.layout import RunLayout
     from accel_fsdp.preflight import load_config_or_default, preflight
-    from accel_fsdp.run.layout import RunLayout
 
     r = load_recipe(name_or_path, overrides)
     config, n, why = load_config_or_default(accelerate_config)
@@ -189,7 +189,7 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     accel-fsdp recipe run llama-3.1-8b --dry-run --accelerate-config llama_fsdp_8gpu --gpu-memory 80GB
     """
     from accel_fsdp.launch.launcher import inside_launch
-    from accel_fsdp.run.layout import RunLayout
+    from accel_fsdp.layout import RunLayout
     from accel_fsdp.train.metrics import START_ENV
 
     os.environ.setdefault(START_ENV, repr(time.time()))  # the ranks measure time to first step from here

@@ -144,7 +144,7 @@ def report_command(run_dir: Path, as_json: bool) -> None:
     \b
     accel-fsdp report runs/quickstart
     """
-    from accel_fsdp.run.layout import RunLayout
+    from accel_fsdp.layout import RunLayout
     from accel_fsdp.tools.report import format_summary, plot, summarize
 
     summary = summarize(run_dir)

@@ -30,7 +30,7 @@ import yaml
 
 from accel_fsdp.config.yaml_file import load_yaml
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.run.layout import CHECKPOINTS_DIR
+from accel_fsdp.layout import CHECKPOINTS_DIR
 
 TRACKERS = ("tensorboard", "wandb")
 ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")

@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from accel_fsdp import hardware
 from accel_fsdp.config import precision
 from accel_fsdp.config.accelerate import AccelerateConfig, as_bool, as_int, fsdp1_strategy
 from accel_fsdp.errors import Problem
@@ -219,7 +220,7 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
     mp = pick("training.mixed_precision", recipe.training.mixed_precision, "mixed_precision",
               lambda v: precision.FROM_ACCELERATE.get(str(v), str(v)), precision.DEFAULT)
     if device.value == "cpu" and mp.value == "bf16" and not mp.source.in_recipe:
-        native, cpu_name = cpu_bf16()
+        native, cpu_name = hardware.cpu_bf16()
         if not native:
             mp = Setting("fp32", Source.DETECTED, f"{cpu_name} has no native bf16 matrix units (AVX512-BF16, AMX or "
                          "Arm BF16), where bf16 is emulated and about 4x slower; training.mixed_precision: bf16 asks "
@@ -252,45 +253,6 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
         collective_timeout_minutes=timeout,
         fsdp1_options=from_config(fsdp1, fsdp1_detail) if fsdp1 else Setting(fsdp1, Source.DEFAULT),
     )
-
-
-CPU_BF16_ENV = "ACCEL_FSDP_CPU_BF16"
-"""1 or 0: what to assume about this CPU's native bf16 support instead of detecting it (tests, odd platforms)."""
-
-
-def cpu_bf16() -> tuple[bool, str]:
-    """(this CPU computes bf16 matrix products natively, its name). x86: the avx512_bf16 or amx_bf16 flags; Arm:
-    the bf16 feature (Linux /proc/cpuinfo, macOS sysctl). Without them PyTorch emulates bf16 on the CPU."""
-    forced = os.environ.get(CPU_BF16_ENV)
-    name = "this CPU"
-    if forced in ("0", "1"):
-        return forced == "1", f"this CPU ({CPU_BF16_ENV}={forced})"
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        info = ""
-    if info:
-        for line in info.splitlines():
-            if line.lower().startswith(("model name", "cpu model", "hardware")):
-                name = line.split(":", 1)[1].strip() or name
-                break
-        flags = set()
-        for line in info.splitlines():
-            if line.lower().startswith(("flags", "features")):
-                flags |= set(line.split(":", 1)[1].split())
-        return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}), name
-    import platform
-    import subprocess
-
-    if platform.system() == "Darwin":
-        try:
-            out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16", "machdep.cpu.brand_string"],
-                                 capture_output=True, text=True, timeout=5).stdout.split("\n")
-            return out[0].strip() == "1", out[1].strip() or name
-        except (OSError, subprocess.SubprocessError, IndexError):
-            pass
-    return False, name
 
 
 def batch_problem(where: str, training, ranks: list[int], ranks_name: str) -> Problem | None:

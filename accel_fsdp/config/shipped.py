@@ -65,13 +65,6 @@ def resolve_accelerate_config(name_or_path: str) -> Path:
                     "ls " + str(accelerate_configs_dir()))
 
 
-def cache_dir() -> Path:
-    """Project cache (generated built-in data and tokenizers, tokenized datasets)."""
-    root = os.environ.get("ACCEL_FSDP_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "accel_fsdp")
-    return Path(root)
-
-
 def display(path: str | os.PathLike) -> str:
     """A path as the user would type it: relative to the working directory when below it."""
     p = Path(path)

@@ -82,14 +82,14 @@ def batch_layout(attn_implementation: str | None, use_position_ids: bool) -> str
 
 
 def collate(rows: dict[str, list], pad_id: int, use_position_ids: bool, multiple_of: int = 8,
-            layout: str = PADDED) -> dict[str, torch.Tensor]:
+            layout: str = PADDED, restart_positions: bool = True) -> dict[str, torch.Tensor]:
     """A micro-batch (columns as returned by `dataset[indices]`) as model inputs, in the given layout.
 
     Padded: right-pad to the longest row, rounded up to `multiple_of`. With position ids, padding is its own
-    document, so no real token attends to it. Padding-free: see `collate_padding_free`."""
-    from accel_fsdp.train.faults import broken
-
-    if broken("mask-leak"):  # positions that never restart: packed documents see each other
+    document, so no real token attends to it. Padding-free: see `collate_padding_free`. `restart_positions` False
+    (only `verify`'s proof that its packing check can fail) numbers each row's tokens straight through, so packed
+    documents see each other."""
+    if not restart_positions:
         rows = dict(rows, position_ids=[list(range(len(p))) for p in rows["position_ids"]])
     if layout == PADDING_FREE:
         return collate_padding_free(rows)

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from accel_fsdp.config.shipped import cache_dir
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.layout import cache_dir
 
 IGNORE_INDEX = -100
 CHAT_ROLES = ("system", "user", "assistant")

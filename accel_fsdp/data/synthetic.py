@@ -16,7 +16,7 @@ import os
 import random
 from pathlib import Path
 
-from accel_fsdp.config.shipped import cache_dir
+from accel_fsdp.layout import cache_dir
 
 VERSION = 1  # bump when the generators change, so caches are rebuilt
 BUILTIN_TOKENIZER = "builtin:quickstart"

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from accel_fsdp.config.accelerate import CONFIG_PATH_ENV, AccelerateConfig
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.hardware import usable_cores
+from accel_fsdp.layout import PREEMPTED_FILE
 from accel_fsdp.train.lifetime import PREEMPTED
 
 
@@ -73,7 +75,7 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
     if config.get("use_cpu") and not os.environ.get("OMP_NUM_THREADS"):
         # One thread per rank unless told otherwise: CPU ranks share the cores.
         per_machine = max(1, int(config.get("num_processes", 1) or 1) // machines)
-        args += ["--num_cpu_threads_per_process", str(max(1, (os.cpu_count() or 1) // per_machine))]
+        args += ["--num_cpu_threads_per_process", str(max(1, usable_cores() // per_machine))]
     args += ["-m", "accel_fsdp", *argv]
     parsed = launch_command_parser().parse_args(args)
     os.environ[CONFIG_PATH_ENV] = str(config.path.resolve())
@@ -142,7 +144,7 @@ def _preempted(name: str | None, run_dir: Path | None) -> int:
     import json
 
     where = ""
-    marker = run_dir / "preempted.json" if run_dir else None
+    marker = run_dir / PREEMPTED_FILE if run_dir else None
     if marker is not None and marker.exists():
         try:
             info = json.loads(marker.read_text())

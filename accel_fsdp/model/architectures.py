@@ -2,7 +2,8 @@
 
 Training loads real weights (and the real config) from the hub or a local folder; these facts only let us build
 the same model on the meta device, count its parameters and check the wrap class and context length without
-downloading anything. tests/test_architectures.py checks them against transformers' own config classes.
+downloading anything. tests/test_recipes.py and tests/test_model_facts.py check them against transformers' own classes; their
+parameter counts and shapes are model/facts.py's (`facts_of`).
 """
 
 from __future__ import annotations
@@ -48,16 +49,6 @@ class Architecture:
                       head_dim=self.head_dim)
         kw.update(self.extra)
         return kw
-
-    def param_count(self) -> int:
-        return param_count(self.model_type, layers=self.layers, hidden=self.hidden, heads=self.heads,
-                           kv_heads=self.kv_heads, vocab=self.vocab, context=self.context,
-                           intermediate=self.intermediate, tied=self.tied_embeddings)
-
-    def block_param_count(self) -> int:
-        """Parameters of one transformer block (one FSDP unit under per-block wrapping)."""
-        return block_param_count(self.model_type, hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
-                                 intermediate=self.intermediate)
 
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -105,24 +96,3 @@ def lookup(name_or_hub_id: str | None) -> Architecture | None:
                 (owner == hub_owner and hub_name in (name, bare)):
             return arch
     return None
-
-
-def block_param_count(model_type: str, *, hidden: int, heads: int, kv_heads: int, intermediate: int) -> int:
-    h = hidden
-    if model_type == "gpt2":
-        # ln_1, c_attn (qkv), c_proj, ln_2, c_fc, mlp c_proj; all with biases.
-        attention = (h * 3 * h + 3 * h) + (h * h + h)
-        mlp = (h * intermediate + intermediate) + (intermediate * h + h)
-        return 2 * h + attention + 2 * h + mlp
-    head_dim = h // heads
-    attn = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
-    return attn + 3 * h * intermediate + 2 * h
-
-
-def param_count(model_type: str, *, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int, context: int,
-                intermediate: int, tied: bool) -> int:
-    """Exact parameter count of GPT-2 and Llama models from their shape."""
-    block = block_param_count(model_type, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate)
-    if model_type == "gpt2":
-        return vocab * hidden + context * hidden + layers * block + 2 * hidden + (0 if tied else vocab * hidden)
-    return vocab * hidden + layers * block + hidden + (0 if tied else vocab * hidden)

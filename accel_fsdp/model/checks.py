@@ -70,32 +70,6 @@ def override_problems(recipe, config_class: str, known: frozenset[str] | set[str
     return problems
 
 
-def wrap_class_problems(settings, view: ModelView, recipe) -> list[Problem]:
-    """A wrap class the model does not have would make FSDP wrap nothing (or Accelerate fail later)."""
-    from accel_fsdp.config.settings import MODEL_DEFAULT
-
-    classes = settings.wrap_classes.value
-    if settings.wrap_policy.value != "TRANSFORMER_BASED_WRAP":
-        return []
-    if classes in ([MODEL_DEFAULT], []):  # nothing named: the model's own blocks, if it names them
-        if view.no_split_modules:
-            return []
-        return [Problem(settings.wrap_classes.source_text, f"{view.class_name} does not name its transformer "
-                        "block (_no_split_modules is empty), so there is no default wrap class",
-                        "set fsdp.wrap_class in the recipe to the model's block class")]
-    missing = [c for c in classes if c not in view.module_classes]
-    if not missing:
-        return []
-    blocks = view.no_split_modules or sorted(c for c in view.module_classes if "Block" in c or "Layer" in c)
-    where = settings.wrap_classes.where(recipe, "fsdp.wrap_class", "fsdp_transformer_layer_cls_to_wrap")
-    suggestion = blocks[0] if blocks else "the model's block class"
-    return [Problem(where, f"wrap class {', '.join(missing)} is not in the model {view.class_name} "
-                    f"(its transformer block is {', '.join(blocks) or 'unknown'})",
-                    f"--set fsdp.wrap_class={suggestion} (or in the recipe: fsdp.wrap_class: {suggestion}), "
-                    "or use an accelerate config that names no class (fsdp_cpu.yaml, fsdp_1gpu.yaml, fsdp_8gpu.yaml) "
-                    "so the model's own _no_split_modules is used")]
-
-
 def lora_target_problems(view: ModelView, recipe) -> list[Problem]:
     lora = recipe.model.lora
     missing = [t for t in lora.target_modules if t not in view.linear_names] if lora.enabled else []

@@ -56,6 +56,20 @@ _CLASSES = {
 
 
 @dataclass(frozen=True)
+class Shape:
+    """What the memory and FLOP formulas need of a model (planning/memory.py, train/metrics.py); built only by
+    `ModelFacts.shape`."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    gated_mlp: bool
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     model_type: str
     layers: int
@@ -116,9 +130,7 @@ class ModelFacts:
         """Adapter parameters PEFT adds for these target module names (A: in x r, B: r x out, no bias)."""
         return sum(r * (i + o) for name in targets for i, o, _ in self.linear_layers().get(name, []))
 
-    def shape(self):
-        from accel_fsdp.planning.memory import Shape
-
+    def shape(self) -> Shape:
         return Shape(layers=self.layers, hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
                      intermediate=self.intermediate, vocab=self.vocab, gated_mlp=self.model_type != "gpt2")
 
@@ -145,6 +157,26 @@ def facts_from_values(model_type: str, values: dict) -> ModelFacts | None:
                           attention_bias=bool(v["attention_bias"]), mlp_bias=bool(v["mlp_bias"]))
     except (TypeError, ValueError, ZeroDivisionError):
         return None  # a value of the wrong type: transformers will say what is wrong
+
+
+def facts_of(arch: architectures.Architecture) -> ModelFacts:
+    """Facts of a known architecture (`accel-fsdp estimate gpt2-xl`)."""
+    facts = facts_from_values(arch.model_type, arch.config_kwargs())
+    assert facts is not None, arch.name
+    return facts
+
+
+def shape_of(config) -> Shape:
+    """The shape of any transformers config with GPT-2 or Llama field names (also remote code of that naming)."""
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    facts = ModelFacts(getattr(config, "model_type", "") or "", layers=layers, hidden=hidden, heads=heads,
+                       kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=hidden // heads,
+                       intermediate=(getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+                                     or 4 * hidden),
+                       vocab=config.vocab_size, context=0, tied=False)
+    return facts.shape()
 
 
 def base_values(recipe) -> tuple[str, dict] | None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from accel_fsdp.data.synthetic import BUILTIN_TOKENIZER
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.layout import cache_dir
 from accel_fsdp.model.checks import tokenizer_files_problem
 
 
@@ -115,7 +116,6 @@ def _bpe_cache_folder(recipe, vocab: int) -> Path:
     import os
     from dataclasses import asdict
 
-    from accel_fsdp.config.shipped import cache_dir
     from accel_fsdp.data.prepare import resolve_data_path
 
     d = recipe.data

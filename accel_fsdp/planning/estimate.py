@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model import architectures
-from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, Shape, estimate, gib, seeds_simple
+from accel_fsdp.model.facts import Shape, facts_of
+from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, estimate, gib, seeds_simple
 
 HEADROOM = 0.9  # keep 10% of the GPU for the CUDA context, NCCL buffers and allocator fragmentation
 
@@ -54,10 +55,9 @@ def resolve_target(what: str, micro_batch: int | None, seq_len: int | None) -> T
                       note="a bare parameter count: no activations or gathered units unless a model is named")
     arch = architectures.lookup(what)
     if arch is not None:
-        shape = Shape(arch.layers, arch.hidden, arch.heads, arch.kv_heads, arch.intermediate, arch.vocab,
-                      arch.model_type != "gpt2")
-        unit = max(arch.block_param_count(), arch.vocab * arch.hidden)
-        return Target(arch.name, arch.param_count(), arch.param_count(), unit, shape,
+        facts = facts_of(arch)
+        unit = max(facts.block_params(), facts.vocab * facts.hidden)
+        return Target(arch.name, facts.params(), facts.params(), unit, facts.shape(),
                       1 if micro_batch is None else micro_batch,
                       min(arch.context, 2048) if seq_len is None else seq_len, context=arch.context)
     from accel_fsdp.config.shipped import resolve_recipe, shipped_recipes

@@ -37,34 +37,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from accel_fsdp.config.precision import MEMORY, is_half
+from accel_fsdp.model.facts import Shape
 
 GiB = 1024**3
 STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What activations depend on."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    gated_mlp: bool
-
-
-def shape_of(config) -> Shape:
-    """What the memory and FLOP formulas need from a transformers config (GPT-2 or Llama naming)."""
-    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
-    hidden = getattr(config, "hidden_size", None) or config.n_embd
-    heads = getattr(config, "num_attention_heads", None) or config.n_head
-    return Shape(layers=layers, hidden=hidden, heads=heads,
-                 kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                 intermediate=(getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
-                               or 4 * hidden),
-                 vocab=config.vocab_size, gated_mlp=getattr(config, "model_type", "") != "gpt2")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ import click
 
 from accel_fsdp.config.precision import BYTES, MEMORY
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, estimate, gib, parse_bytes, shape_of, size_problem
+from accel_fsdp.model.facts import shape_of
+from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, estimate, gib, parse_bytes, size_problem
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The run folder: who owns it, what a start does with it, and the guard that keeps runs from hurting each other.
-Where each file of a run lives is run/layout.py's (`RunLayout`).
+Where each file of a run lives is layout.py's (`RunLayout`).
 
 Ownership: a run gets an id when it is created (run.json), and its checkpoint folder records the same id
 (`<checkpoints>/.accel-fsdp-run`), as does every checkpoint's manifest. A run never writes into, resumes from or
@@ -17,37 +17,22 @@ import shutil
 import socket
 import sys
 import time
-import uuid
-from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
 
-from accel_fsdp.errors import Problem, UserError, read_json_object
+from accel_fsdp.errors import Problem, UserError
 
 # The paths of a run are layout.py's; this module decides what a start may do with them.
-from accel_fsdp.run.layout import (
+from accel_fsdp.layout import (
     CHECKPOINT_PREFIXES,
-    CHECKPOINTS_DIR,
-    FINAL_DIR,
     LOCK_FILE,
-    LOGS_DIR,
-    LOSS_CURVE_FILE,
-    METRICS_FILE,
     OWNER_FILE,
-    PREEMPTED_FILE,
-    RECIPE_FILE,
-    REPORT_FILE,
-    RUN_FILE,
-    SETTINGS_FILE,
-    SHARDING_FILE,
-    TRACE_DIR,
+    RUN_FOLDER_ENTRIES,
+    RunIdentity,
     RunLayout,
     checkpoints_of,
+    write_atomic,
 )
-
-# Everything accel-fsdp writes into a run folder: an overwrite removes these and nothing else.
-OWNED = (RUN_FILE, RECIPE_FILE, SETTINGS_FILE, SHARDING_FILE, METRICS_FILE, CHECKPOINTS_DIR, FINAL_DIR, LOGS_DIR,
-         TRACE_DIR, LOSS_CURVE_FILE, REPORT_FILE, PREEMPTED_FILE)
 
 
 class Decision(str, Enum):
@@ -61,44 +46,6 @@ class Decision(str, Enum):
     """Replace the run here with a new one (its own files are deleted first)."""
     RESTART = "restart"
     """--resume auto on a run that never completed a checkpoint: start it again from step 0 (same id)."""
-
-
-@dataclass
-class RunIdentity:
-    """run.json."""
-
-    run_id: str | None
-    recipe_name: str | None = None
-    recipe_fingerprint: str | None = None
-    checkpoint_dir: str | None = None
-    """Relative to the run folder when inside it (a moved or copied run folder keeps its own), else absolute."""
-    created: str | None = None
-    accel_fsdp_version: str | None = None
-    resumed_from: str | None = None
-    """The checkpoint of another run this one started from (--resume-from into a new folder)."""
-
-    @classmethod
-    def new(cls, recipe, layout: RunLayout, resumed_from: str | None = None) -> RunIdentity:
-        from accel_fsdp import __version__
-
-        return cls(run_id=uuid.uuid4().hex[:16], recipe_name=recipe.name, recipe_fingerprint=recipe.fingerprint(),
-                   checkpoint_dir=layout.recorded_checkpoints, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                   accel_fsdp_version=__version__, resumed_from=resumed_from)
-
-    @classmethod
-    def read(cls, path: Path) -> RunIdentity:
-        """Read run.json; a damaged one is the user's to fix (we cannot tell whose run it is)."""
-        data = read_json_object(path, what="is unreadable or corrupt",
-                                then=", so it is not known which run this folder holds",
-                                fix="restore run.json, or choose another --output-dir (nothing was changed)")
-        known = {k: data.get(k) for k in cls.__dataclass_fields__}
-        return cls(**known)
-
-    def write(self, path: Path) -> None:
-        _write_atomic(path, json.dumps(asdict(self), indent=1) + "\n")
-
-    def describe(self) -> str:
-        return f"run {self.run_id or '(no id: made by an older accel-fsdp)'} of recipe {self.recipe_name!r}"
 
 
 # ------------------------------------------------------------------------------------------- the decision
@@ -177,8 +124,6 @@ def check_checkpoint_folder(layout: RunLayout, *, owner: RunIdentity | None) -> 
     entries = _foreign_entries(folder)
     if not entries:
         return
-    if owner is not None and owner.run_id is None and not layout.external_checkpoints:
-        return  # a run made before run ids: its own checkpoints, inside its own folder
     raise UserError(Problem(str(folder), f"the checkpoint folder is not empty ({', '.join(sorted(entries)[:3])}) "
                             "and records no run that owns it", "set checkpoint.dir to an empty or new folder "
                             "(nothing was changed)"))
@@ -195,7 +140,7 @@ def read_owner(folder: Path) -> dict | None:
 
 
 def checkpoint_run_id(path: Path) -> str | None:
-    """The run id a checkpoint's manifest records (None for checkpoints made before run ids)."""
+    """The run id a checkpoint's manifest records (None when it cannot be read)."""
     from accel_fsdp.checkpoint.records import Manifest
 
     try:  # unchecked: whose it is can be told from a manifest that is otherwise damaged (resuming will refuse it)
@@ -231,7 +176,7 @@ def prepare(layout: RunLayout, recipe, settings, decision: Decision, *, resumed_
     root = layout.root
     old = RunIdentity.read(layout.run_file) if layout.run_file.is_file() else None
     if decision in (Decision.OVERWRITE, Decision.RESTART) and old is not None:
-        for name in OWNED:
+        for name in RUN_FOLDER_ENTRIES:
             target = root / name
             if target.is_dir() and not target.is_symlink():
                 shutil.rmtree(target)
@@ -242,34 +187,25 @@ def prepare(layout: RunLayout, recipe, settings, decision: Decision, *, resumed_
             folders.add(checkpoints_of(root, old.checkpoint_dir))
         for folder in folders:
             owner = read_owner(folder) if folder.is_dir() else None
-            if owner is not None and owner.get("run_id") == old.run_id and old.run_id is not None:
+            if owner is not None and owner.get("run_id") == old.run_id:
                 for entry in folder.iterdir():
                     if entry.name.startswith(CHECKPOINT_PREFIXES) and entry.is_dir():
                         shutil.rmtree(entry)
     root.mkdir(parents=True, exist_ok=True)
     if decision == Decision.RESUME and old is not None:
         identity = old
-        if identity.run_id is None:  # adopt a run made before run ids
-            identity.run_id = uuid.uuid4().hex[:16]
     elif decision == Decision.RESTART and old is not None:
-        identity = RunIdentity.new(recipe, layout)
-        identity.run_id = old.run_id or identity.run_id
+        identity = RunIdentity.new(recipe, layout, run_id=old.run_id)
     else:
         identity = RunIdentity.new(recipe, layout, resumed_from=resumed_from)
     identity.checkpoint_dir = layout.recorded_checkpoints
     identity.write(layout.run_file)
     layout.checkpoints.mkdir(parents=True, exist_ok=True)
-    _write_atomic(layout.checkpoints / OWNER_FILE,
+    write_atomic(layout.checkpoints / OWNER_FILE,
                   json.dumps({"run_id": identity.run_id, "run_dir": str(root)}, indent=1) + "\n")
-    _write_atomic(layout.recipe_file, recipe.to_yaml())
-    _write_atomic(layout.settings_file, json.dumps(settings.to_dict(), indent=1, default=str) + "\n")
+    write_atomic(layout.recipe_file, recipe.to_yaml())
+    write_atomic(layout.settings_file, json.dumps(settings.to_dict(), indent=1, default=str) + "\n")
     return identity
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------------- lock

@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from accel_fsdp.errors import UserError
-from accel_fsdp.run.layout import RunLayout
+from accel_fsdp.layout import RunLayout
 
 
 @dataclass

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from accel_fsdp.errors import Problem, UserError, read_json_object
-from accel_fsdp.run.layout import FINAL_DIR
+from accel_fsdp.layout import FINAL_DIR
 
 
 def resolve_model_dir(path: Path) -> Path:

@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.run.layout import METRICS_FILE, RunLayout
+from accel_fsdp.layout import METRICS_FILE, RunIdentity, RunLayout
 from accel_fsdp.train.metrics import EvalRow, TrainRow, read_metrics
 
 
@@ -27,11 +27,10 @@ def summarize(run_dir: Path) -> dict:
     evals = [r for r in rows if isinstance(r, EvalRow)]
     if not train:
         raise UserError(Problem(str(metrics_file), "holds no training rows yet", "wait for the first logged step"))
-    from accel_fsdp.run.folder import RunIdentity
 
-    info = RunIdentity.read(layout.run_file) if layout.run_file.exists() else RunIdentity(None)
+    recipe_name = RunIdentity.read(layout.run_file).recipe_name if layout.run_file.exists() else None
     out = {
-        "run": str(run_dir), "recipe": info.recipe_name, "steps": train[-1].step,
+        "run": str(run_dir), "recipe": recipe_name, "steps": train[-1].step,
         "tokens_seen": train[-1].tokens_seen, "first_loss": train[0].loss, "final_loss": train[-1].loss,
         "tokens_per_s_median": statistics.median(r.tokens_per_s for r in train),
         "tokens_per_s_per_rank_median": statistics.median(r.tokens_per_s_per_rank for r in train),

@@ -19,7 +19,7 @@ accel_fsdp/train/probes.py, the exported weights) and compare:
 
 What a pass proves and what it cannot (a passing verify on 2 GPUs does not prove a 64-GPU run) is in
 docs/VERIFY.md. Each check is shown to fail when its property is broken on purpose (tests/test_verify.py, with
-ACCEL_FSDP_BREAK from faults.py).
+the switches of train/hooks.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 
 from accel_fsdp.config import precision
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.run.layout import CHECKPOINTS_DIR, RunLayout
+from accel_fsdp.layout import CHECKPOINTS_DIR, RunLayout
 
 MARKER = "verify.json"
 CHECKS = ("sharding", "precision", "equivalence", "resume", "packing", "activation-checkpointing", "memory",
@@ -187,7 +187,7 @@ def check_sharding(v: Verification) -> Check:
     measured = f"ranks hold {', '.join(f'{f:.3f}' for f in fractions)} of the parameters"
     problems = []
     state = info.state_bytes or []
-    counts = ref.folder / "run_parameters.json"
+    counts = ref.layout.run_parameters_file
     trainable = json.loads(counts.read_text())["trainable"] if counts.exists() else None
     if state:
         optimizer = [r["optimizer"] for r in state]
@@ -362,7 +362,7 @@ def check_memory(v: Verification) -> Check:
     info = ref.sharding()
     if info is None or not info.state_bytes:
         return Check("memory", "FAIL", ref.failure())
-    counts = json.loads((ref.folder / "run_parameters.json").read_text())
+    counts = json.loads((ref.layout.run_parameters_file).read_text())
     settings = json.loads(ref.layout.settings_file.read_text())
     strategy = settings["sharding_strategy"]["value"]
     lora = counts["trainable"] < counts["parameters"]
@@ -437,7 +437,9 @@ def verify(recipe, config, num_processes: int | None, overrides: list[str], *, o
           f"{steps} steps in {out_dir}", flush=True)
     needs_reference = wanted & {"sharding", "precision", "equivalence", "resume", "memory", "throughput"}
     if needs_reference:
-        run_probe(v, "reference", sets, extra_args=extra, env={"ACCEL_FSDP_PROBE": "dtypes"})
+        from accel_fsdp.train.hooks import PROBE_ENV  # torch: only once probes run
+
+        run_probe(v, "reference", sets, extra_args=extra, env={PROBE_ENV: "dtypes"})
         record_counts(v.probes["reference"])
     if "equivalence" in wanted:
         micro = split_micro_batch(recipe, v.world)
@@ -483,12 +485,12 @@ def _model_type(recipe) -> str | None:
 def record_counts(probe: Probe) -> None:
     """Parameter counts of the probe run, from its checkpoint manifest (the run's own count)."""
     from accel_fsdp.checkpoint.records import Manifest
-    from accel_fsdp.run.layout import MANIFEST, STEP_PREFIX
+    from accel_fsdp.layout import MANIFEST, STEP_PREFIX
 
     manifests = sorted(probe.layout.checkpoints.glob(f"{STEP_PREFIX}*/{MANIFEST}"))
     if manifests:
         m = Manifest.read(manifests[-1].parent)
-        (probe.folder / "run_parameters.json").write_text(json.dumps(
+        probe.layout.run_parameters_file.write_text(json.dumps(
             {"parameters": m.parameters, "trainable": m.trainable_parameters}))
 
 

@@ -1,7 +1,7 @@
 """The Accelerator of a run: Accelerate's FSDP plugin built from the resolved `FsdpSettings`.
 
-Every value comes from `launch_config.resolve_settings` (and is printed with its source); nothing here reads the
-environment or the config file again. On CPU ranks `cpu_fsdp.init_cpu_fsdp_state` makes Accelerate's own FSDP
+Every value comes from `config/settings.py` `resolve_settings` (and is printed with its source); nothing here reads
+the environment or the config file again. On CPU ranks `cpu_fsdp.init_cpu_fsdp_state` makes Accelerate's own FSDP
 path shard for real.
 """
 
@@ -14,12 +14,13 @@ import torch
 
 from accel_fsdp.config.precision import ACCELERATE, compute_dtype
 from accel_fsdp.config.settings import MODEL_DEFAULT, FsdpSettings
-from accel_fsdp.run.layout import LOGS_DIR
+from accel_fsdp.layout import LOGS_DIR
 
 
-def build_fsdp_plugin(settings: FsdpSettings, *, for_planning: bool = False):
+def build_fsdp_plugin(settings: FsdpSettings, *, for_planning: bool = False, reduce_dtype=torch.float32):
     """Accelerate's FSDP plugin. `for_planning`: only to ask it for the wrap policy (the dry run), so leave out
-    the options that look for a device."""
+    the options that look for a device. `reduce_dtype`: fp32 always, but for `verify`'s proof that its precision
+    check can fail."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     s = settings
@@ -39,7 +40,7 @@ def build_fsdp_plugin(settings: FsdpSettings, *, for_planning: bool = False):
         # below wraps them itself, keeping the RNG. FSDP1's path (apply_activation_checkpointing) keeps it.
         activation_checkpointing=bool(s.activation_checkpointing.value) and version == 1,
         cpu_ram_efficient_loading=bool(s.cpu_ram_efficient_loading.value),
-        mixed_precision_policy=_mixed_precision_policy(version, s.mixed_precision.value),
+        mixed_precision_policy=_mixed_precision_policy(version, s.mixed_precision.value, reduce_dtype),
     )
     if policy == "size_based_wrap":
         kwargs["min_num_params"] = s.min_num_params.value
@@ -71,18 +72,15 @@ def _cpu_offload(settings: FsdpSettings):
     return True
 
 
-def _mixed_precision_policy(version: int, precision: str):
+def _mixed_precision_policy(version: int, precision: str, reduce_dtype):
     """bf16/fp16 compute with fp32 master weights and fp32 gradient reduction (the torchtitan default)."""
-    from accel_fsdp.train.faults import broken
-
-    reduce = torch.bfloat16 if broken("bf16-reduce") else torch.float32
     if precision == "fp32":
         return None
     dtype = compute_dtype(precision)
     if version == 2:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce)
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
     from torch.distributed.fsdp import MixedPrecision
 
     return MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype)
@@ -115,17 +113,16 @@ def gradient_accumulation_plugin(settings: FsdpSettings, steps: int):
                                       sync_with_dataloader=False)
 
 
-def apply_activation_checkpointing(model, settings: FsdpSettings):
+def apply_activation_checkpointing(model, settings: FsdpSettings, *, preserve_rng_state: bool = True):
     """Wrap every FSDP unit class (the wrap classes) in a non-reentrant checkpoint that restores the RNG state
     for the recompute, so dropout draws the same masks as in the forward. Only for FSDP2 (before `prepare`,
-    in the order Accelerate uses: checkpoint first, then `fully_shard` of the wrapped block)."""
+    in the order Accelerate uses: checkpoint first, then `fully_shard` of the wrapped block).
+    `preserve_rng_state` False only for `verify`'s proof that its activation-checkpointing check can fail."""
     if not settings.activation_checkpointing.value or settings.fsdp_version.value != 2:
         return model
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
     from accelerate.utils.other import get_module_children_bottom_up
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-
-    from accel_fsdp.train.faults import broken
 
     plugin = build_fsdp_plugin(settings, for_planning=True)
     plugin.set_auto_wrap_policy(model)
@@ -135,7 +132,7 @@ def apply_activation_checkpointing(model, settings: FsdpSettings):
     for name, module in get_module_children_bottom_up(model, return_fqns=True)[:-1]:
         if policy(module):
             model.set_submodule(name, checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                                         preserve_rng_state=not broken("ac-rng")))
+                                                         preserve_rng_state=preserve_rng_state))
     return model
 
 
@@ -150,18 +147,18 @@ def build_parallelism_config(settings: FsdpSettings):
 
 
 def build_accelerator(settings: FsdpSettings, *, gradient_accumulation_steps: int, run_dir: Path | None,
-                      trackers: list[str] = ()):
+                      trackers: list[str] = (), reduce_dtype=torch.float32, shard_cpu_ranks: bool = True):
+    """The Accelerator of these settings. `reduce_dtype` and `shard_cpu_ranks` (False: what stock Accelerate does on
+    CPU ranks, unsharded replicas) differ from their defaults only in `verify`'s proofs that its checks can fail."""
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
-    plugin = build_fsdp_plugin(settings)
+    plugin = build_fsdp_plugin(settings, reduce_dtype=reduce_dtype)
     parallelism = build_parallelism_config(settings)
     precision = ACCELERATE[settings.mixed_precision.value]
     group = process_group_kwargs(settings)
     cpu = settings.device.value == "cpu"
-    from accel_fsdp.train.faults import broken
-
-    if cpu and not broken("unsharded"):  # broken on purpose: what stock Accelerate does on CPU (replicas)
+    if cpu and shard_cpu_ranks:
         from accel_fsdp.train.cpu_fsdp import init_cpu_fsdp_state
 
         init_cpu_fsdp_state(plugin, mixed_precision=precision, parallelism_config=parallelism,

@@ -8,34 +8,40 @@ import json
 from pathlib import Path
 
 from accel_fsdp.checkpoint import store as ckpt
+from accel_fsdp.checkpoint.consolidate import consolidate
 from accel_fsdp.checkpoint.records import TrainerState
 from accel_fsdp.errors import UserError
-from accel_fsdp.train.faults import Faults, broken
+from accel_fsdp.layout import RunIdentity
+from accel_fsdp.train.faults import Faults
 from accel_fsdp.train.lifetime import Preempted
+from accel_fsdp.train.state import TrainingState
 
 
 class Checkpointer:
-    def __init__(self, run, faults: Faults | None = None):
+    def __init__(self, run, faults: Faults | None = None, skip_steps_on_resume: int = 0):
         self.run = run
         self.every = run.recipe.checkpoint.every_steps
         self.last_saved_step: int | None = None
         self.faults = faults  # crash injection inside a save (tests), from train/hooks.py
+        self.skip_steps_on_resume = skip_steps_on_resume
+        """Above 0 only in `verify`'s proof that its resume check can fail."""
 
-    def after_step(self, step: int) -> None:
+    def after_step(self, state: TrainingState) -> None:
         run = self.run
-        if self.every and step % self.every == 0 and step != run.total_steps:
-            self.save(step)
+        if self.every and state.step % self.every == 0 and state.step != run.total_steps:
+            self.save(state)
         if run.preemption.agreed():
-            self.stop_preempted(step)
+            self.stop_preempted(state)
 
-    def at_end(self) -> None:
-        if self.last_saved_step != self.run.total_steps:
-            self.save(self.run.total_steps)
+    def at_end(self, state: TrainingState) -> None:
+        if self.last_saved_step != state.step:
+            self.save(state)
 
-    def save(self, step: int) -> Path:
+    def save(self, training: TrainingState) -> Path:
         run = self.run
         recipe = run.recipe
-        state = TrainerState(step=step, **run.sampler.position(step), tokens_seen=run.tokens_seen,
+        step = training.step
+        state = TrainerState(step=step, **run.sampler.position(step), tokens_seen=training.tokens_seen,
                              total_steps=run.total_steps, parameters=run.parameters,
                              trainable_parameters=run.trainable_parameters)
         path = ckpt.save_checkpoint(run.accelerator, run.model, run.optimizer, run.scheduler,
@@ -46,8 +52,9 @@ class Checkpointer:
         run.say(f"checkpoint: {path}")
         return path
 
-    def resume(self) -> None:
-        """Load the checkpoint the start decision chose: weights, optimizer, schedule, RNG, data position."""
+    def resume(self) -> TrainingState:
+        """Load the checkpoint the start decision chose (weights, optimizer, schedule, RNG, data position) and
+        return the training state it saved."""
         run = self.run
         request, recipe, acc = run.request, run.recipe, run.accelerator
         info = ckpt.checkpoint_to_resume(run.layout.checkpoints, request.resume_from)
@@ -59,16 +66,18 @@ class Checkpointer:
             run.say(f"resume: {note}")
         state = ckpt.load_checkpoint(acc, run.model, run.optimizer, run.scheduler, info,
                                      lora=recipe.model.lora.enabled)
-        run.start_step = self.last_saved_step = state.step + broken("skip-batch")
-        run.tokens_seen = state.tokens_seen or 0
-        run.say(f"resume: continuing from {info.path} at step {run.start_step} of {run.total_steps} "
+        training = TrainingState(step=state.step + self.skip_steps_on_resume, tokens_seen=state.tokens_seen or 0)
+        self.last_saved_step = training.step
+        run.say(f"resume: continuing from {info.path} at step {training.step} of {run.total_steps} "
                 f"(epoch {state.epoch}, {state.rows_consumed or 0:,} rows consumed)")
+        return training
 
-    def stop_preempted(self, step: int) -> None:
-        """Every rank agreed to stop after `step`: checkpoint it (unless just saved), say so, and leave resumable."""
-        run = self.run
-        run.logger.close()
-        path = run.layout.checkpoints / ckpt.checkpoint_name(step) if self.last_saved_step == step else self.save(step)
+    def stop_preempted(self, state: TrainingState) -> None:
+        """Every rank agreed to stop after this step: checkpoint it (unless just saved), say so, and leave
+        resumable."""
+        run, step = self.run, state.step
+        run.terminal.close_bar()
+        path = run.layout.checkpoints / ckpt.checkpoint_name(step) if self.last_saved_step == step else self.save(state)
         run.preemption.finish()
         if run.accelerator.is_main_process:
             run.layout.preempted_file.write_text(json.dumps({"step": step, "checkpoint": str(path),
@@ -83,16 +92,12 @@ class Checkpointer:
 
     def export_final(self) -> None:
         """The main process alone, after the other ranks have left: the last checkpoint as a Hugging Face folder."""
-        from accel_fsdp.checkpoint.consolidate import consolidate
-
         run = self.run
         info = ckpt.latest_complete(run.layout.checkpoints)
         report = consolidate(info, run.layout.final, dtype=run.recipe.checkpoint.export_dtype)
         print(f"export: {report.summary()}")
 
     def _run_id(self) -> str | None:
-        from accel_fsdp.run.folder import RunIdentity
-
         try:
             return RunIdentity.read(self.run.layout.run_file).run_id
         except UserError:

@@ -7,22 +7,24 @@ import torch
 
 from accel_fsdp.data import batches
 from accel_fsdp.data.prepare import IGNORE_INDEX
-from accel_fsdp.train.metrics import EvalRow, perplexity
+from accel_fsdp.train.metrics import EvalRow, MetricsWriter, perplexity
+from accel_fsdp.train.state import TrainingState
 
 
 class Evaluator:
-    def __init__(self, run):
+    def __init__(self, run, metrics: MetricsWriter):
         self.run = run
+        self.metrics = metrics
         self.every = run.recipe.training.eval_every_steps
         self.last_step: int | None = None
 
-    def after_step(self, step: int) -> None:
-        if self.every and step % self.every == 0 and step != self.run.total_steps:
-            self.evaluate(step)
+    def after_step(self, state: TrainingState) -> None:
+        if self.every and state.step % self.every == 0 and state.step != self.run.total_steps:
+            self.evaluate(state.step)
 
-    def at_end(self) -> None:
-        if self.last_step != self.run.total_steps:
-            self.evaluate(self.run.total_steps)
+    def at_end(self, state: TrainingState) -> None:
+        if self.last_step != state.step:
+            self.evaluate(state.step)
 
     def evaluate(self, step: int) -> EvalRow | None:
         """Mean token loss and perplexity on the held-out split, exact over ranks."""
@@ -48,7 +50,7 @@ class Evaluator:
         total = acc.reduce(total, reduction="sum")
         loss = (total[0] / total[1].clamp(min=1)).item()
         row = EvalRow(step=step, eval_loss=loss, eval_ppl=perplexity(loss), eval_tokens=int(total[1].item()))
-        run.metrics.write(row)
+        self.metrics.write(row)
         self.last_step = step
         run.say(f"eval @ step {step}: loss {loss:.4f}, perplexity {row.eval_ppl:.2f} ({row.eval_tokens:,} tokens)")
         return row

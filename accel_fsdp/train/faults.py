@@ -1,4 +1,5 @@
-"""Fault injection, so tests can prove that crashes lose nothing: `ACCEL_FSDP_FAULT=<kind>:<step>[@<rank>]`.
+"""Fault injection, so tests can prove that crashes lose nothing: a spec `<kind>:<step>[@<rank>]`, which
+train/hooks.py reads from the environment once (ACCEL_FSDP_FAULT) and train/setup.py hands to the run.
 
 Kinds:
   kill:N          SIGKILL this process right after optimizer step N (before its checkpoint, if any).
@@ -7,7 +8,7 @@ Kinds:
   sigterm:N       send SIGTERM to this rank right after optimizer step N (a preemption of one rank).
   sigusr1-launcher:N  send SIGUSR1 to the launcher (this rank's parent) after optimizer step N (SLURM's warning).
   hang:N          stop making progress after optimizer step N (sleep), as a stuck rank would.
-`@R` limits the fault to rank R (default: rank 0). Unset, this module does nothing; it never changes results.
+`@R` limits the fault to rank R (default: rank 0). Without a spec this module does nothing; it never changes results.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import signal
 import sys
 import time
 
-ENV = "ACCEL_FSDP_FAULT"
 KINDS = ("kill", "kill-in-save", "enospc-in-save", "sigterm", "sigusr1-launcher", "hang")
 
 
@@ -33,13 +33,9 @@ class Faults:
             target = int(target_text)
         kind, _, step = spec.partition(":")
         if kind not in KINDS or not step.isdigit():
-            raise ValueError(f"{ENV}={spec!r}: expected one of {', '.join(KINDS)} followed by :STEP")
+            raise ValueError(f"fault {spec!r}: expected one of {', '.join(KINDS)} followed by :STEP")
         if rank == target:
             self.kind, self.step = kind, int(step)
-
-    @classmethod
-    def from_env(cls, rank: int) -> "Faults":
-        return cls(os.environ.get(ENV), rank)
 
     def after_step(self, step: int) -> None:
         if step != self.step:
@@ -51,7 +47,7 @@ class Faults:
         elif self.kind == "sigusr1-launcher":
             os.kill(os.getppid(), signal.SIGUSR1)
         elif self.kind == "hang":
-            print(f"[{ENV}] hanging after optimizer step {step}", file=sys.stderr, flush=True)
+            print(f"[fault] hanging after optimizer step {step}", file=sys.stderr, flush=True)
             while True:
                 time.sleep(3600)
 
@@ -61,28 +57,9 @@ class Faults:
         if self.kind == "kill-in-save":
             self._kill(f"while saving the checkpoint of step {step}")
         if self.kind == "enospc-in-save":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "(injected by ACCEL_FSDP_FAULT)")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "(injected fault)")
 
     @staticmethod
     def _kill(when: str) -> None:
-        print(f"[{ENV}] SIGKILL {when}", file=sys.stderr, flush=True)
+        print(f"[fault] SIGKILL {when}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-BREAK_ENV = "ACCEL_FSDP_BREAK"
-BREAKS = {
-    "unsharded": "CPU ranks: leave Accelerate's state as it comes (unsharded replicas), and skip the check that stops "
-                 "that",
-    "bf16-reduce": "reduce gradients in bf16 instead of fp32",
-    "mean-loss": "normalize each micro-step's loss by its own tokens instead of the global batch's",
-    "skip-batch": "skip one optimizer step's batch when resuming",
-    "mask-leak": "let packed documents attend to each other (positions not restarted per document)",
-    "ac-rng": "recompute checkpointed activations with new random draws (dropout)",
-}
-"""`ACCEL_FSDP_BREAK=<name>[,<name>]` breaks one property on purpose, so tests prove each `accel-fsdp verify` check
-can fail. Unset (always, outside those tests), nothing changes."""
-
-
-def broken(name: str) -> bool:
-    assert name in BREAKS, name
-    return name in os.environ.get(BREAK_ENV, "").split(",")

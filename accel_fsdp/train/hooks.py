@@ -1,8 +1,14 @@
-"""What tests and `accel-fsdp verify` attach to a run, outside the loop body. Unset, none of it runs.
+"""The test switches of a run, and what tests and `accel-fsdp verify` attach to it outside the loop body.
 
-  ACCEL_FSDP_TRACE_ROWS=1   per rank and step, the training sequences read, in <run>/trace/ (resume tests)
-  ACCEL_FSDP_FAULT=...      a crash or hang injected after an optimizer step or inside a save (faults.py)
-  ACCEL_FSDP_PROBE=...      measurements of internals through model hooks (probes.py)
+Switches, set in the environment of a run by tests and by `verify` (never by a user's run):
+  ACCEL_FSDP_BREAK=<name>[,<name>]  break one property on purpose (BREAKS), so tests prove each `verify` check can fail
+  ACCEL_FSDP_FAULT=<kind>:<step>[@<rank>]  a crash or hang after an optimizer step or inside a save (faults.py)
+  ACCEL_FSDP_PROBE=<name>[,<name>]  measurements of internals through model hooks (probes.py)
+  ACCEL_FSDP_TRACE_ROWS=1           per rank and step, the training sequences read, in <run>/trace/ (resume tests)
+
+They are read once, by `TestSwitches.from_env` in train/setup.py, and reach the code that acts on them as plain
+parameters (`reduce_dtype`, `preserve_rng_state`, `restart_positions`, a `Faults` object, ...): this module and
+setup.py are the only ones that know the switches exist. Unset, nothing here runs or changes a result.
 
 And one measurement for the sharding record: at the first optimizer step that really runs (gradients and
 optimizer state both exist only inside it), what each rank stores, through an optimizer step hook.
@@ -12,26 +18,80 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 from accel_fsdp.train import probes
-from accel_fsdp.train.faults import Faults
+from accel_fsdp.train.faults import KINDS, Faults
 from accel_fsdp.train.sharding import gathered_state_bytes
 
+BREAK_ENV = "ACCEL_FSDP_BREAK"
+FAULT_ENV = "ACCEL_FSDP_FAULT"
+PROBE_ENV = "ACCEL_FSDP_PROBE"
 TRACE_ENV = "ACCEL_FSDP_TRACE_ROWS"
-"""Set to 1 to record, per rank and step, the training sequences read (in <run>/trace/); used by resume tests."""
+
+BREAKS = {
+    "unsharded": "CPU ranks: leave Accelerate's state as it comes (unsharded replicas), and skip the check that stops "
+                 "that",
+    "bf16-reduce": "reduce gradients in bf16 instead of fp32",
+    "mean-loss": "normalize each micro-step's loss by its own tokens instead of the global batch's",
+    "skip-batch": "skip one optimizer step's batch when resuming",
+    "mask-leak": "let packed documents attend to each other (positions not restarted per document)",
+    "ac-rng": "recompute checkpointed activations with new random draws (dropout)",
+}
+
+
+def _names(text: str | None) -> frozenset[str]:
+    return frozenset(n.strip() for n in (text or "").split(",") if n.strip())
+
+
+@dataclass(frozen=True)
+class TestSwitches:
+    """Every test switch of a run, read once."""
+
+    __test__ = False  # not a pytest class
+
+    breaks: frozenset[str] = frozenset()
+    """Properties broken on purpose (BREAKS)."""
+    fault: str | None = None
+    """A fault to inject (faults.py)."""
+    probes: frozenset[str] = frozenset()
+    """Measurements to record (probes.py)."""
+    trace_rows: bool = False
+    """Record the training sequences each rank reads at each step."""
+
+    @classmethod
+    def from_env(cls, env=None) -> TestSwitches:
+        env = os.environ if env is None else env
+        switches = cls(breaks=_names(env.get(BREAK_ENV)), fault=env.get(FAULT_ENV) or None,
+                       probes=_names(env.get(PROBE_ENV)), trace_rows=bool(env.get(TRACE_ENV)))
+        for names, known, var in ((switches.breaks, BREAKS, BREAK_ENV), (switches.probes, probes.PROBES, PROBE_ENV)):
+            if names - set(known):
+                raise ValueError(f"{var}: unknown {', '.join(sorted(names - set(known)))}; known: {', '.join(known)}")
+        if switches.fault and switches.fault.partition(":")[0] not in KINDS:
+            raise ValueError(f"{FAULT_ENV}={switches.fault!r}: expected one of {', '.join(KINDS)} followed by :STEP")
+        return switches
+
+    def broken(self, name: str) -> bool:
+        assert name in BREAKS, name
+        return name in self.breaks
+
+
+NO_SWITCHES = TestSwitches()
+"""A run as users run it (and the baseline of `bench`)."""
 
 
 class TestHooks:
     __test__ = False  # not a pytest class
 
-    def __init__(self, run):
+    def __init__(self, run, switches: TestSwitches):
         self.run = run
-        self.faults = Faults.from_env(run.accelerator.process_index)
+        rank = run.accelerator.process_index
+        self.faults = Faults(switches.fault, rank)
         self.trace = None
-        if os.environ.get(TRACE_ENV):
+        if switches.trace_rows:
             run.layout.trace.mkdir(parents=True, exist_ok=True)
-            self.trace = (run.layout.trace / f"rows-rank{run.accelerator.process_index}.jsonl").open("a")
-        probes.install(run.model, run.layout.trace, run.accelerator.process_index)
+            self.trace = (run.layout.trace / f"rows-rank{rank}.jsonl").open("a")
+        probes.install(run.model, run.layout.trace, rank, switches.probes)
         self._state_bytes_hook = _torch_optimizer(run.optimizer).register_step_post_hook(self._record_state_bytes)
 
     def after_step(self, step: int, micro_batches: list[list[int]]) -> None:
@@ -48,7 +108,7 @@ class TestHooks:
         """Called by the optimizer after its step (before zero_grad): every rank steps at once (collective)."""
         self._state_bytes_hook.remove()
         run = self.run
-        run.sharding.state_bytes = gathered_state_bytes(run.accelerator, run.model, run.optimizer)
+        run.sharding.record_state_bytes(gathered_state_bytes(run.accelerator, run.model, run.optimizer))
         if run.accelerator.is_main_process:
             run.sharding.write(run.layout.sharding_file)
 

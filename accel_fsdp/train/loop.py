@@ -14,18 +14,20 @@ So k micro-steps of batch b give the same update as one step of k x b (tests/tes
 from __future__ import annotations
 
 from accel_fsdp.quiet import quiet_libraries
-from accel_fsdp.train.setup import Run, RunRequest, setup
+from accel_fsdp.train.evaluate import generate_sample
+from accel_fsdp.train.setup import Components, Run, RunRequest, setup
+from accel_fsdp.train.state import TrainingState
 
 
-def fit(run: Run) -> None:
+def fit(run: Run, parts: Components, state: TrainingState) -> None:
     """One optimizer step per iteration, its micro-steps accumulated."""
     acc, model, optimizer, scheduler, sampler = run.accelerator, run.model, run.optimizer, run.scheduler, run.sampler
     t = run.recipe.training
     max_norm = t.max_grad_norm if t.max_grad_norm is not None else float("inf")
-    run.logger.start()
+    parts.logger.start(state)
     model.train()
-    for step in range(run.start_step, run.total_steps):
-        sequences, micro_batches = sampler.global_sequences(step), sampler.micro_batches(step)
+    while state.step < run.total_steps:
+        sequences, micro_batches = sampler.global_sequences(state.step), sampler.micro_batches(state.step)
         num_items = run.loss_denominator(sequences)
         for seqs in micro_batches:
             batch = run.batch(seqs)
@@ -39,16 +41,17 @@ def fit(run: Run) -> None:
                     grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
                 optimizer.step()  # skipped by Accelerate until the last micro-step
                 optimizer.zero_grad(set_to_none=True)
-            run.logger.add_loss(loss)
+            parts.logger.add_loss(loss)
         lr = advance_schedule(acc, scheduler)
+        tokens = run.step_tokens(sequences)
+        state.advance(tokens)
 
-        done = step + 1
-        run.hooks.after_step(done, micro_batches)
-        run.logger.after_step(done, lr, grad_norm, sequences)
-        run.evaluator.after_step(done)
-        run.checkpointer.after_step(done)
-    run.logger.close()
-    run.hooks.close()
+        parts.hooks.after_step(state.step, micro_batches)
+        parts.logger.after_step(state, lr, grad_norm, tokens)
+        parts.evaluator.after_step(state)
+        parts.checkpointer.after_step(state)
+    parts.logger.close()
+    parts.hooks.close()
 
 
 def advance_schedule(acc, scheduler) -> float:
@@ -60,35 +63,33 @@ def advance_schedule(acc, scheduler) -> float:
     return used
 
 
-def finish(run: Run) -> None:
+def finish(run: Run, parts: Components, state: TrainingState) -> None:
     """Final evaluation, checkpoint, sample generation; then the main process exports the model alone."""
     acc, recipe = run.accelerator, run.recipe
     if run.request.benchmark:
         run.preemption.finish()
         acc.wait_for_everyone()
         acc.end_training()
-        run.checkpointer.wait()
+        parts.checkpointer.wait()
         return
-    run.evaluator.at_end()
+    parts.evaluator.at_end(state)
     run.sharding.measure_after_training(acc, run.model)  # replicas must still agree (collective)
     if acc.is_main_process:
         run.sharding.write(run.layout.sharding_file)
-    run.checkpointer.at_end()
+    parts.checkpointer.at_end(state)
     sample = None
     if recipe.logging.sample_prompt:
-        from accel_fsdp.train.evaluate import generate_sample
-
         sample = generate_sample(run, recipe.logging.sample_prompt, recipe.logging.sample_max_new_tokens)
     run.preemption.finish()
     acc.wait_for_everyone()
     acc.end_training()  # closes the trackers and destroys the process group
-    run.checkpointer.wait()
+    parts.checkpointer.wait()
     if not acc.is_main_process:
         return
     # Exported by the main process alone, after the other ranks have left: a long export of a large model
     # must not hold them at a barrier (and into a collective timeout).
     if recipe.checkpoint.export_final:
-        run.checkpointer.export_final()
+        parts.checkpointer.export_final()
     if sample is not None:
         print(f"sample: {recipe.logging.sample_prompt!r} -> {sample!r}")
     print(f"done: {run.total_steps} steps; run folder {run.request.run_dir}")
@@ -97,6 +98,6 @@ def finish(run: Run) -> None:
 def run_training(request: RunRequest) -> None:
     """Entry point inside each rank."""
     quiet_libraries()
-    run = setup(request)
-    fit(run)
-    finish(run)
+    run, parts, state = setup(request)
+    fit(run, parts, state)
+    finish(run, parts, state)

@@ -12,87 +12,17 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
-from accel_fsdp.config.precision import is_half
-
-# Dense peak FLOP/s of common accelerators for MFU, per compute dtype: (bf16/fp16 tensor cores, fp32 without
-# TF32). Matched by the longest key contained in the device name, so "H100 PCIe" and "H100 NVL" are not read as
-# the SXM part. Vendor datasheets (dense, no sparsity).
-PEAK_FLOPS: dict[str, tuple[float, float]] = {
-    "H100 PCIe": (756e12, 51e12), "H100 NVL": (835e12, 60e12), "H100": (989e12, 67e12),
-    "H200 NVL": (835e12, 60e12), "H200": (989e12, 67e12), "GH200": (989e12, 67e12), "H800": (989e12, 67e12),
-    "H20": (148e12, 44e12), "B200": (2250e12, 80e12), "B100": (1750e12, 60e12),
-    "A100": (312e12, 19.5e12), "A800": (312e12, 19.5e12), "A40": (150e12, 37.4e12), "A30": (165e12, 10.3e12),
-    "A10G": (70e12, 31.2e12), "A10": (125e12, 31.2e12), "L40S": (362e12, 91.6e12), "L40": (181e12, 90.5e12),
-    "L4": (121e12, 30.3e12), "RTX 6000 Ada": (364e12, 91.1e12), "RTX 4090": (165e12, 82.6e12),
-    "RTX 3090": (71e12, 35.6e12), "V100": (125e12, 15.7e12), "T4": (65e12, 8.1e12),
-    "MI300X": (1307e12, 163e12), "MI250X": (383e12, 47.9e12),
-}
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this rank since the last `reset_peak_memory`: the CUDA allocator's peak on GPU, the peak
-    resident set size of the process (VmHWM) on CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return _vm_hwm() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak-memory window (a logging window)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:  # Linux: writing 5 to clear_refs resets VmHWM to the current RSS (proc(5))
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def _vm_hwm() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-def peak_flops(device_name: str, precision: str) -> float | None:
-    """Dense peak FLOP/s of the named device for `precision` (bf16, fp16: tensor cores; fp32: plain fp32
-    unless TF32 matmuls are allowed, then the tensor-core figure halved, about what TF32 delivers)."""
-    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
-        if key in device_name:
-            low, fp32 = PEAK_FLOPS[key]
-            if is_half(precision):
-                return low
-            if torch.backends.cuda.matmul.allow_tf32:
-                return low / 2
-            return fp32
-    return None
-
-
-def device_peak_flops(device: torch.device, precision: str = "bf16") -> float | None:
-    if device.type != "cuda":
-        return None
-    return peak_flops(torch.cuda.get_device_name(device), precision)
+from accel_fsdp.model.facts import shape_of
 
 
 def flops_per_token(config, seq_len: int, trainable_fraction: float = 1.0) -> float:
     """Training FLOPs per token: 6 x dense parameters (forward 2N, backward 4N) plus attention 12 x L x H x S
     (the PaLM appendix B accounting; embeddings excluded). LoRA skips the weight-gradient half of the
     backward of frozen weights: about 4N instead of 6N."""
-    from accel_fsdp.planning.memory import shape_of
-
     s = shape_of(config)
     head_dim = s.hidden // s.heads
     attn = s.hidden * s.heads * head_dim * 2 + s.hidden * s.kv_heads * head_dim * 2
@@ -235,45 +165,6 @@ def row_problem(row) -> str | None:
         if not isinstance(peaks, list) or not all(isinstance(p, int) and not isinstance(p, bool) for p in peaks):
             return "peak_memory_bytes is not a list of byte counts"
     return None
-
-
-class PeakMemory:
-    """Resident memory of this process, sampled every few milliseconds by a background thread from now until
-    `stop()`: the peak of this operation alone, not of whatever the process did before."""
-
-    def __init__(self, interval: float = 0.002):
-        import threading
-
-        self.baseline = self.peak = rss_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, args=(interval,), daemon=True)
-        self._thread.start()
-
-    def _sample(self, interval: float) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, rss_bytes())
-            self._stop.wait(interval)
-
-    def stop(self) -> "PeakMemory":
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
-        return self
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.baseline
-
-
-def rss_bytes() -> int:
-    """Current resident memory of this process."""
-    import os
-
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 START_ENV = "ACCEL_FSDP_T0"

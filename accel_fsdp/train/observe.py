@@ -11,22 +11,59 @@ import time
 
 import torch
 
-from accel_fsdp.train.metrics import StartupRow, TrainRow, device_peak_flops, peak_memory_bytes, reset_peak_memory
+from accel_fsdp.config.precision import is_half
+from accel_fsdp.hardware import device_peak_flops, peak_memory_bytes, reset_peak_memory
+from accel_fsdp.train.metrics import MetricsWriter, StartupRow, TrainRow
 from accel_fsdp.train.sharding import gather_ints
+from accel_fsdp.train.state import TrainingState
+
+
+class Terminal:
+    """The person at the terminal: the main process's lines, written above its progress bar while the bar is open.
+    The only owner of the bar."""
+
+    def __init__(self, accelerator):
+        self.main = accelerator.is_main_process
+        self.bar = None
+
+    def say(self, text: str) -> None:
+        if not self.main:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def open_bar(self, total: int, initial: int) -> None:
+        if self.main:
+            self.bar = _progress_bar(total, initial)
+
+    def advance(self, **postfix) -> None:
+        if self.bar is not None:
+            if postfix:
+                self.bar.set_postfix(**postfix, refresh=False)
+            self.bar.update(1)
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 class TrainLogger:
-    def __init__(self, run):
+    def __init__(self, run, metrics: MetricsWriter):
         self.run = run
+        self.metrics = metrics
         acc = run.accelerator
         self.every = run.recipe.logging.every_steps
-        self.peak_flops = device_peak_flops(acc.device, run.settings.mixed_precision.value)
+        self.peak_flops = device_peak_flops(acc.device, is_half(run.settings.mixed_precision.value))
         self.peak_memory: list[int] | None = None
         """Highest per-rank peak memory of any logging window so far."""
         self.loss = torch.zeros((), device=acc.device)
         self.norm = torch.zeros((), device=acc.device)
         # No reset here: the first window's peak includes setup (loading and sharding).
         self.tokens, self.steps, self.window_start = 0, 0, time.perf_counter()
+        self.first_step: int | None = None
 
     def _new_window(self) -> None:
         self.loss.zero_()
@@ -34,29 +71,31 @@ class TrainLogger:
         reset_peak_memory(self.run.accelerator.device)
         self.tokens, self.steps, self.window_start = 0, 0, time.perf_counter()
 
-    def start(self) -> None:
+    def start(self, state: TrainingState) -> None:
         """Before the first step: the progress bar, and a window that starts now."""
-        self.run.progress = _progress_bar(self.run.accelerator, self.run.total_steps, self.run.start_step)
+        self.run.terminal.open_bar(self.run.total_steps, state.step)
+        self.first_step = state.step + 1
         self.tokens, self.steps, self.window_start = 0, 0, time.perf_counter()
 
     def add_loss(self, loss: torch.Tensor) -> None:
         self.loss += loss.detach()
 
-    def after_step(self, step: int, lr: float, grad_norm, seqs: list[int]) -> None:
+    def after_step(self, state: TrainingState, lr: float, grad_norm, tokens: int) -> None:
+        """`state` has advanced over this step, whose global batch held `tokens` tokens."""
         run = self.run
         self.norm += _full(grad_norm).detach()
-        tokens = run.step_tokens(seqs)
         self.tokens += tokens
-        run.tokens_seen += tokens
         self.steps += 1
-        if step == run.start_step + 1:
+        if state.step == self.first_step:
             self._report_startup()
-        if step % self.every == 0 or step == run.total_steps:
-            self._log(step, lr)
-        if run.progress is not None:
-            run.progress.update(1)
+        postfix = {}
+        if state.step % self.every == 0 or state.step == run.total_steps:
+            row = self._log(state, lr)
+            postfix = dict(loss=f"{row.loss:.4f}", tok_s=f"{row.tokens_per_s:,.0f}",
+                           **({"mfu": f"{row.mfu:.1%}"} if row.mfu is not None else {}))
+        run.terminal.advance(**postfix)
 
-    def _log(self, step: int, lr: float) -> None:
+    def _log(self, state: TrainingState, lr: float) -> TrainRow:
         """The only synchronizing point of a logging window: reduce the window's sums over ranks."""
         run, acc = self.run, self.run.accelerator
         world, k = acc.num_processes, run.sampler.accumulation_steps
@@ -65,17 +104,15 @@ class TrainLogger:
         window_peak = gather_ints(acc, [peak_memory_bytes(acc.device)])
         self.peak_memory = [max(a, b) for a, b in zip(self.peak_memory or window_peak, window_peak)]
         per_rank = self.tokens / elapsed / world
-        row = TrainRow(step=step, loss=loss_sum / (world * k * self.steps), lr=lr,
+        row = TrainRow(step=state.step, loss=loss_sum / (world * k * self.steps), lr=lr,
                        grad_norm=self.norm.item() / self.steps, tokens_per_s=self.tokens / elapsed,
                        tokens_per_s_per_rank=per_rank, step_time_s=elapsed / self.steps,
-                       tokens_seen=run.tokens_seen, peak_memory_bytes=window_peak,
+                       tokens_seen=state.tokens_seen, peak_memory_bytes=window_peak,
                        peak_memory_bytes_run=self.peak_memory,
                        mfu=run.flops_per_token * per_rank / self.peak_flops if self.peak_flops else None)
-        run.metrics.write(row)
-        if run.progress is not None:
-            run.progress.set_postfix(loss=f"{row.loss:.4f}", tok_s=f"{row.tokens_per_s:,.0f}",
-                                     **({"mfu": f"{row.mfu:.1%}"} if row.mfu is not None else {}))
+        self.metrics.write(row)
         self._new_window()
+        return row
 
     def _report_startup(self) -> None:
         """Time to the first optimizer step, by phase (rank 0's clock), in the metrics and on the terminal."""
@@ -83,14 +120,12 @@ class TrainLogger:
         run.clock.mark("first step")
         if run.accelerator.is_main_process:
             phases = run.clock.phases()
-            run.metrics.write(StartupRow(step=run.start_step + 1, time_to_first_step_s=round(sum(phases.values()), 3),
-                                         phases_s=phases))
-            (run.progress.write if run.progress is not None else print)(run.clock.summary())
+            self.metrics.write(StartupRow(step=self.first_step, time_to_first_step_s=round(sum(phases.values()), 3),
+                                          phases_s=phases))
+            run.say(run.clock.summary())
 
     def close(self) -> None:
-        if self.run.progress is not None:
-            self.run.progress.close()
-            self.run.progress = None
+        self.run.terminal.close_bar()
 
 
 def _full(t):
@@ -98,11 +133,9 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _progress_bar(acc, total: int, initial: int):
+def _progress_bar(total: int, initial: int):
     """The main process's bar (ETA, loss, tokens/s, MFU on GPUs). Warnings and log records of the libraries are
     written above it, like our own lines, instead of being glued onto it."""
-    if not acc.is_main_process:
-        return None
     import logging
     import warnings
 

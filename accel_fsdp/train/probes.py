@@ -1,4 +1,4 @@
-"""Measurements of a run's internals, for tests and `accel-fsdp verify`: `ACCEL_FSDP_PROBE=grad-bytes[,...]`.
+"""Measurements of a run's internals, for tests and `accel-fsdp verify` (asked for through train/hooks.py).
 
   grad-bytes  before every forward of the training loop, the bytes of gradients this rank holds (its gradient
               shards, plus any unsharded gradient FSDP keeps between micro-steps when the reduction is deferred),
@@ -7,34 +7,24 @@
               weight a linear layer really multiplies with in the first forward, and the dtype FSDP reduces
               gradients in; <run>/trace/dtypes-rank<R>.json.
 
-Probes hook into the model (forward pre-hooks); the training loop does not know about them. Unset, this module
-does nothing and never changes results. It reads FSDP2 internals (FSDPParam.unsharded_accumulated_grad,
+Probes hook into the model (forward pre-hooks); the training loop does not know about them. Not asked for, this
+module does nothing and never changes results. It reads FSDP2 internals (FSDPParam.unsharded_accumulated_grad,
 checked with torch 2.13.0) and only measures.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 
-ENV = "ACCEL_FSDP_PROBE"
 PROBES = ("grad-bytes", "dtypes")
 
 
-def requested() -> set[str]:
-    names = {p.strip() for p in os.environ.get(ENV, "").split(",") if p.strip()}
-    unknown = names - set(PROBES)
-    if unknown:
-        raise ValueError(f"{ENV}: unknown probe(s) {', '.join(sorted(unknown))}; known: {', '.join(PROBES)}")
-    return names
-
-
-def install(model: torch.nn.Module, folder: Path, rank: int) -> None:
-    """Attach the requested probes to the prepared model."""
-    if "grad-bytes" in requested():
+def install(model: torch.nn.Module, folder: Path, rank: int, names: frozenset[str]) -> None:
+    """Attach the probes `names` to the prepared model."""
+    if "grad-bytes" in names:
         folder.mkdir(parents=True, exist_ok=True)
         out = (folder / f"grad-bytes-rank{rank}.jsonl").open("a")
 
@@ -44,7 +34,7 @@ def install(model: torch.nn.Module, folder: Path, rank: int) -> None:
                 out.flush()
 
         model.register_forward_pre_hook(record)
-    if "dtypes" in requested():
+    if "dtypes" in names:
         folder.mkdir(parents=True, exist_ok=True)
         _record_dtypes(model, folder / f"dtypes-rank{rank}.json")
 

@@ -2,7 +2,7 @@
 
 recipe -> settings of this launch (checked) -> Accelerator -> run folder claimed -> tokenizer and a meta model
 (checked) -> data -> model, sharded, with its optimizer -> batches and schedule -> [resume] -> the components
-of the loop (metrics logger, evaluator, checkpointer, test hooks).
+of the loop (metrics logger, evaluator, checkpointer, test hooks) and the training state (new, or the checkpoint's).
 
 `start_engine`, `describe_model` and `build_sharded_model` are also the whole setup of the hand-written baseline
 (tools/baseline.py): only the loop differs between the two.
@@ -25,22 +25,28 @@ from accel_fsdp.config.accelerate import (
     load_accelerate_config,
 )
 from accel_fsdp.config.precision import compute_dtype
+from accel_fsdp.config.recipe import flatten
 from accel_fsdp.config.settings import FsdpSettings, Source
 from accel_fsdp.data import batches
 from accel_fsdp.data import prepare as data_lib
 from accel_fsdp.errors import UserError
+from accel_fsdp.hardware import PeakMemory, usable_cores
+from accel_fsdp.layout import RunLayout
 from accel_fsdp.model.build import build_model, count_parameters, meta_model, model_config, view_of
 from accel_fsdp.model.checks import human_count
 from accel_fsdp.model.tokenizer import build_tokenizer
 from accel_fsdp.preflight import model_problems, settings_for_launch
 from accel_fsdp.run.folder import Decision, FolderLock, decide, prepare
-from accel_fsdp.run.layout import RunLayout
 from accel_fsdp.train.accelerator import apply_activation_checkpointing, build_accelerator, expected_shards
+from accel_fsdp.train.checkpointing import Checkpointer
 from accel_fsdp.train.cpu_fsdp import check_sharded
-from accel_fsdp.train.faults import broken
+from accel_fsdp.train.evaluate import Evaluator
+from accel_fsdp.train.hooks import NO_SWITCHES, TestHooks, TestSwitches
 from accel_fsdp.train.lifetime import Preemption
-from accel_fsdp.train.metrics import MetricsWriter, PeakMemory, StartupClock, flops_per_token
+from accel_fsdp.train.metrics import MetricsWriter, StartupClock, flops_per_token
+from accel_fsdp.train.observe import Terminal, TrainLogger
 from accel_fsdp.train.sharding import ShardingRecord
+from accel_fsdp.train.state import TrainingState
 
 
 @dataclass
@@ -84,9 +90,9 @@ class ShardedModel:
     """This rank's peak resident-memory growth while the weights were loaded and sharded."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
-    """Everything the loop needs, built by `setup`."""
+    """Everything the loop needs, built by `setup` and read-only afterwards."""
 
     request: RunRequest
     settings: FsdpSettings
@@ -99,9 +105,8 @@ class Run:
     sampler: batches.GlobalBatchSampler
     total_steps: int
     layout: RunLayout
-    decision: Decision
     preemption: Preemption
-    locks: list
+    terminal: Terminal
     use_position_ids: bool
     batch_layout: str
     parameters: int
@@ -109,18 +114,10 @@ class Run:
     flops_per_token: float
     clock: StartupClock
     sharding: ShardingRecord
-    start_step: int = 0
-    tokens_seen: int = 0
-    metrics: MetricsWriter | None = None
-    progress: Any = None
-    """The main process's progress bar while the loop runs."""
-    # The loop's components (train/observe.py, evaluate.py, checkpointing.py, hooks.py), set at the end of setup.
-    logger: Any = None
-    evaluator: Any = None
-    checkpointer: Any = None
-    hooks: Any = None
     global_loss_normalization: bool = True
-    """False only with ACCEL_FSDP_BREAK=mean-loss (verify's fault injection): each micro-step takes its own mean."""
+    """False only in `verify`'s proof that its equivalence check can fail: each micro-step takes its own mean."""
+    restart_positions: bool = True
+    """False only in `verify`'s proof that its packing check can fail: packed documents see each other."""
     label_counts: list[int] = field(default_factory=list, repr=False)
     lengths: list[int] = field(default_factory=list, repr=False)
 
@@ -130,17 +127,13 @@ class Run:
 
     def say(self, text: str) -> None:
         """A line for the person at the terminal (main process only), written above the progress bar."""
-        if self.accelerator.is_main_process:
-            if self.progress is not None:
-                self.progress.write(text)
-            else:
-                print(text, flush=True)
+        self.terminal.say(text)
 
     def batch(self, seqs: list[int], split: str = "train") -> dict:
         """The tensors of these sequences on this rank's device, in the layout the attention kernel needs."""
         table = self.data.train if split == "train" else self.data.eval
         batch = batches.collate(table[seqs], self.tokenizer.pad_token_id, self.use_position_ids,
-                                layout=self.batch_layout)
+                                layout=self.batch_layout, restart_positions=self.restart_positions)
         return {k: v.to(self.accelerator.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                 for k, v in batch.items()}
 
@@ -157,6 +150,17 @@ class Run:
         return sum(self.lengths[i] for i in seqs)
 
 
+@dataclass(frozen=True)
+class Components:
+    """The parts of the loop that own a cadence (train/observe.py, evaluate.py, checkpointing.py) and the test
+    hooks (hooks.py); each keeps its own state and reads the run's."""
+
+    logger: TrainLogger
+    evaluator: Evaluator
+    checkpointer: Checkpointer
+    hooks: TestHooks
+
+
 def current_accelerate_config() -> AccelerateConfig:
     """The accelerate config this rank was launched with: the file (when the CLI launched itself), else what
     `accelerate launch` exported, else none (defaults)."""
@@ -168,14 +172,16 @@ def current_accelerate_config() -> AccelerateConfig:
     return AccelerateConfig(values={}, label="no accelerate config")
 
 
-def start_engine(recipe, *, run_dir: Path | None, trackers=()) -> Engine:
+def start_engine(recipe, *, run_dir: Path | None, trackers=(), switches: TestSwitches = NO_SWITCHES) -> Engine:
     """Settings of this launch (checked like `recipe validate` does, now on the real GPUs), then the Accelerator."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     settings = settings_for_launch(recipe, current_accelerate_config(), cuda_available=torch.cuda.is_available(),
                                    num_processes=world, num_machines=max(1, world // local_world))
     accelerator = build_accelerator(settings, gradient_accumulation_steps=recipe.training.accumulation_steps(world),
-                                    run_dir=run_dir, trackers=trackers)
+                                    run_dir=run_dir, trackers=trackers,
+                                    reduce_dtype=torch.bfloat16 if switches.broken("bf16-reduce") else torch.float32,
+                                    shard_cpu_ranks=not switches.broken("unsharded"))
     return Engine(settings, accelerator, world, local_world)
 
 
@@ -191,11 +197,12 @@ def describe_model(recipe, engine: Engine):
     return tokenizer, config
 
 
-def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | None = None) -> ShardedModel:
+def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | None = None,
+                        switches: TestSwitches = NO_SWITCHES) -> ShardedModel:
     """Weights (read by global rank 0 only when the settings say so), LoRA, activation checkpointing, then
     `accelerator.prepare`: the model sharded and its optimizer over the shards."""
     settings, accelerator = engine.settings, engine.accelerator
-    threads = offload_threads(settings, os.environ, _usable_cores(), engine.local_world)
+    threads = offload_threads(settings, os.environ, usable_cores(), engine.local_world)
     if threads:
         torch.set_num_threads(threads)  # the offloaded optimizer step runs on this rank's share of the cores
     # LoRA keeps the frozen base weights in the compute dtype (no fp32 master copy needed: they never change).
@@ -209,7 +216,7 @@ def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | No
     use_position_ids = "position_ids" in _forward_parameters(model)
     model_class = type(model).__name__
     batch_layout = batches.batch_layout(getattr(model.config, "_attn_implementation", None), use_position_ids)
-    model = apply_activation_checkpointing(model, settings)
+    model = apply_activation_checkpointing(model, settings, preserve_rng_state=not switches.broken("ac-rng"))
     if clock is not None:
         clock.mark("model")
     if settings.fsdp_version.value == 1:
@@ -222,21 +229,23 @@ def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | No
     loading.stop()
     if clock is not None:
         clock.mark("sharding")
-    if not broken("unsharded"):
+    if not switches.broken("unsharded"):
         check_sharded(accelerator, model, parameters, expected_shards(settings))
     return ShardedModel(model, optimizer, parameters, trainable, model_class, use_position_ids, batch_layout,
                         rank0_only, loading.growth)
 
 
-def setup(request: RunRequest) -> Run:
+def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
     clock = StartupClock()
     clock.mark("imports")
+    # The one read of the test switches (fault injection, `verify`'s broken properties): below, plain parameters.
+    switches = TestSwitches.from_env()
     recipe, run_dir = request.recipe, request.run_dir
     t = recipe.training
-    engine = start_engine(recipe, run_dir=run_dir, trackers=recipe.logging.trackers)
+    engine = start_engine(recipe, run_dir=run_dir, trackers=recipe.logging.trackers, switches=switches)
     settings, accelerator = engine.settings, engine.accelerator
     layout = RunLayout.of(recipe, run_dir)
-    decision, locks = claim_run_folder(accelerator, layout, request)
+    decision = claim_run_folder(accelerator, layout, request)
     preemption = Preemption().install()
     preemption.join_group()
     tokenizer, config = describe_model(recipe, engine)
@@ -244,19 +253,19 @@ def setup(request: RunRequest) -> Run:
     if accelerator.is_main_process:
         prepare(layout, recipe, settings, decision, resumed_from=request.resume_from)
     accelerator.wait_for_everyone()
-    say = accelerator.print
+    terminal = Terminal(accelerator)
     what = {Decision.NEW: "new run", Decision.OVERWRITE: "replacing the run there", Decision.RESUME: "resuming",
             Decision.RESTART: "starting it again: no complete checkpoint"}[decision]
-    say(f"accel-fsdp: {recipe.name} ({recipe.source}) -> {run_dir} ({what})")
+    terminal.say(f"accel-fsdp: {recipe.name} ({recipe.source}) -> {run_dir} ({what})")
     if request.verbose:
-        say(f"--- resolved recipe ---\n{recipe.to_yaml().rstrip()}\n--- FSDP settings (value, source) ---\n"
-            f"{settings.format()}")
+        terminal.say(f"--- resolved recipe ---\n{recipe.to_yaml().rstrip()}\n--- FSDP settings (value, source) ---\n"
+                     f"{settings.format()}")
 
     data = data_lib.prepare_data(recipe, tokenizer, accelerator)
     clock.mark("data")
     for warning in data.stats.warnings(recipe):
-        say(f"warning: {warning}")
-    built = build_sharded_model(recipe, engine, config, clock)
+        terminal.say(f"warning: {warning}")
+    built = build_sharded_model(recipe, engine, config, clock, switches)
     sharding = ShardingRecord.measure(accelerator, built, settings)  # collective
     if accelerator.is_main_process:
         sharding.write(layout.sharding_file)  # a resumed or overwritten run starts it afresh
@@ -268,39 +277,35 @@ def setup(request: RunRequest) -> Run:
     if little:
         raise UserError(little)
     total_steps = batches.total_steps(recipe, sampler.steps_per_epoch)
-    say(startup_summary(recipe, settings, layout, data, built, sharding.local_parameters, total_steps, sampler))
+    terminal.say(startup_summary(recipe, settings, layout, data, built, sharding.local_parameters, total_steps,
+                                 sampler))
     scheduler = torch.optim.lr_scheduler.LambdaLR(built.optimizer, lr_lambda=lr_schedule(recipe, total_steps))
 
     run = Run(request=request, settings=settings, accelerator=accelerator, tokenizer=tokenizer, data=data,
               model=built.model, optimizer=built.optimizer, scheduler=scheduler, sampler=sampler,
-              total_steps=total_steps, layout=layout, decision=decision, preemption=preemption, locks=locks,
+              total_steps=total_steps, layout=layout, preemption=preemption, terminal=terminal,
               use_position_ids=built.use_position_ids, batch_layout=built.batch_layout,
               parameters=built.parameters, trainable_parameters=built.trainable_parameters,
               flops_per_token=flops_per_token(config, recipe.data.seq_len,
                                               built.trainable_parameters / max(1, built.parameters)),
-              clock=clock, sharding=sharding, global_loss_normalization=not broken("mean-loss"),
+              clock=clock, sharding=sharding, global_loss_normalization=not switches.broken("mean-loss"),
+              restart_positions=not switches.broken("mask-leak"),
               label_counts=list(data.train["n_labels"]), lengths=list(data.train["length"]))  # plain lists: O(1)
     # Dropout and any other randomness of the loop: seeded, different on each rank, and saved in checkpoints.
     set_seed(t.seed, device_specific=True)
-    from accel_fsdp.train.checkpointing import Checkpointer
-    from accel_fsdp.train.evaluate import Evaluator
-    from accel_fsdp.train.hooks import TestHooks
-    from accel_fsdp.train.observe import TrainLogger
-
-    run.hooks = TestHooks(run)
-    run.checkpointer = Checkpointer(run, faults=run.hooks.faults)
+    hooks = TestHooks(run, switches)
+    checkpointer = Checkpointer(run, faults=hooks.faults, skip_steps_on_resume=int(switches.broken("skip-batch")))
+    state = TrainingState()
     if decision == Decision.RESUME or request.resume_from:
-        run.checkpointer.resume()
-    run.metrics = MetricsWriter(accelerator, layout.metrics_file, run.start_step)
-    run.evaluator = Evaluator(run)
-    run.logger = TrainLogger(run)
+        state = checkpointer.resume()
+    metrics = MetricsWriter(accelerator, layout.metrics_file, state.step)
+    parts = Components(logger=TrainLogger(run, metrics), evaluator=Evaluator(run, metrics), checkpointer=checkpointer,
+                       hooks=hooks)
     if recipe.logging.trackers:
-        from accel_fsdp.config.recipe import flatten
-
         accelerator.init_trackers(recipe.logging.project or recipe.name,
                                   config={k: v for k, v in flatten(recipe.to_dict()).items()
                                           if isinstance(v, (int, float, str, bool))})
-    return run
+    return run, parts, state
 
 
 def startup_summary(recipe, settings, layout: RunLayout, data, built: ShardedModel, held: list[int],
@@ -365,13 +370,6 @@ def offload_threads(settings, env, cores: int, local_world: int) -> int | None:
     return max(1, cores // max(1, local_world))
 
 
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # what this process may use (cgroups, SLURM, taskset)
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
 def lr_schedule(recipe, total_steps: int):
     """Linear warm-up to lr, then cosine (or linear) decay to lr x min_lr_ratio at the last step."""
     import math
@@ -390,9 +388,10 @@ def lr_schedule(recipe, total_steps: int):
     return factor
 
 
-def claim_run_folder(acc, layout: RunLayout, request: RunRequest) -> tuple[Decision, list]:
-    """The main process locks the run folder (and an outside checkpoint folder) for the life of the run, then decides
-    what the start does with it; every rank gets the decision, or stops with the same error."""
+def claim_run_folder(acc, layout: RunLayout, request: RunRequest) -> Decision:
+    """The main process locks the run folder (and an outside checkpoint folder) for the life of the process (the
+    kernel releases a flock when its holder exits or dies), then decides what the start does with it; every rank
+    gets the decision, or stops with the same error."""
     from accelerate.utils import broadcast_object_list
 
     outcome: list = [None]
@@ -415,7 +414,7 @@ def claim_run_folder(acc, layout: RunLayout, request: RunRequest) -> tuple[Decis
         raise error
     if outcome[0].startswith("error: "):
         raise UserError(outcome[0].removeprefix("error: "))
-    return Decision(outcome[0]), locks
+    return Decision(outcome[0])
 
 
 def _forward_parameters(model) -> set[str]:
@@ -425,6 +424,6 @@ def _forward_parameters(model) -> set[str]:
     return set(inspect.signature(base.forward).parameters)
 
 
-__all__ = ["RunRequest", "Run", "Engine", "ShardedModel", "setup", "start_engine", "describe_model",
+__all__ = ["RunRequest", "Run", "TrainingState", "Components", "Engine", "ShardedModel", "setup", "start_engine", "describe_model",
            "build_sharded_model", "build_optimizer", "fused_optimizer", "offload_threads", "lr_schedule",
            "current_accelerate_config", "claim_run_folder"]

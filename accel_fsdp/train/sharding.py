@@ -47,6 +47,10 @@ class ShardingRecord:
                    loading_peak_rss_growth_bytes=gather_ints(acc, [built.loading_growth]),
                    process_group=process_group_record())
 
+    def record_state_bytes(self, per_rank: list[dict]) -> None:
+        """What each rank stores at the first optimizer step (train/hooks.py measures it inside that step)."""
+        self.state_bytes = per_rank
+
     def measure_after_training(self, acc, model) -> None:
         """Where every rank stands after training (collective)."""
         self.ranks_after_training = layout_rows(shard_layout(acc, model))

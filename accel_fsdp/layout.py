@@ -1,4 +1,6 @@
-"""Where every file of a run lives: the one home of each file name and path of a run folder and of a checkpoint.
+"""Where every file of a run lives, the run's identity record (run.json), and the project's cache folder: the one
+home of each file name and path of a run folder and of a checkpoint. The ground floor: it imports nothing of the
+package but errors.py.
 
     <run>/run.json             identity: run id, recipe name and fingerprint, checkpoint folder, version, start time
     <run>/recipe.yaml          the resolved recipe (every default filled in)
@@ -10,6 +12,7 @@
     <run>/preempted.json       written when a run stopped on a preemption signal (step, checkpoint)
     <run>/logs/, trace/        tracker files (tensorboard); test traces
     <run>/report.json, loss_curve.png   written by `accel-fsdp report`
+    <run>/run_parameters.json  parameter counts of a `verify` probe run
     <run>/.accel-fsdp.lock     held (flock) by the live run; the kernel releases it when the holder dies
 
     <checkpoints>/.accel-fsdp-run           the run that owns this checkpoint folder
@@ -17,14 +20,20 @@
                   pytorch_model_fsdp_0/ (or pytorch_model_fsdp.bin), scaler.pt, rng_state_<rank>.pt, hf/
 
 Writers build a layout from the recipe (`RunLayout.of`); readers of an existing run build it from what the run
-recorded (`RunLayout.at`), so nobody guesses `<run>/checkpoints`. This module names paths; it never writes,
-deletes or locks anything (run/folder.py does), and reads nothing but run.json.
+recorded (`RunLayout.at`), so nobody guesses `<run>/checkpoints`. This module names paths and reads and writes
+run.json; it never deletes or locks anything (run/folder.py decides what a start may do with a folder).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from accel_fsdp.errors import Problem, UserError, read_json_object
 
 # The run folder.
 RUN_FILE = "run.json"
@@ -41,6 +50,10 @@ PREEMPTED_FILE = "preempted.json"
 REPORT_FILE = "report.json"
 LOSS_CURVE_FILE = "loss_curve.png"
 LOCK_FILE = ".accel-fsdp.lock"
+RUN_PARAMETERS_FILE = "run_parameters.json"
+RUN_FOLDER_ENTRIES = (RUN_FILE, RECIPE_FILE, SETTINGS_FILE, SHARDING_FILE, METRICS_FILE, CHECKPOINTS_DIR, FINAL_DIR,
+                      LOGS_DIR, TRACE_DIR, LOSS_CURVE_FILE, REPORT_FILE, PREEMPTED_FILE, RUN_PARAMETERS_FILE)
+"""Everything accel-fsdp writes into a run folder: an overwrite removes these and nothing else."""
 
 # The checkpoint folder, and each checkpoint in it (which also carries RECIPE_FILE and SETTINGS_FILE).
 OWNER_FILE = ".accel-fsdp-run"
@@ -89,22 +102,15 @@ class RunLayout:
     @classmethod
     def at(cls, run_dir: Path | str) -> RunLayout:
         """The layout of an existing run folder, from its run.json (the checkpoint folder it recorded). A folder
-        without run.json, or whose run.json is unreadable or records no checkpoint folder, keeps its checkpoints in
-        the default place (runs made before run.json did). The root is `run_dir` as given (messages quote the
-        user's own spelling of it)."""
-        from accel_fsdp.errors import UserError
-        from accel_fsdp.run.folder import RunIdentity
-
+        without a readable run.json keeps its checkpoints in the default place. The root is `run_dir` as given
+        (messages quote the user's own spelling of it)."""
         root = Path(run_dir).expanduser()
-        recorded = identity = None
+        recorded = None
         if (root / RUN_FILE).is_file():
             try:
-                identity = RunIdentity.read(root / RUN_FILE)
-                recorded = identity.checkpoint_dir
+                recorded = RunIdentity.read(root / RUN_FILE).checkpoint_dir
             except UserError:
                 recorded = None
-        if recorded and _copied_from(root, Path(recorded), identity):
-            recorded = CHECKPOINTS_DIR  # a copy of a run folder: its own checkpoints, never the original's
         return cls(root, checkpoints_of(root, recorded or CHECKPOINTS_DIR))
 
     run_file = property(lambda self: self.root / RUN_FILE)
@@ -118,6 +124,8 @@ class RunLayout:
     preempted_file = property(lambda self: self.root / PREEMPTED_FILE)
     report_file = property(lambda self: self.root / REPORT_FILE)
     loss_curve = property(lambda self: self.root / LOSS_CURVE_FILE)
+    lock_file = property(lambda self: self.root / LOCK_FILE)
+    run_parameters_file = property(lambda self: self.root / RUN_PARAMETERS_FILE)
 
     @property
     def external_checkpoints(self) -> bool:
@@ -133,18 +141,56 @@ class RunLayout:
         return {"run_dir": str(self.root), "checkpoint_dir": str(self.checkpoints)}
 
 
-def _copied_from(root: Path, recorded: Path, identity) -> bool:
-    """`root` is a copy (cp -r) of the run folder that owns `recorded`: run.json records another run folder's own
-    checkpoint folder (an absolute path, as older versions wrote it), and that folder's run.json is this run's."""
-    from accel_fsdp.errors import UserError
-    from accel_fsdp.run.folder import RunIdentity
+@dataclass
+class RunIdentity:
+    """run.json: which run a folder holds."""
 
-    if not recorded.is_absolute() or recorded.name != CHECKPOINTS_DIR:
-        return False
-    original = recorded.parent
-    try:
-        if original.resolve() == root.resolve() or not (original / RUN_FILE).is_file():
-            return False
-        return RunIdentity.read(original / RUN_FILE).run_id == identity.run_id
-    except (OSError, UserError):
-        return False
+    run_id: str
+    recipe_name: str | None = None
+    recipe_fingerprint: str | None = None
+    checkpoint_dir: str | None = None
+    """Relative to the run folder when inside it (a moved or copied run folder keeps its own), else absolute."""
+    created: str | None = None
+    accel_fsdp_version: str | None = None
+    resumed_from: str | None = None
+    """The checkpoint of another run this one started from (--resume-from into a new folder)."""
+
+    @classmethod
+    def new(cls, recipe, layout: RunLayout, resumed_from: str | None = None, run_id: str | None = None) -> RunIdentity:
+        from accel_fsdp import __version__
+
+        return cls(run_id=run_id or uuid.uuid4().hex[:16], recipe_name=recipe.name,
+                   recipe_fingerprint=recipe.fingerprint(), checkpoint_dir=layout.recorded_checkpoints,
+                   created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), accel_fsdp_version=__version__,
+                   resumed_from=resumed_from)
+
+    @classmethod
+    def read(cls, path: Path) -> RunIdentity:
+        """Read run.json; a damaged one is the user's to fix (we cannot tell whose run it is)."""
+        what, then = "is unreadable or corrupt", ", so it is not known which run this folder holds"
+        fix = "restore run.json, or choose another --output-dir (nothing was changed)"
+        data = read_json_object(path, what=what, then=then, fix=fix)
+        if not isinstance(data.get("run_id"), str) or not data["run_id"]:
+            raise UserError(Problem(str(path), f"records no run id{then}", fix))
+        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})
+
+    def write(self, path: Path) -> None:
+        write_atomic(path, json.dumps(asdict(self), indent=1) + "\n")
+
+    def describe(self) -> str:
+        return f"run {self.run_id} of recipe {self.recipe_name!r}"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a small file whole or not at all (a temporary name, then a rename)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def cache_dir() -> Path:
+    """The project's cache: generated built-in data and tokenizers, tokenized datasets. ACCEL_FSDP_CACHE, else
+    $XDG_CACHE_HOME/accel_fsdp, else ~/.cache/accel_fsdp."""
+    root = os.environ.get("ACCEL_FSDP_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "accel_fsdp")
+    return Path(root)

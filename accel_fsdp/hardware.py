@@ -1,0 +1,184 @@
+"""What the machine is: CUDA devices, the CPU's native bf16, the cores this process may use, accelerators' peak
+FLOP/s, and this process's memory. The ground floor: it imports nothing of the package above errors.py, and torch
+only inside the functions that need it, so the fast commands (`recipe list`, `validate`) never pay its import.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import threading
+from pathlib import Path
+
+# ------------------------------------------------------------------------------------------------- devices
+
+_NVIDIA_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg", "/proc/driver/nvidia")
+
+
+def visible_cuda_devices() -> int:
+    """CUDA devices this process can use. Without an NVIDIA device node (or WSL's) there are none, and torch (1.8 s
+    to import) is not asked."""
+    if not any(Path(p).exists() for p in _NVIDIA_NODES):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (cgroups, SLURM, taskset), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+CPU_BF16_ENV = "ACCEL_FSDP_CPU_BF16"
+"""1 or 0: what to assume about this CPU's native bf16 support instead of detecting it (tests, odd platforms)."""
+
+def cpu_bf16() -> tuple[bool, str]:
+    """(this CPU computes bf16 matrix products natively, its name). x86: the avx512_bf16 or amx_bf16 flags; Arm:
+    the bf16 feature (Linux /proc/cpuinfo, macOS sysctl). Without them PyTorch emulates bf16 on the CPU."""
+    forced = os.environ.get(CPU_BF16_ENV)
+    name = "this CPU"
+    if forced in ("0", "1"):
+        return forced == "1", f"this CPU ({CPU_BF16_ENV}={forced})"
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        info = ""
+    if info:
+        for line in info.splitlines():
+            if line.lower().startswith(("model name", "cpu model", "hardware")):
+                name = line.split(":", 1)[1].strip() or name
+                break
+        flags = set()
+        for line in info.splitlines():
+            if line.lower().startswith(("flags", "features")):
+                flags |= set(line.split(":", 1)[1].split())
+        return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}), name
+    import platform
+    import subprocess
+
+    if platform.system() == "Darwin":
+        try:
+            out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16", "machdep.cpu.brand_string"],
+                                 capture_output=True, text=True, timeout=5).stdout.split("\n")
+            return out[0].strip() == "1", out[1].strip() or name
+        except (OSError, subprocess.SubprocessError, IndexError):
+            pass
+    return False, name
+
+
+# ------------------------------------------------------------------------------------------ peak FLOP/s
+
+# Dense peak FLOP/s of common accelerators for MFU, per compute dtype: (bf16/fp16 tensor cores, fp32 without
+# TF32). Matched by the longest key contained in the device name, so "H100 PCIe" and "H100 NVL" are not read as
+# the SXM part. Vendor datasheets (dense, no sparsity).
+PEAK_FLOPS: dict[str, tuple[float, float]] = {
+    "H100 PCIe": (756e12, 51e12), "H100 NVL": (835e12, 60e12), "H100": (989e12, 67e12),
+    "H200 NVL": (835e12, 60e12), "H200": (989e12, 67e12), "GH200": (989e12, 67e12), "H800": (989e12, 67e12),
+    "H20": (148e12, 44e12), "B200": (2250e12, 80e12), "B100": (1750e12, 60e12),
+    "A100": (312e12, 19.5e12), "A800": (312e12, 19.5e12), "A40": (150e12, 37.4e12), "A30": (165e12, 10.3e12),
+    "A10G": (70e12, 31.2e12), "A10": (125e12, 31.2e12), "L40S": (362e12, 91.6e12), "L40": (181e12, 90.5e12),
+    "L4": (121e12, 30.3e12), "RTX 6000 Ada": (364e12, 91.1e12), "RTX 4090": (165e12, 82.6e12),
+    "RTX 3090": (71e12, 35.6e12), "V100": (125e12, 15.7e12), "T4": (65e12, 8.1e12),
+    "MI300X": (1307e12, 163e12), "MI250X": (383e12, 47.9e12),
+}
+
+
+def peak_memory_bytes(device) -> int:
+    """Peak memory of this rank since the last `reset_peak_memory`: the CUDA allocator's peak on GPU, the peak
+    resident set size of the process (VmHWM) on CPU."""
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(device))
+    return _vm_hwm() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_memory(device) -> None:
+    """Start a new peak-memory window (a logging window)."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: writing 5 to clear_refs resets VmHWM to the current RSS (proc(5))
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _vm_hwm() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def peak_flops(device_name: str, half: bool) -> float | None:
+    """Dense peak FLOP/s of the named device for a 16-bit compute dtype (`half`: bf16, fp16 on tensor cores) or fp32
+    (plain fp32 unless TF32 matmuls are allowed, then the tensor-core figure halved, about what TF32 delivers)."""
+    import torch
+
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if key in device_name:
+            low, fp32 = PEAK_FLOPS[key]
+            if half:
+                return low
+            if torch.backends.cuda.matmul.allow_tf32:
+                return low / 2
+            return fp32
+    return None
+
+
+def device_peak_flops(device, half: bool) -> float | None:
+    if device.type != "cuda":
+        return None
+    import torch
+
+    return peak_flops(torch.cuda.get_device_name(device), half)
+
+
+# ------------------------------------------------------------------------------------------------ memory
+
+class PeakMemory:
+    """Resident memory of this process, sampled every few milliseconds by a background thread from now until
+    `stop()`: the peak of this operation alone, not of whatever the process did before."""
+
+    def __init__(self, interval: float = 0.002):
+        self.baseline = self.peak = rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(interval,), daemon=True)
+        self._thread.start()
+
+    def _sample(self, interval: float) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            self._stop.wait(interval)
+
+    def stop(self) -> "PeakMemory":
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+        return self
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.baseline
+
+
+def rss_bytes() -> int:
+    """Current resident memory of this process."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
