@@ -33,6 +33,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from accel_fsdp import __version__
 from accel_fsdp.errors import Problem, UserError, read_json_object
 
 # The run folder.
@@ -88,7 +89,6 @@ def checkpoints_of(run_dir: Path, recorded: str) -> Path:
 @dataclass(frozen=True)
 class RunLayout:
     """Every path of a run, in one place: the checkpoint folder included (`checkpoint.dir` may put it anywhere)."""
-
     root: Path
     checkpoints: Path
 
@@ -144,7 +144,6 @@ class RunLayout:
 @dataclass
 class RunIdentity:
     """run.json: which run a folder holds."""
-
     run_id: str
     recipe_name: str | None = None
     recipe_fingerprint: str | None = None
@@ -154,10 +153,8 @@ class RunIdentity:
     accel_fsdp_version: str | None = None
     resumed_from: str | None = None
     """The checkpoint of another run this one started from (--resume-from into a new folder)."""
-
     @classmethod
     def new(cls, recipe, layout: RunLayout, resumed_from: str | None = None, run_id: str | None = None) -> RunIdentity:
-        from accel_fsdp import __version__
 
         return cls(run_id=run_id or uuid.uuid4().hex[:16], recipe_name=recipe.name,
                    recipe_fingerprint=recipe.fingerprint(), checkpoint_dir=layout.recorded_checkpoints,

@@ -21,12 +21,19 @@ from accel_fsdp.config.settings import (
     Source,
     check_settings,
     detect_wrap_classes,
+    gpu_count_problems,
+    idle_gpu_note,
     resolve_settings,
 )
 from accel_fsdp.config.shipped import shipped_accelerate_configs
+from accel_fsdp.data import prepare as data_lib
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.layout import RunLayout
 from accel_fsdp.model import checks as model_checks
+from accel_fsdp.model import facts as model_facts
+from accel_fsdp.model.hub import hub_problems
 from accel_fsdp.model.tokenizer import offline_tokenizer
+from accel_fsdp.run.folder import Decision, decide, lock_problems, writable_problems
 
 
 @dataclass
@@ -66,7 +73,6 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
     here = cuda_here or None
     problems: list[Problem] = list(check_settings(settings, recipe, visible_gpus=None if for_target_hardware else here))
     if here is not None:
-        from accel_fsdp.config.settings import gpu_count_problems, idle_gpu_note
 
         if for_target_hardware:  # judged for other hardware: what this machine would do is only a note
             report.notes += [f"on this machine: {p.message}" for p in gpu_count_problems(settings, here)]
@@ -74,8 +80,6 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
         if note:
             report.notes.append(note)
     if run_dir is not None:
-        from accel_fsdp.layout import RunLayout
-        from accel_fsdp.run.folder import Decision, decide, lock_problems, writable_problems
 
         layout = RunLayout.of(recipe, run_dir)
         locked, unwritable = lock_problems(layout), writable_problems(layout)
@@ -93,7 +97,6 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
 
     problems += _tracker_problems(recipe)
     if check_hub:  # about to launch: a hub id this machine cannot get stops here, once, not in every rank
-        from accel_fsdp.model.hub import hub_problems
 
         problems += hub_problems(recipe)
     try:
@@ -173,8 +176,6 @@ def model_view(recipe):
     """The recipe's model as the checks see it: from the model facts (GPT-2, Llama: arithmetic, in milliseconds),
     else built on the meta device from its config (seconds: transformers' modeling code); None when the config is
     neither known nor on this machine."""
-    from accel_fsdp.model import facts as model_facts
-
     model_checks.raise_problems(model_checks.source_problems(recipe) + model_checks.override_value_problems(recipe))
     facts = model_facts.facts_for(recipe)
     if facts is not None:
@@ -203,7 +204,6 @@ def model_view(recipe):
 
 
 def _check_data(recipe, report: PreflightReport) -> list[Problem]:
-    from accel_fsdp.data import prepare as data_lib
 
     kind, _ = data_lib.resolve_data_path(recipe)
     if kind == "hub":

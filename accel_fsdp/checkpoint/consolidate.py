@@ -30,6 +30,7 @@ from accel_fsdp.config.precision import PRECISIONS, TRANSFORMERS, compute_dtype
 from accel_fsdp.errors import Problem, UserError, read_json_object
 from accel_fsdp.hardware import PeakMemory
 from accel_fsdp.layout import HF_DIR, MODEL_DIR, MODEL_FILE, RECIPE_FILE
+from accel_fsdp.model.build import meta_model
 
 DTYPES = {p: compute_dtype(p) for p in PRECISIONS}
 MARKER = "accel_fsdp_export.json"
@@ -127,7 +128,6 @@ def _check_destination(out_dir: Path) -> None:
 
 class _TensorSource:
     """Reads selected tensors of a checkpoint's model state without loading the rest."""
-
     def __init__(self, info: CheckpointInfo):
         self.info = info
         sharded = info.path / MODEL_DIR
@@ -186,7 +186,6 @@ def _output_keys(info: CheckpointInfo, reader: _TensorSource, adapter: bool) -> 
 def _tied_output_keys(info: CheckpointInfo) -> set[str]:
     from transformers import AutoConfig
 
-    from accel_fsdp.model.build import meta_model
 
     config = AutoConfig.from_pretrained(info.path / HF_DIR)
     tied = getattr(meta_model(config), "_tied_weights_keys", None) or {}

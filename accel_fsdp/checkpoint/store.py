@@ -36,7 +36,9 @@ from typing import Any
 
 import torch
 
+from accel_fsdp import __version__
 from accel_fsdp.checkpoint.records import FORMAT, DamagedRecord, Manifest, TrainerState
+from accel_fsdp.config.recipe import incompatible_keys, read_saved_recipe
 from accel_fsdp.errors import Problem, UserError
 
 # A checkpoint's file names live with every other path of a run, in layout.py.
@@ -291,7 +293,6 @@ def _versions() -> dict[str, str]:
     import accelerate
     import transformers
 
-    from accel_fsdp import __version__
 
     return {"accel_fsdp": __version__, "torch": torch.__version__, "accelerate": accelerate.__version__,
             "transformers": transformers.__version__}
@@ -315,7 +316,6 @@ class CheckpointInfo:
     """Why it is not complete."""
     manifest: Manifest | None = None
     """Its manifest when one could be read (also for some incomplete ones: another format, a missing file)."""
-
     @property
     def name(self) -> str:
         return self.path.name
@@ -424,17 +424,8 @@ def checkpoint_to_resume(root: Path, resume_from: str | None) -> CheckpointInfo:
 
 def check_resume(info: CheckpointInfo, recipe, settings) -> list[str]:
     """Refuse a checkpoint of another model or an incompatible recipe; return notes for what changes safely."""
-    import yaml
-
-    from accel_fsdp.config.recipe import incompatible_keys
-
-    try:
-        saved = yaml.safe_load((info.path / RECIPE_FILE).read_text())
-        if not isinstance(saved, dict):
-            raise ValueError("not a mapping")
-    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
-        raise UserError(Problem(str(info.path / RECIPE_FILE), f"is unreadable ({type(e).__name__}), so the recipe "
-                                "that made this checkpoint is unknown", "use another checkpoint")) from None
+    saved = read_saved_recipe(info.path / RECIPE_FILE, then=", so the recipe that made this checkpoint is unknown",
+                              fix="use another checkpoint")
     diff = incompatible_keys(saved, recipe.to_dict())
     if diff:
         lines = [f"{k}: checkpoint has {old!r}, this run has {new!r}" for k, old, new in diff]
@@ -497,14 +488,9 @@ def describe(info: CheckpointInfo) -> dict[str, Any]:
     })
     recipe_file = info.path / RECIPE_FILE
     if recipe_file.exists():
-        import yaml
-
         try:
-            r = yaml.safe_load(recipe_file.read_text()) or {}
-        except (OSError, UnicodeDecodeError, yaml.YAMLError):
-            r = None
-        if not isinstance(r, dict) or not isinstance(r.get("model", {}), dict) or \
-                not isinstance(r.get("training", {}), dict):
+            r = read_saved_recipe(recipe_file)
+        except UserError:
             out["recipe"] = {"name": f"({RECIPE_FILE} unreadable)", "model": None, "data": None,
                              "global_batch_size": None, "max_steps": None, "lr": None}
             return out

@@ -8,7 +8,10 @@ from pathlib import Path
 import click
 
 from accel_fsdp.config.precision import PRECISIONS
+from accel_fsdp.config.recipe import read_saved_recipe
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.layout import CHECKPOINT_PREFIXES, RECIPE_FILE
+from accel_fsdp.planning.memory import parse_bytes, size_problem
 
 # ------------------------------------------------------------------------------------------ checkpoint
 
@@ -35,12 +38,8 @@ def checkpoint_consolidate(checkpoint_or_run, out_dir, dtype, max_shard_size, me
     accel-fsdp checkpoint consolidate runs/gpt2-xl out/gpt2-xl --dtype bf16
     accel-fsdp checkpoint consolidate runs/x/checkpoints/step-000200 out/x --max-shard-size 500MB
     """
-    import yaml
-
     from accel_fsdp.checkpoint.consolidate import consolidate
     from accel_fsdp.checkpoint.store import resolve_checkpoint, skipped_newer
-    from accel_fsdp.layout import RECIPE_FILE
-    from accel_fsdp.planning.memory import parse_bytes, size_problem
 
     try:
         size = parse_bytes(max_shard_size)
@@ -53,9 +52,8 @@ def checkpoint_consolidate(checkpoint_or_run, out_dir, dtype, max_shard_size, me
         raise UserError(Problem(str(out_dir), f"is inside the checkpoint {info.path}", "write the export elsewhere"))
     if dtype is None:
         try:
-            saved = yaml.safe_load((info.path / RECIPE_FILE).read_text()) or {}
-            dtype = saved.get("checkpoint", {}).get("export_dtype", "fp32")
-        except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+            dtype = read_saved_recipe(info.path / RECIPE_FILE).get("checkpoint", {}).get("export_dtype", "fp32")
+        except UserError:
             dtype = "fp32"
     if merge and not info.manifest.lora:
         raise UserError(Problem("--merge", f"{info.path} is not a LoRA checkpoint", "drop --merge"))
@@ -82,7 +80,6 @@ def checkpoint_inspect(path: Path, as_json: bool) -> None:
         inspect_checkpoint,
         list_checkpoints,
     )
-    from accel_fsdp.layout import CHECKPOINT_PREFIXES
 
     if not path.exists():
         raise UserError(Problem(str(path), "does not exist", "give a checkpoint or run folder"))

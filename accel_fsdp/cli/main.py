@@ -11,6 +11,7 @@ import click
 from accel_fsdp import __version__
 from accel_fsdp.cli import checkpoint, plan, recipe, tools
 from accel_fsdp.errors import show_usage_error
+from accel_fsdp.quiet import quiet_warnings
 
 click.UsageError.show = show_usage_error  # one format for every user mistake, click's own included
 
@@ -26,8 +27,6 @@ def main() -> None:
     accel-fsdp recipe run gpt2-xl --accelerate-config fsdp_2gpu
     accel-fsdp checkpoint consolidate runs/gpt2-xl out/gpt2-xl
     """
-    from accel_fsdp.quiet import quiet_warnings
-
     quiet_warnings()
 
 

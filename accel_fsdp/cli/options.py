@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import click
 
+from accel_fsdp.config.recipe import load_recipe as read_recipe
+from accel_fsdp.config.shipped import display, resolve_recipe
+
 SET_HELP = "Override a recipe key, typed as YAML: --set training.lr=3e-4 --set model.lora.enabled=true (repeatable)."
 CONFIG_HELP = ("Accelerate config: a shipped name (fsdp_2gpu) or a path. Default: fsdp_cpu (2 CPU ranks) without a "
                "GPU, else fsdp_1gpu with one process per local GPU.")
@@ -12,9 +15,6 @@ CONFIG_HELP = ("Accelerate config: a shipped name (fsdp_2gpu) or a path. Default
 
 def load_recipe(name_or_path: str, overrides):
     """A shipped recipe by name, or a file, with --set applied; messages quote it as the user wrote it."""
-    from accel_fsdp.config.recipe import load_recipe as read_recipe
-    from accel_fsdp.config.shipped import display, resolve_recipe
-
     path = resolve_recipe(name_or_path)
     r = read_recipe(path, overrides)
     r.source = display(path)

@@ -8,15 +8,22 @@ from pathlib import Path
 import click
 
 from accel_fsdp.cli.options import SET_HELP, load_recipe
+from accel_fsdp.config.accelerate import BY_SHARDING, HYBRID_SHARD, load_accelerate_config
 from accel_fsdp.config.precision import MEMORY, MEMORY_CHOICES
+from accel_fsdp.config.settings import batch_problem
 from accel_fsdp.errors import Problem, UserError, raise_if
+from accel_fsdp.launch.slurm import GENERATED, render
+from accel_fsdp.layout import RunLayout
+from accel_fsdp.planning.estimate import format_report, resolve_target, table
+from accel_fsdp.planning.memory import parse_bytes, size_problem
+from accel_fsdp.preflight import preflight
+from accel_fsdp.run.folder import decide
 
 # -------------------------------------------------------------------------------------------- estimate
 
 
 class _NegativeNumberArgument(click.Command):
     """`estimate -5` would be read as an option "-5" with no fix offered: name it as the bad count it is."""
-
     def parse_args(self, ctx, args):
         import re
 
@@ -36,7 +43,7 @@ class _NegativeNumberArgument(click.Command):
 @click.option("--gpu-memory", default="80GB", show_default=True, metavar="SIZE", help="Memory of one GPU.")
 @click.option("--precision", default=MEMORY["bf16"], show_default=True, type=click.Choice(MEMORY_CHOICES))
 @click.option("--strategy", "strategies", multiple=True,
-              type=click.Choice(["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"]),
+              type=click.Choice(BY_SHARDING),
               help="Only these strategies (repeatable). Default: all.")
 @click.option("--offload/--no-offload", default=None, help="Only with (or without) CPU offload. Default: both.")
 @click.option("--activation-checkpointing/--no-activation-checkpointing", default=None,
@@ -58,14 +65,11 @@ def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offlo
     accel-fsdp estimate llama-3.1-70b --gpus 8 --nodes 4 --activation-checkpointing
     accel-fsdp estimate llama-3.1-8b-lora --gpus 1 --gpu-memory 40GB
     """
-    from accel_fsdp.planning.estimate import format_report, resolve_target, table
-    from accel_fsdp.planning.memory import STRATEGIES, parse_bytes, size_problem
-
     try:
         budget = parse_bytes(gpu_memory)
     except ValueError:
         raise UserError(size_problem("--gpu-memory", gpu_memory)) from None
-    if "HYBRID_SHARD" in strategies and nodes == 1:
+    if HYBRID_SHARD in strategies and nodes == 1:
         raise UserError(Problem("--strategy HYBRID_SHARD", "needs more than one node (it shards within a node and "
                                 "replicates across nodes)", "add --nodes 2 or more, or use FULL_SHARD"))
     target = resolve_target(what, micro_batch, seq_len)
@@ -78,7 +82,7 @@ def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offlo
         raise UserError(Problem("--micro-batch", "activations need the model's shape, and a bare parameter count "
                                 "has none", "name a model (gpt2-xl, llama-3.1-8b) or a recipe, or drop --micro-batch"))
     rows = table(target, gpus=gpus, nodes=nodes, precision=precision, activation_checkpointing=activation_checkpointing,
-                 strategies=list(strategies) or list(STRATEGIES), offload=offload, gpu_memory=budget,
+                 strategies=list(strategies) or list(BY_SHARDING), offload=offload, gpu_memory=budget,
                  deferred_reduce=defer_reduce)
     click.echo(format_report(target, rows, gpus=gpus, nodes=nodes, precision=precision, gpu_memory=budget,
                              activation_checkpointing=activation_checkpointing, deferred_reduce=defer_reduce))
@@ -119,19 +123,12 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     """
     import shlex
 
-    from accel_fsdp.config.accelerate import load_accelerate_config
-    from accel_fsdp.config.settings import batch_problem
-    from accel_fsdp.launch.slurm import render
-    from accel_fsdp.layout import RunLayout
-    from accel_fsdp.preflight import preflight
 
     all_overrides = list(overrides) + ([f"training.global_batch_size={global_batch_size}"]
                                        if global_batch_size else [])
     r = load_recipe(name_or_path, all_overrides)
     config = load_accelerate_config(accelerate_config)
     config.values.update(num_machines=nodes, machine_rank=0)
-    from accel_fsdp.launch.slurm import GENERATED
-    from accel_fsdp.run.folder import decide
 
     script = script or Path(f"{r.name}.sbatch")
     if script.is_dir() or not script.parent.is_dir():

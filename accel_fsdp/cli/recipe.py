@@ -10,8 +10,19 @@ from pathlib import Path
 
 import click
 
+from accel_fsdp.cli.catalog import recipe_rows
 from accel_fsdp.cli.options import CONFIG_HELP, SET_HELP, child_argv, load_recipe
+from accel_fsdp.config.accelerate import CONFIG_PATH_ENV, check_accelerate_config
+from accel_fsdp.config.recipe import key_reference
+from accel_fsdp.config.shipped import resolve_recipe
 from accel_fsdp.errors import Problem, UserError, raise_if
+from accel_fsdp.launch.launcher import MachineOptions, inside_launch, launch
+from accel_fsdp.layout import RunLayout
+from accel_fsdp.planning.plan import print_plan
+from accel_fsdp.preflight import load_config_or_default, preflight
+from accel_fsdp.quiet import quiet_libraries
+from accel_fsdp.train.lifetime import PREEMPTED, Preempted, die_with_launcher
+from accel_fsdp.train.metrics import START_ENV
 
 # ---------------------------------------------------------------------------------------------- recipe
 
@@ -28,8 +39,6 @@ def recipe_list() -> None:
     \b
     accel-fsdp recipe list
     """
-    from accel_fsdp.cli.catalog import recipe_rows
-
     rows = recipe_rows()
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:
@@ -44,8 +53,6 @@ def recipe_keys(markdown: bool) -> None:
     \b
     accel-fsdp recipe keys | grep lora
     """
-    from accel_fsdp.config.recipe import key_reference
-
     rows = key_reference()
     if markdown:
         click.echo("| key | type | default | meaning |\n|---|---|---|---|")
@@ -65,8 +72,6 @@ def recipe_show(name: str) -> None:
     \b
     accel-fsdp recipe show gpt2-xl
     """
-    from accel_fsdp.config.shipped import resolve_recipe
-
     path = resolve_recipe(name)
     try:
         click.echo(path.read_text(), nl=False)
@@ -86,8 +91,6 @@ def recipe_copy(name: str, dest: Path, force: bool) -> None:
     accel-fsdp recipe copy gpt2-xl my-gpt2.yaml
     accel-fsdp recipe run my-gpt2.yaml --set data.path=mydata.jsonl
     """
-    from accel_fsdp.config.shipped import resolve_recipe
-
     src = resolve_recipe(name)
     target = dest / src.name if dest.is_dir() else dest
     if target.exists() and target.resolve() == src.resolve():
@@ -119,9 +122,6 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
     accel-fsdp recipe validate gpt2-xl --accelerate-config fsdp_2gpu
     accel-fsdp recipe validate my.yaml --set training.global_batch_size=64
     """
-    from accel_fsdp.layout import RunLayout
-    from accel_fsdp.preflight import load_config_or_default, preflight
-
     r = load_recipe(name_or_path, overrides)
     config, n, why = load_config_or_default(accelerate_config)
     if num_machines is not None:
@@ -188,10 +188,6 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     accel-fsdp recipe run quickstart --resume
     accel-fsdp recipe run llama-3.1-8b --dry-run --accelerate-config llama_fsdp_8gpu --gpu-memory 80GB
     """
-    from accel_fsdp.launch.launcher import inside_launch
-    from accel_fsdp.layout import RunLayout
-    from accel_fsdp.train.metrics import START_ENV
-
     os.environ.setdefault(START_ENV, repr(time.time()))  # the ranks measure time to first step from here
 
     if resume and resume_from:
@@ -205,14 +201,11 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
         raise UserError(Problem("--gpu-memory", "only applies to --dry-run (the plan is checked against it)",
                                 "add --dry-run, or drop --gpu-memory"))
     if dry_run:
-        from accel_fsdp.planning.plan import print_plan
-        from accel_fsdp.quiet import quiet_libraries
 
         quiet_libraries()
         print_plan(r, accelerate_config, gpu_memory)
         return
     if inside_launch():
-        from accel_fsdp.train.lifetime import PREEMPTED, Preempted, die_with_launcher
         from accel_fsdp.train.loop import RunRequest, run_training
 
         die_with_launcher()
@@ -225,7 +218,6 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
                 e.show()
             _leave_rank(e.exit_code)
         except Preempted as p:
-            from accel_fsdp.config.accelerate import CONFIG_PATH_ENV
 
             if int(os.environ.get("RANK", "0")) == 0 and CONFIG_PATH_ENV not in os.environ:  # else our launcher says it
                 click.echo(f"preempted ({p.signal_name}) after step {p.step}: checkpoint {p.checkpoint}; continue "
@@ -235,9 +227,6 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
             _leave_rank(130)
         _leave_rank(0)
 
-    from accel_fsdp.config.accelerate import check_accelerate_config
-    from accel_fsdp.launch.launcher import MachineOptions, launch
-    from accel_fsdp.preflight import load_config_or_default, preflight
 
     config, n, why = load_config_or_default(accelerate_config)
     if num_processes is not None:

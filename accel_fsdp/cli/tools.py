@@ -10,6 +10,13 @@ import click
 
 from accel_fsdp.cli.options import CONFIG_HELP, SET_HELP, finite, load_recipe
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.layout import RunLayout
+from accel_fsdp.model.tokenizer import trained_tokenizer
+from accel_fsdp.preflight import load_config_or_default, preflight
+from accel_fsdp.quiet import quiet_libraries
+from accel_fsdp.tools import bench
+from accel_fsdp.tools.report import format_summary, plot, summarize
+from accel_fsdp.tools.verify import format_table, verify
 
 # ------------------------------------------------------------------------------------------- tokenizer
 
@@ -34,9 +41,6 @@ def tokenizer_train(name_or_path, out_dir, vocab_size, overrides) -> None:
     accel-fsdp tokenizer train my.yaml tokenizers/mine --vocab-size 8192
     accel-fsdp recipe run my.yaml --set model.tokenizer=tokenizers/mine
     """
-    from accel_fsdp.model.tokenizer import trained_tokenizer
-    from accel_fsdp.quiet import quiet_libraries
-
     r = load_recipe(name_or_path, [*overrides, f"model.tokenizer=bpe:{vocab_size}"])
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UserError(Problem(str(out_dir), "exists and is not an empty folder", "give a new folder (nothing was "
@@ -75,9 +79,6 @@ def bench_command(name_or_path, accelerate_config, steps, warmup, overrides, com
     accel-fsdp bench quickstart --compare strategies
     accel-fsdp bench gpt2-xl --accelerate-config fsdp_1gpu --set data.path=builtin:quickstart --steps 20
     """
-    from accel_fsdp.preflight import load_config_or_default, preflight
-    from accel_fsdp.tools import bench
-
     r = load_recipe(name_or_path, overrides)
     config, n, _ = load_config_or_default(accelerate_config)
     preflight(r, config, num_processes=n, check_hub=True)
@@ -116,9 +117,6 @@ def verify_command(name_or_path, accelerate_config, overrides, quick, steps, lay
     accel-fsdp verify gpt2-xl --accelerate-config fsdp_2gpu
     accel-fsdp verify my.yaml --accelerate-config llama_fsdp_8gpu --quick --layers 4
     """
-    from accel_fsdp.preflight import load_config_or_default
-    from accel_fsdp.tools.verify import format_table, verify
-
     r = load_recipe(name_or_path, overrides)
     config, n, _ = load_config_or_default(accelerate_config)
     if num_processes is not None:
@@ -144,9 +142,6 @@ def report_command(run_dir: Path, as_json: bool) -> None:
     \b
     accel-fsdp report runs/quickstart
     """
-    from accel_fsdp.layout import RunLayout
-    from accel_fsdp.tools.report import format_summary, plot, summarize
-
     summary = summarize(run_dir)
     try:
         png = plot(run_dir)
@@ -185,7 +180,6 @@ def generate_command(model_dir, prompt, max_new_tokens, temperature, top_p, seed
     accel-fsdp generate runs/quickstart --prompt "alice has a"
     accel-fsdp generate out/llama-lora --chat --prompt "Name three prime numbers." --temperature 0.7 --top-p 0.9
     """
-    from accel_fsdp.quiet import quiet_libraries
     from accel_fsdp.tools.generate import generate, load_model, resolve_model_dir
 
     if not prompt.strip():

@@ -25,7 +25,13 @@ from accel_fsdp.errors import Problem, UserError, raise_if
 CONFIG_PATH_ENV = "ACCEL_FSDP_ACCELERATE_CONFIG"
 """Set by the CLI when it launches itself, so each rank reads the same file (and can name it in messages)."""
 
-FSDP1_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+# The sharding strategies, in the order of torch's ShardingStrategy enum (1..4, as the FSDP1 config's digits name
+# them; torch/distributed/fsdp/api.py). The one home of their names.
+STRATEGIES = FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD",
+                                                                  "HYBRID_SHARD")
+BY_SHARDING = (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD)
+"""Least sharded first: the order tables show them in."""
+FSDP1_STRATEGIES = (*STRATEGIES, "_HYBRID_SHARD_ZERO2")
 STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
@@ -201,10 +207,10 @@ def check_accelerate_config(c: AccelerateConfig) -> list[Problem]:
             "set the address of the machine with machine_rank 0 (`recipe run --main-process-ip ADDR`, or "
             "main_process_ip in the config)")
     if version == 1:
-        s = fsdp1_strategy(c.get("fsdp_sharding_strategy", c.get("fsdp_reshard_after_forward", "FULL_SHARD")))
+        s = fsdp1_strategy(c.get("fsdp_sharding_strategy", c.get("fsdp_reshard_after_forward", FULL_SHARD)))
         if s not in FSDP1_STRATEGIES:
             bad("fsdp_config.fsdp_sharding_strategy", f"{s!r} is not an FSDP1 strategy",
-                "use " + ", ".join(FSDP1_STRATEGIES[:4]))
+                "use " + ", ".join(STRATEGIES))
         bp = c.get("fsdp_backward_prefetch")
         if bp is not None and str(bp).upper() not in BACKWARD_PREFETCH:
             bad("fsdp_config.fsdp_backward_prefetch", f"{bp!r} is not valid", "use " + ", ".join(BACKWARD_PREFETCH))

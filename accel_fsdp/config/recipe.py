@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import yaml
 
+from accel_fsdp.config.accelerate import STRATEGIES
 from accel_fsdp.config.yaml_file import load_yaml
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.layout import CHECKPOINTS_DIR
@@ -176,7 +177,7 @@ class FsdpConfig:
     wrap_class: str | None = None
     """Module class that becomes one FSDP unit (GPT2Block, LlamaDecoderLayer). Default: the accelerate
     config's fsdp_transformer_layer_cls_to_wrap, else the model's own _no_split_modules."""
-    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] | None = None
+    sharding_strategy: Literal[STRATEGIES] | None = None
     """Override the accelerate config's strategy. Default: the accelerate config."""
     cpu_offload: bool | None = None
     """Keep parameters, gradients and optimizer state in CPU memory. Default: the accelerate config."""
@@ -282,6 +283,21 @@ RESUME_SAFE_KEYS = (
     "training.eval_max_batches", "data.num_proc", "model.attn_implementation", "model.activation_checkpointing",
     "fsdp.",
 )
+
+
+def read_saved_recipe(path, *, then: str = "", fix: str = "") -> dict:
+    """A resolved recipe we saved (the recipe.yaml of a run folder or of a checkpoint) as the dict it was written
+    from, or one UserError naming the file: "is unreadable ({why}){then}" and `fix`. The one reader of them."""
+    from pathlib import Path
+
+    try:
+        saved = yaml.safe_load(Path(path).read_text())
+        sections = [f.name for f in dataclasses.fields(Recipe) if dataclasses.is_dataclass(f.default_factory)]
+        if not isinstance(saved, dict) or not all(isinstance(saved.get(k, {}), dict) for k in sections):
+            raise ValueError("not a recipe mapping")
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
+        raise UserError(Problem(str(path), f"is unreadable ({type(e).__name__}){then}", fix)) from None
+    return saved
 
 
 def incompatible_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:

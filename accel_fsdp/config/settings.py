@@ -21,7 +21,16 @@ from typing import Any
 
 from accel_fsdp import hardware
 from accel_fsdp.config import precision
-from accel_fsdp.config.accelerate import AccelerateConfig, as_bool, as_int, fsdp1_strategy
+from accel_fsdp.config.accelerate import (
+    FULL_SHARD,
+    HYBRID_SHARD,
+    NO_SHARD,
+    SHARD_GRAD_OP,
+    AccelerateConfig,
+    as_bool,
+    as_int,
+    fsdp1_strategy,
+)
 from accel_fsdp.errors import Problem
 
 MODEL_DEFAULT = "<model default>"
@@ -177,16 +186,16 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
     # and gets HYBRID_SHARD from the parallelism config's replicate x shard mesh.
     rep = as_int(config.get("parallelism_config_dp_replicate_size") or 1)
     if version.value == 1:
-        strategy = pick(None, None, "fsdp_sharding_strategy", fsdp1_strategy, "FULL_SHARD")
+        strategy = pick(None, None, "fsdp_sharding_strategy", fsdp1_strategy, FULL_SHARD)
     elif rep and rep > 1:
-        strategy = from_config("HYBRID_SHARD", f"{cfg} (parallelism_config)")
+        strategy = from_config(HYBRID_SHARD, f"{cfg} (parallelism_config)")
     else:
         strategy = pick(None, None, "fsdp_reshard_after_forward",
-                        lambda v: "FULL_SHARD" if as_bool(v) in (True, None) else "SHARD_GRAD_OP", "FULL_SHARD")
+                        lambda v: FULL_SHARD if as_bool(v) in (True, None) else SHARD_GRAD_OP, FULL_SHARD)
     if recipe.fsdp.sharding_strategy is not None:
         strategy = from_recipe("fsdp.sharding_strategy", recipe.fsdp.sharding_strategy)
     n = nproc.value
-    if strategy.value == "HYBRID_SHARD":
+    if strategy.value == HYBRID_SHARD:
         if rep and rep > 1 and strategy.source == Source.ACCELERATE_CONFIG:
             dp_rep = from_config(rep, f"{cfg} (parallelism_config)")
             dp_shard = from_config(as_int(config.get("parallelism_config_dp_shard_size") or 1),
@@ -195,7 +204,7 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
             machines = nmach.value
             dp_rep = Setting(machines, Source.DERIVED, "one replica per machine")
             dp_shard = Setting(n // machines, Source.DERIVED, "shard within a machine")
-    elif strategy.value == "NO_SHARD":
+    elif strategy.value == NO_SHARD:
         dp_rep, dp_shard = Setting(n, Source.DERIVED, "every rank holds everything"), Setting(1, Source.DERIVED)
     else:
         dp_rep, dp_shard = Setting(1, Source.DERIVED), Setting(n, Source.DERIVED, "shard over all ranks")
@@ -296,7 +305,7 @@ def check_settings(settings: FsdpSettings, recipe, *, visible_gpus: int | None =
         p.append(Problem(s.mixed_precision.where(recipe, "training.mixed_precision", "mixed_precision"),
                          f"{s.mixed_precision.value!r} is not supported", "use bf16, fp32 or fp16"))
     strategy = s.sharding_strategy.value
-    if strategy == "HYBRID_SHARD":
+    if strategy == HYBRID_SHARD:
         if s.dp_replicate_size.value * s.dp_shard_size.value != n:
             p.append(Problem(s.sharding_strategy.where(recipe, "fsdp.sharding_strategy"),
                              f"hybrid group of {s.dp_shard_size.value} x {s.dp_replicate_size.value} replicas "
@@ -306,12 +315,12 @@ def check_settings(settings: FsdpSettings, recipe, *, visible_gpus: int | None =
             p.append(Problem(s.sharding_strategy.where(recipe, "fsdp.sharding_strategy"),
                              f"hybrid shard group of {s.dp_shard_size.value} ranks is larger than the world size {n}",
                              f"use a shard group of at most {n} ranks"))
-    if strategy == "NO_SHARD" and s.fsdp_version.value == 2:
+    if strategy == NO_SHARD and s.fsdp_version.value == 2:
         p.append(Problem(s.sharding_strategy.where(recipe, "fsdp.sharding_strategy"),
                          "NO_SHARD is an FSDP1 strategy; FSDP2 has no unsharded mode",
                          "use accelerate_configs/fsdp1_2gpu.yaml with fsdp_sharding_strategy: NO_SHARD, "
                          "or SHARD_GRAD_OP (shards gradients and optimizer state only)"))
-    if strategy == "HYBRID_SHARD" and s.fsdp_version.value == 1 and n > 1 and machines == 1 \
+    if strategy == HYBRID_SHARD and s.fsdp_version.value == 1 and n > 1 and machines == 1 \
             and s.device.value == "cpu":
         p.append(Problem(s.sharding_strategy.where(recipe, "fsdp.sharding_strategy"),
                          "FSDP1 HYBRID_SHARD needs several machines", "use FSDP2 with a parallelism_config"))

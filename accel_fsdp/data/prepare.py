@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from accel_fsdp.data.synthetic import BUILTIN_DATA, write_builtin
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.layout import cache_dir
 
@@ -90,7 +91,6 @@ def resolve_data_path(recipe) -> tuple[str, str | None]:
     """(kind, local path) where kind is builtin, hub or file."""
     path = recipe.data.path
     if path.startswith("builtin:"):
-        from accel_fsdp.data.synthetic import BUILTIN_DATA
 
         name = path.split(":", 1)[1]
         if name not in BUILTIN_DATA:
@@ -119,7 +119,6 @@ def read_rows(recipe, *, max_rows: int | None = None):
     kind, local = resolve_data_path(recipe)
     where = recipe.where("data.path")
     if kind == "builtin":
-        from accel_fsdp.data.synthetic import write_builtin
 
         local = str(write_builtin(d.path.split(":", 1)[1]))
         builder = "json"
@@ -190,7 +189,6 @@ def not_utf8(path: Path) -> str | None:
 
 class _library_logs_silenced:
     """datasets logs an ERROR line of its own before it raises; ours says the same thing with the fix."""
-
     def __enter__(self):
         import logging
 

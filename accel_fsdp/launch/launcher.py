@@ -22,7 +22,7 @@ from accel_fsdp.config.accelerate import CONFIG_PATH_ENV, AccelerateConfig
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.hardware import usable_cores
 from accel_fsdp.layout import PREEMPTED_FILE
-from accel_fsdp.train.lifetime import PREEMPTED
+from accel_fsdp.train.lifetime import PREEMPTED, launcher_environment
 
 
 def inside_launch() -> bool:
@@ -33,7 +33,6 @@ def inside_launch() -> bool:
 @dataclass
 class MachineOptions:
     """Per-machine launch settings that override the config (what differs between the machines of one job)."""
-
     machine_rank: int | None = None
     main_process_ip: str | None = None
     main_process_port: int | None = None
@@ -55,7 +54,6 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
     checkpoint; the status is then PREEMPTED (75). Ctrl-C stops the ranks at once (130)."""
     from accelerate.commands.launch import launch_command, launch_command_parser
 
-    from accel_fsdp.train.lifetime import launcher_environment
 
     machine = machine or MachineOptions()
     machines = int(config.get("num_machines", 1) or 1)

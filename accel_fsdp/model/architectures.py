@@ -2,8 +2,8 @@
 
 Training loads real weights (and the real config) from the hub or a local folder; these facts only let us build
 the same model on the meta device, count its parameters and check the wrap class and context length without
-downloading anything. tests/test_recipes.py and tests/test_model_facts.py check them against transformers' own classes; their
-parameter counts and shapes are model/facts.py's (`facts_of`).
+downloading anything. tests/test_recipes.py and tests/test_model_facts.py check them against transformers' own
+classes; their parameter counts and shapes are model/facts.py's (`facts_of`).
 """
 
 from __future__ import annotations

@@ -8,13 +8,13 @@ import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
+from accel_fsdp.data.synthetic import BUILTIN_TOKENIZER
 from accel_fsdp.errors import Problem, UserError
 
 
 @dataclass(frozen=True)
 class ModelView:
     """What the checks, `recipe list` and the reports need to know of a model."""
-
     class_name: str
     no_split_modules: list[str]
     """The model's own block class(es): the default FSDP unit."""
@@ -120,8 +120,6 @@ def looks_like_path(name: str) -> bool:
 def source_problems(recipe) -> list[Problem]:
     """model.name_or_path and model.tokenizer, before anything loads them: a path that does not exist or is a file,
     a model folder without a usable config.json or with missing or truncated weights, an unknown built-in."""
-    from accel_fsdp.data.synthetic import BUILTIN_TOKENIZER
-
     m = recipe.model
     out: list[Problem] = []
     for key, name in (("model.name_or_path", m.name_or_path), ("model.tokenizer", m.tokenizer)):

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from accel_fsdp.data.synthetic import BUILTIN_TOKENIZER, vocabulary
 from accel_fsdp.model import architectures
 
 # Config keys each model type accepts: GPT2Config / LlamaConfig `to_dict()` keys plus their attribute_map aliases.
@@ -59,7 +60,6 @@ _CLASSES = {
 class Shape:
     """What the memory and FLOP formulas need of a model (planning/memory.py, train/metrics.py); built only by
     `ModelFacts.shape`."""
-
     layers: int
     hidden: int
     heads: int
@@ -219,6 +219,5 @@ def facts_for(recipe) -> ModelFacts | None:
 
 
 def builtin_vocab_size(tokenizer: str | None) -> int | None:
-    from accel_fsdp.data.synthetic import BUILTIN_TOKENIZER, vocabulary
 
     return len(vocabulary()) if tokenizer == BUILTIN_TOKENIZER else None

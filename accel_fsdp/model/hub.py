@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 
+from accel_fsdp.data.prepare import resolve_data_path
 from accel_fsdp.errors import Problem
+from accel_fsdp.model.tokenizer import BUILTIN_TOKENIZER, bpe_vocab_size, is_local
 
 TIMEOUT_S = 10
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -23,9 +25,6 @@ def offline() -> bool:
 
 def hub_ids(recipe) -> list[tuple[str, str, str, tuple[str, ...]]]:
     """(dotted key, repo id, repo type, files a run needs from it) for every hub id of the recipe."""
-    from accel_fsdp.data.prepare import resolve_data_path
-    from accel_fsdp.model.tokenizer import BUILTIN_TOKENIZER, bpe_vocab_size, is_local
-
     m = recipe.model
     out = []
     if m.name_or_path and not is_local(m.name_or_path):

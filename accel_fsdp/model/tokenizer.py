@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from accel_fsdp.data.prepare import read_rows, resolve_data_path
 from accel_fsdp.data.synthetic import BUILTIN_TOKENIZER
+from accel_fsdp.data.synthetic import build_tokenizer as builtin
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.layout import cache_dir
 from accel_fsdp.model.checks import tokenizer_files_problem
@@ -21,7 +23,6 @@ def build_tokenizer(recipe):
     m = recipe.model
     source = m.tokenizer or m.name_or_path
     if source == BUILTIN_TOKENIZER:
-        from accel_fsdp.data.synthetic import build_tokenizer as builtin
 
         tokenizer = builtin()
     elif bpe_vocab_size(source) is not None:
@@ -116,7 +117,6 @@ def _bpe_cache_folder(recipe, vocab: int) -> Path:
     import os
     from dataclasses import asdict
 
-    from accel_fsdp.data.prepare import resolve_data_path
 
     d = recipe.data
     kind, local = resolve_data_path(recipe)
@@ -132,7 +132,6 @@ def _train_bpe(recipe, vocab: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from accel_fsdp.data.prepare import read_rows
 
     rows = read_rows(recipe)
     d = recipe.data

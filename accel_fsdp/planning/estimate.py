@@ -6,10 +6,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from accel_fsdp.config import precision
+from accel_fsdp.config.accelerate import FULL_SHARD, HYBRID_SHARD, NO_SHARD, SHARD_GRAD_OP, load_accelerate_config
+from accel_fsdp.config.recipe import load_recipe
+from accel_fsdp.config.shipped import display, resolve_recipe, shipped_recipes
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model import architectures
-from accel_fsdp.model.facts import Shape, facts_of
+from accel_fsdp.model.facts import Shape, facts_for, facts_of
 from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, estimate, gib, seeds_simple
+from accel_fsdp.planning.plan import build_plan
+from accel_fsdp.preflight import model_view
 
 HEADROOM = 0.9  # keep 10% of the GPU for the CUDA context, NCCL buffers and allocator fragmentation
 
@@ -60,7 +66,6 @@ def resolve_target(what: str, micro_batch: int | None, seq_len: int | None) -> T
         return Target(arch.name, facts.params(), facts.params(), unit, facts.shape(),
                       1 if micro_batch is None else micro_batch,
                       min(arch.context, 2048) if seq_len is None else seq_len, context=arch.context)
-    from accel_fsdp.config.shipped import resolve_recipe, shipped_recipes
 
     if what in shipped_recipes() or what.endswith((".yaml", ".yml")):
         return _recipe_target(resolve_recipe(what), micro_batch, seq_len)
@@ -70,16 +75,11 @@ def resolve_target(what: str, micro_batch: int | None, seq_len: int | None) -> T
 
 
 def _recipe_target(path, micro_batch, seq_len) -> Target:
-    from accel_fsdp.config import precision
-    from accel_fsdp.config.recipe import load_recipe
-    from accel_fsdp.config.shipped import display
-    from accel_fsdp.model.facts import facts_for
 
     recipe = load_recipe(path)
     recipe.source = display(path)
     facts = facts_for(recipe)
     if facts is not None:  # checked as `recipe validate` checks the model: shapes that cannot build are named
-        from accel_fsdp.preflight import model_view
 
         model_view(recipe)
     if facts is not None:  # arithmetic: no model built (tests/test_model_facts.py holds the facts)
@@ -93,8 +93,6 @@ def _recipe_target(path, micro_batch, seq_len) -> Target:
                       recipe.data.seq_len if seq_len is None else seq_len, compute if lora.enabled else 4,
                       note="LoRA: frozen base weights in the compute dtype" if lora.enabled else "",
                       activation_checkpointing=bool(recipe.model.activation_checkpointing), context=facts.context)
-    from accel_fsdp.config.accelerate import load_accelerate_config
-    from accel_fsdp.planning.plan import build_plan
 
     plan = build_plan(recipe, load_accelerate_config("fsdp_1gpu"))
     m = plan.memory_inputs
@@ -126,11 +124,11 @@ def table(target: Target, *, gpus: int, nodes: int, precision: str, activation_c
                         deferred_reduce=deferred_reduce)
     rows = []
     for strategy in strategies:
-        if strategy == "HYBRID_SHARD" and nodes == 1:
+        if strategy == HYBRID_SHARD and nodes == 1:
             continue
-        group = gpus if strategy == "HYBRID_SHARD" else (1 if strategy == "NO_SHARD" else world)
+        group = gpus if strategy == HYBRID_SHARD else (1 if strategy == NO_SHARD else world)
         for off in ((False, True) if offload is None else (offload,)):
-            if off and strategy == "NO_SHARD":
+            if off and strategy == NO_SHARD:
                 continue
             mem = estimate(replace(base, strategy=strategy, shard_group=group, offload=off))
             rows.append(Row(strategy, off, mem, mem.total <= HEADROOM * gpu_memory))
@@ -140,7 +138,7 @@ def table(target: Target, *, gpus: int, nodes: int, precision: str, activation_c
 # Least communication first: DDP-like NO_SHARD (one all-reduce of the gradients), SHARD_GRAD_OP (the same
 # volume, split into reduce-scatter + all-gather), HYBRID_SHARD (ZeRO-3 traffic inside a node only), FULL_SHARD
 # (an extra all-gather in the backward, across all ranks). Offload comes last: every step crosses PCIe.
-PREFERENCE = ("NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD")
+PREFERENCE = (NO_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, FULL_SHARD)
 
 
 def cheapest(rows: list[Row]) -> Row | None:
@@ -153,16 +151,16 @@ def config_for(row: Row, gpus: int, nodes: int) -> str:
     if gpus * nodes == 1:
         return "accelerate_configs/fsdp_1gpu.yaml" + (" + --set fsdp.cpu_offload=true" if row.offload else "")
     if nodes > 1:
-        base = "fsdp_hybrid_multinode.yaml" if row.strategy == "HYBRID_SHARD" else "fsdp_multinode.yaml"
+        base = "fsdp_hybrid_multinode.yaml" if row.strategy == HYBRID_SHARD else "fsdp_multinode.yaml"
         extra = f" (num_machines: {nodes}, num_processes: {gpus * nodes})"
     elif row.offload:
         base, extra = "fsdp_2gpu_offload.yaml", "" if gpus == 2 else f" (num_processes: {gpus})"
     else:
         base = {1: "fsdp_1gpu.yaml", 2: "fsdp_2gpu.yaml", 8: "fsdp_8gpu.yaml"}.get(gpus, "fsdp_8gpu.yaml")
         extra = "" if gpus in (1, 2, 8) else f" (num_processes: {gpus})"
-    if row.strategy == "NO_SHARD":
+    if row.strategy == NO_SHARD:
         return f"accelerate_configs/fsdp1_2gpu.yaml with fsdp_sharding_strategy: NO_SHARD (num_processes: {gpus})"
-    if row.strategy == "SHARD_GRAD_OP":
+    if row.strategy == SHARD_GRAD_OP:
         extra += " + --set fsdp.sharding_strategy=SHARD_GRAD_OP"
     if row.offload and nodes > 1:
         extra += " + --set fsdp.cpu_offload=true"

@@ -36,11 +36,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from accel_fsdp.config.accelerate import FULL_SHARD, NO_SHARD, SHARD_GRAD_OP
 from accel_fsdp.config.precision import MEMORY, is_half
+from accel_fsdp.errors import Problem
 from accel_fsdp.model.facts import Shape
 
 GiB = 1024**3
-STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class MemoryInputs:
     world: int
     shard_group: int
     """Ranks each tensor is sharded over: world for FULL_SHARD / SHARD_GRAD_OP, the machine for HYBRID_SHARD."""
-    strategy: str = "FULL_SHARD"
+    strategy: str = FULL_SHARD
     precision: str = MEMORY["bf16"]
     """fp32 or bf16-mixed (bf16 compute, fp32 master weights): config/precision.py MEMORY."""
     offload: bool = False
@@ -75,7 +76,6 @@ class MemoryBreakdown:
     activations: float
     host: float
     """Bytes per rank in CPU memory (offloaded state)."""
-
     @property
     def model_state(self) -> float:
         return self.params + self.grads + self.optimizer
@@ -93,12 +93,12 @@ def compute_bytes(precision: str) -> int:
 
 def estimate(m: MemoryInputs) -> MemoryBreakdown:
     c = compute_bytes(m.precision)
-    s = 1 if m.strategy == "NO_SHARD" else max(1, m.shard_group)
+    s = 1 if m.strategy == NO_SHARD else max(1, m.shard_group)
     weights = 4.0 * m.trainable + m.frozen_bytes * (m.params - m.trainable)
     params, grads, optimizer = weights / s, 4.0 * m.trainable / s, 8.0 * m.trainable / s
-    if m.strategy == "SHARD_GRAD_OP":
+    if m.strategy == SHARD_GRAD_OP:
         gathered = c * m.params + (c + 4) * m.largest_unit  # the whole model stays gathered until backward
-    elif m.strategy == "NO_SHARD":
+    elif m.strategy == NO_SHARD:
         gathered = float(c * m.largest_unit) if c < 4 else 0.0  # a low-precision copy of the unit in use
     else:
         gathered = (3 * c + 4) * m.largest_unit
@@ -149,8 +149,6 @@ def parse_bytes(text: str) -> int:
 
 def size_problem(option: str, text: str, example: str = "80GB"):
     """The one message for a size that is not one (no unit, zero, garbage)."""
-    from accel_fsdp.errors import Problem
-
     bare = str(text).strip().replace(".", "", 1).isdigit()
     why = "has no unit" if bare else "is not a size"
     hint = f" (did you mean {str(text).strip()}GB?)" if bare else ""

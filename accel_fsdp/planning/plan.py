@@ -13,10 +13,13 @@ from dataclasses import dataclass
 
 import click
 
+from accel_fsdp.config.accelerate import HYBRID_SHARD
 from accel_fsdp.config.precision import BYTES, MEMORY
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model.facts import shape_of
+from accel_fsdp.model.tokenizer import offline_tokenizer
 from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, estimate, gib, parse_bytes, size_problem
+from accel_fsdp.preflight import load_config_or_default, preflight
 
 
 @dataclass
@@ -109,8 +112,6 @@ def _fsdp1_policy(plugin):
 
 def build_plan(recipe, config, *, num_processes: int | None = None) -> Plan:
     from accel_fsdp.model import build as model_lib
-    from accel_fsdp.model.tokenizer import offline_tokenizer
-    from accel_fsdp.preflight import preflight
 
     report = preflight(recipe, config, num_processes=num_processes, check_data=False, for_target_hardware=True)
     settings = report.settings
@@ -128,7 +129,7 @@ def build_plan(recipe, config, *, num_processes: int | None = None) -> Plan:
     trainable = model_lib.count_parameters(meta, trainable_only=True)
     units = fsdp_units(meta, settings)
     strategy = settings.sharding_strategy.value
-    shard_group = settings.dp_shard_size.value if strategy == "HYBRID_SHARD" else settings.num_processes.value
+    shard_group = settings.dp_shard_size.value if strategy == HYBRID_SHARD else settings.num_processes.value
     frozen_bytes = BYTES[settings.mixed_precision.value] if recipe.model.lora.enabled else 4  # LoRA: compute dtype
     inputs = MemoryInputs(
         params=parameters, trainable=trainable, largest_unit=max(u.params for u in units),
@@ -184,7 +185,6 @@ def format_plan(plan: Plan, gpu_memory: float | None) -> str:
 
 
 def print_plan(recipe, accelerate_config: str | None, gpu_memory: str | None) -> None:
-    from accel_fsdp.preflight import load_config_or_default
 
     budget = None
     if gpu_memory:

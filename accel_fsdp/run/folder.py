@@ -20,6 +20,8 @@ import time
 from enum import Enum
 from pathlib import Path
 
+from accel_fsdp.checkpoint.records import Manifest
+from accel_fsdp.config.recipe import incompatible_keys, read_saved_recipe
 from accel_fsdp.errors import Problem, UserError
 
 # The paths of a run are layout.py's; this module decides what a start may do with them.
@@ -37,7 +39,6 @@ from accel_fsdp.layout import (
 
 class Decision(str, Enum):
     """What a start does with the run folder."""
-
     NEW = "new"
     """Start a new run (the folder is new or empty)."""
     RESUME = "resume"
@@ -141,8 +142,6 @@ def read_owner(folder: Path) -> dict | None:
 
 def checkpoint_run_id(path: Path) -> str | None:
     """The run id a checkpoint's manifest records (None when it cannot be read)."""
-    from accel_fsdp.checkpoint.records import Manifest
-
     try:  # unchecked: whose it is can be told from a manifest that is otherwise damaged (resuming will refuse it)
         return Manifest.read(Path(path), checked=False).run_id
     except UserError:
@@ -150,13 +149,9 @@ def checkpoint_run_id(path: Path) -> str | None:
 
 
 def _recipe_differences(layout: RunLayout, recipe) -> list[str]:
-    import yaml
-
-    from accel_fsdp.config.recipe import incompatible_keys
-
     try:
-        saved = yaml.safe_load(layout.recipe_file.read_text()) or {}
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        saved = read_saved_recipe(layout.recipe_file)
+    except UserError:
         return [f"{layout.recipe_file} is missing or unreadable"]
     differences = incompatible_keys(saved, recipe.to_dict())
     return [f"{k}: that run has {old!r}, this one {new!r}" for k, old, new in differences]
@@ -214,7 +209,6 @@ def prepare(layout: RunLayout, recipe, settings, decision: Decision, *, resumed_
 class FolderLock:
     """An exclusive lock on a folder for the life of this process (flock on `<folder>/.accel-fsdp.lock`): the kernel
     releases it when the holder exits or dies, so a crash never leaves a stale lock. The file says who holds it."""
-
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.created = False

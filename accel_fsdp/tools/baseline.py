@@ -18,6 +18,11 @@ import time
 
 import torch
 
+from accel_fsdp.config.recipe import load_recipe
+from accel_fsdp.data.batches import GlobalBatchSampler, collate
+from accel_fsdp.data.prepare import prepare_data
+from accel_fsdp.quiet import quiet_libraries
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -28,10 +33,6 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
 
-    from accel_fsdp.config.recipe import load_recipe
-    from accel_fsdp.data.batches import GlobalBatchSampler, collate
-    from accel_fsdp.data.prepare import prepare_data
-    from accel_fsdp.quiet import quiet_libraries
     from accel_fsdp.train.setup import build_sharded_model, describe_model, start_engine
 
     quiet_libraries()

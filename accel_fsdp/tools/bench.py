@@ -21,8 +21,11 @@ from pathlib import Path
 
 import yaml
 
+from accel_fsdp.config.accelerate import FULL_SHARD, NO_SHARD, SHARD_GRAD_OP
 from accel_fsdp.errors import UserError
 from accel_fsdp.layout import RunLayout
+from accel_fsdp.model.tokenizer import offline_tokenizer
+from accel_fsdp.train.metrics import TrainRow, read_metrics
 
 
 @dataclass
@@ -59,7 +62,6 @@ def measure_ours(recipe: str, config: str, overrides: list[str], steps: int, war
     if proc.returncode != 0:
         _fail(label, proc)
     layout = RunLayout.at(run_dir)
-    from accel_fsdp.train.metrics import TrainRow, read_metrics
     from accel_fsdp.train.sharding import ShardingRecord
 
     rows = [r for r in read_metrics(layout.metrics_file) if isinstance(r, TrainRow) and r.step > warmup]
@@ -110,10 +112,10 @@ def variant_config(base: Path, workdir: Path, name: str, **fsdp) -> Path:
 def compare_strategies(recipe, config: Path, overrides, steps, warmup, workdir) -> list[Measurement]:
     """The seeds' table: NO_SHARD (FSDP1, the DDP-like baseline), SHARD_GRAD_OP and FULL_SHARD."""
     version = int(yaml.safe_load(config.read_text()).get("fsdp_config", {}).get("fsdp_version", 1))
-    no_shard = variant_config(config, workdir, "no_shard", fsdp_version=1, fsdp_sharding_strategy="NO_SHARD",
+    no_shard = variant_config(config, workdir, "no_shard", fsdp_version=1, fsdp_sharding_strategy=NO_SHARD,
                               fsdp_use_orig_params=True, fsdp_sync_module_states=False)
     out = [measure_ours(recipe, str(no_shard), overrides, steps, warmup, "NO_SHARD (FSDP1)", workdir)]
-    for strategy in ("SHARD_GRAD_OP", "FULL_SHARD"):
+    for strategy in (SHARD_GRAD_OP, FULL_SHARD):
         out.append(measure_ours(recipe, str(config), list(overrides) + [f"fsdp.sharding_strategy={strategy}"], steps,
                                 warmup, f"{strategy} (FSDP{version})", workdir))
     return out
@@ -195,7 +197,6 @@ def run(recipe, config, overrides: list[str], *, steps: int, warmup: int, compar
             text += "\n" + "\n".join(strategy_summary(rows))
         elif compare == "wrapping":
             from accel_fsdp.model.build import meta_model, model_config
-            from accel_fsdp.model.tokenizer import offline_tokenizer
 
             skeleton = meta_model(model_config(recipe, tokenizer=offline_tokenizer(recipe), offline=True))
             rows = compare_wrapping(recipe_path, config.path, overrides, steps, warmup, work, linear_classes(skeleton))

@@ -9,6 +9,7 @@ import torch
 
 from accel_fsdp.errors import Problem, UserError, read_json_object
 from accel_fsdp.layout import FINAL_DIR
+from accel_fsdp.model.checks import tokenizer_files_problem
 
 
 def resolve_model_dir(path: Path) -> Path:
@@ -32,7 +33,6 @@ def load_model(folder: Path, device: str = "auto"):
         raise UserError(Problem("--device cuda", "no CUDA device is available", "use --device cpu (or auto)"))
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    from accel_fsdp.model.checks import tokenizer_files_problem
 
     fix = ("give the run folder or a `checkpoint consolidate` export (both carry the tokenizer files), or copy "
            "tokenizer.json and tokenizer_config.json into it")

@@ -35,9 +35,17 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from accel_fsdp.checkpoint.records import Manifest
 from accel_fsdp.config import precision
+from accel_fsdp.config.recipe import load_recipe
+from accel_fsdp.data.prepare import prepare_data
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.layout import CHECKPOINTS_DIR, RunLayout
+from accel_fsdp.layout import CHECKPOINTS_DIR, MANIFEST, STEP_PREFIX, RunLayout
+from accel_fsdp.model.facts import base_values, facts_for
+from accel_fsdp.model.tokenizer import build_tokenizer
+from accel_fsdp.planning.memory import MemoryInputs, estimate
+from accel_fsdp.preflight import preflight
+from accel_fsdp.train.metrics import read_metrics
 
 MARKER = "verify.json"
 CHECKS = ("sharding", "precision", "equivalence", "resume", "packing", "activation-checkpointing", "memory",
@@ -79,7 +87,6 @@ class Probe:
         return RunLayout.at(self.folder)
 
     def train_rows(self) -> list:
-        from accel_fsdp.train.metrics import read_metrics
 
         return [r for r in read_metrics(self.layout.metrics_file, strict=False) if r.kind == "train"]
 
@@ -158,7 +165,6 @@ def base_sets(v: Verification, steps: int) -> list[str]:
 
 
 def layer_key(recipe) -> str:
-    from accel_fsdp.model.facts import base_values
 
     base = base_values(recipe)
     return "n_layer" if base and base[0] == "gpt2" else "num_hidden_layers"
@@ -311,11 +317,8 @@ def check_packing(v: Verification) -> Check:
     attention kernel, a micro-batch the trainer's collate builds from the recipe's own tokenized rows."""
     import torch
 
-    from accel_fsdp.config.recipe import load_recipe
     from accel_fsdp.data import batches
-    from accel_fsdp.data.prepare import prepare_data
     from accel_fsdp.model.build import model_config
-    from accel_fsdp.model.tokenizer import build_tokenizer
 
     recipe = load_recipe(v.recipe.source, v.sets(f"model.config_overrides.{layer_key(v.recipe)}=2",
                                                  "data.eval_fraction=0", "data.max_rows=400"))
@@ -356,7 +359,6 @@ def check_packing(v: Verification) -> Check:
 
 
 def check_memory(v: Verification) -> Check:
-    from accel_fsdp.planning.memory import MemoryInputs, estimate
 
     ref = v.probes["reference"]
     info = ref.sharding()
@@ -393,8 +395,6 @@ def check_memory(v: Verification) -> Check:
 
 
 def predicted_inputs(v, counts, info, strategy, settings):
-    from accel_fsdp.model.facts import facts_for
-    from accel_fsdp.planning.memory import MemoryInputs
 
     facts = facts_for(v.recipe)
     return MemoryInputs(params=counts["parameters"], trainable=counts["trainable"],
@@ -423,7 +423,6 @@ def check_throughput(v: Verification) -> Check:
 
 def verify(recipe, config, num_processes: int | None, overrides: list[str], *, out_dir: Path, quick: bool,
            layers: int | None, steps: int, only: list[str]) -> Verification:
-    from accel_fsdp.preflight import preflight
 
     report = preflight(recipe, config, num_processes=num_processes, check_hub=True)
     s = report.settings
@@ -476,7 +475,6 @@ def verify(recipe, config, num_processes: int | None, overrides: list[str], *, o
 
 
 def _model_type(recipe) -> str | None:
-    from accel_fsdp.model.facts import base_values
 
     base = base_values(recipe)
     return base[0] if base else None
@@ -484,9 +482,6 @@ def _model_type(recipe) -> str | None:
 
 def record_counts(probe: Probe) -> None:
     """Parameter counts of the probe run, from its checkpoint manifest (the run's own count)."""
-    from accel_fsdp.checkpoint.records import Manifest
-    from accel_fsdp.layout import MANIFEST, STEP_PREFIX
-
     manifests = sorted(probe.layout.checkpoints.glob(f"{STEP_PREFIX}*/{MANIFEST}"))
     if manifests:
         m = Manifest.read(manifests[-1].parent)

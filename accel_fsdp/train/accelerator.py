@@ -12,9 +12,11 @@ from pathlib import Path
 
 import torch
 
+from accel_fsdp.config.accelerate import FULL_SHARD, HYBRID_SHARD, NO_SHARD
 from accel_fsdp.config.precision import ACCELERATE, compute_dtype
 from accel_fsdp.config.settings import MODEL_DEFAULT, FsdpSettings
 from accel_fsdp.layout import LOGS_DIR
+from accel_fsdp.train.cpu_fsdp import init_cpu_fsdp_state
 
 
 def build_fsdp_plugin(settings: FsdpSettings, *, for_planning: bool = False, reduce_dtype=torch.float32):
@@ -45,7 +47,7 @@ def build_fsdp_plugin(settings: FsdpSettings, *, for_planning: bool = False, red
     if policy == "size_based_wrap":
         kwargs["min_num_params"] = s.min_num_params.value
     if version == 2:
-        kwargs["reshard_after_forward"] = s.sharding_strategy.value in ("FULL_SHARD", "HYBRID_SHARD")
+        kwargs["reshard_after_forward"] = s.sharding_strategy.value in (FULL_SHARD, HYBRID_SHARD)
     else:
         o = s.fsdp1_options.value
         # Named explicitly: left unset, Accelerate would take FSDP_SHARDING_STRATEGY from the launch environment.
@@ -138,7 +140,7 @@ def apply_activation_checkpointing(model, settings: FsdpSettings, *, preserve_rn
 
 def build_parallelism_config(settings: FsdpSettings):
     """Hybrid sharding under FSDP2: shard inside a group of dp_shard_size ranks, replicate across groups."""
-    if settings.fsdp_version.value != 2 or settings.sharding_strategy.value != "HYBRID_SHARD":
+    if settings.fsdp_version.value != 2 or settings.sharding_strategy.value != HYBRID_SHARD:
         return None
     from accelerate.parallelism_config import ParallelismConfig
 
@@ -159,7 +161,6 @@ def build_accelerator(settings: FsdpSettings, *, gradient_accumulation_steps: in
     group = process_group_kwargs(settings)
     cpu = settings.device.value == "cpu"
     if cpu and shard_cpu_ranks:
-        from accel_fsdp.train.cpu_fsdp import init_cpu_fsdp_state
 
         init_cpu_fsdp_state(plugin, mixed_precision=precision, parallelism_config=parallelism,
                             process_group=group.to_kwargs())
@@ -181,8 +182,8 @@ def build_accelerator(settings: FsdpSettings, *, gradient_accumulation_steps: in
 def expected_shards(settings: FsdpSettings) -> int:
     """Into how many pieces each rank's parameters are cut."""
     strategy = settings.sharding_strategy.value
-    if strategy == "NO_SHARD":
+    if strategy == NO_SHARD:
         return 1
-    if strategy == "HYBRID_SHARD":
+    if strategy == HYBRID_SHARD:
         return settings.dp_shard_size.value
     return settings.num_processes.value

@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model.facts import shape_of
 
 
@@ -36,7 +37,6 @@ def flops_per_token(config, seq_len: int, trainable_fraction: float = 1.0) -> fl
 class TrainRow:
     """One logging window of training (the row of its last step). Fields that files from older versions (or other
     writers) may lack default to None; `row_problem` says which a row must have."""
-
     step: int
     loss: float
     """Mean token loss over the window's global batches."""
@@ -93,7 +93,6 @@ def row_from_dict(d: dict) -> MetricsRow:
 
 class MetricsWriter:
     """Appends rows to metrics.jsonl (main process only) and forwards them to the trackers."""
-
     def __init__(self, accelerator, path: Path, start_step: int):
         self.accelerator = accelerator
         self.path = path
@@ -119,8 +118,6 @@ def perplexity(loss: float) -> float:
 def read_metrics(path: Path, *, strict: bool = True) -> list[MetricsRow]:
     """The rows of a metrics file. A last line cut short (the run was killed while writing it) is skipped. A
     damaged line elsewhere is a UserError naming it (`strict`), or skipped (a resume rewrites the file anyway)."""
-    from accel_fsdp.errors import Problem, UserError
-
     if not path.exists():
         return []
     try:
@@ -174,7 +171,6 @@ START_ENV = "ACCEL_FSDP_T0"
 class StartupClock:
     """Where the time to the first optimizer step goes: launch (the command's start to this process's start),
     imports, data, model build, sharding, first step. Marks are taken in order; `phases` are the gaps."""
-
     def __init__(self):
         self.start = float(os.environ.get(START_ENV) or _process_start_time())
         self.marks: list[tuple[str, float]] = [("launch", _process_start_time())]

@@ -424,6 +424,7 @@ def _forward_parameters(model) -> set[str]:
     return set(inspect.signature(base.forward).parameters)
 
 
-__all__ = ["RunRequest", "Run", "TrainingState", "Components", "Engine", "ShardedModel", "setup", "start_engine", "describe_model",
-           "build_sharded_model", "build_optimizer", "fused_optimizer", "offload_threads", "lr_schedule",
+__all__ = ["RunRequest", "Run", "TrainingState", "Components", "Engine", "ShardedModel", "setup", "start_engine",
+           "describe_model", "build_sharded_model", "build_optimizer", "fused_optimizer", "offload_threads",
+           "lr_schedule",
            "current_accelerate_config", "claim_run_folder"]
