@@ -29,7 +29,7 @@ def test_bench_reports_throughput_memory_and_baseline_ratio(bench_recipe):
 
 
 @pytest.mark.multiprocess
-def test_bench_compares_strategies_like_the_seeds(bench_recipe):
+def test_bench_compares_the_strategies(bench_recipe):
     text = run_cli("bench", bench_recipe, "--steps", "3", "--warmup", "1", "--compare", "strategies", check=0).stdout
     assert "NO_SHARD (FSDP1)" in text and "SHARD_GRAD_OP (FSDP2)" in text and "FULL_SHARD (FSDP2)" in text
     line = next(x for x in text.splitlines() if x.startswith("FULL_SHARD (FSDP2): model state per rank"))

@@ -1,4 +1,4 @@
-"""Memory: the estimator's arithmetic (it reproduces the seeds' calculator) and its agreement with what ranks
+"""Memory: the estimator's arithmetic (it reproduces the classic 16-bytes-per-parameter calculator) and its agreement with what ranks
 really hold, measured on 2 CPU ranks for each sharding strategy."""
 
 from __future__ import annotations
@@ -11,17 +11,17 @@ from conftest import run_cli, tiny_recipe
 
 from accel_fsdp.cli import main
 from accel_fsdp.planning.estimate import Row, cheapest, parse_count
-from accel_fsdp.planning.memory import GiB, MemoryInputs, estimate, seeds_simple
+from accel_fsdp.planning.memory import GiB, MemoryInputs, estimate, simple_bytes
 
 
-def test_seeds_calculator_numbers():
+def test_classic_calculator_numbers():
     p = 104_960_000
-    assert f"{seeds_simple(p, 1, False):.2f}" == "1.56" and f"{seeds_simple(p, 4, True):.2f}" == "0.39"
-    assert f"{seeds_simple(175_000_000_000, 1, False):.2f}" == "2607.70"
-    assert f"{seeds_simple(175_000_000_000, 64, True):.2f}" == "40.75"
+    assert f"{simple_bytes(p, 1, False):.2f}" == "1.56" and f"{simple_bytes(p, 4, True):.2f}" == "0.39"
+    assert f"{simple_bytes(175_000_000_000, 1, False):.2f}" == "2607.70"
+    assert f"{simple_bytes(175_000_000_000, 64, True):.2f}" == "40.75"
 
 
-def test_estimate_command_reproduces_the_seeds():
+def test_estimate_command_reproduces_the_classic_calculator():
     out = CliRunner().invoke(main, ["estimate", "104960000", "--gpus", "4", "--precision", "fp32"]).output
     assert "1.56 GiB on 1 GPU; 0.39 GiB per GPU with FSDP on 4" in out
     full = next(line for line in out.splitlines() if line.startswith("FULL_SHARD "))

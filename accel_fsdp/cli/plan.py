@@ -60,7 +60,7 @@ def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offlo
     without CPU offload), which fit, and the cheapest that fits with the accelerate config to use.
 
     \b
-    accel-fsdp estimate 104960000 --gpus 4 --precision fp32      # the seeds' calculator: 1.56 / 0.39 GiB
+    accel-fsdp estimate 104960000 --gpus 4 --precision fp32      # 16 bytes/parameter: 1.56 / 0.39 GiB
     accel-fsdp estimate gpt2-xl --gpus 2 --gpu-memory 24GB --micro-batch 4 --seq-len 1024
     accel-fsdp estimate llama-3.1-70b --gpus 8 --nodes 4 --activation-checkpointing
     accel-fsdp estimate llama-3.1-8b-lora --gpus 1 --gpu-memory 40GB

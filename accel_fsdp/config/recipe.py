@@ -156,7 +156,7 @@ class TrainingConfig:
     eval_max_batches: int | None = None
     """Evaluate on at most this many micro-batches per rank. Default: the whole held-out split."""
 
-    # The batch arithmetic, in one place (the seeds': global = micro x ranks x accumulation).
+    # The batch arithmetic, in one place (global = micro x ranks x accumulation).
     def rows_per_micro_step(self, ranks: int) -> int:
         """Sequences one micro-step reads over all ranks."""
         return self.micro_batch_size * ranks

@@ -265,7 +265,7 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
 
 
 def batch_problem(where: str, training, ranks: list[int], ranks_name: str) -> Problem | None:
-    """The seeds' batch arithmetic (`TrainingConfig.accumulation_steps`) must come out whole on these ranks.
+    """The batch arithmetic (`TrainingConfig.accumulation_steps`) must come out whole on these ranks.
     `ranks` are the factors of the rank count as the user sees them ([2] processes, or [nodes, gpus])."""
     world = math.prod(ranks)
     if training.splits_evenly(world):

@@ -3,7 +3,7 @@
 One SLURM task per node runs one `accelerate launch`, which starts that node's G ranks (torchrun underneath)
 with the node's machine rank (SLURM_NODEID) and the first node of the allocation as the main process. At job
 start `accel-fsdp recipe validate` checks and prints the recipe on this allocation (the batch arithmetic as the
-seeds' SLURM script computes it). SLURM's warning signal (SIGUSR1, `--signal-lead` seconds before the time
+classic SLURM recipe computes it). SLURM's warning signal (SIGUSR1, `--signal-lead` seconds before the time
 limit) makes the run checkpoint and exit 75; the script then requeues the job. Whether to resume or start is
 decided by the CLI (`--resume auto`), which knows where the run's checkpoints are, never by paths guessed in bash.
 Everything is checked when the script is generated too: the recipe, the config, the hybrid layout against the

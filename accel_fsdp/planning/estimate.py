@@ -13,7 +13,7 @@ from accel_fsdp.config.shipped import display, resolve_recipe, shipped_recipes
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model import architectures
 from accel_fsdp.model.facts import Shape, facts_for, facts_of
-from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, estimate, gib, seeds_simple
+from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, estimate, gib, simple_bytes
 from accel_fsdp.planning.plan import build_plan
 from accel_fsdp.preflight import model_view
 
@@ -178,8 +178,8 @@ def format_report(target: Target, rows: list[Row], *, gpus: int, nodes: int, pre
                 if deferred_reduce else "")]
     if target.note:
         lines.append(f"  ({target.note})")
-    one, each = seeds_simple(target.params, 1, False), seeds_simple(target.params, world, True)
-    lines.append(f"seeds' arithmetic, fp32 AdamW at 16 bytes/parameter: {one:,.2f} GiB on 1 GPU; "
+    one, each = simple_bytes(target.params, 1, False), simple_bytes(target.params, world, True)
+    lines.append(f"fp32 AdamW at 16 bytes/parameter: {one:,.2f} GiB on 1 GPU; "
                  f"{each:,.2f} GiB per GPU with FSDP on {world}")
     head = (f"{'strategy':<24}{'params':>9}{'grads':>9}{'optim':>9}{'gathered':>10}{'activ.':>9}{'GPU total':>11}"
             f"{'CPU':>9}  fits {gib(gpu_memory)} GiB")

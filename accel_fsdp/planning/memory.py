@@ -28,7 +28,7 @@ projection width, I the MLP width and m = 2 (GELU MLP) or 3 (SwiGLU). For GPT-2 
 16-bit, close to their 34 s b h. With activation checkpointing only each block's input (s b h c) is kept, plus
 one block recomputed at a time. The logits add b s V (c + 8) bytes (fp32 upcast for the loss and its gradient).
 
-The simple mode reproduces the seeds' calculator: 16 bytes per parameter, divided by the number of GPUs with
+The simple mode is the classic calculator: 16 bytes per parameter, divided by the number of GPUs with
 FSDP, in GiB.
 """
 
@@ -126,8 +126,8 @@ def activation_bytes(m: MemoryInputs) -> float:
     return float(layers + logits)
 
 
-def seeds_simple(params: int, gpus: int, fsdp: bool) -> float:
-    """The seeds' calculator, exactly: 16 bytes per parameter (fp32 weights, gradients, Adam), divided by the
+def simple_bytes(params: int, gpus: int, fsdp: bool) -> float:
+    """The classic calculator, exactly: 16 bytes per parameter (fp32 weights, gradients, Adam), divided by the
     number of GPUs with FSDP, in GiB."""
     total = params * 4 + params * 4 + params * 8
     if fsdp:

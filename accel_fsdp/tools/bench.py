@@ -110,7 +110,7 @@ def variant_config(base: Path, workdir: Path, name: str, **fsdp) -> Path:
 
 
 def compare_strategies(recipe, config: Path, overrides, steps, warmup, workdir) -> list[Measurement]:
-    """The seeds' table: NO_SHARD (FSDP1, the DDP-like baseline), SHARD_GRAD_OP and FULL_SHARD."""
+    """The strategies table: NO_SHARD (FSDP1, the DDP-like baseline), SHARD_GRAD_OP and FULL_SHARD."""
     version = int(yaml.safe_load(config.read_text()).get("fsdp_config", {}).get("fsdp_version", 1))
     no_shard = variant_config(config, workdir, "no_shard", fsdp_version=1, fsdp_sharding_strategy=NO_SHARD,
                               fsdp_use_orig_params=True, fsdp_sync_module_states=False)
@@ -129,7 +129,7 @@ def linear_classes(meta_model) -> list[str]:
 
 
 def compare_wrapping(recipe, config: Path, overrides, steps, warmup, workdir, classes: list[str]) -> list[Measurement]:
-    """The seeds' "wrap test": one unit per transformer block vs the whole model as one unit vs one per Linear.
+    """The "wrap test": one unit per transformer block vs the whole model as one unit vs one per Linear.
 
     Per Linear means every linear layer class of the blocks is a unit of its own (a transformer-based policy on
     that class): Accelerate's size-based policy would also try to shard ModuleList containers under FSDP2."""
@@ -158,7 +158,7 @@ def format_measurements(rows: list[Measurement], title: str) -> str:
 
 
 def strategy_summary(rows: list[Measurement]) -> list[str]:
-    """'memory per rank X vs Y unsharded, Z% saved', as the seeds print it."""
+    """'memory per rank X vs Y unsharded, Z% saved'."""
     base = rows[0]
     out = []
     for m in rows[1:]:

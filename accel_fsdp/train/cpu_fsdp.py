@@ -7,8 +7,7 @@ with a CPU `device_id`) works fine on CPU over gloo, so we create the state on C
 before the `Accelerator` reads it. From then on Accelerate's regular FSDP code runs unchanged: `prepare`
 applies `fully_shard`, `accumulate`, `clip_grad_norm_`, `save_state`/`load_state` and `get_state_dict` work.
 
-What it touches (Accelerate internals, checked with accelerate 1.15.0 and torch 2.13.0; see
-../shared/FSDP-ON-CPU.md of the project notes):
+What it touches (Accelerate internals, checked with accelerate 1.15.0 and torch 2.13.0):
   * `PartialState(cpu=True)` creates the gloo process group;
   * `AcceleratorState` is created first with our plugin, then its (shared) `distributed_type` is set to FSDP
     and `fsdp_plugin` to the plugin: the `Accelerator` built afterwards finds the state initialized and keeps
@@ -17,7 +16,8 @@ What it touches (Accelerate internals, checked with accelerate 1.15.0 and torch 
 
 It must never be used when a GPU is in use, and `check_sharded` guards the result: if a future Accelerate
 stops honouring the state, training stops with a message instead of silently running unsharded replicas.
-tests/test_training.py::test_ranks_hold_only_their_shard fails the day this stops sharding.
+tests/test_training.py::test_tiny_gpt2_trains_and_each_rank_holds_only_its_shard fails the day this stops
+sharding.
 """
 
 from __future__ import annotations
