@@ -123,28 +123,25 @@ def _vm_hwm() -> int | None:
     return None
 
 
-def peak_flops(device_name: str, half: bool) -> float | None:
-    """Dense peak FLOP/s of the named device for a 16-bit compute dtype (`half`: bf16, fp16 on tensor cores) or fp32
-    (plain fp32 unless TF32 matmuls are allowed, then the tensor-core figure halved, about what TF32 delivers)."""
-    import torch
-
+def peak_flops(device_name: str, half: bool, *, tf32: bool = False) -> float | None:
+    """Dense peak FLOP/s of the named device for a 16-bit compute dtype (`half`: bf16, fp16 on tensor cores) or fp32:
+    plain fp32, or with `tf32` matmuls allowed the tensor-core figure halved, about what TF32 delivers."""
     for key in sorted(PEAK_FLOPS, key=len, reverse=True):
         if key in device_name:
             low, fp32 = PEAK_FLOPS[key]
             if half:
                 return low
-            if torch.backends.cuda.matmul.allow_tf32:
-                return low / 2
-            return fp32
+            return low / 2 if tf32 else fp32
     return None
 
 
 def device_peak_flops(device, half: bool) -> float | None:
+    """`peak_flops` of this rank's GPU (None on CPU), with torch's TF32 switch as it is now."""
     if device.type != "cuda":
         return None
     import torch
 
-    return peak_flops(torch.cuda.get_device_name(device), half)
+    return peak_flops(torch.cuda.get_device_name(device), half, tf32=torch.backends.cuda.matmul.allow_tf32)
 
 
 # ------------------------------------------------------------------------------------------------ memory

@@ -124,7 +124,6 @@ class RunLayout:
     preempted_file = property(lambda self: self.root / PREEMPTED_FILE)
     report_file = property(lambda self: self.root / REPORT_FILE)
     loss_curve = property(lambda self: self.root / LOSS_CURVE_FILE)
-    lock_file = property(lambda self: self.root / LOCK_FILE)
     run_parameters_file = property(lambda self: self.root / RUN_PARAMETERS_FILE)
 
     @property

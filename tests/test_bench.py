@@ -48,7 +48,7 @@ def test_bench_compares_wrapping(bench_recipe):
 def test_report_summarizes_and_plots(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "run.json").write_text(json.dumps({"recipe_name": "demo"}))
+    (run / "run.json").write_text(json.dumps({"run_id": "0123456789abcdef", "recipe_name": "demo"}))
     rows = [{"kind": "train", "step": s, "loss": 5.0 - 0.4 * s, "tokens_per_s": 1000.0 + s,
              "tokens_per_s_per_rank": 500.0, "step_time_s": 0.1, "tokens_seen": 100 * s,
              "peak_memory_bytes": [10 << 20, 12 << 20]} for s in range(1, 11)]

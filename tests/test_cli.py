@@ -146,7 +146,8 @@ def test_accelerate_config_missing():
 def test_output_folder_holding_a_different_run_is_refused(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "run.json").write_text(json.dumps({"recipe_name": "other", "recipe_fingerprint": "0123"}))
+    (run / "run.json").write_text(json.dumps({"run_id": "0123456789abcdef", "recipe_name": "other",
+                                              "recipe_fingerprint": "0123"}))
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in run.iterdir()}
     msg = user_error("recipe", "run", "quickstart", "--output-dir", run)

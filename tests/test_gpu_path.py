@@ -143,15 +143,18 @@ def test_offloaded_optimizer_step_is_fused_and_gets_the_cores():
 # ----------------------------------------------------------------------------------------- 9: smaller ones
 
 
-@pytest.mark.parametrize("name,precision,peak", [
-    ("NVIDIA H100 80GB HBM3", "bf16", 989e12), ("NVIDIA H100 PCIe", "bf16", 756e12),
-    ("NVIDIA H100 NVL", "bf16", 835e12), ("NVIDIA H200", "bf16", 989e12), ("NVIDIA A100-SXM4-80GB", "fp32", 19.5e12),
-    ("NVIDIA H100 80GB HBM3", "fp32", 67e12), ("NVIDIA GH200 480GB", "bf16", 989e12), ("Some New GPU", "bf16", None),
+@pytest.mark.parametrize("name,precision,tf32,peak", [
+    ("NVIDIA H100 80GB HBM3", "bf16", False, 989e12), ("NVIDIA H100 PCIe", "bf16", False, 756e12),
+    ("NVIDIA H100 NVL", "bf16", False, 835e12), ("NVIDIA H200", "bf16", False, 989e12),
+    ("NVIDIA A100-SXM4-80GB", "fp32", False, 19.5e12), ("NVIDIA H100 80GB HBM3", "fp32", False, 67e12),
+    ("NVIDIA H100 80GB HBM3", "fp32", True, 989e12 / 2), ("NVIDIA H100 80GB HBM3", "fp16", True, 989e12),
+    ("NVIDIA GH200 480GB", "bf16", False, 989e12), ("Some New GPU", "bf16", False, None),
 ])
-def test_mfu_uses_the_peak_of_the_exact_part_and_precision(name, precision, peak):
+def test_mfu_uses_the_peak_of_the_exact_part_and_precision(name, precision, tf32, peak):
+    from accel_fsdp.config.precision import is_half
     from accel_fsdp.hardware import peak_flops
 
-    assert peak_flops(name, precision) == peak
+    assert peak_flops(name, is_half(precision), tf32=tf32) == peak
 
 
 def test_a_skipped_fp16_step_does_not_advance_the_schedule():

@@ -16,7 +16,8 @@ from accel_fsdp.config.accelerate import CONFIG_PATH_ENV, check_accelerate_confi
 from accel_fsdp.config.recipe import key_reference
 from accel_fsdp.config.shipped import resolve_recipe
 from accel_fsdp.errors import Problem, UserError, raise_if
-from accel_fsdp.launch.launcher import MachineOptions, inside_launch, launch
+from accel_fsdp.launch import launcher
+from accel_fsdp.launch.launcher import MachineOptions, inside_launch
 from accel_fsdp.layout import RunLayout
 from accel_fsdp.planning.plan import print_plan
 from accel_fsdp.preflight import load_config_or_default, preflight
@@ -250,7 +251,8 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     argv = child_argv(click.get_current_context(), parent_only=LAUNCHER_OPTIONS, given={
         "name_or_path": str(Path(r.source).absolute()), "output_dir": str(run_dir),
         "resume_from": str(Path(resume_from).absolute()) if resume_from else None})
-    sys.exit(launch(config, argv, num_processes=n, machine=machine, run_dir=run_dir))
+    # Through the module: tests replace `launcher.launch` to see what would be launched.
+    sys.exit(launcher.launch(config, argv, num_processes=n, machine=machine, run_dir=run_dir))
 
 
 LAUNCHER_OPTIONS = frozenset({"accelerate_config", "num_processes", "num_machines", "machine_rank", "main_process_ip",
