@@ -27,6 +27,7 @@ from accel_fsdp.config.settings import (
 )
 from accel_fsdp.config.shipped import shipped_accelerate_configs
 from accel_fsdp.data import prepare as data_lib
+from accel_fsdp.data.sources import locate, source_key
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.layout import RunLayout
 from accel_fsdp.model import checks as model_checks
@@ -44,8 +45,8 @@ class PreflightReport:
     parameters: int | None = None
     model_class: str | None = None
     notes: list[str] = field(default_factory=list)
-    data_rows: int | None = None
     data_stats: object | None = None
+    """What preparing the data found (data/prepare.py DataStats), when it could be prepared here."""
 
 
 def default_accelerate_config() -> tuple[Path, int | None, str]:
@@ -204,31 +205,38 @@ def model_view(recipe):
 
 
 def _check_data(recipe, report: PreflightReport) -> list[Problem]:
-
-    kind, _ = data_lib.resolve_data_path(recipe)
-    if kind == "hub":
-        report.notes.append(f"hub dataset {recipe.data.path!r}: checked when training starts (needs the network)")
+    """Every source read and checked; tokenized and packed now when the tokenizer is on this machine (cached: the
+    ranks read the result), so what only tokenizing finds (no example keeps a loss token, a source without rows)
+    stops here, before anything launches. Hub sources are checked when training starts (the network)."""
+    sources = recipe.data.resolved_sources()
+    local = []
+    for i, source in enumerate(sources):
+        if locate(recipe, source, source_key(recipe, i)).kind == "hub":
+            report.notes.append(f"hub dataset {source.path!r}: checked when training starts (needs the network)")
+        else:
+            local.append(i)
+    if not local:
         return []
     tokenizer = offline_tokenizer(recipe)
     if tokenizer is None:
         report.notes.append(f"tokenizer {recipe.model.tokenizer or recipe.model.name_or_path!r} is not on this "
                             "machine: the data is tokenized when training starts")
-    rows = data_lib.read_rows(recipe)
-    report.data_rows = len(rows)
-    problems = data_lib.check_rows(recipe, rows)
-    if tokenizer is not None:
-        problems += data_lib.check_tokenizer(recipe, tokenizer)
-    if problems or tokenizer is None:
+    problems: list[Problem] = []
+    for i in local:
+        source = sources[i]
+        try:
+            if tokenizer is None:
+                data_lib.check_source_rows(recipe, i, source)
+            else:
+                data_lib.prepare_source(recipe, tokenizer, i, source)
+        except UserError as e:
+            problems += e.problems
+    if problems or tokenizer is None or len(local) < len(sources):
         return problems
-    # Tokenize and pack now (cached: the ranks read the result): what only tokenizing finds (no example keeps a
-    # loss token, responses truncated away) stops here, before anything launches.
-    try:
-        data = data_lib.prepare_data(recipe, tokenizer, rows=rows)
-    except UserError as e:
-        return e.problems
+    data = data_lib.load_data(recipe, tokenizer)
     report.data_stats = data.stats
     report.notes += data.stats.warnings(recipe)
-    little = data_lib.too_little_data(recipe, data.stats.train_sequences)
+    little = data_lib.too_little_data(recipe, len(data))
     return [little] if little else []
 
 

@@ -8,6 +8,7 @@ import json
 from datetime import timedelta
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 import yaml
@@ -202,18 +203,18 @@ def test_estimate_and_dry_run_count_unsharded_gradients_when_the_reduction_is_de
 
 def test_flash_attention_gets_padding_free_batches():
     from accel_fsdp.data.batches import PADDED, PADDING_FREE, batch_layout, collate
-    from accel_fsdp.data.prepare import IGNORE_INDEX
+    from accel_fsdp.data.store import IGNORE_INDEX, Sequence
 
     assert batch_layout("flash_attention_2", True) == PADDING_FREE
     assert batch_layout("flash_attention_3", True) == PADDING_FREE
     assert batch_layout("sdpa", True) == batch_layout("eager", True) == batch_layout(None, True) == PADDED
     x = IGNORE_INDEX
-    # Two packed rows of 8 (documents of 3 + 4 tokens, then 5 tokens; trailing padding) and their stored labels
-    # (every document's first token masked).
-    rows = {"input_ids": [[1, 2, 3, 4, 5, 6, 7, 0], [8, 9, 10, 11, 12, 0, 0, 0]],
-            "labels": [[x, 2, 3, x, 5, 6, 7, x], [x, 9, 10, 11, 12, x, x, x]],
-            "position_ids": [[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 0, 1, 2]], "length": [7, 5]}
-    batch = collate(rows, pad_id=0, use_position_ids=True, layout=PADDING_FREE)
+    # Two packed sequences (documents of 3 + 4 tokens, then 5 tokens) as the data gives them: every document's first
+    # token carries no label.
+    a = numpy.array
+    sequences = [Sequence(a([1, 2, 3, 4, 5, 6, 7]), a([x, 2, 3, x, 5, 6, 7]), a([0, 1, 2, 0, 1, 2, 3])),
+                 Sequence(a([8, 9, 10, 11, 12]), a([x, 9, 10, 11, 12]), a([0, 1, 2, 3, 4]))]
+    batch = collate(sequences, pad_id=0, use_position_ids=True, layout=PADDING_FREE)
     assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]  # no padding at all
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 3, 4]]
     assert batch["labels"].tolist() == [[x, 2, 3, x, 5, 6, 7, x, 9, 10, 11, 12]]  # no label across a boundary
@@ -227,20 +228,25 @@ def test_a_packed_row_gives_each_document_the_logits_it_has_alone(tmp_path, kind
     from transformers import AutoModelForCausalLM
 
     from accel_fsdp.data.batches import PADDED, collate
-    from accel_fsdp.data.prepare import _tokenize_batch
+    from accel_fsdp.data.store import TableWriter, TokenTable
     from accel_fsdp.data.synthetic import build_tokenizer
+    from accel_fsdp.data.tokenize import encode
 
     tok = build_tokenizer()
     folder = save_tiny_model(tmp_path / kind, kind)
     texts = ["alice has a red cat .", "bob has a blue dog . the dog is happy .", "the end .",
              "carol has a green bird .", "dave and the bird go to the park ."]
-    recipe = recipe_from_text(TINY, source="r.yaml")
-    packed = _tokenize_batch(recipe, tok, 24, tok.pad_token_id, True, {"text": texts})
-    assert len(packed["input_ids"]) >= 2  # a micro-batch of several packed rows
-    rows = {k: packed[k] for k in ("input_ids", "labels", "position_ids", "length")}
+    writer = TableWriter(tmp_path / "table", dtype=numpy.uint16, masked=False, seq_len=24, packing="stream")
+    writer.add([(numpy.array(ids + [tok.eos_token_id]), None) for ids in encode(tok, texts, special=True)])
+    writer.close()
+    table = TokenTable(tmp_path / "table")
+    assert len(table) >= 2  # a micro-batch of several packed sequences
+    sequences = [table.sequence(i) for i in range(len(table))]
+    rows = {"input_ids": [s.ids.tolist() for s in sequences], "position_ids": [s.positions.tolist() for s in sequences],
+            "length": [len(s) for s in sequences]}
     for attn in ("sdpa", "eager"):
         model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn).eval()
-        batch = collate(rows, tok.pad_token_id, True, layout=PADDED)
+        batch = collate(sequences, tok.pad_token_id, True, layout=PADDED)
         with torch.no_grad():
             logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
             leaky = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=True).logits

@@ -157,7 +157,8 @@ def test_trainer_state_keeps_its_json_and_unknown_keys():
     from accel_fsdp.checkpoint.records import DamagedRecord, TrainerState
 
     data = {"step": 4, "epoch": 1, "batch_in_epoch": 0, "rows_consumed": 128, "tokens_seen": 999, "total_steps": 8,
-            "parameters": 10, "trainable_parameters": 5, "scheduler": {"last_epoch": 4}}
+            "parameters": 10, "trainable_parameters": 5, "data": {"step": 4, "units": [100, 28], "drawn": [9e3, 3e3]},
+            "scheduler": {"last_epoch": 4}}
     s = TrainerState.from_dict(data)
     assert s.to_dict() == data and list(s.to_dict()) == list(data)
     assert s.step == 4 and s.tokens_seen == 999

@@ -34,7 +34,8 @@ def problems_of(text, overrides=()):
 def test_good_recipe_loads_with_defaults():
     r = load(GOOD)
     assert r.name == "r" and r.training.max_steps == 10 and r.training.lr == 2e-5
-    assert r.packing is True  # text data packs by default
+    (source,) = r.data.resolved_sources()
+    assert r.data.packs(source) is True and source.name == "quickstart"  # text packs by default
     assert isinstance(r.model.lora.target_modules, list)
 
 

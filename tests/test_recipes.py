@@ -72,7 +72,7 @@ def test_unknown_architecture_is_one_clear_message():
 @pytest.mark.parametrize("suffix", [".csv", ".parquet", ".json", ".txt"])
 def test_every_local_file_format_is_read(tmp_path, suffix):
     from accel_fsdp.config.recipe import recipe_from_text
-    from accel_fsdp.data.prepare import read_rows
+    from accel_fsdp.data.sources import SourceReader
 
     texts = ["alice has a red cat .", "bob has a blue dog .", "the cat is happy ."]
     path = tmp_path / f"data{suffix}"
@@ -88,7 +88,9 @@ def test_every_local_file_format_is_read(tmp_path, suffix):
     else:
         path.write_text("\n\n".join(texts) + "\n")  # a .txt file: one document per paragraph
     r = recipe_from_text(f'model: {{architecture: gpt2}}\ndata: {{path: "{path}"}}\n', source="r.yaml")
-    assert [row["text"].strip() for row in read_rows(r)] == texts
+    reader = SourceReader(r, r.data.resolved_sources()[0], 0).open()
+    assert reader.count() == 3
+    assert [row["text"].strip() for _, rows in reader.batches(2) for row in rows] == texts
 
 
 @pytest.mark.multiprocess

@@ -440,7 +440,7 @@ CORPUS = [
     # data
     ("data-smaller-than-a-batch", lambda t: ["recipe", "validate", "quickstart", "--set",
                                              f"data.path={write(t / 'd.jsonl', THREE_ROWS)}"],
-     "32 rows per optimizer step, but the data has only"),
+     "32 sequences per optimizer step, but the data has only"),
     ("attention-kernel-typo", lambda t: ["recipe", "validate", "quickstart",
                                          "--set", "model.attn_implementation=flash_attention_9"],
      "'flash_attention_9' is not an attention kernel"),

@@ -21,10 +21,13 @@ def test_verify_quickstart_passes_every_check(tmp_path):
     report = report_of(out)
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert status == {"sharding": "PASS", "precision": "PASS", "equivalence": "PASS", "resume": "PASS",
-                      "packing": "PASS", "activation-checkpointing": "PASS", "memory": "PASS", "throughput": "INFO"}
+                      "packing": "PASS", "data": "PASS", "activation-checkpointing": "PASS", "memory": "PASS",
+                      "throughput": "INFO"}
     assert report["passed"] and set(report["probes"]) == {"reference", "split", "fewer-ranks", "resume", "ac-on",
                                                           "ac-off"}
-    assert "7 passed, 0 failed" in proc.stdout
+    assert "8 passed, 0 failed" in proc.stdout
+    data = next(c for c in report["checks"] if c["name"] == "data")
+    assert data["data"]["ranks_compared"] == [1, 2] and "1 rank and 2 ranks read the same sequences" in data["measured"]
     equivalence = next(c for c in report["checks"] if c["name"] == "equivalence")
     assert set(equivalence["data"]) == {"split", "fewer-ranks"}  # two other splits, one of them on 1 rank
     # verify keeps to its folder: a second verify replaces the first, a folder of something else is refused
@@ -54,13 +57,23 @@ INSTRUCTION = ["--set", "data.path=builtin:quickstart-instruct", "--set", "data.
     ("skip-batch", "resume", [], "largest weight difference after resuming from step 2"),
     ("mask-leak", "packing", [], "largest logit difference to each document alone"),
     ("ac-rng", "activation-checkpointing", [], "with dropout 0.1, with vs without"),
+    ("mix-weights", "data", ["quickstart-mix"], "a source's share is 0.2"),
 ])
 def test_each_check_fails_when_its_property_is_broken(tmp_path, broken, check, extra, expected):
     out = tmp_path / "verify"
-    proc = run_cli("verify", "quickstart", "--quick", "--only", check, "--output-dir", out, *extra,
+    recipe = extra.pop(0) if extra and not extra[0].startswith("--") else "quickstart"
+    proc = run_cli("verify", recipe, "--quick", "--only", check, "--output-dir", out, *extra,
                    env={"ACCEL_FSDP_BREAK": broken})
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     (result,) = report_of(out)["checks"]
     assert result["name"] == check and result["status"] == "FAIL", result
     assert expected in result["measured"], result["measured"]
     assert "0 passed, 1 failed" in proc.stdout
+
+
+def test_the_data_check_passes_on_a_mixture(tmp_path):
+    out = tmp_path / "verify"
+    run_cli("verify", "quickstart-mix", "--quick", "--only", "data", "--output-dir", out, check=0)
+    (result,) = report_of(out)["checks"]
+    assert result["status"] == "PASS" and result["data"]["max_share_deviation"] <= 0.01, result
+    assert result["data"]["repeats"] == result["data"]["missing"] == 0 and result["data"]["epochs_completed"] >= 1

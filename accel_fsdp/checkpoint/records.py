@@ -151,6 +151,8 @@ class TrainerState(_Record):
     """Parameters of the model."""
     trainable_parameters: int | None = None
     """Parameters the optimizer updates."""
+    data: dict | None = None
+    """Where each data source stands after `step` (data/sampler.py: units drawn from each, and what they cost)."""
     scheduler: dict | None = None
     """The learning-rate scheduler's state_dict (saved with the checkpoint, consumed by load_checkpoint)."""
     extra: dict[str, Any] = field(default_factory=dict)

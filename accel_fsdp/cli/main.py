@@ -9,7 +9,7 @@ from __future__ import annotations
 import click
 
 from accel_fsdp import __version__
-from accel_fsdp.cli import checkpoint, plan, recipe, tools
+from accel_fsdp.cli import checkpoint, data, plan, recipe, tools
 from accel_fsdp.errors import show_usage_error
 from accel_fsdp.quiet import quiet_warnings
 
@@ -25,6 +25,7 @@ def main() -> None:
     accel-fsdp recipe list                      what can be trained
     accel-fsdp recipe run quickstart            a tiny model, anywhere, in about a minute
     accel-fsdp recipe run gpt2-xl --accelerate-config fsdp_2gpu
+    accel-fsdp data prepare quickstart-mix      tokenize ahead of a run; `data show` to look inside
     accel-fsdp checkpoint consolidate runs/gpt2-xl out/gpt2-xl
     """
     quiet_warnings()
@@ -33,6 +34,7 @@ def main() -> None:
 # The commands, each in the module of its kind.
 main.add_command(recipe.recipe)
 main.add_command(checkpoint.checkpoint)
+main.add_command(data.data)
 main.add_command(tools.tokenizer)
 main.add_command(plan.estimate_command)
 main.add_command(tools.bench_command)

@@ -138,8 +138,9 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
     k = t.accumulation_steps(s.num_processes.value)
     click.echo(f"  batch: global {t.global_batch_size} = micro {t.micro_batch_size} x {s.num_processes.value} "
                f"processes x {k} accumulation steps")
-    if report.data_rows is not None:
-        click.echo(f"  data: {r.data.path}: {report.data_rows:,} rows, format {r.data.format}")
+    if report.data_stats is not None:
+        for source in report.data_stats.sources:
+            click.echo(f"  data: {source.name} ({source.format}): {source.summary()}")
     click.echo(f"  checkpoints: {RunLayout.of(r, output_dir).checkpoints}")
     click.echo("  FSDP settings (value, source):")
     click.echo(s.format(indent=4))

@@ -16,7 +16,7 @@ from accel_fsdp.preflight import load_config_or_default, preflight
 from accel_fsdp.quiet import quiet_libraries
 from accel_fsdp.tools import bench
 from accel_fsdp.tools.report import format_summary, plot, summarize
-from accel_fsdp.tools.verify import format_table, verify
+from accel_fsdp.tools.verify import CHECKS, format_table, verify
 
 # ------------------------------------------------------------------------------------------- tokenizer
 
@@ -94,22 +94,22 @@ def bench_command(name_or_path, accelerate_config, steps, warmup, overrides, com
 @click.argument("name_or_path")
 @click.option("--accelerate-config", "accelerate_config", metavar="NAME|PATH", help=CONFIG_HELP)
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
-@click.option("--quick", is_flag=True, help="Fewer probes: no comparison on fewer ranks.")
+@click.option("--quick", is_flag=True, help="Fewer probes: no run on fewer ranks (equivalence and data compare one).")
 @click.option("--steps", default=4, show_default=True, type=click.IntRange(2, 100),
               help="Optimizer steps of each probe (resume is checked from step 2 when there are 3 or more).")
 @click.option("--layers", type=click.IntRange(1, 1000), help="Verify the same settings on a copy of the architecture "
               "with this many blocks (for models too large to probe whole; pretrained weights of the first blocks).")
 @click.option("--num-processes", type=click.IntRange(1, 1 << 20), help="Ranks, overriding the config.")
-@click.option("--only", "only", multiple=True, type=click.Choice(
-    ["sharding", "precision", "equivalence", "resume", "packing", "activation-checkpointing", "memory",
-     "throughput"]), help="Only these checks (repeatable). Default: all.")
+@click.option("--only", "only", multiple=True, type=click.Choice(CHECKS),
+              help="Only these checks (repeatable). Default: all.")
 @click.option("--output-dir", type=click.Path(path_type=Path), help="Where the probes and report.json go. Default: "
               "runs/<recipe name>-verify.")
 def verify_command(name_or_path, accelerate_config, overrides, quick, steps, layers, num_processes, only,
                    output_dir) -> None:
     """Prove on this hardware that the recipe trains correctly: sharding, precision, the same loss however the
-    global batch is split, exact resume, packed documents kept apart, activation checkpointing with dropout,
-    memory against the estimate, throughput. Each check prints PASS/FAIL with what was measured and the tolerance;
+    global batch is split, exact resume, packed documents kept apart, the data mixture (each sequence once per epoch,
+    shares by weight, the same sequences on any number of ranks), activation checkpointing with dropout, memory
+    against the estimate, throughput. Each check prints PASS/FAIL with what was measured and the tolerance;
     exit status 1 when any fails. docs/VERIFY.md says what each proves, and what it cannot.
 
     \b

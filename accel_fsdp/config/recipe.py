@@ -79,13 +79,61 @@ class ModelConfig:
     """LoRA adapters (PEFT)."""
 
 
+FORMATS = ("text", "instruction", "chat")
+"""data.format: what a row of a source holds."""
+MIX_BY = ("tokens", "rows")
+SOURCE_KEYS = ("path", "format", "text_field", "instruction_field", "input_field", "output_field", "messages_field",
+               "hub_config", "split", "max_rows")
+"""The keys of `data` that describe one source; an entry of data.sources that leaves one out takes data's value."""
+
+
+@dataclass(kw_only=True)
+class SourceConfig:
+    """One dataset of a mixture (an entry of data.sources). A key left out takes the value of the same key in
+    `data` (so `data.format: chat` once serves every entry)."""
+
+    name: str | None = None
+    """Name in the summary and the metrics (source_tokens, eval_loss_by_source). Default: the file stem, the hub
+    dataset's name, or the built-in name."""
+    path: str | None = None
+    """Local .jsonl/.json/.csv/.parquet/.txt file, a hub dataset (owner/name or hub:name), or builtin:NAME."""
+    weight: float = 1.0
+    """Share of the mixture: of the loss-carrying tokens (data.mix_by: tokens) or of the sequences (rows). Weights
+    are relative: they are divided by their sum."""
+    format: Literal[FORMATS] | None = None
+    """text, instruction or chat (see data.format)."""
+    text_field: str | None = None
+    """Column holding the text (format: text)."""
+    instruction_field: str | None = None
+    """Column holding the instruction (format: instruction)."""
+    input_field: str | None = None
+    """Optional column with extra input for the instruction (format: instruction)."""
+    output_field: str | None = None
+    """Column holding the response (format: instruction)."""
+    messages_field: str | None = None
+    """Column holding the list of {role, content} messages (format: chat)."""
+    hub_config: str | None = None
+    """Configuration name of a hub dataset."""
+    split: str | None = None
+    """Split of a hub dataset to read."""
+    max_rows: int | None = None
+    """Read at most this many rows of this source."""
+
+
 @dataclass(kw_only=True)
 class DataConfig:
-    """What the model learns from."""
+    """What the model learns from: one source (data.path and its keys) or a weighted mixture (data.sources)."""
 
     path: str = ""
-    """Local .jsonl/.json/.csv/.parquet/.txt file, a hub dataset (owner/name or hub:name), or builtin:quickstart."""
-    format: Literal["text", "instruction", "chat"] = "text"
+    """One source: a local .jsonl/.json/.csv/.parquet/.txt file, a hub dataset (owner/name or hub:name), or
+    builtin:quickstart. For several, use data.sources instead."""
+    sources: list[SourceConfig] = field(default_factory=list)
+    """A mixture: a list of sources, each with a path, a weight and optionally its own format and field names
+    (the keys below serve as their defaults). Exclusive with data.path."""
+    mix_by: Literal[MIX_BY] = "tokens"
+    """What the weights of data.sources share out: tokens (loss-carrying tokens of each optimizer step) or rows
+    (sequences)."""
+    format: Literal[FORMATS] = "text"
     """text: language modelling on text_field; instruction: alpaca rows, loss on the response only;
     chat: a list of messages rendered with the tokenizer's chat template, loss on assistant turns only."""
     text_field: str = "text"
@@ -103,15 +151,39 @@ class DataConfig:
     split: str = "train"
     """Split of a hub dataset to read."""
     seq_len: int = 1024
-    """Tokens per training row. Must not exceed the model's context length."""
+    """Tokens per training sequence. Must not exceed the model's context length."""
     packing: bool | None = None
-    """Pack short examples into full seq_len rows (EOS between documents). Default: on for text, off otherwise."""
+    """Pack short examples into full seq_len sequences (documents kept apart). Default: on for text sources, off
+    for the others."""
     eval_fraction: float = 0.05
-    """Share of rows held out for evaluation (deterministic split). 0 disables evaluation."""
+    """Share of each source's rows held out for evaluation (deterministic split). 0 disables evaluation."""
     max_rows: int | None = None
-    """Read at most this many examples (rows of the source), for quick experiments."""
+    """Read at most this many rows of each source, for quick experiments."""
     num_proc: int | None = None
-    """Processes used for tokenization. Default: one."""
+    """Threads (and processes) that tokenize. Default: the cores this process may use."""
+
+    def resolved_sources(self) -> list[SourceConfig]:
+        """Every source with every key filled in (data.path is a mixture of one, named after its file)."""
+        entries = self.sources or ([SourceConfig(path=self.path)] if self.path else [])
+        out = []
+        for entry in entries:
+            filled = {k: getattr(self, k) if getattr(entry, k) is None else getattr(entry, k) for k in SOURCE_KEYS
+                      if k != "path"}
+            path = entry.path or ""
+            out.append(SourceConfig(name=entry.name or default_source_name(path), path=path, weight=entry.weight,
+                                    **filled))
+        return out
+
+    def packs(self, source: SourceConfig) -> bool:
+        """Whether this source's examples are packed into full sequences."""
+        return source.format == "text" if self.packing is None else self.packing
+
+
+def default_source_name(path: str) -> str:
+    """`stories` for data/stories.jsonl, `ultrachat_200k` for HuggingFaceH4/ultrachat_200k, `quickstart` for
+    builtin:quickstart."""
+    text = path.removeprefix("hub:").removeprefix("builtin:").rstrip("/")
+    return Path(text).stem if Path(text).suffix else (text.rsplit("/", 1)[-1] or path)
 
 
 @dataclass(kw_only=True)
@@ -154,7 +226,7 @@ class TrainingConfig:
     eval_every_steps: int | None = None
     """Evaluate on the held-out split every N optimizer steps (and at the end). Default: at the end only."""
     eval_max_batches: int | None = None
-    """Evaluate on at most this many micro-batches per rank. Default: the whole held-out split."""
+    """Evaluate on at most this many micro-batches per rank (of each source). Default: the whole held-out split."""
 
     # The batch arithmetic, in one place (global = micro x ranks x accumulation).
     def rows_per_micro_step(self, ranks: int) -> int:
@@ -269,9 +341,6 @@ class Recipe:
         line = self.lines.get(key)
         return f"{self.source}:{line}: {key}" if line else f"{self.source}: {key}"
 
-    @property
-    def packing(self) -> bool:
-        return self.data.format == "text" if self.data.packing is None else self.data.packing
 
 
 # Keys that may change between a checkpoint and the run resuming from it: they change how the run is observed,
@@ -372,6 +441,16 @@ def _apply_override(raw: dict, item: str, problems: list[Problem]) -> str | None
     cls: Any = Recipe
     parts = key.split(".")
     for i, part in enumerate(parts):
+        if _section_list(cls) is not None:  # data.sources.1.weight: an entry of a list of sections, by index
+            entries = _lookup(raw, parts[:i])
+            count = len(entries) if isinstance(entries, list) else 0
+            if not part.isdigit() or int(part) >= count:
+                problems.append(Problem(f"--set {key}", f"{'.'.join(parts[:i])} has no entry {part!r} "
+                                        f"({count} entries, numbered from 0)",
+                                        f"use an index below {count}, or set the whole list"))
+                return None
+            cls = _section_list(cls)
+            continue
         hints = _hints(cls) if _is_dataclass_type(cls) else None
         if hints is None or part not in hints or _is_internal(cls, part):
             if cls is dict or (hints is None and _origin(cls) is dict):
@@ -390,11 +469,30 @@ def _apply_override(raw: dict, item: str, problems: list[Problem]) -> str | None
         cls = _strip_optional(hints[part])
     node = raw
     for part in parts[:-1]:
-        if not isinstance(node.get(part), dict):
+        if isinstance(node, list):
+            node = node[int(part)]
+            continue
+        if not isinstance(node.get(part), (dict, list)):
             node[part] = {}
         node = node[part]
-    node[parts[-1]] = value
+    if isinstance(node, list):
+        node[int(parts[-1])] = value
+    else:
+        node[parts[-1]] = value
     return key
+
+
+def _lookup(raw: Any, parts: list[str]) -> Any:
+    """The value at a dotted path of the raw YAML data (list entries by index), or None."""
+    node = raw
+    for part in parts:
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def _build(cls, raw: Any, prefix: str, where, problems: list[Problem]):
@@ -417,6 +515,15 @@ def _build(cls, raw: Any, prefix: str, where, problems: list[Problem]):
         typ = hints[key]
         if _is_dataclass_type(_strip_optional(typ)):
             kwargs[key] = _build(_strip_optional(typ), {} if value is None else value, dotted + ".", where, problems)
+            continue
+        item = _section_list(typ)
+        if item is not None:
+            if not isinstance(value, list):
+                problems.append(Problem(where(dotted), f"expected a list of {item.__name__.removesuffix('Config')} "
+                                        f"entries, found {_show(value)}",
+                                        f"write `{key}:` followed by `- path: ...` entries"))
+                continue
+            kwargs[key] = [_build(item, entry, f"{dotted}.{i}.", where, problems) for i, entry in enumerate(value)]
             continue
         ok, converted, expected = _check_type(value, typ)
         if not ok:
@@ -448,16 +555,12 @@ def check_recipe(r: Recipe) -> list[Problem]:
     need(attn is None or attn in ATTENTION_KERNELS or "/" in attn, "model.attn_implementation",
          f"{attn!r} is not an attention kernel", f"use one of {', '.join(ATTENTION_KERNELS)} (or a hub kernel such as "
          "kernels-community/flash-attn)")
-    need(bool(d.path), "data.path", "no data given", "set data.path to a .jsonl/.json/.csv/.parquet/.txt file, "
-         "hub:<dataset>, or builtin:quickstart")
+    p += source_problems(r)
     need(d.seq_len >= 8, "data.seq_len", f"{d.seq_len} is too short", "use at least 8 (typical: 512 to 4096)")
     need(0 <= d.eval_fraction < 0.5, "data.eval_fraction", f"{d.eval_fraction} is outside [0, 0.5)",
          "hold out a small share such as 0.05, or 0 for no evaluation")
     need(d.max_rows is None or d.max_rows > 0, "data.max_rows", f"{d.max_rows} must be positive", "or null for all")
     need(d.num_proc is None or d.num_proc >= 1, "data.num_proc", f"{d.num_proc} must be at least 1", "or null")
-    if d.format == "chat" and d.packing:
-        p.append(Problem(where("data.packing"), "packing is not supported for chat data",
-                         "set data.packing to false (chat rows are padded)"))
     need(t.micro_batch_size >= 1, "training.micro_batch_size", f"{t.micro_batch_size} must be at least 1",
          "rows per rank per micro-step, e.g. 1 to 16")
     need(t.global_batch_size >= 1, "training.global_batch_size", f"{t.global_batch_size} must be at least 1",
@@ -512,15 +615,53 @@ def check_recipe(r: Recipe) -> list[Problem]:
     return p
 
 
+def source_problems(r: Recipe) -> list[Problem]:
+    """data.path or data.sources, and each source: a path, a positive weight, a name of its own."""
+    d, where = r.data, r.where
+    if d.path and d.sources:
+        return [Problem(where("data.sources"), f"both data.path ({d.path!r}) and data.sources "
+                        f"({len(d.sources)} entries) are set", "keep data.path for one source, or move it into "
+                        "data.sources as an entry of the mixture")]
+    if not d.path and not d.sources:
+        return [Problem(where("data.path"), "no data given", "set data.path to a .jsonl/.json/.csv/.parquet/.txt "
+                        "file, hub:<dataset>, or builtin:quickstart (or data.sources for a mixture)")]
+    p: list[Problem] = []
+    resolved = d.resolved_sources()
+    for i, (entry, source) in enumerate(zip(d.sources or [None], resolved)):
+        key = f"data.sources.{i}" if entry is not None else "data"
+        label = f" (source {source.name!r})" if entry is not None else ""
+        if entry is not None and not entry.path:
+            p.append(Problem(where(key), f"source {i} has no path", "give each entry of data.sources a path"))
+        if not (source.weight > 0):
+            p.append(Problem(where(f"{key}.weight"), f"{source.weight}{label} must be positive",
+                             "weights are relative shares, e.g. 0.7 and 0.3 (a source you do not want: remove it)"))
+        if source.max_rows is not None and source.max_rows <= 0:
+            p.append(Problem(where(f"{key}.max_rows"), f"{source.max_rows}{label} must be positive", "or null for all"))
+        if source.format == "chat" and d.packing:
+            p.append(Problem(where("data.packing"), f"packing is not supported for chat data{label}",
+                             "set data.packing to false (chat sequences are padded)"))
+    names = [s.name for s in resolved]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        numbers = [i for i, n in enumerate(names) if n == name]
+        p.append(Problem(where(f"data.sources.{numbers[1]}.name"), f"sources {', '.join(map(str, numbers))} are all "
+                         f"named {name!r}", "give each source a name of its own (name: ...)"))
+    return p
+
+
 # ------------------------------------------------------------------------------------------------ helpers
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted keys of a recipe dict; entries of a list of sections by index (data.sources.1.weight)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and k != "config_overrides":
             out.update(flatten(v, key + "."))
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            out[f"{key}.count"] = len(v)
+            for i, entry in enumerate(v):
+                out.update(flatten(entry, f"{key}.{i}."))
         else:
             out[key] = v
     return out
@@ -551,6 +692,9 @@ def key_reference() -> list[tuple[str, str, str, str]]:
             typ = _hints(cls)[f.name]
             if _is_dataclass_type(_strip_optional(typ)):
                 walk(_strip_optional(typ), f"{prefix}{f.name}.")
+            elif _section_list(typ) is not None:
+                out.append((f"{prefix}{f.name}", "list", "[]", docs.get(f.name, "")))
+                walk(_section_list(typ), f"{prefix}{f.name}[].")
             else:
                 default = yaml.safe_dump(_to_plain(getattr(defaults, f.name)), default_flow_style=True).strip()
                 default = default.removesuffix("...").strip()
@@ -600,6 +744,14 @@ def _is_internal(cls, name: str) -> bool:
 
 def _is_dataclass_type(t) -> bool:
     return isinstance(t, type) and dataclasses.is_dataclass(t)
+
+
+def _section_list(t):
+    """The entry type of a list of sections (list[SourceConfig]), else None."""
+    if _origin(t) is list:
+        (item,) = typing.get_args(t)
+        return item if _is_dataclass_type(item) else None
+    return None
 
 
 def _origin(t):

@@ -37,7 +37,16 @@ def load_yaml(text: str, source: str) -> tuple[Any, dict[str, int], list[Problem
 
     def walk(n, prefix: str) -> None:
         # An aliased mapping is one node reached twice: walk it once, so a "billion laughs" document stays linear.
-        if not isinstance(n, yaml.MappingNode) or id(n) in walked:
+        if id(n) in walked:
+            return
+        if isinstance(n, yaml.SequenceNode):  # entries of a list of sections: data.sources.0.weight
+            walked.add(id(n))
+            for i, item in enumerate(n.value):
+                if isinstance(item, yaml.MappingNode):
+                    lines.setdefault(f"{prefix}{i}", item.start_mark.line + 1)
+                    walk(item, f"{prefix}{i}.")
+            return
+        if not isinstance(n, yaml.MappingNode):
             return
         walked.add(id(n))
         seen: dict[str, int] = {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from accel_fsdp.data.prepare import resolve_data_path
+from accel_fsdp.data.sources import locate, source_key
 from accel_fsdp.errors import Problem
 from accel_fsdp.model.tokenizer import BUILTIN_TOKENIZER, bpe_vocab_size, is_local
 
@@ -32,8 +32,10 @@ def hub_ids(recipe) -> list[tuple[str, str, str, tuple[str, ...]]]:
     if m.tokenizer and m.tokenizer != BUILTIN_TOKENIZER and not is_local(m.tokenizer) and \
             bpe_vocab_size(m.tokenizer) is None:
         out.append(("model.tokenizer", m.tokenizer, "model", ("tokenizer_config.json",)))
-    if resolve_data_path(recipe)[0] == "hub":
-        out.append(("data.path", recipe.data.path.removeprefix("hub:"), "dataset", ()))
+    for i, source in enumerate(recipe.data.resolved_sources()):
+        where = locate(recipe, source, source_key(recipe, i))
+        if where.kind == "hub":
+            out.append((source_key(recipe, i), where.name, "dataset", (source.hub_config or "",)))
     return out
 
 
@@ -41,8 +43,8 @@ def in_cache(repo: str, kind: str, files: tuple[str, ...]) -> bool:
     """The local Hugging Face cache holds what a run needs of `repo` (config and any one weight file)."""
     from huggingface_hub import try_to_load_from_cache
 
-    if not files:
-        return False  # datasets: the datasets library keeps its own cache; ask the hub (or trust HF_HUB_OFFLINE)
+    if kind == "dataset":
+        return False  # the datasets library keeps its own cache; ask the hub (or trust HF_HUB_OFFLINE)
 
     def cached(name: str) -> bool:
         return isinstance(try_to_load_from_cache(repo, name, repo_type=kind), str)
@@ -68,7 +70,7 @@ def hub_problems(recipe) -> list[Problem]:
             continue
         if offline():
             if kind == "dataset":
-                problem = _dataset_offline_problem(recipe, repo)
+                problem = _dataset_offline_problem(repo, files[0] or None)
                 if problem:
                     problems.append(Problem(where, *problem))
                 continue
@@ -83,14 +85,14 @@ def hub_problems(recipe) -> list[Problem]:
     return problems
 
 
-def _dataset_offline_problem(recipe, repo: str) -> tuple[str, str] | None:
+def _dataset_offline_problem(repo: str, config: str | None) -> tuple[str, str] | None:
     """HF_HUB_OFFLINE: is the dataset in the datasets library's cache (what load_dataset will use)?"""
     try:
         import datasets
 
-        datasets.load_dataset_builder(repo, recipe.data.hub_config)
+        datasets.load_dataset_builder(repo, config)
     except Exception as e:  # datasets raises a different type for each way of not finding it
-        return (f"dataset {repo!r} (config {recipe.data.hub_config!r}) is not in the local datasets cache, and "
+        return (f"dataset {repo!r} (config {config!r}) is not in the local datasets cache, and "
                 f"HF_HUB_OFFLINE=1 forbids downloading it ({type(e).__name__})",
                 "download it once where the hub is reachable, or point data.path at a local file")
     return None

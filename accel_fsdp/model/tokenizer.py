@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from accel_fsdp.data.prepare import read_rows, resolve_data_path
+from accel_fsdp.data.sources import SourceReader, locate, source_key
 from accel_fsdp.data.synthetic import BUILTIN_TOKENIZER
 from accel_fsdp.data.synthetic import build_tokenizer as builtin
 from accel_fsdp.errors import Problem, UserError
@@ -117,45 +117,52 @@ def _bpe_cache_folder(recipe, vocab: int) -> Path:
     import os
     from dataclasses import asdict
 
-
-    d = recipe.data
-    kind, local = resolve_data_path(recipe)
-    source = [os.path.abspath(local), os.stat(local).st_size, os.stat(local).st_mtime_ns] \
-        if kind == "file" and local and os.path.exists(local) else [d.path, d.hub_config, d.split]
-    key = {"version": BPE_VERSION, "vocab": vocab, "source": source,
-           "fields": {k: v for k, v in asdict(d).items() if k.endswith(("_field", "format", "max_rows"))}}
+    identities = []
+    for i, source in enumerate(recipe.data.resolved_sources()):
+        where = locate(recipe, source, source_key(recipe, i))
+        identity = [os.path.abspath(where.path), os.stat(where.path).st_size, os.stat(where.path).st_mtime_ns] \
+            if where.kind == "file" and os.path.exists(where.path) else [where.name, source.hub_config, source.split]
+        fields = {k: v for k, v in asdict(source).items() if k.endswith(("_field", "format", "max_rows"))}
+        identities.append([identity, fields])
+    key = {"version": BPE_VERSION, "vocab": vocab, "sources": identities}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     return cache_dir() / "tokenizers" / f"bpe-{vocab}-{digest}"
+
+
+def _texts(recipe, limit: int):
+    """The texts of the recipe's sources a tokenizer learns from: up to `limit` rows, shared out over the sources."""
+    sources = recipe.data.resolved_sources()
+    share = max(1, limit // len(sources))
+    for i, source in enumerate(sources):
+        reader = SourceReader(recipe, source, i).open()
+        read = 0
+        for _, rows in reader.batches(1000):
+            for row in rows[:share - read]:
+                if source.format == "text":
+                    values = [row.get(source.text_field)]
+                elif source.format == "instruction":
+                    values = [row.get(source.instruction_field), row.get(source.input_field),
+                              row.get(source.output_field)]
+                else:
+                    messages = row.get(source.messages_field)
+                    values = [m.get("content") for m in messages if isinstance(m, dict)] \
+                        if isinstance(messages, list) else []
+                yield from (v for v in values if isinstance(v, str) and v)
+            read += len(rows)
+            if read >= share:
+                break
 
 
 def _train_bpe(recipe, vocab: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-
-    rows = read_rows(recipe)
-    d = recipe.data
-    n = min(len(rows), BPE_MAX_EXAMPLES)
-
-    def texts():
-        for i in range(0, n, 1000):
-            batch = rows[i:min(n, i + 1000)]
-            if d.format == "text":
-                yield from (t for t in batch[d.text_field] if isinstance(t, str))
-            elif d.format == "instruction":
-                for col in (d.instruction_field, d.input_field, d.output_field):
-                    if col in batch:
-                        yield from (t for t in batch[col] if isinstance(t, str))
-            else:
-                for messages in batch[d.messages_field]:
-                    yield from (m.get("content", "") for m in messages or [] if isinstance(m, dict))
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(BPE_SPECIAL), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts(), trainer=trainer, length=n)
+    tok.train_from_iterator(_texts(recipe, BPE_MAX_EXAMPLES), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=BPE_SPECIAL[0], pad_token=BPE_SPECIAL[1],
                                         model_max_length=1 << 20)
     tokenizer.chat_template = BPE_CHAT_TEMPLATE

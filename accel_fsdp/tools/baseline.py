@@ -19,7 +19,7 @@ import time
 import torch
 
 from accel_fsdp.config.recipe import load_recipe
-from accel_fsdp.data.batches import GlobalBatchSampler, collate
+from accel_fsdp.data.batches import collate
 from accel_fsdp.data.prepare import prepare_data
 from accel_fsdp.quiet import quiet_libraries
 
@@ -47,12 +47,11 @@ def main() -> None:
     # what it sees in our loop (packed documents kept apart by their positions, the attention kernel's layout),
     # so the ratio measures the loop, not the mask. Reading and collating every step is part of ours.
     data = prepare_data(recipe, tokenizer, acc)
-    sampler = GlobalBatchSampler(len(data.train), global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
-                                 world_size=world, rank=acc.process_index, seed=t.seed)
+    sampler = data.sampler(t, world_size=world, rank=acc.process_index)
     micro_batches = [{key: value.to(acc.device) if isinstance(value, torch.Tensor) else value
-                      for key, value in collate(data.train[seqs], tokenizer.pad_token_id, built.use_position_ids,
-                                                layout=built.batch_layout).items()}
-                     for seqs in sampler.micro_batches(0)]
+                      for key, value in collate([data.sequence(u) for u in units], tokenizer.pad_token_id,
+                                                built.use_position_ids, layout=built.batch_layout).items()}
+                     for units in sampler.micro_batches(0)]
     model.train()
 
     times = []

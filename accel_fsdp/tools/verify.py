@@ -13,6 +13,8 @@ accel_fsdp/train/probes.py, the exported weights) and compare:
   resume         save at step k, continue to n; restart from step k to n: the same weights
   packing        packed documents see only themselves (logits equal each document run alone), with the recipe's
                  attention kernel and the trainer's own batch layout
+  data           the mixture as the run draws it: each unit once per epoch of its source, each source's share over
+                 any 100 steps within 0.01 of its weight, the same sequences per step on 1 rank and on several
   activation checkpointing   with dropout on, losses and gradient norms with and without it agree
   memory         the model state each rank holds against `estimate`'s prediction (and the peak on GPUs)
   throughput     tokens/s per rank (and MFU on GPUs), for the record
@@ -37,22 +39,25 @@ from pathlib import Path
 
 from accel_fsdp.checkpoint.records import Manifest
 from accel_fsdp.config import precision
-from accel_fsdp.config.recipe import load_recipe
-from accel_fsdp.data.prepare import prepare_data
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.layout import CHECKPOINTS_DIR, MANIFEST, STEP_PREFIX, RunLayout
 from accel_fsdp.model.facts import base_values, facts_for
-from accel_fsdp.model.tokenizer import build_tokenizer
 from accel_fsdp.planning.memory import MemoryInputs, estimate
 from accel_fsdp.preflight import preflight
 from accel_fsdp.train.metrics import read_metrics
 
 MARKER = "verify.json"
-CHECKS = ("sharding", "precision", "equivalence", "resume", "packing", "activation-checkpointing", "memory",
+CHECKS = ("sharding", "precision", "equivalence", "resume", "packing", "data", "activation-checkpointing", "memory",
           "throughput")
 # Relative tolerances of the equivalence check: fp32 differs by summation order only; bf16 rounds every matmul.
 TOLERANCE = {"fp32": {"loss": 1e-5, "grad_norm": 1e-4}, "bf16": {"loss": 5e-3, "grad_norm": 2e-2},
              "fp16": {"loss": 5e-3, "grad_norm": 2e-2}}
+SHARE_TOLERANCE = 0.01
+"""A source's share of the loss-carrying tokens (or sequences) over any 100 consecutive steps, against its weight."""
+PACKING_LIMIT = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 3e-2}
+"""Largest logit difference (relative to the logit scale) of a packed document to it alone: the same computation
+summed in another order (fp32), or rounded to 8 bits of mantissa per matmul (bf16); a leak between documents changes
+logits by far more."""
 STATE_MARGIN = 0.10
 """Model state measured against the estimate: within 10%."""
 PEAK_MARGIN = 1.30
@@ -313,49 +318,70 @@ def check_activation_checkpointing(v: Verification) -> Check:
 
 
 def check_packing(v: Verification) -> Check:
-    """In this process: the recipe's model (depth 2, random weights: masking does not depend on them) with its
-    attention kernel, a micro-batch the trainer's collate builds from the recipe's own tokenized rows."""
-    import torch
-
-    from accel_fsdp.data import batches
-    from accel_fsdp.model.build import model_config
-
-    recipe = load_recipe(v.recipe.source, v.sets(f"model.config_overrides.{layer_key(v.recipe)}=2",
-                                                 "data.eval_fraction=0", "data.max_rows=400"))
-    device = torch.device("cuda" if v.device == "cuda" else "cpu")
-    attn = recipe.model.attn_implementation or "sdpa"
-    if "flash" in attn and device.type != "cuda":
-        return Check("packing", "SKIP", f"{attn} needs a GPU")
-    tokenizer = build_tokenizer(recipe)
-    data = prepare_data(recipe, tokenizer)
-    config = model_config(recipe, tokenizer=tokenizer)
-    torch.manual_seed(0)  # random weights of the architecture: no download, and masking does not depend on them
-    from transformers import AutoModelForCausalLM
-
-    dtype = precision.compute_dtype(v.precision)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn).to(device).eval()
-    layout = batches.batch_layout(model.config._attn_implementation, True)
-    rows = data.train[list(range(min(len(data.train), max(2, recipe.training.micro_batch_size))))]
-    batch = {k: (t.to(device) if torch.is_tensor(t) else t) for k, t in
-             batches.collate(rows, tokenizer.pad_token_id, True, layout=layout).items()}
-    batch.pop("labels")
-    worst, documents = 0.0, 0
-    with torch.no_grad():
-        logits = model(**batch, use_cache=False).logits.float()
-        flat = layout == batches.PADDING_FREE
-        for r, (ids, pos, n) in enumerate(zip(rows["input_ids"], rows["position_ids"], rows["length"])):
-            starts = [i for i, p in enumerate(pos[:n]) if p == 0] + [n]
-            offset = sum(rows["length"][:r]) if flat else 0
-            for a, b in zip(starts, starts[1:]):
-                alone = model(input_ids=torch.tensor([ids[a:b]], device=device)).logits.float()[0]
-                packed = logits[0, offset + a:offset + b] if flat else logits[r, a:b]
-                worst = max(worst, float((packed - alone).abs().max() / alone.abs().max().clamp(min=1e-6)))
-                documents += 1
-    limit = 1e-4 if dtype == torch.float32 else 3e-2
+    """What the reference probe's `packing` probe measured inside the trainer (accel_fsdp/train/probes.py): packed
+    sequences laid out by the run's own collate for its attention kernel, against each document run alone."""
+    ref = v.probes["reference"]
+    records = ref.trace("packing")
+    if not records:
+        return Check("packing", "FAIL", ref.failure() if not ref.ok else "no packing record was written")
+    worst = max(r["relative_difference"] for r in records)
+    first = records[0]
+    limit = PACKING_LIMIT[v.precision]
     return Check("packing", "PASS" if worst <= limit else "FAIL",
-                 f"{documents} documents in {len(rows['input_ids'])} rows ({layout} batch, {attn}): largest logit "
-                 f"difference to each document alone {worst:.1e} of the logit scale", f"{limit:g} ({v.precision})",
-                 {"documents": documents, "relative_difference": worst, "layout": layout, "attention": attn})
+                 f"{first['documents']} documents in {first['sequences']} sequences ({first['layout']} batch, "
+                 f"{first['attention']}): largest logit difference to each document alone {worst:.1e} of the logit "
+                 "scale", f"{limit:g} ({v.precision})",
+                 {"documents": first["documents"], "relative_difference": worst, "layout": first["layout"],
+                  "attention": first["attention"]})
+
+
+def check_data(v: Verification) -> Check:
+    """The mixture, as the run's own sampler draws it (the reference probe's `data` probe), and as the loop read it:
+    the sequences of each step on 1 rank and on the probe's ranks (their row traces)."""
+    ref = v.probes["reference"]
+    records = ref.trace("data")
+    if not records:
+        return Check("data", "FAIL", ref.failure() if not ref.ok else "no data record was written")
+    r = records[0]
+    sources = v.recipe.data.resolved_sources()
+    weights = [s.weight / sum(x.weight for x in sources) for s in sources]
+    deviation = max(max(abs(low - w), abs(high - w)) for (low, high), w in zip(r["share_range"], weights))
+    problems = []
+    if r["repeats"] or r["missing"]:
+        problems.append(f"{r['repeats']} units read twice within an epoch of their source, {r['missing']} left out of "
+                        "a finished epoch")
+    if deviation > SHARE_TOLERANCE:
+        problems.append(f"a source's share is {deviation:.3f} away from its weight")
+    what = "loss-carrying tokens" if r["by_cost"] else "sequences"
+    measured = (f"{r['units']:,} units over {r['steps']:,} steps ({r['epochs_completed']} source epochs finished): "
+                f"{r['repeats']} read twice in an epoch, {r['missing']} missed; shares of {what} over any "
+                f"{r['window']} steps within {deviation:.4f} of the weights")
+    data = dict(r, max_share_deviation=deviation, weights=weights)
+    one = v.probes.get("fewer-ranks")
+    if v.world > 1 and one is not None and one.ok and ref.ok:
+        many, single = step_rows(ref), step_rows(one)
+        steps = sorted(set(many) & set(single))
+        differ = [s for s in steps if sorted(many[s]) != sorted(single[s])]
+        measured += f"; steps 1-{len(steps)}: 1 rank and {v.world} ranks read " + \
+            ("the same sequences" if not differ else f"different sequences at step(s) {differ}")
+        if differ or not steps:
+            problems.append("the sequences of a step depend on the number of ranks")
+        data["ranks_compared"] = [1, v.world]
+    elif v.world > 1:
+        measured += "; 1 rank against several: not compared (--quick, or the global batch does not fit on 1 rank)"
+    return Check("data", "FAIL" if problems else "PASS", measured + ("; " + "; ".join(problems) if problems else ""),
+                 f"each unit once per epoch; shares within {SHARE_TOLERANCE} of the weights; the same sequences on "
+                 "any number of ranks", data)
+
+
+def step_rows(probe: Probe) -> dict[int, list[int]]:
+    """The training units each step read, over all ranks of a probe (its row traces, ACCEL_FSDP_TRACE_ROWS)."""
+    out: dict[int, list[int]] = {}
+    for path in sorted(probe.layout.trace.glob("rows-rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            out.setdefault(row["step"], []).extend(row["rows"])
+    return out
 
 
 def check_memory(v: Verification) -> Check:
@@ -434,20 +460,23 @@ def verify(recipe, config, num_processes: int | None, overrides: list[str], *, o
     extra = ["--num-processes", str(num_processes)] if num_processes else []
     print(f"verify: {recipe.name} on {config.label}: {v.world} rank(s), {v.device}, {v.precision}; probes of "
           f"{steps} steps in {out_dir}", flush=True)
-    needs_reference = wanted & {"sharding", "precision", "equivalence", "resume", "memory", "throughput"}
+    needs_reference = wanted & {"sharding", "precision", "equivalence", "resume", "packing", "data", "memory",
+                                "throughput"}
+    traced = {}
     if needs_reference:
-        from accel_fsdp.train.hooks import PROBE_ENV  # torch: only once probes run
+        from accel_fsdp.train.hooks import PROBE_ENV, TRACE_ENV  # torch: only once probes run
 
-        run_probe(v, "reference", sets, extra_args=extra, env={PROBE_ENV: "dtypes"})
+        traced = {TRACE_ENV: "1"}
+        run_probe(v, "reference", sets, extra_args=extra, env={PROBE_ENV: "dtypes,packing,data", **traced})
         record_counts(v.probes["reference"])
     if "equivalence" in wanted:
         micro = split_micro_batch(recipe, v.world)
         if micro:
             run_probe(v, "split", sets + [f"training.micro_batch_size={micro}", "training.max_steps=2"],
                       extra_args=extra)
-        t = recipe.training
-        if not quick and v.world > 1 and t.splits_evenly(1):
-            run_probe(v, "fewer-ranks", sets + ["training.max_steps=2"], extra_args=["--num-processes", "1"])
+    t = recipe.training
+    if not quick and v.world > 1 and t.splits_evenly(1) and wanted & {"equivalence", "data"}:
+        run_probe(v, "fewer-ranks", sets + ["training.max_steps=2"], extra_args=["--num-processes", "1"], env=traced)
     if "resume" in wanted and steps >= 3:
         from accel_fsdp.checkpoint.store import checkpoint_name
 
@@ -460,7 +489,7 @@ def verify(recipe, config, num_processes: int | None, overrides: list[str], *, o
             for name, on in (("ac-on", "true"), ("ac-off", "false")):
                 run_probe(v, name, sets + dropout + [f"model.activation_checkpointing={on}"], extra_args=extra)
     runners = {"sharding": check_sharding, "precision": check_precision, "equivalence": check_equivalence,
-               "resume": check_resume, "packing": check_packing, "activation-checkpointing":
+               "resume": check_resume, "packing": check_packing, "data": check_data, "activation-checkpointing":
                check_activation_checkpointing, "memory": check_memory, "throughput": check_throughput}
     for name in CHECKS:
         if name in wanted:

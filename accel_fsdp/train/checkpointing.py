@@ -43,7 +43,7 @@ class Checkpointer:
         step = training.step
         state = TrainerState(step=step, **run.sampler.position(step), tokens_seen=training.tokens_seen,
                              total_steps=run.total_steps, parameters=run.parameters,
-                             trainable_parameters=run.trainable_parameters)
+                             trainable_parameters=run.trainable_parameters, data=run.sampler.state_dict(step))
         path = ckpt.save_checkpoint(run.accelerator, run.model, run.optimizer, run.scheduler,
                                     root=run.layout.checkpoints, step=step, trainer_state=state, recipe=recipe,
                                     settings=run.settings, tokenizer=run.tokenizer, lora=recipe.model.lora.enabled,
@@ -66,6 +66,8 @@ class Checkpointer:
             run.say(f"resume: {note}")
         state = ckpt.load_checkpoint(acc, run.model, run.optimizer, run.scheduler, info,
                                      lora=recipe.model.lora.enabled)
+        if state.data is not None:  # where each source stands; without it (never written so), replayed from step 0
+            run.sampler.load_state_dict(state.data)
         training = TrainingState(step=state.step + self.skip_steps_on_resume, tokens_seen=state.tokens_seen or 0)
         self.last_saved_step = training.step
         run.say(f"resume: continuing from {info.path} at step {training.step} of {run.total_steps} "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from accel_fsdp.data import batches
-from accel_fsdp.data.prepare import IGNORE_INDEX
+from accel_fsdp.data.store import IGNORE_INDEX
 from accel_fsdp.train.metrics import EvalRow, MetricsWriter, perplexity
 from accel_fsdp.train.state import TrainingState
 
@@ -27,32 +27,42 @@ class Evaluator:
             self.evaluate(state.step)
 
     def evaluate(self, step: int) -> EvalRow | None:
-        """Mean token loss and perplexity on the held-out split, exact over ranks."""
+        """Mean token loss of each source's held-out sequences, exact over ranks, and their mixture: the losses
+        weighted by the sources' shares (what the training loss estimates)."""
         run = self.run
-        if run.data.eval is None or len(run.data.eval) == 0:
+        held = [s for s in run.data.sources if s.eval is not None and len(s.eval)]
+        if not held:
             return None
         acc, model, t = run.accelerator, run.model, run.recipe.training
-        total = torch.zeros(2, device=acc.device, dtype=torch.float64)
+        totals = torch.zeros(len(held), 2, device=acc.device, dtype=torch.float64)
         model.eval()
         with torch.no_grad():
-            for rows in batches.iter_eval_batches(run.data.eval, micro_batch=t.micro_batch_size,
-                                                  world_size=acc.num_processes, rank=acc.process_index,
-                                                  max_batches=t.eval_max_batches):
-                dummy = rows is None  # this rank ran out of rows but must join the collective forward
-                batch = run.batch(rows or [0], split="eval")
-                if dummy:
-                    batch["labels"].fill_(IGNORE_INDEX)
-                with acc.autocast():
-                    loss_sum = model(**batch, num_items_in_batch=1, use_cache=False).loss
-                total[0] += loss_sum.double()
-                total[1] += batches.label_count(batch["labels"])
+            for k, source in enumerate(held):  # one source per batch: its loss is its own
+                for rows in batches.iter_eval_batches(len(source.eval), micro_batch=t.micro_batch_size,
+                                                      world_size=acc.num_processes, rank=acc.process_index,
+                                                      max_batches=t.eval_max_batches):
+                    dummy = rows is None  # this rank ran out of sequences but must join the collective forward
+                    batch = run.collate([source.eval.sequence(j) for j in rows or [0]])
+                    if dummy:
+                        batch["labels"].fill_(IGNORE_INDEX)
+                    with acc.autocast():
+                        loss_sum = model(**batch, num_items_in_batch=1, use_cache=False).loss
+                    totals[k, 0] += loss_sum.double()
+                    totals[k, 1] += batches.label_count(batch["labels"])
         model.train()
-        total = acc.reduce(total, reduction="sum")
-        loss = (total[0] / total[1].clamp(min=1)).item()
-        row = EvalRow(step=step, eval_loss=loss, eval_ppl=perplexity(loss), eval_tokens=int(total[1].item()))
+        totals = acc.reduce(totals, reduction="sum").cpu()
+        by_source = {s.name: (totals[k, 0] / totals[k, 1]).item() for k, s in enumerate(held) if totals[k, 1] > 0}
+        weights = {s.name: s.weight for s in held if s.name in by_source}
+        if not by_source:
+            return None
+        loss = sum(weights[n] * v for n, v in by_source.items()) / sum(weights.values())
+        row = EvalRow(step=step, eval_loss=loss, eval_ppl=perplexity(loss), eval_tokens=int(totals[:, 1].sum()),
+                      eval_loss_by_source=by_source)
         self.metrics.write(row)
         self.last_step = step
-        run.say(f"eval @ step {step}: loss {loss:.4f}, perplexity {row.eval_ppl:.2f} ({row.eval_tokens:,} tokens)")
+        each = ", ".join(f"{n} {v:.4f}" for n, v in by_source.items()) if len(by_source) > 1 else ""
+        run.say(f"eval @ step {step}: loss {loss:.4f}, perplexity {row.eval_ppl:.2f} ({row.eval_tokens:,} tokens)"
+                + (f"; by source: {each}" if each else ""))
         return row
 
 

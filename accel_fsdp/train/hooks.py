@@ -37,6 +37,7 @@ BREAKS = {
     "skip-batch": "skip one optimizer step's batch when resuming",
     "mask-leak": "let packed documents attend to each other (positions not restarted per document)",
     "ac-rng": "recompute checkpointed activations with new random draws (dropout)",
+    "mix-weights": "draw from the data sources in equal shares, whatever their weights",
 }
 
 
@@ -92,6 +93,10 @@ class TestHooks:
             run.layout.trace.mkdir(parents=True, exist_ok=True)
             self.trace = (run.layout.trace / f"rows-rank{rank}.jsonl").open("a")
         probes.install(run.model, run.layout.trace, rank, switches.probes)
+        if "packing" in switches.probes:
+            probes.packing(run, run.layout.trace / f"packing-rank{rank}.json")
+        if "data" in switches.probes:
+            probes.data_order(run.sampler, run.layout.trace / f"data-rank{rank}.json")
         self._state_bytes_hook = _torch_optimizer(run.optimizer).register_step_post_hook(self._record_state_bytes)
 
     def after_step(self, step: int, micro_batches: list[list[int]]) -> None:

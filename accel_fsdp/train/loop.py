@@ -47,7 +47,7 @@ def fit(run: Run, parts: Components, state: TrainingState) -> None:
         state.advance(tokens)
 
         parts.hooks.after_step(state.step, micro_batches)
-        parts.logger.after_step(state, lr, grad_norm, tokens)
+        parts.logger.after_step(state, lr, grad_norm, tokens, sequences)
         parts.evaluator.after_step(state)
         parts.checkpointer.after_step(state)
     parts.logger.close()

@@ -2,9 +2,10 @@
 
 One row per logged optimizer step in `<run>/metrics.jsonl` (written by the main process):
     {"kind": "train", "step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_rank", "step_time_s",
-     "peak_memory_bytes": [one per rank], "tokens_seen", "mfu" (GPU only)}
-    {"kind": "eval", "step", "eval_loss", "eval_ppl", "eval_tokens"}
-The same numbers go to the trackers (tensorboard, wandb) through `accelerator.log`.
+     "peak_memory_bytes": [one per rank], "tokens_seen", "mfu" (GPU only), "source_tokens": {source: tokens}}
+    {"kind": "eval", "step", "eval_loss", "eval_ppl", "eval_tokens", "eval_loss_by_source": {source: loss}}
+The same numbers go to the trackers (tensorboard, wandb) through `accelerator.log` (per-source values as
+`train/source_tokens/<source>`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class TrainRow:
     """Per rank, the highest of any window so far."""
     mfu: float | None = None
     """GPU only: model FLOPs utilization against the device's peak for the run's precision."""
+    source_tokens: dict[str, int] | None = None
+    """Loss-carrying tokens of each data source in this row's step (the last of the window)."""
     kind: str = "train"
 
 
@@ -61,8 +64,12 @@ class TrainRow:
 class EvalRow:
     step: int
     eval_loss: float
+    """The mixture's held-out loss: each source's mean token loss weighted by its share of the mixture (one source:
+    the mean token loss)."""
     eval_ppl: float
     eval_tokens: int | None = None
+    eval_loss_by_source: dict[str, float] | None = None
+    """Mean token loss of each source's held-out sequences."""
     kind: str = "eval"
 
 
@@ -106,8 +113,13 @@ class MetricsWriter:
         if self.accelerator.is_main_process:
             with self.path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-        scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
         if self.accelerator.trackers:
+            scalars = {}
+            for k, v in row.items():
+                if isinstance(v, dict):
+                    scalars.update({f"{k}/{name}": x for name, x in v.items() if isinstance(x, (int, float))})
+                elif isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                    scalars[k] = v
             self.accelerator.log({f"{row['kind']}/{k}": v for k, v in scalars.items()}, step=step)
 
 

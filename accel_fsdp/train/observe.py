@@ -80,8 +80,8 @@ class TrainLogger:
     def add_loss(self, loss: torch.Tensor) -> None:
         self.loss += loss.detach()
 
-    def after_step(self, state: TrainingState, lr: float, grad_norm, tokens: int) -> None:
-        """`state` has advanced over this step, whose global batch held `tokens` tokens."""
+    def after_step(self, state: TrainingState, lr: float, grad_norm, tokens: int, units: list[int]) -> None:
+        """`state` has advanced over this step, whose global batch (`units`) held `tokens` tokens."""
         run = self.run
         self.norm += _full(grad_norm).detach()
         self.tokens += tokens
@@ -90,12 +90,12 @@ class TrainLogger:
             self._report_startup()
         postfix = {}
         if state.step % self.every == 0 or state.step == run.total_steps:
-            row = self._log(state, lr)
+            row = self._log(state, lr, units)
             postfix = dict(loss=f"{row.loss:.4f}", tok_s=f"{row.tokens_per_s:,.0f}",
                            **({"mfu": f"{row.mfu:.1%}"} if row.mfu is not None else {}))
         run.terminal.advance(**postfix)
 
-    def _log(self, state: TrainingState, lr: float) -> TrainRow:
+    def _log(self, state: TrainingState, lr: float, units: list[int]) -> TrainRow:
         """The only synchronizing point of a logging window: reduce the window's sums over ranks."""
         run, acc = self.run, self.run.accelerator
         world, k = acc.num_processes, run.sampler.accumulation_steps
@@ -109,7 +109,8 @@ class TrainLogger:
                        tokens_per_s_per_rank=per_rank, step_time_s=elapsed / self.steps,
                        tokens_seen=state.tokens_seen, peak_memory_bytes=window_peak,
                        peak_memory_bytes_run=self.peak_memory,
-                       mfu=run.flops_per_token * per_rank / self.peak_flops if self.peak_flops else None)
+                       mfu=run.flops_per_token * per_rank / self.peak_flops if self.peak_flops else None,
+                       source_tokens=run.data.tokens_by_source(units))
         self.metrics.write(row)
         self._new_window()
         return row

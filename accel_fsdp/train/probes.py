@@ -6,6 +6,13 @@
   dtypes      what this rank holds and computes in: dtypes of its trainable and frozen parameter shards, of the
               weight a linear layer really multiplies with in the first forward, and the dtype FSDP reduces
               gradients in; <run>/trace/dtypes-rank<R>.json.
+  data        before the first step, the run's own sampler drawn for many steps (at least 100, and two epochs
+              of the largest source, up to 200,000 units): each unit read once per epoch of its source, and the
+              largest difference between a source's share over any 100 consecutive steps and its weight;
+              <run>/trace/data-rank<R>.json.
+  packing     before the first step, a micro-batch of packed training sequences laid out by the run's own collate
+              (its attention kernel's layout) against each of their documents run alone: the largest logit
+              difference, relative to the logit scale; <run>/trace/packing-rank<R>.json.
 
 Probes hook into the model (forward pre-hooks); the training loop does not know about them. Not asked for, this
 module does nothing and never changes results. It reads FSDP2 internals (FSDPParam.unsharded_accumulated_grad,
@@ -15,11 +22,17 @@ checked with torch 2.13.0) and only measures.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import numpy as np
 import torch
 
-PROBES = ("grad-bytes", "dtypes")
+from accel_fsdp.data.store import Sequence
+
+PROBES = ("grad-bytes", "dtypes", "packing", "data")
+SHARE_WINDOW = 100
+"""Optimizer steps over which the data probe measures each source's share."""
 
 
 def install(model: torch.nn.Module, folder: Path, rank: int, names: frozenset[str]) -> None:
@@ -37,6 +50,84 @@ def install(model: torch.nn.Module, folder: Path, rank: int, names: frozenset[st
     if "dtypes" in names:
         folder.mkdir(parents=True, exist_ok=True)
         _record_dtypes(model, folder / f"dtypes-rank{rank}.json")
+
+
+def packing(run, path: Path, *, documents: int = 8) -> None:
+    """Collective: every rank runs the same forwards (FSDP gathers each unit for every one). The documents are cut
+    where the data says they start (the table's positions), never where the batch's positions say: a batch that
+    does not keep them apart must fail this."""
+    sequences, found = [], 0
+    for unit in range(min(len(run.data), 256)):
+        sequence = run.data.sequence(unit)
+        count = int((sequence.positions == 0).sum())
+        if count > 1 or not sequences:
+            sequences.append(sequence)
+            found += count
+        if found >= documents and len(sequences) >= 2:
+            break
+    model = run.model
+    model.eval()
+    worst, checked = 0.0, 0
+    with torch.no_grad(), run.accelerator.autocast():
+        batch = run.collate(sequences)
+        batch.pop("labels")
+        logits = model(**batch, use_cache=False).logits.float()
+        flat = "cu_seq_lens_q" in batch
+        offset = 0
+        for r, sequence in enumerate(sequences):
+            starts = [int(i) for i in (sequence.positions == 0).nonzero()[0]] + [len(sequence)]
+            for a, b in zip(starts, starts[1:]):
+                ids = sequence.ids[a:b]
+                alone = run.collate([Sequence(ids, ids, np.arange(b - a, dtype=np.int64))])
+                alone.pop("labels")
+                reference = model(**alone, use_cache=False).logits.float()[0, :b - a]
+                packed = logits[0, offset + a:offset + b] if flat else logits[r, a:b]
+                worst = max(worst, float((packed - reference).abs().max() / reference.abs().max().clamp(min=1e-6)))
+                checked += 1
+            offset += len(sequence)
+    model.train()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"documents": checked, "sequences": len(sequences), "relative_difference": worst,
+                                "layout": run.batch_layout,
+                                "attention": getattr(run.accelerator.unwrap_model(model).config,
+                                                     "_attn_implementation", None)}))
+
+
+def data_order(sampler, path: Path, *, max_units: int = 200_000) -> None:
+    """Draw the sampler's global batches from step 0 (it replays from there when training asks for its first
+    step) and record what a mixture promises: no unit twice in an epoch of its source, every unit of a finished epoch
+    read, and the lowest and highest share of the cost (loss-carrying tokens, or units) each source has over any
+    window of steps (the caller compares them with the recipe's weights)."""
+    G, sizes = sampler.G, sampler.sizes
+    steps = max(SHARE_WINDOW, math.ceil(2 * max(sizes) / G))
+    steps = min(steps, max(SHARE_WINDOW, max_units // G))
+    k = len(sizes)
+    cost = np.zeros((steps, k), dtype=np.float64)
+    seen = [np.zeros(n, bool) for n in sizes]
+    drawn = [0] * k
+    repeats = missing = epochs = 0
+    for step in range(steps):
+        for unit in sampler.global_sequences(step):
+            i, j = sampler.split(unit)
+            if seen[i][j]:
+                repeats += 1
+            seen[i][j] = True
+            drawn[i] += 1
+            cost[step, i] += sampler.cost(i, j)
+            if drawn[i] % sizes[i] == 0:  # an epoch of source i is complete: every unit read
+                missing += int((~seen[i]).sum())
+                seen[i][:] = False
+                epochs += 1
+    window = min(SHARE_WINDOW, steps)
+    sums = np.cumsum(np.concatenate([np.zeros((1, k)), cost]), axis=0)
+    totals = sums[window:] - sums[:-window]
+    shares = totals / np.maximum(totals.sum(axis=1, keepdims=True), 1e-12)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"steps": steps, "units": steps * G, "epochs_completed": epochs, "repeats": repeats,
+                                "missing": missing, "window": window,
+                                "share_range": [[float(shares[:, i].min()), float(shares[:, i].max())]
+                                                for i in range(k)],
+                                "by_cost": any(c is not None for c in sampler.costs)}))
 
 
 def _record_dtypes(model: torch.nn.Module, path: Path) -> None:

@@ -11,7 +11,7 @@ of the loop (metrics logger, evaluator, checkpointer, test hooks) and the traini
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,8 @@ from accel_fsdp.config.recipe import flatten
 from accel_fsdp.config.settings import FsdpSettings, Source
 from accel_fsdp.data import batches
 from accel_fsdp.data import prepare as data_lib
+from accel_fsdp.data.sampler import GlobalBatchSampler, total_steps
+from accel_fsdp.data.store import Sequence
 from accel_fsdp.errors import UserError
 from accel_fsdp.hardware import PeakMemory, usable_cores
 from accel_fsdp.layout import RunLayout
@@ -102,7 +104,7 @@ class Run:
     model: Any
     optimizer: Any
     scheduler: Any
-    sampler: batches.GlobalBatchSampler
+    sampler: GlobalBatchSampler
     total_steps: int
     layout: RunLayout
     preemption: Preemption
@@ -118,8 +120,6 @@ class Run:
     """False only in `verify`'s proof that its equivalence check can fail: each micro-step takes its own mean."""
     restart_positions: bool = True
     """False only in `verify`'s proof that its packing check can fail: packed documents see each other."""
-    label_counts: list[int] = field(default_factory=list, repr=False)
-    lengths: list[int] = field(default_factory=list, repr=False)
 
     @property
     def recipe(self):
@@ -129,25 +129,29 @@ class Run:
         """A line for the person at the terminal (main process only), written above the progress bar."""
         self.terminal.say(text)
 
-    def batch(self, seqs: list[int], split: str = "train") -> dict:
-        """The tensors of these sequences on this rank's device, in the layout the attention kernel needs."""
-        table = self.data.train if split == "train" else self.data.eval
-        batch = batches.collate(table[seqs], self.tokenizer.pad_token_id, self.use_position_ids,
+    def batch(self, units: list[int]) -> dict:
+        """The tensors of these training units on this rank's device."""
+        return self.collate([self.data.sequence(u) for u in units])
+
+    def collate(self, sequences: list[Sequence]) -> dict:
+        """Sequences as tensors on this rank's device, in the layout the attention kernel needs."""
+        batch = batches.collate(sequences, self.tokenizer.pad_token_id, self.use_position_ids,
                                 layout=self.batch_layout, restart_positions=self.restart_positions)
         return {k: v.to(self.accelerator.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                 for k, v in batch.items()}
 
-    def loss_denominator(self, seqs: list[int]) -> float | None:
-        """num_items_in_batch of every micro-step of an optimizer step over the global batch `seqs`: its
-        loss-carrying tokens / (ranks x accumulation steps). Every rank computes it from the dataset's per-row
-        counts, so no communication is needed (see train/loop.py)."""
+    def loss_denominator(self, units: list[int]) -> float | None:
+        """num_items_in_batch of every micro-step of an optimizer step over the global batch `units`: its
+        loss-carrying tokens / (ranks x accumulation steps). Every rank computes it from the per-sequence counts the
+        data stores, so no communication is needed (see train/loop.py)."""
         if not self.global_loss_normalization:
             return None
         acc = self.accelerator
-        return max(1, sum(self.label_counts[i] for i in seqs)) / (acc.num_processes * self.sampler.accumulation_steps)
+        labels = sum(self.data.label_count(u) for u in units)
+        return max(1, labels) / (acc.num_processes * self.sampler.accumulation_steps)
 
-    def step_tokens(self, seqs: list[int]) -> int:
-        return sum(self.lengths[i] for i in seqs)
+    def step_tokens(self, units: list[int]) -> int:
+        return sum(self.data.length(u) for u in units)
 
 
 @dataclass(frozen=True)
@@ -270,27 +274,24 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
     if accelerator.is_main_process:
         sharding.write(layout.sharding_file)  # a resumed or overwritten run starts it afresh
 
-    sampler = batches.GlobalBatchSampler(len(data.train), global_batch=t.global_batch_size,
-                                          micro_batch=t.micro_batch_size, world_size=engine.world,
-                                          rank=accelerator.process_index, seed=t.seed)
-    little = data_lib.too_little_data(recipe, len(data.train))
+    sampler = data.sampler(t, world_size=engine.world, rank=accelerator.process_index,
+                           equal_shares=switches.broken("mix-weights"))
+    little = data_lib.too_little_data(recipe, len(data))
     if little:
         raise UserError(little)
-    total_steps = batches.total_steps(recipe, sampler.steps_per_epoch)
-    terminal.say(startup_summary(recipe, settings, layout, data, built, sharding.local_parameters, total_steps,
-                                 sampler))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(built.optimizer, lr_lambda=lr_schedule(recipe, total_steps))
+    steps = total_steps(recipe, len(data))
+    terminal.say(startup_summary(recipe, settings, layout, data, built, sharding.local_parameters, steps, sampler))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(built.optimizer, lr_lambda=lr_schedule(recipe, steps))
 
     run = Run(request=request, settings=settings, accelerator=accelerator, tokenizer=tokenizer, data=data,
               model=built.model, optimizer=built.optimizer, scheduler=scheduler, sampler=sampler,
-              total_steps=total_steps, layout=layout, preemption=preemption, terminal=terminal,
+              total_steps=steps, layout=layout, preemption=preemption, terminal=terminal,
               use_position_ids=built.use_position_ids, batch_layout=built.batch_layout,
               parameters=built.parameters, trainable_parameters=built.trainable_parameters,
               flops_per_token=flops_per_token(config, recipe.data.seq_len,
                                               built.trainable_parameters / max(1, built.parameters)),
               clock=clock, sharding=sharding, global_loss_normalization=not switches.broken("mean-loss"),
-              restart_positions=not switches.broken("mask-leak"),
-              label_counts=list(data.train["n_labels"]), lengths=list(data.train["length"]))  # plain lists: O(1)
+              restart_positions=not switches.broken("mask-leak"))
     # Dropout and any other randomness of the loop: seeded, different on each rank, and saved in checkpoints.
     set_seed(t.seed, device_specific=True)
     hooks = TestHooks(run, switches)
@@ -317,11 +318,11 @@ def startup_summary(recipe, settings, layout: RunLayout, data, built: ShardedMod
     source = "from scratch" if recipe.model.architecture else \
         ("read by rank 0 only, shards sent to the others" if built.rank0_only_loading else "read by every rank")
     trained = "all trainable" if trainable == parameters else f"{trainable:,} trainable (LoRA)"
-    epochs = total_steps / max(1, sampler.steps_per_epoch)
+    epochs = total_steps * t.global_batch_size / max(1, len(data))
     every = recipe.checkpoint.every_steps
     lines = [
         f"  model     {built.model_class}, {human_count(parameters)} parameters ({trained}); weights {source}",
-        f"  data      {recipe.data.path}: {data.stats.summary()}",
+        *data_summary(recipe, data, sampler, total_steps),
         f"  batch     global {t.global_batch_size} = micro {t.micro_batch_size} x {sampler.W} rank(s) x "
         f"{sampler.accumulation_steps} accumulation step(s); {total_steps:,} optimizer steps ({epochs:.2f} epochs)",
         f"  sharding  FSDP{s.fsdp_version.value} {s.sharding_strategy.value} on {s.device.value}: ranks hold "
@@ -334,6 +335,20 @@ def startup_summary(recipe, settings, layout: RunLayout, data, built: ShardedMod
         f"checkpoints {'every ' + str(every) + ' steps and ' if every else ''}at the end in {layout.checkpoints}",
     ]
     return "\n".join(lines)
+
+
+def data_summary(recipe, data, sampler, steps: int) -> list[str]:
+    """The data lines of the start summary: each source, its share of the mixture and the epochs of it the run
+    reads."""
+    if len(data.sources) == 1:
+        return [f"  data      {data.sources[0].config.path}: {data.stats.summary()}"]
+    epochs = sampler.epochs(steps, data.mean_costs())
+    lines = [f"  data      a mixture of {len(data.sources)} sources by {recipe.data.mix_by} "
+             f"({'loss-carrying tokens' if recipe.data.mix_by == 'tokens' else 'sequences'} shared by weight):"]
+    for s, w, e in zip(data.sources, sampler.weights, epochs):
+        lines.append(f"    {s.name:<16} {w:.2f} of the mixture, about {e:.2f} epochs of it: {s.config.path}: "
+                     f"{s.stats.summary()}")
+    return lines
 
 
 def build_optimizer(model, recipe, settings) -> torch.optim.AdamW:

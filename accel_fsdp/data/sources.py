@@ -1,0 +1,352 @@
+"""Reading the rows of one source (an entry of data.sources, or data.path), in batches, each row checked as it passes.
+
+A source is read as a stream, so memory stays bounded by a batch whatever the size of the corpus: JSON Lines files
+(and the built-in data, written as JSON Lines) and Parquet files are read directly; CSV, a JSON list and paragraph
+text go through `datasets`, whose Arrow file is memory-mapped; hub datasets are loaded by `datasets` the same way.
+Every row keeps its number in the source (the line of a .jsonl file), so a bad row is named by file and line.
+
+A mistake in the data (a missing file, a field the rows lack, a row that is not text, a file that is not UTF-8) is a
+`UserError` naming the file, the line and the fix. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from accel_fsdp.config.recipe import SourceConfig
+from accel_fsdp.data.synthetic import BUILTIN_DATA, write_builtin
+from accel_fsdp.errors import Problem, UserError
+
+FILE_TYPES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+CHAT_ROLES = ("system", "user", "assistant")
+MAX_PROBLEMS = 5
+"""Bad rows reported at once (the first of each kind of problem, up to this many)."""
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """Where a source's rows come from: a local file, a hub dataset, or built-in data (a generated file)."""
+
+    kind: str
+    """file, hub or builtin."""
+    path: str | None
+    """The local file (for builtin: the generated file), else None."""
+    name: str
+    """What messages call it: the path as the user wrote it, or the hub id."""
+
+    @property
+    def rows_are_lines(self) -> bool:
+        return self.path is not None and self.path.endswith(".jsonl")
+
+
+def locate(recipe, source: SourceConfig, key: str) -> SourceFile:
+    """Resolve a source's path: a local file (relative to the working directory, else to the recipe's folder),
+    builtin:NAME, hub:NAME, or owner/name when no such local file exists. `key` is the recipe key that names it."""
+    path = source.path or ""
+    if path.startswith("builtin:"):
+        name = path.split(":", 1)[1]
+        if name not in BUILTIN_DATA:
+            raise UserError(Problem(recipe.where(key), f"no built-in dataset {name!r}",
+                                    f"use one of {', '.join('builtin:' + n for n in BUILTIN_DATA)}"))
+        return SourceFile("builtin", None, path)
+    if path.startswith("hub:"):
+        return SourceFile("hub", None, path.removeprefix("hub:"))
+    p = Path(path).expanduser()
+    if not p.is_absolute() and recipe.source and not p.exists():
+        alt = Path(recipe.source).parent / p
+        if alt.exists():
+            p = alt
+    if not p.exists() and p.suffix.lower() not in FILE_TYPES and re.fullmatch(r"[\w.-]+/[\w.-]+", path):
+        return SourceFile("hub", None, path)  # owner/name with no such local file: a hub dataset
+    return SourceFile("file", str(p), path)
+
+
+def source_key(recipe, index: int) -> str:
+    """The recipe key of source `index`'s path: data.path for the one-source form, else data.sources.N.path."""
+    return f"data.sources.{index}.path" if recipe.data.sources else "data.path"
+
+
+def field_key(recipe, index: int, field: str) -> str:
+    """The recipe key that sets `field` (e.g. text_field) of source `index`, as the user would change it."""
+    if recipe.data.sources:
+        entry = recipe.data.sources[index]
+        if getattr(entry, field) is not None:
+            return f"data.sources.{index}.{field}"
+    return f"data.{field}"
+
+
+class SourceReader:
+    """The rows of one source, streamed in batches and checked for its format."""
+
+    def __init__(self, recipe, source: SourceConfig, index: int):
+        self.recipe, self.source, self.index = recipe, source, index
+        self.where = recipe.where(source_key(recipe, index))
+        self.file = locate(recipe, source, source_key(recipe, index))
+        if self.file.kind == "builtin":
+            self.file = SourceFile("builtin", str(write_builtin(source.path.split(":", 1)[1])), source.path)
+        self._dataset = None
+        self.problems: list[Problem] = []
+        self._kinds: set[str] = set()
+
+    # ------------------------------------------------------------------------------------------ opening
+
+    def open(self) -> SourceReader:
+        """Check that the source can be read (exists, not empty, UTF-8); hub and datasets-read files are loaded."""
+        f = self.file
+        if f.kind == "hub":
+            self._dataset = self._load_hub()
+            return self
+        p = Path(f.path)
+        if not p.exists():
+            raise UserError(Problem(self.where, f"data file {f.name!r} not found",
+                                    "check the path (relative paths start at the working directory or the recipe's "
+                                    "folder), or use builtin:quickstart"))
+        if p.is_dir():
+            raise UserError(Problem(self.where, f"{f.name!r} is a folder", "point the path at one file"))
+        builder = FILE_TYPES.get(p.suffix.lower())
+        if builder is None:
+            raise UserError(Problem(self.where, f"unsupported file type {p.suffix!r}",
+                                    f"use one of {', '.join(FILE_TYPES)}"))
+        if p.stat().st_size == 0 or (builder != "parquet" and not _has_text(p)):
+            raise UserError(Problem(self.where, f"data file {f.name!r} is empty", "put training rows in it"))
+        if builder != "parquet":
+            problem = not_utf8(p)
+            if problem:
+                raise UserError(Problem(f"{self.where} ({f.path})", problem, "save the file as UTF-8, e.g. iconv -f "
+                                        "latin1 -t utf-8 FILE > FILE.utf8 (or -f utf-16)"))
+        if p.suffix.lower() not in (".jsonl", ".parquet"):
+            self._dataset = self._load_file(builder)
+        elif p.suffix.lower() == ".parquet":
+            try:
+                import pyarrow.parquet as pq
+
+                pq.ParquetFile(p)
+            except Exception as e:  # pyarrow raises several types for a file that is not Parquet
+                raise UserError(Problem(f"{self.where} ({f.path})", f"cannot read it as parquet: {_root_cause(e)}",
+                                        "write the file again (it is not a readable Parquet file)")) from None
+        return self
+
+    def _load_hub(self):
+        import datasets
+
+        datasets.disable_progress_bars()
+        s = self.source
+        try:
+            return datasets.load_dataset(self.file.name, s.hub_config, split=s.split)
+        except Exception as e:  # the hub raises many types; all mean "could not get it"
+            raise UserError(Problem(self.where, f"cannot load hub dataset {self.file.name!r} (config "
+                                    f"{s.hub_config!r}, split {s.split!r}): {str(e).splitlines()[0][:200]}",
+                                    "check the name, hub_config and split, and your network")) from None
+
+    def _load_file(self, builder: str):
+        import datasets
+
+        datasets.disable_progress_bars()
+        kwargs: dict[str, Any] = {"sample_by": "paragraph"} if builder == "text" else {}
+        try:
+            with _library_logs_silenced():  # datasets logs its own error line before raising: one message per mistake
+                return datasets.load_dataset(builder, data_files=self.file.path, split="train", **kwargs)
+        except Exception as e:
+            detail = _find_bad_json_line(self.file.path) if builder == "json" else None
+            msg = detail or f"cannot read it as {builder}: {_root_cause(e)}"
+            fix = {"json": "fix the file: one JSON object per line (.jsonl), or one JSON list of objects (.json)",
+                   "csv": "fix the file: a header line, then the same number of comma-separated fields on every "
+                          "line (quote fields that contain commas)"}.get(builder, "fix the file")
+            raise UserError(Problem(f"{self.where} ({self.file.path})", msg, fix)) from None
+
+    # ------------------------------------------------------------------------------------------ reading
+
+    def count(self) -> int:
+        """Rows this source yields (max_rows applied), without reading them all into memory."""
+        if self._dataset is not None:
+            n = len(self._dataset)
+        elif self.file.path.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            n = pq.ParquetFile(self.file.path).metadata.num_rows
+        else:
+            n = 0
+            with open(self.file.path, "rb") as f:
+                for line in f:
+                    n += bool(line.strip())
+        if n == 0:
+            raise UserError(Problem(self.where, f"data file {self.file.name!r} has no rows", "put training rows in it"))
+        return min(n, self.source.max_rows) if self.source.max_rows else n
+
+    def batches(self, size: int, max_bytes: int = 1 << 62) -> Iterator[tuple[list[int], list[dict]]]:
+        """(row numbers, rows) in order, at most `size` rows (and, from a JSON Lines file, `max_bytes` of them) at a
+        time; max_rows applied."""
+        limit = self.source.max_rows or None
+        seen = 0
+        for numbers, rows in self._raw_batches(size, max_bytes):
+            if limit is not None and seen + len(rows) > limit:
+                numbers, rows = numbers[:limit - seen], rows[:limit - seen]
+            seen += len(rows)
+            if rows:
+                yield numbers, rows
+            if limit is not None and seen >= limit:
+                return
+
+    def _raw_batches(self, size: int, max_bytes: int):
+        if self._dataset is not None:
+            ds, n = self._dataset, len(self._dataset)
+            for start in range(0, n, size):
+                chunk = ds[start:min(n, start + size)]
+                keys = list(chunk)
+                count = len(chunk[keys[0]]) if keys else 0
+                yield (list(range(start + 1, start + count + 1)),
+                       [{k: chunk[k][i] for k in keys} for i in range(count)])
+        elif self.file.path.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            start = 0
+            for batch in pq.ParquetFile(self.file.path).iter_batches(batch_size=size):
+                rows = batch.to_pylist()
+                yield list(range(start + 1, start + len(rows) + 1)), rows
+                start += len(rows)
+        else:
+            yield from self._jsonl_batches(size, max_bytes)
+
+    def _jsonl_batches(self, size: int, max_bytes: int):
+        numbers, rows, used = [], [], 0
+        with open(self.file.path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as e:  # UnicodeDecodeError is one: not_utf8 ran at open(), so this is JSON
+                    raise UserError(Problem(f"{self.where} ({self.file.path})",
+                                            f"line {number}: invalid JSON ({getattr(e, 'msg', e)})",
+                                            "fix the file: one JSON object per line (.jsonl)")) from None
+                if not isinstance(row, dict):
+                    raise UserError(Problem(f"{self.where} ({self.file.path})", f"line {number}: expected a JSON "
+                                            f"object per line, found {type(row).__name__}",
+                                            "fix the file: one JSON object per line (.jsonl)"))
+                numbers.append(number)
+                rows.append(row)
+                used += len(line)
+                if len(rows) == size or used >= max_bytes:
+                    yield numbers, rows
+                    numbers, rows, used = [], [], 0
+        if rows:
+            yield numbers, rows
+
+    # ----------------------------------------------------------------------------------------- checking
+
+    def bad(self, kind: str, number: int, message: str, fix: str, key: str | None = None) -> None:
+        """Record a bad row: the first of each kind, up to MAX_PROBLEMS. `key`: the recipe key to change."""
+        if kind in self._kinds or len(self.problems) >= MAX_PROBLEMS:
+            return
+        self._kinds.add(kind)
+        row = "line" if self.file.rows_are_lines else "row"
+        where = self.recipe.where(key) if key else self.where
+        self.problems.append(Problem(where, f"{self.file.name} {row} {number}: {message}", fix))
+
+    def missing_field(self, number: int, row: dict, field: str) -> None:
+        key = field_key(self.recipe, self.index, FIELD_KEYS.get(field, field))
+        self.bad(f"missing {field}", number, f"has no field {getattr(self.source, FIELD_KEYS.get(field, field))!r} "
+                 f"(its fields: {', '.join(sorted(map(str, row)))})", f"set {key} to one of them", key)
+
+    def raise_problems(self) -> None:
+        if self.problems:
+            raise UserError(self.problems, title=f"data {self.file.name} has {len(self.problems)} problems")
+
+
+FIELD_KEYS = {"text": "text_field", "instruction": "instruction_field", "input": "input_field",
+              "output": "output_field", "messages": "messages_field"}
+"""A row field's role -> the source key that names its column."""
+
+
+def check_messages(messages) -> str | None:
+    """What is wrong with a chat row's message list, or None."""
+    if not isinstance(messages, list) or not messages:
+        return "messages must be a non-empty list"
+    has_assistant = False
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            return f"message {j + 1} is not a {{role, content}} object"
+        if m["role"] not in CHAT_ROLES:
+            return f"message {j + 1} has unknown role {m['role']!r}"
+        if not isinstance(m["content"], str):
+            return f"message {j + 1} content is not text"
+        has_assistant |= m["role"] == "assistant"
+    if not has_assistant:
+        return "no assistant message, so nothing to learn"
+    return None
+
+
+def not_utf8(path: Path) -> str | None:
+    """Where a text file stops being UTF-8 ("line 3, byte 0xe9 at column 7: the file is probably Latin-1"), or None."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+        if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+            return "the file is UTF-16 (it starts with a UTF-16 byte-order mark), not UTF-8"
+        f.seek(0)
+        for number, line in enumerate(f, 1):
+            if line.isascii():
+                continue
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                byte = line[e.start]
+                guess = "UTF-16" if b"\x00" in line else "Latin-1 or Windows-1252"
+                return (f"line {number} is not UTF-8 (byte 0x{byte:02x} at column {e.start + 1}); the file is "
+                        f"probably {guess}")
+    return None
+
+
+def _has_text(path: Path) -> bool:
+    """Something other than whitespace in the file (read in blocks: never the whole file at once)."""
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            if block.strip():
+                return True
+    return False
+
+
+class _library_logs_silenced:
+    """datasets logs an ERROR line of its own before it raises; ours says the same thing with the fix."""
+
+    def __enter__(self):
+        import logging
+
+        self.logger = logging.getLogger("datasets")
+        self.level = self.logger.level
+        self.logger.setLevel(logging.CRITICAL)
+
+    def __exit__(self, *exc):
+        self.logger.setLevel(self.level)
+
+
+def _root_cause(e: BaseException) -> str:
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+
+
+def _find_bad_json_line(path: str) -> str | None:
+    """The first line of a .json file that is not JSON (datasets' own error does not say)."""
+    with open(path, errors="replace") as f:
+        text = f.read()
+    if text.lstrip().startswith("["):
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            return f"line {e.lineno}: invalid JSON ({e.msg})"
+        return None
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as e:
+            return f"line {i}: invalid JSON ({e.msg})"
+        if not isinstance(value, dict):
+            return f"line {i}: expected a JSON object per line, found {type(value).__name__}"
+    return None

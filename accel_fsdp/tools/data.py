@@ -1,0 +1,144 @@
+"""`accel-fsdp data prepare` and `data show`: build a recipe's tokenized data ahead of a run, and look inside it.
+
+`prepare` builds exactly the cache a run of the recipe would build (data/prepare.py; the same keys, so the run reads
+it without tokenizing again) and reports each source: rows, tokens, truncation, packing efficiency, bytes on disk
+per token, time. `show` decodes the first training sequences in the order the run reads them, marking the tokens
+that carry a loss, and draws each source's histogram of example lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from accel_fsdp.data.prepare import load_data, prepare_source, read_stats, too_little_data
+from accel_fsdp.data.sampler import total_steps
+from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.model.tokenizer import build_tokenizer
+
+
+@dataclass
+class PreparedSource:
+    name: str
+    folder: Path
+    built: bool
+    """Built by this command (else it was in the cache already)."""
+    bytes: int
+    """Bytes of its tables on disk."""
+
+
+def prepare(recipe, tokenizer=None) -> tuple[list[PreparedSource], object]:
+    """Build (or find) every source's tables; return them and the prepared data."""
+    tokenizer = tokenizer or build_tokenizer(recipe)
+    out = []
+    for i, source in enumerate(recipe.data.resolved_sources()):
+        folder, built = prepare_source(recipe, tokenizer, i, source)
+        size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+        out.append(PreparedSource(source.name, folder, built, size))
+    data = load_data(recipe, tokenizer)
+    little = too_little_data(recipe, len(data))
+    if little:
+        raise UserError(little)
+    return out, data
+
+
+def prepare_report(recipe, prepared: list[PreparedSource], data) -> str:
+    lines = []
+    weights = [s.weight for s in data.sources]
+    total = sum(weights)
+    sampler = data.sampler(recipe.training, world_size=1, rank=0)
+    steps = total_steps(recipe, len(data))
+    epochs = sampler.epochs(steps, data.mean_costs())
+    for p, source, w, e in zip(prepared, data.sources, weights, epochs):
+        s = read_stats(p.folder)
+        tokens = s.train_tokens + (int(source.eval.meta["tokens"]) if source.eval is not None else 0)
+        per_token = p.bytes / max(1, tokens)
+        took = f"tokenized in {s.seconds:.1f}s ({tokens / max(s.seconds, 1e-9):,.0f} tokens/s)" if p.built else \
+            "already in the cache"
+        lines.append(f"{source.name} ({source.config.format}, {source.config.path}): {s.summary()}")
+        lines.append(f"    {p.bytes / 2**20:,.1f} MiB on disk, {per_token:.2f} bytes per token; {took}; {p.folder}")
+        if len(data.sources) > 1:
+            lines.append(f"    weight {w / total:.2f} of the mixture by {data.mix_by}: about {e:.2f} epochs of it in "
+                         f"{steps:,} steps")
+    return "\n".join(lines)
+
+
+def show(recipe, *, sequences: int, color: bool, plot: Path | None = None) -> str:
+    """The first `sequences` training sequences in the order a run reads them (step 0 on), decoded, with the tokens
+    that carry a loss marked; optionally each source's histogram of example lengths drawn into `plot`."""
+    tokenizer = build_tokenizer(recipe)
+    _, data = prepare(recipe, tokenizer)
+    sampler = data.sampler(recipe.training, world_size=1, rank=0)
+    out, step = [], 0
+    while len(out) < sequences:
+        for slot, unit in enumerate(sampler.global_sequences(step)):
+            if len(out) == sequences:
+                break
+            source, j = data.split(unit)
+            out.append(_describe(tokenizer, data, unit, step, slot, source, j, color))
+        step += 1
+    if plot is not None:
+        draw_lengths(data, recipe.data.seq_len, plot)
+        out.append(f"example lengths of each source: {plot}")
+    return "\n\n".join(out)
+
+
+def _describe(tokenizer, data, unit, step, slot, source, j, color) -> str:
+    s = data.sequence(unit)
+    name = data.sources[source].name
+    carries = s.labels != -100
+    documents = int((s.positions == 0).sum())
+    head = (f"step {step} slot {slot}: {name} sequence {j:,} ({len(s)} tokens, {int(carries.sum())} with a loss, "
+            f"{documents} document{'s' if documents != 1 else ''})")
+    return head + "\n" + mark(tokenizer, s.ids, carries, s.positions, color)
+
+
+LOSS_OPEN, LOSS_CLOSE, DOCUMENT = "\u00ab", "\u00bb", " \u2016 "
+"""Without color: «text that carries a loss»; ‖ where a document starts."""
+
+
+def mark(tokenizer, ids: np.ndarray, carries: np.ndarray, positions: np.ndarray, color: bool) -> str:
+    """Decoded text, runs of loss-carrying tokens marked (green, or «...»), document starts shown as ‖."""
+    import click
+
+    parts = []
+    start = 0
+    n = len(ids)
+    for i in range(1, n + 1):
+        if i == n or carries[i] != carries[start] or positions[i] == 0:
+            text = tokenizer.decode(ids[start:i].tolist(), skip_special_tokens=False)
+            if carries[start]:
+                text = click.style(text, fg="green", bold=True) if color else f"{LOSS_OPEN}{text}{LOSS_CLOSE}"
+            if start and positions[start] == 0:
+                parts.append(DOCUMENT)
+            parts.append(text)
+            start = i
+    return "".join(parts)
+
+
+def draw_lengths(data, seq_len: int, path: Path) -> None:
+    """One histogram of example lengths (tokens, after truncation) per source, with seq_len marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError(Problem("--plot", "drawing needs matplotlib, which is not installed",
+                                'pip install "accel-fsdp[plot]"')) from None
+    fig, axes = plt.subplots(len(data.sources), 1, figsize=(8, 2.6 * len(data.sources)), squeeze=False)
+    for ax, source in zip(axes[:, 0], data.sources):
+        table = source.train
+        starts = np.asarray(table.documents, dtype=np.int64)
+        lengths = np.diff(np.concatenate([starts, [table.meta["tokens"]]]))
+        ax.hist(lengths, bins=60, color="#4878a8")
+        ax.axvline(seq_len, color="#c44e52", linestyle="--", label=f"seq_len {seq_len}")
+        ax.set_title(f"{source.name}: {len(lengths):,} examples, median {int(np.median(lengths))} tokens")
+        ax.set_xlabel("tokens per example")
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
