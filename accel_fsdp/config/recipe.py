@@ -1,7 +1,7 @@
 """Recipes: what to train. YAML files loaded into typed dataclasses, checked before anything runs.
 
-A recipe has six sections (`model`, `data`, `training`, `fsdp`, `checkpoint`, `logging`) and three metadata
-keys (`name`, `description`, `output_dir`). Loading rejects unknown keys, checks types and ranges, and reports
+A recipe has seven sections (`model`, `data`, `training`, `preference`, `fsdp`, `checkpoint`, `logging`) and three
+metadata keys (`name`, `description`, `output_dir`). Loading rejects unknown keys, checks types and ranges, and reports
 *all* problems at once, each with its file, line, dotted key, value and fix. `--set dotted.key=value`
 overrides are parsed as YAML scalars (so `true`, `3`, `1e-4`, `[q_proj, v_proj]` get their types) and
 checked exactly like the file.
@@ -79,11 +79,13 @@ class ModelConfig:
     """LoRA adapters (PEFT)."""
 
 
-FORMATS = ("text", "instruction", "chat")
+FORMATS = ("text", "instruction", "chat", "preference")
 """data.format: what a row of a source holds."""
 MIX_BY = ("tokens", "rows")
+METHODS = ("sft", "dpo", "simpo", "orpo")
+"""training.method: next-token prediction, or one of the preference-tuning losses."""
 SOURCE_KEYS = ("path", "format", "text_field", "instruction_field", "input_field", "output_field", "messages_field",
-               "hub_config", "split", "max_rows")
+               "prompt_field", "chosen_field", "rejected_field", "hub_config", "split", "max_rows")
 """The keys of `data` that describe one source; an entry of data.sources that leaves one out takes data's value."""
 
 
@@ -101,7 +103,7 @@ class SourceConfig:
     """Share of the mixture: of the loss-carrying tokens (data.mix_by: tokens) or of the sequences (rows). Weights
     are relative: they are divided by their sum."""
     format: Literal[FORMATS] | None = None
-    """text, instruction or chat (see data.format)."""
+    """text, instruction, chat or preference (see data.format)."""
     text_field: str | None = None
     """Column holding the text (format: text)."""
     instruction_field: str | None = None
@@ -112,6 +114,12 @@ class SourceConfig:
     """Column holding the response (format: instruction)."""
     messages_field: str | None = None
     """Column holding the list of {role, content} messages (format: chat)."""
+    prompt_field: str | None = None
+    """Column holding the prompt (format: preference)."""
+    chosen_field: str | None = None
+    """Column holding the preferred answer (format: preference)."""
+    rejected_field: str | None = None
+    """Column holding the other answer (format: preference)."""
     hub_config: str | None = None
     """Configuration name of a hub dataset."""
     split: str | None = None
@@ -135,7 +143,9 @@ class DataConfig:
     (sequences)."""
     format: Literal[FORMATS] = "text"
     """text: language modelling on text_field; instruction: alpaca rows, loss on the response only;
-    chat: a list of messages rendered with the tokenizer's chat template, loss on assistant turns only."""
+    chat: a list of messages rendered with the tokenizer's chat template, loss on assistant turns only;
+    preference: a prompt with a chosen and a rejected answer (strings, or message lists that share the conversation
+    before the last assistant turn), for training.method dpo, simpo or orpo."""
     text_field: str = "text"
     """Column holding the text (format: text)."""
     instruction_field: str = "instruction"
@@ -146,6 +156,12 @@ class DataConfig:
     """Column holding the response (format: instruction)."""
     messages_field: str = "messages"
     """Column holding the list of {role, content} messages (format: chat)."""
+    prompt_field: str = "prompt"
+    """Column holding the prompt (format: preference; may be absent when chosen and rejected are conversations)."""
+    chosen_field: str = "chosen"
+    """Column holding the preferred answer: a string, or the conversation ending in it (format: preference)."""
+    rejected_field: str = "rejected"
+    """Column holding the other answer: a string, or the conversation ending in it (format: preference)."""
     hub_config: str | None = None
     """Configuration name of a hub dataset (e.g. wikitext-2-raw-v1)."""
     split: str = "train"
@@ -190,12 +206,15 @@ def default_source_name(path: str) -> str:
 class TrainingConfig:
     """Batch, schedule and precision."""
 
+    method: Literal[METHODS] = "sft"
+    """sft: next-token prediction on the data; dpo (Rafailov et al., 2023), simpo (Meng et al., 2024) or orpo (Hong
+    et al., 2024): preference tuning on pairs of answers (data.format: preference), parameters in `preference`."""
     micro_batch_size: int = 1
-    """Training sequences per rank per micro-step (forward + backward)."""
+    """Training sequences (preference pairs) per rank per micro-step (forward + backward)."""
     global_batch_size: int = 8
-    """Training sequences (examples, or packed rows of up to seq_len tokens) per optimizer step over all ranks.
-    Gradient accumulation steps are derived: global_batch_size / (micro_batch_size x processes), which must be a
-    whole number."""
+    """Training sequences (examples, or packed rows of up to seq_len tokens; preference pairs) per optimizer step
+    over all ranks. Gradient accumulation steps are derived: global_batch_size / (micro_batch_size x processes),
+    which must be a whole number."""
     max_steps: int | None = None
     """Optimizer steps to run. Exclusive with epochs."""
     epochs: float | None = None
@@ -240,6 +259,28 @@ class TrainingConfig:
     def accumulation_steps(self, ranks: int) -> int:
         """Micro-steps per optimizer step on `ranks` ranks (checked to divide before any run starts)."""
         return self.global_batch_size // self.rows_per_micro_step(ranks)
+
+
+@dataclass(kw_only=True)
+class PreferenceConfig:
+    """Preference tuning (training.method dpo, simpo or orpo): each pair's loss compares the chosen and the rejected
+    answer's log-probabilities (docs/PREFERENCE.md)."""
+
+    beta: float | None = None
+    """DPO: scale of the difference of the two answers' log-ratios to the reference (default 0.1); SimPO: scale of
+    the difference of their mean token log-probabilities (default 2.0); ORPO: not used."""
+    label_smoothing: float = 0.0
+    """DPO and SimPO: the assumed probability that a pair's preference is wrong (conservative DPO); 0 trusts every
+    pair. In [0, 0.5)."""
+    gamma: float = 1.0
+    """SimPO: the target margin between the chosen and the rejected answer's scaled mean log-probabilities."""
+    lambda_: float = field(default=0.1, metadata={"key": "lambda"})
+    """ORPO: weight of the log odds-ratio term added to the SFT loss of the chosen answer (YAML key: lambda)."""
+
+    DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0, "orpo": 0.1}
+
+    def beta_for(self, method: str) -> float:
+        return self.beta if self.beta is not None else self.DEFAULT_BETA.get(method, 0.1)
 
 
 @dataclass(kw_only=True)
@@ -311,6 +352,7 @@ class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -321,7 +363,7 @@ class Recipe:
     lines: dict[str, int] = field(default_factory=dict, repr=False, compare=False, metadata={"internal": True})
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: _to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)
+        return {_yaml_key(f): _to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)
                 if not f.metadata.get("internal")}
 
     def to_yaml(self) -> str:
@@ -531,7 +573,7 @@ def _build(cls, raw: Any, prefix: str, where, problems: list[Problem]):
                                     f"set {dotted} to {expected}"))
             continue
         kwargs[key] = converted
-    return cls(**kwargs)
+    return _construct(cls, kwargs)
 
 
 def check_recipe(r: Recipe) -> list[Problem]:
@@ -599,6 +641,13 @@ def check_recipe(r: Recipe) -> list[Problem]:
     need(c.keep_last is None or c.keep_last >= 1, "checkpoint.keep_last", f"{c.keep_last} must be at least 1",
          "or null to keep every checkpoint")
     need(bool(c.dir), "checkpoint.dir", "is empty", "e.g. checkpoints")
+    pref = r.preference
+    need(pref.beta is None or pref.beta > 0, "preference.beta", f"{pref.beta} must be positive",
+         "DPO: 0.01 to 0.5 (default 0.1); SimPO: 2 to 10 (default 2.0)")
+    need(0 <= pref.label_smoothing < 0.5, "preference.label_smoothing", f"{pref.label_smoothing} is outside [0, 0.5)",
+         "0 trusts every pair; conservative DPO uses 0.1 to 0.3")
+    need(pref.gamma >= 0, "preference.gamma", f"{pref.gamma} must be 0 or more", "SimPO: about 0.5 x beta")
+    need(pref.lambda_ >= 0, "preference.lambda", f"{pref.lambda_} must be 0 or more", "ORPO: 0.05 to 1 (default 0.1)")
     need(1 <= r.fsdp.collective_timeout_minutes <= 7 * 24 * 60, "fsdp.collective_timeout_minutes",
          f"{r.fsdp.collective_timeout_minutes} is outside [1, 10080] (a week)", "e.g. 60")
     need(lg.every_steps >= 1, "logging.every_steps", f"{lg.every_steps} must be at least 1", "e.g. 10")
@@ -640,6 +689,19 @@ def source_problems(r: Recipe) -> list[Problem]:
         if source.format == "chat" and d.packing:
             p.append(Problem(where("data.packing"), f"packing is not supported for chat data{label}",
                              "set data.packing to false (chat sequences are padded)"))
+        method = r.training.method
+        fmt_key = f"{key}.format" if entry is not None and entry.format is not None else "data.format"
+        if method != "sft" and source.format != "preference":
+            p.append(Problem(where(fmt_key), f"{source.format}{label}: training.method {method} trains on preference "
+                             "pairs", "use data with a prompt, a chosen and a rejected answer (format: preference), "
+                             "or training.method: sft"))
+        if method == "sft" and source.format == "preference":
+            p.append(Problem(where(fmt_key), f"preference pairs{label} need a preference method, and "
+                             "training.method is sft", "set training.method to dpo, simpo or orpo (or, to fine-tune "
+                             "on the chosen answers, make them instruction rows)"))
+        if source.format == "preference" and d.packing:
+            p.append(Problem(where("data.packing"), f"preference pairs{label} are not packed (a pair's two answers "
+                             "go through the model side by side)", "set data.packing to false, or leave it out"))
     names = [s.name for s in resolved]
     for name in sorted({n for n in names if names.count(n) > 1}):
         numbers = [i for i, n in enumerate(names) if n == name]
@@ -689,16 +751,17 @@ def key_reference() -> list[tuple[str, str, str, str]]:
         for f in dataclasses.fields(cls):
             if f.metadata.get("internal"):
                 continue
-            typ = _hints(cls)[f.name]
+            key = _yaml_key(f)
+            typ = _hints(cls)[key]
             if _is_dataclass_type(_strip_optional(typ)):
-                walk(_strip_optional(typ), f"{prefix}{f.name}.")
+                walk(_strip_optional(typ), f"{prefix}{key}.")
             elif _section_list(typ) is not None:
-                out.append((f"{prefix}{f.name}", "list", "[]", docs.get(f.name, "")))
-                walk(_section_list(typ), f"{prefix}{f.name}[].")
+                out.append((f"{prefix}{key}", "list", "[]", docs.get(f.name, "")))
+                walk(_section_list(typ), f"{prefix}{key}[].")
             else:
                 default = yaml.safe_dump(_to_plain(getattr(defaults, f.name)), default_flow_style=True).strip()
                 default = default.removesuffix("...").strip()
-                out.append((f"{prefix}{f.name}", _type_name(typ), default, docs.get(f.name, "")))
+                out.append((f"{prefix}{key}", _type_name(typ), default, docs.get(f.name, "")))
 
     walk(Recipe, "")
     return out
@@ -719,7 +782,8 @@ def _type_name(typ) -> str:
 
 def _to_plain(v: Any) -> Any:
     if dataclasses.is_dataclass(v):
-        return {f.name: _to_plain(getattr(v, f.name)) for f in dataclasses.fields(v) if not f.metadata.get("internal")}
+        return {_yaml_key(f): _to_plain(getattr(v, f.name)) for f in dataclasses.fields(v)
+                if not f.metadata.get("internal")}
     if isinstance(v, (list, tuple)):
         return [_to_plain(x) for x in v]
     if isinstance(v, dict):
@@ -732,12 +796,24 @@ def _round_up(x: int, m: int) -> int:
 
 
 def _hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    """The type of each field of a section, by the key the YAML file uses for it."""
+    types_ = typing.get_type_hints(cls)
+    return {_yaml_key(f): types_[f.name] for f in dataclasses.fields(cls)}
+
+
+def _yaml_key(f: dataclasses.Field) -> str:
+    """A field's key in the YAML file: its name, unless that is a Python keyword (preference.lambda is lambda_)."""
+    return f.metadata.get("key", f.name)
+
+
+def _construct(cls, kwargs: dict[str, Any]):
+    names = {_yaml_key(f): f.name for f in dataclasses.fields(cls)}
+    return cls(**{names[k]: v for k, v in kwargs.items()})
 
 
 def _is_internal(cls, name: str) -> bool:
     for f in dataclasses.fields(cls):
-        if f.name == name:
+        if _yaml_key(f) == name:
             return bool(f.metadata.get("internal"))
     return False
 

@@ -36,7 +36,7 @@ from accel_fsdp.data.sampler import GlobalBatchSampler, held_out
 from accel_fsdp.data.sources import SourceReader, locate, source_key
 from accel_fsdp.data.store import IGNORE_INDEX, Sequence, TableWriter, TokenTable, id_dtype
 from accel_fsdp.data.synthetic import VERSION as BUILTIN_VERSION
-from accel_fsdp.data.tokenize import ExampleTokenizer
+from accel_fsdp.data.tokenize import Example, ExampleTokenizer, fit_pair
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.hardware import usable_cores
 from accel_fsdp.layout import cache_dir
@@ -74,6 +74,10 @@ class SourceStats:
     """Examples cut at seq_len (their tail is lost); reported, never silently dropped."""
     no_label_rows: int = 0
     """Examples with no loss-carrying token left after truncation."""
+    pairs: bool = False
+    """Preference data: rows are pairs, each two sequences (prompt + chosen, prompt + rejected)."""
+    prompts_cut: int = 0
+    """Pairs whose prompt was cut from the left so that both answers fit in seq_len."""
     packed: bool = False
     packing_efficiency: float = 1.0
     """Share of the training sequences' seq_len slots holding a token (packed sources)."""
@@ -84,8 +88,11 @@ class SourceStats:
 
     def summary(self) -> str:
         parts = [f"{self.rows_read:,} rows read", f"{self.train_rows:,} train / {self.eval_rows:,} held out",
+                 f"{self.train_sequences // 2:,} training pairs" if self.pairs else
                  f"{self.train_sequences:,} training sequences",
                  f"{self.train_tokens:,} tokens ({self.label_tokens:,} with loss)"]
+        if self.prompts_cut:
+            parts.append(f"{self.prompts_cut:,} pairs had their prompt cut from the left to fit seq_len")
         if self.packed:
             parts.append(f"packing efficiency {self.packing_efficiency:.4f}")
         if self.truncated:
@@ -150,6 +157,36 @@ class SourceData:
     def weight(self) -> float:
         return self.config.weight
 
+    @property
+    def per_unit(self) -> int:
+        """Sequences per training unit: 2 for preference pairs, else 1."""
+        return 2 if self.stats.pairs else 1
+
+    def units(self, split: str = "train") -> int:
+        table = self.train if split == "train" else self.eval
+        return 0 if table is None else len(table) // self.per_unit
+
+    def sequences(self, unit: int, split: str = "train") -> list[Sequence]:
+        table = self.train if split == "train" else self.eval
+        return [table.sequence(unit * self.per_unit + k) for k in range(self.per_unit)]
+
+    def costs(self):
+        """Loss-carrying tokens of each training unit (memory-mapped; a pair's two sequences summed on access)."""
+        return self.train.labels if self.per_unit == 1 else _PairSums(self.train.labels)
+
+
+class _PairSums:
+    """costs[j] = labels[2j] + labels[2j+1], without an array of them."""
+
+    def __init__(self, labels):
+        self.labels = labels
+
+    def __len__(self) -> int:
+        return len(self.labels) // 2
+
+    def __getitem__(self, j: int) -> int:
+        return int(self.labels[2 * j]) + int(self.labels[2 * j + 1])
+
 
 @dataclass
 class PreparedData:
@@ -162,7 +199,12 @@ class PreparedData:
 
     def __post_init__(self):
         self.stats = DataStats([s.stats for s in self.sources])
-        self.offsets = np.concatenate([[0], np.cumsum([len(s.train) for s in self.sources])]).astype(np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum([s.units() for s in self.sources])]).astype(np.int64)
+
+    @property
+    def pairs(self) -> bool:
+        """Preference data: a training unit is a pair of sequences (chosen, rejected)."""
+        return self.sources[0].per_unit == 2
 
     @property
     def names(self) -> list[str]:
@@ -172,36 +214,48 @@ class PreparedData:
         return int(self.offsets[-1])
 
     def split(self, unit: int) -> tuple[int, int]:
-        """(source index, sequence within its train table) of a unit id."""
+        """(source index, unit within its train table) of a unit id."""
         source = int(np.searchsorted(self.offsets, unit, side="right")) - 1
         return source, unit - int(self.offsets[source])
 
-    def sequence(self, unit: int) -> Sequence:
+    def sequences(self, unit: int) -> list[Sequence]:
+        """The sequences of a training unit: one, or a preference pair's chosen and rejected (in that order)."""
         source, j = self.split(unit)
-        return self.sources[source].train.sequence(j)
+        return self.sources[source].sequences(j)
+
+    def sequence(self, unit: int) -> Sequence:
+        """The sequence of a unit of one sequence (not a pair)."""
+        (sequence,) = self.sequences(unit)
+        return sequence
 
     def label_count(self, unit: int) -> int:
         source, j = self.split(unit)
-        return int(self.sources[source].train.labels[j])
+        return self.sources[source].costs()[j]
+
+    def chosen_label_count(self, unit: int) -> int:
+        """Loss-carrying tokens of a pair's chosen answer (ORPO's SFT term is normalized by them)."""
+        source, j = self.split(unit)
+        return int(self.sources[source].train.labels[2 * j])
 
     def length(self, unit: int) -> int:
         source, j = self.split(unit)
-        return self.sources[source].train.length(j)
+        per = self.sources[source].per_unit
+        return sum(self.sources[source].train.length(j * per + k) for k in range(per))
 
     def tokens_by_source(self, units: list[int]) -> dict[str, int]:
         """Loss-carrying tokens of these units, per source name (every source present, 0 if none)."""
         out = dict.fromkeys(self.names, 0)
         for unit in units:
             source, j = self.split(unit)
-            out[self.sources[source].name] += int(self.sources[source].train.labels[j])
+            out[self.sources[source].name] += int(self.sources[source].costs()[j])
         return out
 
     def sampler(self, training, *, world_size: int, rank: int, equal_shares: bool = False) -> GlobalBatchSampler:
         """The global batches of a run on `world_size` ranks (see sampler.py). `equal_shares` (only `verify`'s proof
         that its data check can fail) ignores the weights."""
-        costs = [s.train.labels for s in self.sources] if self.mix_by == "tokens" else None
+        costs = [s.costs() for s in self.sources] if self.mix_by == "tokens" else None
         weights = [1.0] * len(self.sources) if equal_shares else [s.weight for s in self.sources]
-        return GlobalBatchSampler([len(s.train) for s in self.sources], weights, costs,
+        return GlobalBatchSampler([s.units() for s in self.sources], weights, costs,
                                   global_batch=training.global_batch_size, micro_batch=training.micro_batch_size,
                                   world_size=world_size, rank=rank, seed=training.seed)
 
@@ -209,7 +263,7 @@ class PreparedData:
         """Mean loss-carrying tokens per training unit of each source (mix_by tokens), for the epoch estimate."""
         if self.mix_by != "tokens":
             return None
-        return [s.stats.label_tokens / max(1, len(s.train)) for s in self.sources]
+        return [s.stats.label_tokens / max(1, s.units()) for s in self.sources]
 
 
 # ---------------------------------------------------------------------------------------------------- building
@@ -287,14 +341,16 @@ def _build(recipe, tokenizer, index: int, source: SourceConfig, folder: Path) ->
                                 "use an instruct/chat model's tokenizer (model.tokenizer), or format: instruction"))
     rows = reader.count()
     n_eval, chooser = held_out(rows, d.eval_fraction, recipe.training.seed, salt=index)
-    packing = ("stream" if source.format == "text" else "bins") if d.packs(source) else "none"
+    pairs = source.format == "preference"
+    packing = ("stream" if source.format == "text" else "bins") if d.packs(source) and not pairs else "none"
     dtype = id_dtype(len(tokenizer))
     masked = source.format != "text"
     train = TableWriter(folder / "train", dtype=dtype, masked=masked, seq_len=d.seq_len, packing=packing)
     evaluation = TableWriter(folder / "eval", dtype=dtype, masked=masked, seq_len=d.seq_len, packing=packing) \
         if n_eval else None
     tokenize = ExampleTokenizer(tokenizer, source, reader)
-    stats = SourceStats(name=source.name, format=source.format, rows_read=rows, packed=packing != "none")
+    stats = SourceStats(name=source.name, format=source.format, rows_read=rows, packed=packing != "none",
+                        pairs=pairs)
     seen = 0
     for numbers, batch in reader.batches(BATCH_ROWS, BATCH_BYTES):
         held = chooser.many(np.arange(seen, seen + len(batch))) < n_eval if chooser else np.zeros(len(batch), bool)
@@ -303,17 +359,23 @@ def _build(recipe, tokenizer, index: int, source: SourceConfig, folder: Path) ->
         examples = tokenize(numbers, batch)
         reader.raise_problems()
         parts: dict[bool, list] = {False: [], True: []}
-        for ex in examples:
-            ids, mask = ex.ids, ex.mask
-            held_row = is_eval[ex.row]
-            if packing != "stream" and len(ids) > d.seq_len:
-                ids, mask = ids[:d.seq_len], None if mask is None else mask[:d.seq_len]
+        groups = [examples[k:k + 2] for k in range(0, len(examples), 2)] if pairs else [[ex] for ex in examples]
+        for group in groups:
+            held_row = is_eval[group[0].row]
+            if pairs:
+                chosen, rejected, cut, answer_cut = fit_pair(group[0], group[1], d.seq_len)
+                group = [chosen, rejected]
+                stats.prompts_cut += cut and not held_row
+                stats.truncated += answer_cut and not held_row
+            elif packing != "stream" and len(group[0]) > d.seq_len:
+                ex = group[0]
+                group = [Example(ex.ids[:d.seq_len], None if ex.mask is None else ex.mask[:d.seq_len], ex.row)]
                 stats.truncated += not held_row
-            if not held_row and not (mask[1:].any() if mask is not None else len(ids) > 1):
+            if not held_row and not all(ex.mask[1:].any() if ex.mask is not None else len(ex) > 1 for ex in group):
                 stats.no_label_rows += 1
-            parts[held_row].append((ids, mask))
-        stats.train_rows += len(parts[False])
-        stats.eval_rows += len(parts[True])
+            parts[held_row] += [(ex.ids, ex.mask) for ex in group]
+            stats.train_rows += not held_row
+            stats.eval_rows += held_row
         train.add(parts[False])
         if evaluation is not None:
             evaluation.add(parts[True])
@@ -329,7 +391,8 @@ def _build(recipe, tokenizer, index: int, source: SourceConfig, folder: Path) ->
                                 + (f" ({stats.eval_rows} held out)" if stats.eval_rows else ""),
                                 "put text in the rows (or remove the source from the mixture)"))
     if stats.label_tokens == 0:
-        fields_ = {"instruction": f"its output field ({source.output_field!r})", "chat": "the assistant messages"}
+        fields_ = {"instruction": f"its output field ({source.output_field!r})", "chat": "the assistant messages",
+                   "preference": "the answers"}
         raise UserError(Problem(where, "no training example keeps a token that carries a loss "
                                 f"({stats.no_label_rows:,} of {stats.train_rows:,} lost it to truncation at "
                                 f"data.seq_len = {d.seq_len}, or have none), so nothing would be learned",

@@ -259,7 +259,8 @@ class SourceReader:
 
 
 FIELD_KEYS = {"text": "text_field", "instruction": "instruction_field", "input": "input_field",
-              "output": "output_field", "messages": "messages_field"}
+              "output": "output_field", "messages": "messages_field", "prompt": "prompt_field",
+              "chosen": "chosen_field", "rejected": "rejected_field"}
 """A row field's role -> the source key that names its column."""
 
 

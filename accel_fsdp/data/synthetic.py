@@ -3,7 +3,10 @@
 `builtin:quickstart` is a corpus of tiny stories with consistent characters ("alice has a red cat . the cat is
 happy . ..."), small enough that a 2-layer model learns it on a laptop CPU in a minute, structured enough that
 the loss falls clearly and a sample generation reads like the data. `builtin:quickstart-instruct` and
-`builtin:quickstart-chat` ask questions about such stories, in the instruction and chat formats. The
+`builtin:quickstart-chat` ask questions about such stories, in the instruction and chat formats;
+`builtin:quickstart-pref` pairs each question with its answer (chosen) and the same answer made ungrammatical
+(rejected: its words shuffled, or one word swapped for a word of the wrong kind), a preference a tiny model
+learns from scratch in a minute. The
 word-level tokenizer (`builtin:quickstart`) covers exactly this vocabulary and carries a chat template.
 
 Everything is written once into the cache folder and then read through the same loading code as user data.
@@ -83,7 +86,8 @@ def _question(rng: random.Random, c: dict) -> tuple[str, str]:
 
 def write_builtin(name: str, rows: int = 20000, seed: int = 0) -> Path:
     """Generate `builtin:<name>` data once into the cache; return the .jsonl path."""
-    generators = {"quickstart": _text_rows, "quickstart-instruct": _instruct_rows, "quickstart-chat": _chat_rows}
+    generators = {"quickstart": _text_rows, "quickstart-instruct": _instruct_rows, "quickstart-chat": _chat_rows,
+                  "quickstart-pref": _preference_rows}
     if name not in generators:
         raise KeyError(name)
     path = cache_dir() / "builtin" / f"{name}-v{VERSION}-{rows}-{seed}.jsonl"
@@ -99,7 +103,7 @@ def write_builtin(name: str, rows: int = 20000, seed: int = 0) -> Path:
     return path
 
 
-BUILTIN_DATA = ("quickstart", "quickstart-instruct", "quickstart-chat")
+BUILTIN_DATA = ("quickstart", "quickstart-instruct", "quickstart-chat", "quickstart-pref")
 
 
 def _text_rows(rng, rows):
@@ -125,6 +129,27 @@ def _chat_rows(rng, rows):
             q2, a2 = _question(rng, c)
             messages += [{"role": "user", "content": q2}, {"role": "assistant", "content": a2}]
         yield {"messages": messages}
+
+
+def _preference_rows(rng, rows):
+    for _ in range(rows):
+        text, c = story(rng)
+        q, a = _question(rng, c)
+        yield {"prompt": f"{text} {q}", "chosen": a, "rejected": _scramble(rng, a)}
+
+
+def _scramble(rng: random.Random, answer: str) -> str:
+    """The answer made ungrammatical: its words shuffled, or one word replaced by a word of another kind."""
+    words = answer.split()
+    if rng.random() < 0.5:
+        while True:
+            shuffled = rng.sample(words, len(words))
+            if shuffled != words:
+                return " ".join(shuffled)
+    i = rng.randrange(len(words) - 1)  # not the final "."
+    wrong = rng.choice(FEELINGS + ACTIVITIES + NUMBERS[1:]) if words[i] not in FEELINGS + ACTIVITIES else \
+        rng.choice(ANIMALS + PLACES)
+    return " ".join(words[:i] + [wrong] + words[i + 1:])
 
 
 def build_tokenizer():

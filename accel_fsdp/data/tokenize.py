@@ -4,6 +4,10 @@
   instruction  the tokenizer's chat template (a user turn and an assistant turn) when it has one, else the Alpaca
                prompt; loss on the response (and its end-of-turn token) only
   chat         the messages rendered with the chat template; loss on the assistant turns only
+  preference   a pair: the prompt followed by the chosen answer, and by the rejected one (two examples, in this
+               order); loss on the answers only. Strings (with the chat template as a user and an assistant turn when
+               the tokenizer has one, else prompt and answer concatenated with an EOS after the answer), or
+               conversations ending in an assistant turn that share everything before it
 
 Texts are encoded in batches by the tokenizer's own Rust encoder (`encode_batch`, which runs on as many threads as
 the process may use), the same encoder `tokenizer(text)` calls one text at a time, so the ids are identical.
@@ -37,6 +41,32 @@ class Example:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    @property
+    def answer(self) -> int:
+        """Index of the first token that carries a loss (preference: where the answer starts)."""
+        if self.mask is None:
+            return 0
+        hits = np.flatnonzero(self.mask)
+        return int(hits[0]) if len(hits) else len(self.ids)
+
+
+def fit_pair(chosen: Example, rejected: Example, seq_len: int) -> tuple[Example, Example, bool, bool]:
+    """A preference pair within seq_len tokens: (chosen, rejected, prompt cut, answer cut). The prompt is cut from the
+    left by as many tokens as the longer of the two needs (both lose the same prompt tokens), the answers are kept;
+    only an answer that does not fit with one prompt token before it (a sequence's first token carries no loss) is
+    cut itself, from the right."""
+    over = max(len(chosen), len(rejected)) - seq_len
+    if over <= 0:
+        return chosen, rejected, False, False
+    cut = max(0, min(over, min(chosen.answer, rejected.answer) - 1))
+    out, answer_cut = [], False
+    for ex in (chosen, rejected):
+        ids, mask = ex.ids[cut:], None if ex.mask is None else ex.mask[cut:]
+        if len(ids) > seq_len:
+            ids, mask, answer_cut = ids[:seq_len], None if mask is None else mask[:seq_len], True
+        out.append(Example(ids, mask, ex.row))
+    return out[0], out[1], cut > 0, answer_cut
 
 
 def encode(tokenizer, texts: list[str], *, special: bool) -> list[list[int]]:
@@ -92,6 +122,8 @@ class ExampleTokenizer:
             return self._text(numbers, rows)
         if fmt == "instruction":
             return self._instruction(numbers, rows)
+        if fmt == "preference":
+            return self._preference(numbers, rows)
         return self._chat(numbers, [(n, row.get(self.source.messages_field)) for n, row in zip(numbers, rows)
                                     if self._chat_row_ok(n, row)])
 
@@ -195,6 +227,105 @@ class ExampleTokenizer:
         for (n, _), (ids, offsets), turn_spans in zip(conversations, encode_with_offsets(self.tokenizer, texts), spans):
             out.append(Example(np.asarray(ids, dtype=np.int64), _inside(offsets, turn_spans), n))
         return out
+
+
+    # ----------------------------------------------------------------------------------------- preference
+
+    def _preference(self, numbers, rows) -> list[Example]:
+        """Two examples per row: prompt + chosen, prompt + rejected; the loss only on the answer."""
+        conversations, strings = [], []
+        for n, row in zip(numbers, rows):
+            pair = self._pair(n, row)
+            if pair is None:
+                continue
+            (conversations if isinstance(pair[1], list) else strings).append((n, *pair))
+        if self.reader.problems or self.tokenizer is None:
+            return []
+        out: dict[int, list[Example]] = {}
+        if strings and self.tokenizer.chat_template:  # a user turn and an assistant turn, as instruction rows are
+            conversations += [(n, None, [{"role": "user", "content": p}, {"role": "assistant", "content": c}],
+                               [{"role": "user", "content": p}, {"role": "assistant", "content": r}])
+                              for n, p, c, r in strings]
+            strings = []
+        if strings:
+            eos = [self.eos] if self.eos is not None else []
+            prompts = encode(self.tokenizer, [p for _, p, _, _ in strings], special=True)
+            answers = encode(self.tokenizer, [a for _, _, c, r in strings for a in (c, r)], special=False)
+            for k, ((n, *_), p) in enumerate(zip(strings, prompts)):
+                out[n] = [Example(np.asarray(p + a + eos, dtype=np.int64),
+                                  np.concatenate([np.zeros(len(p), bool), np.ones(len(a) + len(eos), bool)]), n)
+                          for a in (answers[2 * k], answers[2 * k + 1])]
+        if conversations:
+            texts, spans = [], []
+            for _, _, chosen, rejected in conversations:
+                for messages in (chosen, rejected):
+                    text, turns = render_chat(self.tokenizer, messages)
+                    texts.append(text)
+                    spans.append(turns[-1:])  # the answer is the last assistant turn; earlier ones are the prompt
+            encoded = encode_with_offsets(self.tokenizer, texts)
+            for k, (n, *_) in enumerate(conversations):
+                out[n] = [Example(np.asarray(encoded[j][0], dtype=np.int64), _inside(encoded[j][1], spans[j]), n)
+                          for j in (2 * k, 2 * k + 1)]
+        return [ex for n in numbers if n in out for ex in out[n]]
+
+    def _pair(self, n: int, row: dict):
+        """(prompt, chosen, rejected) of a row: three strings, or the prompt None and two conversations; None when the
+        row is bad (recorded)."""
+        s = self.source
+        for role, column in (("chosen", s.chosen_field), ("rejected", s.rejected_field)):
+            if column not in row:
+                self.reader.missing_field(n, row, role)
+                return None
+        prompt, chosen, rejected = row.get(s.prompt_field), row[s.chosen_field], row[s.rejected_field]
+        if isinstance(chosen, list) or isinstance(rejected, list):
+            return self._conversations(n, prompt, chosen, rejected)
+        for column, value in ((s.chosen_field, chosen), (s.rejected_field, rejected)):
+            if not isinstance(value, str) or not value.strip():
+                what = "is empty" if isinstance(value, str) or value is None else \
+                    f"is not text ({type(value).__name__})"
+                self.reader.bad("empty answer", n, f"answer {column!r} {what}",
+                                "every pair needs two non-empty answers")
+                return None
+        if s.prompt_field not in row:
+            self.reader.missing_field(n, row, "prompt")
+            return None
+        if not isinstance(prompt, str):
+            self.reader.bad("prompt type", n, f"field {s.prompt_field!r} is not text", "use a string (or conversations "
+                            "in chosen and rejected)")
+            return None
+        if chosen == rejected:
+            self.reader.bad("same answers", n, "the chosen and the rejected answer are the same",
+                            "remove the row: it prefers nothing")
+            return None
+        return prompt, chosen, rejected
+
+    def _conversations(self, n: int, prompt, chosen, rejected):
+        s = self.source
+        prefix = prompt if isinstance(prompt, list) else []
+        if isinstance(prompt, str) and isinstance(chosen, list) and chosen and isinstance(chosen[0], dict) \
+                and chosen[0].get("role") == "assistant":
+            prefix = [{"role": "user", "content": prompt}]  # the prompt as text, the answers as assistant turns
+        full = []
+        for column, messages in ((s.chosen_field, chosen), (s.rejected_field, rejected)):
+            problem = check_messages(prefix + messages) if isinstance(messages, list) else "is not a list of messages"
+            if problem is None and messages[-1]["role"] != "assistant":
+                problem = "does not end with an assistant turn (the answer)"
+            if problem is None and not messages[-1]["content"].strip():
+                problem = "ends with an empty answer"
+            if problem:
+                self.reader.bad("pair messages", n, f"{column}: {problem}", "chosen and rejected are conversations "
+                                "that end with the answer (or the answer alone, with the prompt in its own field)")
+                return None
+            full.append(prefix + messages)
+        if full[0][:-1] != full[1][:-1]:
+            self.reader.bad("pair prefix", n, "chosen and rejected differ before their last assistant turn",
+                            "both must share the conversation up to the answer")
+            return None
+        if full[0][-1]["content"] == full[1][-1]["content"]:
+            self.reader.bad("same answers", n, "the chosen and the rejected answer are the same",
+                            "remove the row: it prefers nothing")
+            return None
+        return None, full[0], full[1]
 
 
 def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:

@@ -8,6 +8,7 @@ import torch
 from accel_fsdp.data import batches
 from accel_fsdp.data.store import IGNORE_INDEX
 from accel_fsdp.train.metrics import EvalRow, MetricsWriter, perplexity
+from accel_fsdp.train.observe import preference_means
 from accel_fsdp.train.state import TrainingState
 
 
@@ -30,6 +31,8 @@ class Evaluator:
         """Mean token loss of each source's held-out sequences, exact over ranks, and their mixture: the losses
         weighted by the sources' shares (what the training loss estimates)."""
         run = self.run
+        if run.data.pairs:
+            return self._evaluate_pairs(step)
         held = [s for s in run.data.sources if s.eval is not None and len(s.eval)]
         if not held:
             return None
@@ -63,6 +66,50 @@ class Evaluator:
         each = ", ".join(f"{n} {v:.4f}" for n, v in by_source.items()) if len(by_source) > 1 else ""
         run.say(f"eval @ step {step}: loss {loss:.4f}, perplexity {row.eval_ppl:.2f} ({row.eval_tokens:,} tokens)"
                 + (f"; by source: {each}" if each else ""))
+        return row
+
+
+    def _evaluate_pairs(self, step: int) -> EvalRow | None:
+        """Held-out preference pairs: each source's mean loss, their mixture by weight, and the rewards and
+        log-probabilities of all pairs pooled, exact over ranks."""
+        run = self.run
+        held = [(i, s) for i, s in enumerate(run.data.sources) if s.units("eval")]
+        if not held:
+            return None
+        acc, model, t, objective = run.accelerator, run.model, run.recipe.training, run.objective
+        reference = getattr(objective.reference, "kind", None) == "precomputed" and objective.reference
+        names: list[str] = []
+        totals = None
+        model.eval()
+        with torch.no_grad():
+            for k, (i, source) in enumerate(held):
+                for units in batches.iter_eval_batches(source.units("eval"), micro_batch=t.micro_batch_size,
+                                                       world_size=acc.num_processes, rank=acc.process_index,
+                                                       max_batches=t.eval_max_batches):
+                    batch = run.collate([s for u in units or [0] for s in source.sequences(u, "eval")])
+                    if reference:
+                        batch["reference_logps"] = torch.cat([reference.lookup(i, u, "eval") for u in units or [0]]) \
+                            .to(acc.device)
+                    with acc.autocast():
+                        sums = objective.evaluate(model, batch)
+                    if totals is None:
+                        names = sorted(sums)
+                        totals = torch.zeros(len(held), len(names), device=acc.device, dtype=torch.float64)
+                    if units is not None:  # a rank out of pairs joined the forwards; its dummy counts nothing
+                        totals[k] += torch.stack([sums[n] for n in names])
+        model.train()
+        totals = acc.reduce(totals, reduction="sum").cpu()
+        per_source = [dict(zip(names, row.tolist())) for row in totals]
+        by_source = {s.name: objective.eval_loss(v) for (_, s), v in zip(held, per_source)}
+        weights = {s.name: s.weight for _, s in held}
+        loss = sum(weights[n] * v for n, v in by_source.items()) / sum(weights.values())
+        pooled = {n: float(totals[:, j].sum()) for j, n in enumerate(names)}
+        row = EvalRow(step=step, eval_loss=loss, eval_ppl=perplexity(loss), eval_tokens=int(pooled["chosen_tokens"]),
+                      eval_loss_by_source=by_source, **preference_means(pooled, prefix="eval_"))
+        self.metrics.write(row)
+        self.last_step = step
+        run.say(f"eval @ step {step}: loss {loss:.4f}, reward accuracy {row.eval_reward_accuracy:.3f}, margin "
+                f"{row.eval_reward_margin:.4f} ({int(pooled['pairs']):,} held-out pairs)")
         return row
 
 

@@ -4,11 +4,12 @@ For each optimizer step: its micro-steps accumulated, clip, step, schedule; then
 cadence look at the step (logger, evaluator, checkpointer; test hooks first). At the end: final evaluation,
 checkpoint, sample, export.
 
-Loss normalization: the loss of an optimizer step is the mean over every loss-carrying token of the global
-batch, however the batch is split over ranks and micro-steps. Each micro-step's loss is a token *sum* divided
-by num_items_in_batch = (label tokens of the global batch) / (ranks x accumulation steps): FSDP averages
-gradients over ranks and `accelerator.backward` divides by the accumulation steps, which undoes both factors.
-So k micro-steps of batch b give the same update as one step of k x b (tests/test_training.py checks it).
+Loss normalization: the loss of an optimizer step is the mean over every loss-carrying token (for preference
+tuning, every pair) of the global batch, however the batch is split over ranks and micro-steps. Each micro-step's
+loss is a *sum* divided by (the global batch's count) / (ranks x accumulation steps): FSDP averages gradients over
+ranks and `accelerator.backward` divides by the accumulation steps, which undoes both factors. So k micro-steps of
+batch b give the same update as one step of k x b (tests/test_training.py and tests/test_preference.py check it).
+The objective (train/objective.py) computes the loss; `run.norm` the global counts, from the data, on every rank.
 """
 
 from __future__ import annotations
@@ -22,32 +23,30 @@ from accel_fsdp.train.state import TrainingState
 def fit(run: Run, parts: Components, state: TrainingState) -> None:
     """One optimizer step per iteration, its micro-steps accumulated."""
     acc, model, optimizer, scheduler, sampler = run.accelerator, run.model, run.optimizer, run.scheduler, run.sampler
-    t = run.recipe.training
+    objective, t = run.objective, run.recipe.training
     max_norm = t.max_grad_norm if t.max_grad_norm is not None else float("inf")
     parts.logger.start(state)
     model.train()
     while state.step < run.total_steps:
-        sequences, micro_batches = sampler.global_sequences(state.step), sampler.micro_batches(state.step)
-        num_items = run.loss_denominator(sequences)
-        for seqs in micro_batches:
-            batch = run.batch(seqs)
+        units, micro_batches = sampler.global_sequences(state.step), sampler.micro_batches(state.step)
+        norm = run.norm(units)  # the global batch's counts, the same on every rank: no communication
+        for part in micro_batches:
+            batch = run.batch(part)
             with acc.accumulate(model):
                 with acc.autocast():
-                    # use_cache=False: with a KV cache transformers skips the packed-document mask
-                    # (masking_utils.py, _preprocess_mask_arguments needs past_key_values None; 5.23.0).
-                    loss = model(**batch, num_items_in_batch=num_items, use_cache=False).loss
+                    loss, stats = objective(model, batch, norm)
                 acc.backward(loss)
                 if acc.sync_gradients:  # the last micro-step: gradients are now reduced over ranks
                     grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
                 optimizer.step()  # skipped by Accelerate until the last micro-step
                 optimizer.zero_grad(set_to_none=True)
-            parts.logger.add_loss(loss)
+            parts.logger.add_loss(loss, stats)
         lr = advance_schedule(acc, scheduler)
-        tokens = run.step_tokens(sequences)
+        tokens = run.step_tokens(units)
         state.advance(tokens)
 
         parts.hooks.after_step(state.step, micro_batches)
-        parts.logger.after_step(state, lr, grad_norm, tokens, sequences)
+        parts.logger.after_step(state, lr, grad_norm, tokens, units)
         parts.evaluator.after_step(state)
         parts.checkpointer.after_step(state)
     parts.logger.close()

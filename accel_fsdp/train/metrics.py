@@ -57,6 +57,18 @@ class TrainRow:
     """GPU only: model FLOPs utilization against the device's peak for the run's precision."""
     source_tokens: dict[str, int] | None = None
     """Loss-carrying tokens of each data source in this row's step (the last of the window)."""
+    reward_chosen: float | None = None
+    """Preference tuning: mean reward of the chosen answers over the window's pairs (train/objective.py)."""
+    reward_rejected: float | None = None
+    """Mean reward of the rejected answers."""
+    reward_margin: float | None = None
+    """reward_chosen - reward_rejected."""
+    reward_accuracy: float | None = None
+    """Share of pairs whose chosen answer has the higher reward."""
+    logps_chosen: float | None = None
+    """Mean token log-probability of the chosen answers."""
+    logps_rejected: float | None = None
+    """Mean token log-probability of the rejected answers."""
     kind: str = "train"
 
 
@@ -69,7 +81,14 @@ class EvalRow:
     eval_ppl: float
     eval_tokens: int | None = None
     eval_loss_by_source: dict[str, float] | None = None
-    """Mean token loss of each source's held-out sequences."""
+    """Mean token loss (preference: mean pair loss) of each source's held-out sequences."""
+    eval_reward_chosen: float | None = None
+    """Preference tuning, over the held-out pairs: as the train row's reward_chosen."""
+    eval_reward_rejected: float | None = None
+    eval_reward_margin: float | None = None
+    eval_reward_accuracy: float | None = None
+    eval_logps_chosen: float | None = None
+    eval_logps_rejected: float | None = None
     kind: str = "eval"
 
 
@@ -85,10 +104,15 @@ MetricsRow = TrainRow | EvalRow | StartupRow
 ROW_TYPES = {"train": TrainRow, "eval": EvalRow, "startup": StartupRow}
 
 
+OPTIONAL = {"mfu"} | {f"{p}{m}" for p in ("", "eval_") for m in ("reward_chosen", "reward_rejected", "reward_margin",
+                                                                 "reward_accuracy", "logps_chosen", "logps_rejected")}
+"""Keys a row leaves out when they do not apply (MFU on CPU; the preference metrics of an sft run)."""
+
+
 def row_to_dict(row: MetricsRow) -> dict:
-    """The JSON of a row: kind first, as the file has always had it; no null MFU on CPU."""
+    """The JSON of a row: kind first, as the file has always had it; no null MFU on CPU, no preference keys in sft."""
     d = {"kind": row.kind, **{k: v for k, v in asdict(row).items() if k != "kind"}}
-    return {k: v for k, v in d.items() if not (k == "mfu" and v is None)}
+    return {k: v for k, v in d.items() if not (k in OPTIONAL and v is None)}
 
 
 def row_from_dict(d: dict) -> MetricsRow:

@@ -57,10 +57,9 @@ def packing(run, path: Path, *, documents: int = 8) -> None:
     where the data says they start (the table's positions), never where the batch's positions say: a batch that
     does not keep them apart must fail this."""
     sequences, found = [], 0
-    for unit in range(min(len(run.data), 256)):
-        sequence = run.data.sequence(unit)
+    for sequence in (s for unit in range(min(len(run.data), 256)) for s in run.data.sequences(unit)):
         count = int((sequence.positions == 0).sum())
-        if count > 1 or not sequences:
+        if count > 1 or len(sequences) < 2:
             sequences.append(sequence)
             found += count
         if found >= documents and len(sequences) >= 2:

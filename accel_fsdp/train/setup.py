@@ -10,6 +10,7 @@ of the loop (metrics logger, evaluator, checkpointer, test hooks) and the traini
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +47,9 @@ from accel_fsdp.train.evaluate import Evaluator
 from accel_fsdp.train.hooks import NO_SWITCHES, TestHooks, TestSwitches
 from accel_fsdp.train.lifetime import Preemption
 from accel_fsdp.train.metrics import MetricsWriter, StartupClock, flops_per_token
+from accel_fsdp.train.objective import build_objective
 from accel_fsdp.train.observe import Terminal, TrainLogger
+from accel_fsdp.train.reference import precompute, starting_weights_key
 from accel_fsdp.train.sharding import ShardingRecord
 from accel_fsdp.train.state import TrainingState
 
@@ -116,6 +119,8 @@ class Run:
     flops_per_token: float
     clock: StartupClock
     sharding: ShardingRecord
+    objective: Any = None
+    """What a micro-step's loss is (train/objective.py): next-token prediction, or a preference loss."""
     global_loss_normalization: bool = True
     """False only in `verify`'s proof that its equivalence check can fail: each micro-step takes its own mean."""
     restart_positions: bool = True
@@ -130,8 +135,14 @@ class Run:
         self.terminal.say(text)
 
     def batch(self, units: list[int]) -> dict:
-        """The tensors of these training units on this rank's device."""
-        return self.collate([self.data.sequence(u) for u in units])
+        """The tensors of these training units on this rank's device: their sequences (a pair's chosen and rejected
+        side by side), and the reference log-probabilities of a DPO run that precomputed them."""
+        batch = self.collate([s for u in units for s in self.data.sequences(u)])
+        reference = getattr(self.objective, "reference", None)
+        if getattr(reference, "kind", None) == "precomputed":
+            batch["reference_logps"] = torch.cat([reference.lookup(*self.data.split(u), "train") for u in units]) \
+                .to(self.accelerator.device)
+        return batch
 
     def collate(self, sequences: list[Sequence]) -> dict:
         """Sequences as tensors on this rank's device, in the layout the attention kernel needs."""
@@ -140,15 +151,12 @@ class Run:
         return {k: v.to(self.accelerator.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                 for k, v in batch.items()}
 
-    def loss_denominator(self, units: list[int]) -> float | None:
-        """num_items_in_batch of every micro-step of an optimizer step over the global batch `units`: its
-        loss-carrying tokens / (ranks x accumulation steps). Every rank computes it from the per-sequence counts the
-        data stores, so no communication is needed (see train/loop.py)."""
-        if not self.global_loss_normalization:
-            return None
-        acc = self.accelerator
-        labels = sum(self.data.label_count(u) for u in units)
-        return max(1, labels) / (acc.num_processes * self.sampler.accumulation_steps)
+    def norm(self, units: list[int]):
+        """What every micro-step of an optimizer step over the global batch `units` divides its loss sums by: the
+        global batch's counts / (ranks x accumulation steps), from the per-sequence counts the data stores, so no
+        communication is needed (see train/loop.py and train/objective.py)."""
+        return self.objective.norm(self.data, units, self.accelerator.num_processes,
+                                   self.sampler.accumulation_steps, global_mean=self.global_loss_normalization)
 
     def step_tokens(self, units: list[int]) -> int:
         return sum(self.data.length(u) for u in units)
@@ -280,18 +288,29 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
     if little:
         raise UserError(little)
     steps = total_steps(recipe, len(data))
-    terminal.say(startup_summary(recipe, settings, layout, data, built, sharding.local_parameters, steps, sampler))
     scheduler = torch.optim.lr_scheduler.LambdaLR(built.optimizer, lr_lambda=lr_schedule(recipe, steps))
+    fpt = flops_per_token(config, recipe.data.seq_len, built.trainable_parameters / max(1, built.parameters))
+    if t.method == "dpo" and recipe.model.lora.enabled:
+        fpt += flops_per_token(config, recipe.data.seq_len) / 3  # the reference: one more forward (2N of 6N)
 
     run = Run(request=request, settings=settings, accelerator=accelerator, tokenizer=tokenizer, data=data,
               model=built.model, optimizer=built.optimizer, scheduler=scheduler, sampler=sampler,
               total_steps=steps, layout=layout, preemption=preemption, terminal=terminal,
               use_position_ids=built.use_position_ids, batch_layout=built.batch_layout,
-              parameters=built.parameters, trainable_parameters=built.trainable_parameters,
-              flops_per_token=flops_per_token(config, recipe.data.seq_len,
-                                              built.trainable_parameters / max(1, built.parameters)),
+              parameters=built.parameters, trainable_parameters=built.trainable_parameters, flops_per_token=fpt,
               clock=clock, sharding=sharding, global_loss_normalization=not switches.broken("mean-loss"),
               restart_positions=not switches.broken("mask-leak"))
+    reference = None
+    if t.method == "dpo" and not recipe.model.lora.enabled:
+        # Before any checkpoint is loaded: the model holds the starting weights (a resumed run computes them again
+        # when the cache lost them).
+        terminal.say(f"reference: log-probabilities of the starting weights for {len(data):,} training pairs and "
+                     "the held-out ones (once; cached)")
+        reference = precompute(run, starting_weights_key(recipe, settings))
+        clock.mark("reference")
+    run = dataclasses.replace(run, objective=build_objective(recipe, built.model, reference))
+    terminal.say(startup_summary(recipe, settings, layout, data, built, sharding.local_parameters, steps, sampler,
+                                 run.objective))
     # Dropout and any other randomness of the loop: seeded, different on each rank, and saved in checkpoints.
     set_seed(t.seed, device_specific=True)
     hooks = TestHooks(run, switches)
@@ -310,7 +329,7 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
 
 
 def startup_summary(recipe, settings, layout: RunLayout, data, built: ShardedModel, held: list[int],
-                    total_steps: int, sampler) -> str:
+                    total_steps: int, sampler, objective=None) -> str:
     """What a person checks before walking away: model, data, batch arithmetic, sharding, where files go. Every
     setting with its source is in fsdp_settings.json (and printed by --verbose)."""
     s, t = settings, recipe.training
@@ -323,7 +342,9 @@ def startup_summary(recipe, settings, layout: RunLayout, data, built: ShardedMod
     lines = [
         f"  model     {built.model_class}, {human_count(parameters)} parameters ({trained}); weights {source}",
         *data_summary(recipe, data, sampler, total_steps),
-        f"  batch     global {t.global_batch_size} = micro {t.micro_batch_size} x {sampler.W} rank(s) x "
+        *method_summary(recipe, objective),
+        f"  batch     global {t.global_batch_size}{' pairs' if data.pairs else ''} = micro {t.micro_batch_size} x "
+        f"{sampler.W} rank(s) x "
         f"{sampler.accumulation_steps} accumulation step(s); {total_steps:,} optimizer steps ({epochs:.2f} epochs)",
         f"  sharding  FSDP{s.fsdp_version.value} {s.sharding_strategy.value} on {s.device.value}: ranks hold "
         f"{' / '.join(f'{n:,}' for n in held)} of {parameters:,} parameters; units "
@@ -335,6 +356,24 @@ def startup_summary(recipe, settings, layout: RunLayout, data, built: ShardedMod
         f"checkpoints {'every ' + str(every) + ' steps and ' if every else ''}at the end in {layout.checkpoints}",
     ]
     return "\n".join(lines)
+
+
+def method_summary(recipe, objective) -> list[str]:
+    """The line of a preference run: its loss, parameters and how the reference is obtained (and what it cost)."""
+    t, p = recipe.training, recipe.preference
+    if objective is None or t.method == "sft":
+        return []
+    params = {"dpo": f"beta {p.beta_for('dpo')}, label smoothing {p.label_smoothing}",
+              "simpo": f"beta {p.beta_for('simpo')}, gamma {p.gamma}, label smoothing {p.label_smoothing}",
+              "orpo": f"lambda {p.lambda_}"}[t.method]
+    reference = objective.reference
+    if reference is None:
+        how = "no reference model (the loss needs none)"
+    elif reference.kind == "adapters-off":
+        how = "the base model with the LoRA adapters switched off: one more forward per micro-step, no more memory"
+    else:
+        how = reference.describe()
+    return [f"  method    {t.method} ({params}); reference: {how}"]
 
 
 def data_summary(recipe, data, sampler, steps: int) -> list[str]:
