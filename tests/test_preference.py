@@ -278,3 +278,24 @@ def test_a_preference_run_refuses_an_unknown_method():
     with pytest.raises(UserError, match="training.method: expected one of sft, dpo, simpo, orpo, found 'ipo'"):
         recipe_from_text("data: {path: x.jsonl}\ntraining: {method: ipo}\nmodel: {architecture: gpt2}\n",
                          source="r.yaml")
+
+
+def test_report_draws_the_margin_and_accuracy_beside_the_loss(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"run_id": "0123456789abcdef", "recipe_name": "dpo"}))
+    rows = [{"kind": "train", "step": s, "loss": 0.69 - 0.05 * s, "tokens_per_s": 1000.0, "tokens_per_s_per_rank": 500.0,
+             "step_time_s": 0.1, "tokens_seen": 100 * s, "peak_memory_bytes": [1 << 20], "reward_chosen": 0.1 * s,
+             "reward_rejected": -0.1 * s, "reward_margin": 0.2 * s, "reward_accuracy": min(1.0, 0.5 + 0.1 * s),
+             "logps_chosen": -1.0, "logps_rejected": -2.0} for s in range(1, 9)]
+    rows.append({"kind": "eval", "step": 8, "eval_loss": 0.3, "eval_ppl": 1.35, "eval_reward_margin": 1.5,
+                 "eval_reward_accuracy": 0.95, "eval_reward_chosen": 0.7, "eval_reward_rejected": -0.8,
+                 "eval_logps_chosen": -1.0, "eval_logps_rejected": -2.1})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = CliRunner().invoke(main, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    assert "reward margin 1.6000, accuracy 1.000 at the end (train); held out: margin 1.5000, accuracy 0.950" \
+        in result.output and "perplexity" not in result.output
+    from PIL import Image
+
+    assert Image.open(run / "loss_curve.png").size[0] > 2 * Image.open(run / "loss_curve.png").size[1]  # 3 panels

@@ -1,5 +1,6 @@
 """`accel-fsdp report RUN_DIR`: what a run did, from the files it wrote (metrics.jsonl, sharding.json, run.json):
-steps, final and best evaluation loss, throughput, peak memory; and a loss curve (train and eval) as PNG when
+steps, final and best evaluation loss, throughput, peak memory; for preference tuning the reward margin and
+accuracy; and a loss curve (train and eval; with the margin and accuracy beside it for preference tuning) as PNG when
 matplotlib is installed (`pip install "accel-fsdp[plot]"`)."""
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ def summarize(run_dir: Path) -> dict:
         best = min(evals, key=lambda r: r.eval_loss)
         out.update(final_eval_loss=evals[-1].eval_loss, final_eval_ppl=evals[-1].eval_ppl,
                    best_eval_loss=best.eval_loss, best_eval_step=best.step)
+    if train[-1].reward_margin is not None:
+        out.update(final_reward_margin=train[-1].reward_margin, final_reward_accuracy=train[-1].reward_accuracy)
+    if evals and evals[-1].eval_reward_accuracy is not None:
+        out.update(final_eval_reward_margin=evals[-1].eval_reward_margin,
+                   final_eval_reward_accuracy=evals[-1].eval_reward_accuracy)
     return out
 
 
@@ -53,8 +59,13 @@ def format_summary(s: dict) -> str:
     lines = [f"run {s['run']} (recipe {s['recipe']}): {s['steps']} steps, {s['tokens_seen'] or 0:,} tokens",
              f"  train loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}"]
     if "final_eval_loss" in s:
-        lines.append(f"  eval loss {s['final_eval_loss']:.4f} (perplexity {s['final_eval_ppl']:.2f}) at the end; best "
+        ppl = "" if "final_reward_margin" in s else f" (perplexity {s['final_eval_ppl']:.2f})"  # of tokens, not pairs
+        lines.append(f"  eval loss {s['final_eval_loss']:.4f}{ppl} at the end; best "
                      f"{s['best_eval_loss']:.4f} at step {s['best_eval_step']}")
+    if "final_reward_margin" in s:
+        lines.append(f"  reward margin {s['final_reward_margin']:.4f}, accuracy {s['final_reward_accuracy']:.3f} at the "
+                     "end (train)" + (f"; held out: margin {s['final_eval_reward_margin']:.4f}, accuracy "
+                                      f"{s['final_eval_reward_accuracy']:.3f}" if "final_eval_reward_margin" in s else ""))
     lines.append(f"  throughput {s['tokens_per_s_median']:,.0f} tokens/s ({s['tokens_per_s_per_rank_median']:,.0f} per "
                  f"rank), {s['step_time_s_median']:.3f} s per step (medians)"
                  + (f", MFU {100 * s['mfu_median']:.1f}%" if "mfu_median" in s else ""))
@@ -75,15 +86,28 @@ def plot(run_dir: Path) -> Path | None:
     rows = read_metrics(layout.metrics_file)
     train = [r for r in rows if isinstance(r, TrainRow)]
     evals = [r for r in rows if isinstance(r, EvalRow)]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    preference = train[-1].reward_margin is not None
+    fig, axes = plt.subplots(1, 3 if preference else 1, figsize=(15 if preference else 7, 4), dpi=120, squeeze=False)
+    ax = axes[0, 0]
     ax.plot([r.step for r in train], [r.loss for r in train], label="train loss", linewidth=1.5)
     if evals:
         ax.plot([r.step for r in evals], [r.eval_loss for r in evals], "o-", label="eval loss")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (mean per token)")
+    ax.set_ylabel("loss (mean per pair)" if preference else "loss (mean per token)")
     ax.set_title(Path(run_dir).name)
     ax.grid(alpha=0.3)
     ax.legend()
+    if preference:  # what preference tuning moves: the margin between the answers, and how often it is right
+        held = [r for r in evals if r.eval_reward_margin is not None]
+        for ax, key, label in ((axes[0, 1], "reward_margin", "reward margin (chosen - rejected)"),
+                               (axes[0, 2], "reward_accuracy", "reward accuracy (chosen above rejected)")):
+            ax.plot([r.step for r in train], [getattr(r, key) for r in train], label="train", linewidth=1.5)
+            if held:
+                ax.plot([r.step for r in held], [getattr(r, "eval_" + key) for r in held], "o-", label="held out")
+            ax.set_xlabel("optimizer step")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+            ax.legend()
     fig.tight_layout()
     out = layout.loss_curve
     fig.savefig(out)
