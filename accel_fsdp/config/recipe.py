@@ -176,7 +176,7 @@ class DataConfig:
     max_rows: int | None = None
     """Read at most this many rows of each source, for quick experiments."""
     num_proc: int | None = None
-    """Threads (and processes) that tokenize. Default: the cores this process may use."""
+    """Threads of the tokenizer's Rust batch encoder. Default: the cores this process may use."""
 
     def resolved_sources(self) -> list[SourceConfig]:
         """Every source with every key filled in (data.path is a mixture of one, named after its file)."""
