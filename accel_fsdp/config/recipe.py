@@ -260,6 +260,10 @@ class TrainingConfig:
         """Micro-steps per optimizer step on `ranks` ranks (checked to divide before any run starts)."""
         return self.global_batch_size // self.rows_per_micro_step(ranks)
 
+    def sequences_per_micro_step(self) -> int:
+        """Sequences one rank's micro-step puts through the model: a preference pair is two (chosen, rejected)."""
+        return self.micro_batch_size * (1 if self.method == "sft" else 2)
+
 
 @dataclass(kw_only=True)
 class PreferenceConfig:

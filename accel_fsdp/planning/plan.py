@@ -137,7 +137,7 @@ def build_plan(recipe, config, *, num_processes: int | None = None) -> Plan:
         precision=MEMORY[settings.mixed_precision.value],
         offload=bool(settings.cpu_offload.value),
         activation_checkpointing=bool(settings.activation_checkpointing.value),
-        micro_batch=recipe.training.micro_batch_size, seq_len=recipe.data.seq_len, shape=shape_of(config_obj),
+        micro_batch=recipe.training.sequences_per_micro_step(), seq_len=recipe.data.seq_len, shape=shape_of(config_obj),
         frozen_bytes=frozen_bytes,
         deferred_reduce=not settings.reduce_every_micro_step.value
         and recipe.training.accumulation_steps(settings.num_processes.value) > 1)
@@ -164,7 +164,8 @@ def format_plan(plan: Plan, gpu_memory: float | None) -> str:
     largest = plan.largest_unit
     lines.append(f"largest unit gathered: {largest.kind} with {largest.params:,} params")
     t = r.training
-    lines.append(f"per-rank memory (GiB), micro batch {t.micro_batch_size} x seq_len {r.data.seq_len}:")
+    pairs = f" pairs ({t.sequences_per_micro_step()} sequences)" if t.method != "sft" else ""
+    lines.append(f"per-rank memory (GiB), micro batch {t.micro_batch_size}{pairs} x seq_len {r.data.seq_len}:")
     lines.append(f"  params {gib(m.params)}   grads {gib(m.grads)}   optimizer {gib(m.optimizer)}   "
                  f"gathered units {gib(m.gathered)}   activations {gib(m.activations)}   total {gib(m.total)}"
                  + (f"   (+ {gib(m.host)} in CPU memory, offloaded)" if m.host else ""))
@@ -175,6 +176,9 @@ def format_plan(plan: Plan, gpu_memory: float | None) -> str:
         if m.total > 0.9 * gpu_memory:
             lines.append("  try: model.activation_checkpointing: true, a smaller micro batch, more GPUs, or CPU "
                          "offload (accelerate_configs/fsdp_2gpu_offload.yaml); `accel-fsdp estimate` compares them")
+    cost = reference_cost(r)
+    if cost:
+        lines.append(f"note: {cost}")
     if plan.memory_inputs.deferred_reduce:
         lines.append(f"note: fsdp.reduce_every_micro_step is false: grads above are the unsharded fp32 gradients of "
                      f"the whole model, held between micro-steps ({gib(m.grads)} GiB per rank)")
@@ -182,6 +186,18 @@ def format_plan(plan: Plan, gpu_memory: float | None) -> str:
         if "tokenizer" not in note and "dataset" not in note:
             lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def reference_cost(recipe) -> str | None:
+    """What a preference run's reference costs (train/reference.py, objective.py), for the dry run and `estimate`."""
+    t = recipe.training
+    if t.method != "dpo":
+        return f"{t.method} needs no reference model" if t.method != "sft" else None
+    if recipe.model.lora.enabled:
+        return ("DPO reference: the base model with the LoRA adapters switched off, one more forward per micro-step "
+                "(no gradients kept; about +50% compute over LoRA's forward and backward), no second model in memory")
+    return ("DPO reference: before the first step, one forward over every training and held-out pair (about a third "
+            "of one epoch's compute, in the activations above), cached with the data; no second model in memory")
 
 
 def print_plan(recipe, accelerate_config: str | None, gpu_memory: str | None) -> None:
