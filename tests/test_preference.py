@@ -299,3 +299,23 @@ def test_report_draws_the_margin_and_accuracy_beside_the_loss(tmp_path):
     from PIL import Image
 
     assert Image.open(run / "loss_curve.png").size[0] > 2 * Image.open(run / "loss_curve.png").size[1]  # 3 panels
+
+
+def test_the_dry_run_counts_two_sequences_per_pair_and_the_reference():
+    from accel_fsdp.config.accelerate import load_accelerate_config
+    from accel_fsdp.planning.plan import build_plan
+
+    out = CliRunner().invoke(main, ["recipe", "run", "quickstart-dpo", "--dry-run"]).output
+    assert "micro batch 4 pairs (8 sequences) x seq_len 96" in out
+    assert "DPO reference: before the first step, one forward over every training and held-out pair" in out
+    config = load_accelerate_config("fsdp_cpu")
+    plans = {}
+    for method in ("dpo", "sft"):
+        r = recipe_from_text(f"""
+model: {{architecture: gpt2, tokenizer: "builtin:quickstart", config_overrides: {{n_layer: 2, n_embd: 64, n_head: 4}}}}
+data: {{path: "builtin:{'quickstart-pref' if method == 'dpo' else 'quickstart-instruct'}",
+        format: {'preference' if method == 'dpo' else 'instruction'}, seq_len: 64}}
+training: {{method: {method}, micro_batch_size: 2, global_batch_size: 8}}
+""", source="r.yaml")
+        plans[method] = build_plan(r, config).memory.activations
+    assert plans["dpo"] == pytest.approx(2 * plans["sft"])  # the activations of 2 x micro batch sequences
