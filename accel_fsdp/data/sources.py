@@ -114,11 +114,12 @@ class SourceReader:
                                     f"use one of {', '.join(FILE_TYPES)}"))
         if p.stat().st_size == 0 or (builder != "parquet" and not _has_text(p)):
             raise UserError(Problem(self.where, f"data file {f.name!r} is empty", "put training rows in it"))
-        if builder != "parquet":
-            problem = not_utf8(p)
-            if problem:
-                raise UserError(Problem(f"{self.where} ({f.path})", problem, "save the file as UTF-8, e.g. iconv -f "
-                                        "latin1 -t utf-8 FILE > FILE.utf8 (or -f utf-16)"))
+        if p.suffix.lower() == ".jsonl":
+            problem = utf16(p)  # the rest of a JSON Lines file is checked line by line as it streams
+        else:
+            problem = not_utf8(p) if builder != "parquet" else None
+        if problem:
+            raise UserError(Problem(f"{self.where} ({f.path})", problem, UTF8_FIX))
         if p.suffix.lower() not in (".jsonl", ".parquet"):
             self._dataset = self._load_file(builder)
         elif p.suffix.lower() == ".parquet":
@@ -220,7 +221,10 @@ class SourceReader:
                     continue
                 try:
                     row = json.loads(line)
-                except ValueError as e:  # UnicodeDecodeError is one: not_utf8 ran at open(), so this is JSON
+                except UnicodeDecodeError as e:
+                    raise UserError(Problem(f"{self.where} ({self.file.path})", _not_utf8_line(number, line, e),
+                                            UTF8_FIX)) from None
+                except ValueError as e:
                     raise UserError(Problem(f"{self.where} ({self.file.path})",
                                             f"line {number}: invalid JSON ({getattr(e, 'msg', e)})",
                                             "fix the file: one JSON object per line (.jsonl)")) from None
@@ -282,24 +286,36 @@ def check_messages(messages) -> str | None:
     return None
 
 
+UTF8_FIX = "save the file as UTF-8, e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8 (or -f utf-16)"
+
+
+def utf16(path: Path) -> str | None:
+    with open(path, "rb") as f:
+        if f.read(4).startswith((b"\xff\xfe", b"\xfe\xff")):
+            return "the file is UTF-16 (it starts with a UTF-16 byte-order mark), not UTF-8"
+    return None
+
+
 def not_utf8(path: Path) -> str | None:
     """Where a text file stops being UTF-8 ("line 3, byte 0xe9 at column 7: the file is probably Latin-1"), or None."""
+    problem = utf16(path)
+    if problem:
+        return problem
     with open(path, "rb") as f:
-        head = f.read(4)
-        if head.startswith((b"\xff\xfe", b"\xfe\xff")):
-            return "the file is UTF-16 (it starts with a UTF-16 byte-order mark), not UTF-8"
-        f.seek(0)
         for number, line in enumerate(f, 1):
             if line.isascii():
                 continue
             try:
                 line.decode("utf-8")
             except UnicodeDecodeError as e:
-                byte = line[e.start]
-                guess = "UTF-16" if b"\x00" in line else "Latin-1 or Windows-1252"
-                return (f"line {number} is not UTF-8 (byte 0x{byte:02x} at column {e.start + 1}); the file is "
-                        f"probably {guess}")
+                return _not_utf8_line(number, line, e)
     return None
+
+
+def _not_utf8_line(number: int, line: bytes, e: UnicodeDecodeError) -> str:
+    byte = line[e.start] if e.start < len(line) else 0
+    guess = "UTF-16" if b"\x00" in line else "Latin-1 or Windows-1252"
+    return f"line {number} is not UTF-8 (byte 0x{byte:02x} at column {e.start + 1}); the file is probably {guess}"
 
 
 def _has_text(path: Path) -> bool:

@@ -18,6 +18,7 @@ through the `SourceReader` with its file and line. This module imports no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -148,9 +149,16 @@ class ExampleTokenizer:
             kept.append(n)
         if self.reader.problems or self.tokenizer is None:
             return []
-        eos = [self.eos] if self.eos is not None else []
-        return [Example(np.asarray(ids + eos, dtype=np.int64), None, n)
-                for n, ids in zip(kept, encode(self.tokenizer, texts, special=True))]
+        # One array for the batch (numpy builds it from the id lists faster than one array per document), each
+        # example a view of it, an EOS inserted after every document.
+        ids = encode(self.tokenizer, texts, special=True)
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        flat = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum()))
+        if self.eos is not None:
+            flat = np.insert(flat, np.cumsum(lengths), self.eos)
+            lengths = lengths + 1
+        ends = np.cumsum(lengths)
+        return [Example(flat[end - size:end], None, n) for n, size, end in zip(kept, lengths.tolist(), ends.tolist())]
 
     # ---------------------------------------------------------------------------------------- instruction
 
