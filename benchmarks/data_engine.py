@@ -1,7 +1,7 @@
 """Data preparation against the plain Hugging Face pipeline, side by side, on corpora we did not write.
 
     python benchmarks/data_engine.py                          # 25 MB and 100 MB of code and of prose, 3 rounds
-    python benchmarks/data_engine.py --sizes 25MB,100MB,2GB --rounds 3
+    python benchmarks/data_engine.py --sizes 25MB,100MB,2GB --rounds 3   # one round of each 2 GB corpus
 
 Corpora (built once into --work): `code`, the .py files of the installed packages (site-packages), cut into rows of
 about 2,000 characters; `prose`, English documentation on this machine (Vim's help, Node.js' docs, Debian
@@ -220,6 +220,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="25MB,100MB", help="comma-separated, e.g. 25MB,100MB,2GB")
     parser.add_argument("--corpora", default="code,prose")
     parser.add_argument("--rounds", type=int, default=3, help="measurements of each pipeline per corpus and size")
+    parser.add_argument("--rounds-large", type=int, default=1, help="rounds for sizes of 1 GB and more")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--work", type=Path, default=Path("/tmp/accel-fsdp-data-bench"))
     parser.add_argument("--baseline", choices=["run_clm", "ids"], default="run_clm",
@@ -244,7 +245,8 @@ def main() -> None:
         for size_text in args.sizes.split(","):
             corpus = build_corpus(kind, parse_size(size_text), args.work)
             runs = {"ours": [], "plain": []}
-            for r in range(args.rounds):
+            rounds = args.rounds if parse_size(size_text) < 1e9 else min(args.rounds, args.rounds_large)
+            for r in range(rounds):
                 order = ("ours", "plain") if r % 2 == 0 else ("plain", "ours")
                 for name in order:
                     result = run_ours(corpus, tokenizer, args.work, args.seq_len) if name == "ours" else \
