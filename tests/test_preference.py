@@ -308,6 +308,10 @@ def test_the_dry_run_counts_two_sequences_per_pair_and_the_reference():
     out = CliRunner().invoke(main, ["recipe", "run", "quickstart-dpo", "--dry-run"]).output
     assert "micro batch 4 pairs (8 sequences) x seq_len 96" in out
     assert "DPO reference: before the first step, one forward over every training and held-out pair" in out
+    out = CliRunner().invoke(main, ["estimate", "quickstart-dpo", "--gpus", "2"]).output
+    assert "micro batch 8 x 96 tokens" in out and "dpo: 2 sequences per pair, micro batch 4 pairs" in out
+    out = CliRunner().invoke(main, ["estimate", "quickstart-dpo", "--gpus", "2", "--micro-batch", "2"]).output
+    assert "micro batch 4 x 96 tokens" in out  # --micro-batch counts pairs, as the recipe does
     config = load_accelerate_config("fsdp_cpu")
     plans = {}
     for method in ("dpo", "sft"):

@@ -14,7 +14,7 @@ from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model import architectures
 from accel_fsdp.model.facts import Shape, facts_for, facts_of
 from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, estimate, gib, simple_bytes
-from accel_fsdp.planning.plan import build_plan
+from accel_fsdp.planning.plan import build_plan, reference_cost
 from accel_fsdp.preflight import model_view
 
 HEADROOM = 0.9  # keep 10% of the GPU for the CUDA context, NCCL buffers and allocator fragmentation
@@ -82,6 +82,12 @@ def _recipe_target(path, micro_batch, seq_len) -> Target:
     if facts is not None:  # checked as `recipe validate` checks the model: shapes that cannot build are named
 
         model_view(recipe)
+    t = recipe.training
+    if micro_batch is not None:  # --micro-batch counts what the recipe's micro batch counts (pairs, for preference)
+        t = replace(t, micro_batch_size=micro_batch)
+    notes = [n for n in ("LoRA: frozen base weights in the compute dtype" if recipe.model.lora.enabled else "",
+                         f"{t.method}: 2 sequences per pair, micro batch {t.micro_batch_size} pairs"
+                         if t.method != "sft" else "", reference_cost(recipe) or "") if n]
     if facts is not None:  # arithmetic: no model built (tests/test_model_facts.py holds the facts)
         lora = recipe.model.lora
         adapters = facts.lora_params(lora.target_modules, lora.r) if lora.enabled else 0
@@ -89,16 +95,14 @@ def _recipe_target(path, micro_batch, seq_len) -> Target:
         compute = precision.BYTES[recipe.training.mixed_precision or precision.DEFAULT]
         return Target(recipe.name, params, adapters if lora.enabled else params,
                       max(facts.block_params(), facts.vocab * facts.hidden), facts.shape(),
-                      recipe.training.micro_batch_size if micro_batch is None else micro_batch,
-                      recipe.data.seq_len if seq_len is None else seq_len, compute if lora.enabled else 4,
-                      note="LoRA: frozen base weights in the compute dtype" if lora.enabled else "",
+                      t.sequences_per_micro_step(), recipe.data.seq_len if seq_len is None else seq_len,
+                      compute if lora.enabled else 4, note="; ".join(notes),
                       activation_checkpointing=bool(recipe.model.activation_checkpointing), context=facts.context)
 
     plan = build_plan(recipe, load_accelerate_config("fsdp_1gpu"))
     m = plan.memory_inputs
-    return Target(recipe.name, m.params, m.trainable, m.largest_unit, m.shape,
-                  m.micro_batch if micro_batch is None else micro_batch, m.seq_len if seq_len is None else seq_len,
-                  m.frozen_bytes, note="LoRA: frozen base weights in bf16" if recipe.model.lora.enabled else "",
+    return Target(recipe.name, m.params, m.trainable, m.largest_unit, m.shape, t.sequences_per_micro_step(),
+                  m.seq_len if seq_len is None else seq_len, m.frozen_bytes, note="; ".join(notes),
                   activation_checkpointing=m.activation_checkpointing)
 
 
