@@ -131,3 +131,37 @@ def load_weights(folder: Path) -> dict:
     for f in sorted(folder.glob("*.safetensors")):
         out.update(load_file(f))
     return out
+
+
+# ---------------------------------------------------------------------- noise models of float comparisons
+# A float tolerance in a test follows from one of these or from the noise model of accel_fsdp/tools/verify.py (ROUNDOFF,
+# SIGMAS, reordered, adam_step_bound), with the reason it applies where it is used; never from one machine's run:
+# AVX2-only, AVX512-BF16 and AMX CPUs pick other kernels, so add numbers up in other orders.
+
+LOGIT_PATH = 2**11
+"""Products summed on the way to one logit of the tests' 2-layer, width-64 models (GPT-2 at 128 positions:
+2 x (64 + 16 + 128 + 64 + 64 + 256) + 64 = 1,248; Llama 1,088). Layer norms keep every stage at the logits' scale, so
+two computations of the same logits that round differently agree within reordered(LOGIT_PATH) of the logit scale."""
+
+
+def assert_adam_runs_agree(weights: dict, reference: dict, lrs: list[float], gradient_noise: float) -> None:
+    """Final weights of two AdamW runs (default betas) from the same start whose gradients differ by `gradient_noise`
+    (relative: rounding) only. That moves an element's step by at most that share of its largest step, but the step
+    of an element whose gradient is itself rounding noise (zero in exact arithmetic, as GPT-2's key biases: softmax
+    ignores a constant added to every key) can go either way. So every weight within both runs' largest steps, and half
+    of them within `gradient_noise` of that; another gradient (a micro-batch lost, a wrong shard) moves most more."""
+    import torch
+
+    from accel_fsdp.config.recipe import TrainingConfig
+    from accel_fsdp.tools.verify import adam_step_bound
+
+    t = TrainingConfig()
+    largest = 2 * adam_step_bound(t.adam_beta1, t.adam_beta2, len(lrs)) * sum(lrs)
+    assert weights.keys() == reference.keys()
+    differences = []
+    for key, tensor in reference.items():
+        difference = (weights[key].double() - tensor.double()).abs().flatten()
+        assert difference.max() <= largest, (key, float(difference.max()), largest)
+        differences.append(difference)
+    median = float(torch.cat(differences).median())
+    assert median <= gradient_noise * largest, (median, gradient_noise * largest)

@@ -4,6 +4,7 @@ full vs sharded saves, consolidation into a Hugging Face folder, LoRA adapters, 
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 import subprocess
@@ -12,7 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_weights, read_metrics, run_cli, tiny_recipe
+from conftest import LOGIT_PATH, load_weights, read_metrics, run_cli, tiny_recipe
+
+from accel_fsdp.tools.verify import SIGMAS, reordered
 
 pytestmark = pytest.mark.multiprocess
 STEPS = 12
@@ -41,6 +44,26 @@ def rows_by_step(run: Path) -> dict[int, list[int]]:
             row = json.loads(line)
             per_step.setdefault(row["step"], {})[rank] = row["rows"]
     return {step: sorted(r for ranks in by_rank.values() for r in ranks) for step, by_rank in per_step.items()}
+
+
+def dropout_spread(model: Path, data: Path, draws: int = 16) -> float:
+    """Relative standard deviation, over dropout masks, of the loss of one global batch (8 rows of 64 tokens of `data`)
+    through `model`: how far two runs that draw other masks for the same rows see a step's loss apart."""
+    import statistics
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    lines = data.read_text().splitlines()[:64]
+    stream = [t for line in lines for t in tok(json.loads(line)["text"])["input_ids"] + [tok.eos_token_id]]
+    ids = torch.tensor(stream[:8 * 64]).view(8, 64)
+    net = AutoModelForCausalLM.from_pretrained(model).train()  # dropout on
+    losses = []
+    with torch.no_grad():
+        for seed in range(draws):
+            torch.manual_seed(seed)
+            losses.append(float(net(input_ids=ids, labels=ids).loss))
+    return statistics.stdev(losses) / statistics.mean(losses)
 
 
 def assert_same_weights(a: Path, b: Path) -> None:
@@ -118,13 +141,15 @@ def test_resume_on_one_rank_from_a_two_rank_checkpoint(tmp_path, reference, tiny
     expected = {s: rows for s, rows in rows_by_step(reference).items() if s > 6}
     assert rows_by_step(run) == expected
     # Model and optimizer state arrive intact on one rank: training carries on where it was. (Not bitwise: the
-    # dropout streams of two ranks cannot be replayed by one.)
+    # dropout streams of two ranks cannot be replayed by one.) Two draws of other masks for the same rows differ by
+    # at most SIGMAS x sqrt(2) spreads of a batch's loss; the masks move the later weights, and so the evaluation, less.
+    spread = SIGMAS * math.sqrt(2) * dropout_spread(reference / "final", stories)
     ours = [r for r in read_metrics(run) if r["kind"] == "eval"][-1]["eval_loss"]
     theirs = [r for r in read_metrics(reference) if r["kind"] == "eval"][-1]["eval_loss"]
-    assert ours == pytest.approx(theirs, rel=0.02)
+    assert ours == pytest.approx(theirs, rel=spread)
     first = [r for r in read_metrics(run) if r["kind"] == "train"][0]
     expected_first = next(r for r in read_metrics(reference) if r["kind"] == "train" and r["step"] == 7)
-    assert first["step"] == 7 and first["loss"] == pytest.approx(expected_first["loss"], rel=0.02)
+    assert first["step"] == 7 and first["loss"] == pytest.approx(expected_first["loss"], rel=spread)
 
 
 def test_resume_on_two_ranks_from_a_one_rank_checkpoint(tmp_path, reference, tiny_gpt2, stories):
@@ -228,12 +253,13 @@ def test_lora_checkpoints_hold_the_adapter_and_export_peft_and_merged(tmp_path, 
     with torch.no_grad():
         adapted_logits = adapted(ids).logits
         base_logits = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()(ids).logits
-    assert not torch.allclose(adapted_logits, base_logits)  # the adapter learned something
+    rounding = reordered(LOGIT_PATH) * float(adapted_logits.abs().max())
+    assert float((adapted_logits - base_logits).abs().max()) > rounding  # the adapter learned something
 
     run_cli("checkpoint", "consolidate", run, tmp_path / "export", "--merge", check=0)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "merged").eval()
-    with torch.no_grad():
-        torch.testing.assert_close(merged(ids).logits, adapted_logits, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():  # the adapter's products added into the weights: the same products, associated otherwise
+        torch.testing.assert_close(merged(ids).logits, adapted_logits, rtol=0, atol=rounding)
 
 
 # ----------------------------------------------------------------------------------------------- faults

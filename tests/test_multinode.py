@@ -90,7 +90,8 @@ def test_hybrid_sharding_on_4_ranks_replicates_across_and_shards_within(tmp_path
         by = {(r["replica"], r["shard"]): r for r in layout}
         assert sorted(by) == [(0, 0), (0, 1), (1, 0), (1, 1)]
         for shard in (0, 1):  # the two replicas of a shard hold the same values (also after training)
-            assert by[(0, shard)]["checksum"] == pytest.approx(by[(1, shard)]["checksum"], rel=1e-9, abs=1e-9)
+            # Bit for bit: both apply the same all-reduced gradient, and a checksum adds the same values in one order.
+            assert by[(0, shard)]["checksum"] == by[(1, shard)]["checksum"]
         for replica in (0, 1):  # inside a replica, the ranks hold different pieces
             assert by[(replica, 0)]["checksum"] != by[(replica, 1)]["checksum"]
     for n in info["local_parameters"]:

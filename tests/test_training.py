@@ -10,8 +10,9 @@ import sys
 import time
 
 import pytest
-import torch
-from conftest import REPO, load_weights, read_metrics, run_cli, tiny_recipe, write_jsonl
+from conftest import REPO, assert_adam_runs_agree, load_weights, read_metrics, run_cli, tiny_recipe, write_jsonl
+
+from accel_fsdp.tools.verify import reordered
 
 pytestmark = pytest.mark.multiprocess
 
@@ -107,14 +108,15 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, tiny_gpt2):
         runs[name] = (load_weights(tmp_path / name / "final"),
                       [r for r in read_metrics(tmp_path / name) if r["kind"] == "train"])
     reference, ref_metrics = runs["2ranks-k1"]
+    # The splits add each step's tokens up in other orders; a step's rounding carries into the next one's weights.
+    lrs = [r["lr"] for r in ref_metrics]
+    noise = len(lrs) * reordered(base["training"]["global_batch_size"] * base["data"]["seq_len"])
     for name, (weights, metrics) in runs.items():
         # The same loss and the same (pre-clipping) gradient norm at every step: AdamW hides a constant factor
         # on the gradient, the norm does not.
         for key in ("loss", "grad_norm"):
-            assert [r[key] for r in metrics] == pytest.approx([r[key] for r in ref_metrics], rel=2e-6), (name, key)
-        # Weights agree to float rounding (summation order differs): 2% of one AdamW step of lr 1e-3.
-        for key, tensor in reference.items():
-            torch.testing.assert_close(weights[key], tensor, rtol=0, atol=2e-5, msg=f"{name}: {key}")
+            assert [r[key] for r in metrics] == pytest.approx([r[key] for r in ref_metrics], rel=noise), (name, key)
+        assert_adam_runs_agree(weights, reference, lrs, noise)
 
 
 def test_quickstart_readme_command_finishes_learns_and_exports(tmp_path):
