@@ -190,7 +190,12 @@ def main() -> None:
                                            model={"activation_checkpointing": ac}),
                    "--accelerate-config", full, "--output-dir", run, "--overwrite", "--benchmark")
         losses[ac] = [r["loss"] for r in metrics(run) if r["kind"] == "train"] if proc.returncode == 0 else None
-    ok = losses[False] and losses[True] and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(*losses.values()))
+    from accel_fsdp.tools.verify import equivalence_tolerance
+
+    # fp32 GPU kernels need not add up in one order: verify's noise model for this global batch (2 x gpus x 4
+    # sequences of 128 tokens, 4 micro-steps), over the 4 steps
+    tol = equivalence_tolerance("fp32", 2 * gpus * 4 * 128, 4, 4)["loss"]
+    ok = losses[False] and losses[True] and all(abs(a - b) <= tol * abs(a) for a, b in zip(*losses.values()))
     say("5 AC with dropout", "PASS" if ok else "FAIL", f"losses {losses[False]} vs {losses[True]}")
 
     # 6: more processes than GPUs
