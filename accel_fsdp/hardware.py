@@ -25,6 +25,25 @@ def visible_cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def cuda_unavailable_reason() -> str:
+    """Why this process cannot use CUDA, in torch's words where it has them: a torch built without CUDA, no device
+    visible, or the error CUDA's initialization reports (a driver too old, none loaded). Imports torch."""
+    import torch
+
+    if torch.version.cuda is None:
+        return f"this torch ({torch.__version__}) is built without CUDA"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not any(Path(p).exists() for p in _NVIDIA_NODES):
+        return "no NVIDIA device node (/dev/nvidia*) on this machine or in this container"
+    try:
+        torch.cuda.init()
+    except Exception as e:  # torch raises RuntimeError, AssertionError or AcceleratorError: all say why
+        return f"CUDA failed to initialize: {str(e).strip().splitlines()[0][:200]}"
+    if torch.cuda.device_count() == 0:
+        return f"no CUDA device is visible (CUDA_VISIBLE_DEVICES={visible if visible is not None else 'unset'})"
+    return "torch.cuda.is_available() is false"
+
+
 def usable_cores() -> int:
     """CPU cores this process may run on (cgroups, SLURM, taskset), not the machine's count."""
     try:

@@ -253,7 +253,8 @@ def main() -> None:
                         run_plain(corpus, tokenizer, args.work, args.seq_len, cores, args.baseline)
                     runs[name].append(result)
                     print(f"  {kind} {size_text} round {r + 1} {name}: {result['seconds']:.1f}s, "
-                          f"{result['tokens'] / result['seconds']:,.0f} tokens/s, peak {result['peak'] / 2**30:.2f} GiB",
+                          f"{result['tokens'] / result['seconds']:,.0f} tokens/s, "
+                          f"peak {result['peak'] / 2**30:.2f} GiB",
                           flush=True)
             med = {n: {k: statistics.median(x[k] for x in v) for k in v[0]} for n, v in runs.items()}
             results.append((kind, size_text, med))

@@ -135,7 +135,7 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path, reference
 def test_resume_on_one_rank_from_a_two_rank_checkpoint(tmp_path, reference, tiny_gpt2, stories):
     recipe = make_recipe(tmp_path, tiny_gpt2, stories, training={"micro_batch_size": 8})  # same global batch
     run = tmp_path / "run"
-    proc = run_cli("recipe", "run", recipe, "--output-dir", run, "--accelerate-config", "fsdp_1gpu",
+    proc = run_cli("recipe", "run", recipe, "--output-dir", run, "--accelerate-config", "fsdp_1gpu", "--cpu",
                    "--resume-from", reference / "checkpoints" / "step-000006", env=TRACE, check=0)
     assert "resharding from 2 to 1 ranks" in proc.stdout
     expected = {s: rows for s, rows in rows_by_step(reference).items() if s > 6}
@@ -156,7 +156,7 @@ def test_resume_on_two_ranks_from_a_one_rank_checkpoint(tmp_path, reference, tin
     """1 -> 2: a 1-rank run's checkpoint continues on 2 ranks with the same rows per step."""
     one = tmp_path / "one"
     recipe = make_recipe(tmp_path, tiny_gpt2, stories, training={"micro_batch_size": 8, "max_steps": 6})
-    run_cli("recipe", "run", recipe, "--output-dir", one, "--accelerate-config", "fsdp_1gpu", check=0)
+    run_cli("recipe", "run", recipe, "--output-dir", one, "--accelerate-config", "fsdp_1gpu", "--cpu", check=0)
     assert json.loads((one / "checkpoints" / "step-000006" / "manifest.json").read_text())["world_size"] == 1
     two = tmp_path / "two"
     proc = run_cli("recipe", "run", recipe, "--output-dir", two, "--resume-from", one / "checkpoints" / "step-000006",

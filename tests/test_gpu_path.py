@@ -55,13 +55,13 @@ def test_cuda_process_group_always_has_a_cpu_backend_and_the_recipe_timeout():
     recipe = load_recipe(shipped_recipes()["llama-3.1-70b-lora"])
     settings = resolve_settings(recipe, load_accelerate_config("llama_fsdp_8gpu"), cuda_available=True)
     assert settings.cpu_offload.value is True and settings.cpu_offload.source == Source.RECIPE
-    kwargs = process_group_kwargs(settings).to_kwargs()
+    kwargs = process_group_kwargs(settings)
     assert kwargs == {"backend": "cuda:nccl,cpu:gloo", "timeout": timedelta(minutes=60)}
     _, settings = settings_for("fsdp_2gpu", ["fsdp.collective_timeout_minutes=90"])
-    assert process_group_kwargs(settings).to_kwargs()["timeout"] == timedelta(minutes=90)
+    assert process_group_kwargs(settings)["timeout"] == timedelta(minutes=90)
     assert settings.collective_timeout_minutes.source == Source.OVERRIDE
     _, cpu = settings_for("fsdp_cpu", cuda=False)
-    assert process_group_kwargs(cpu).backend == "gloo"
+    assert process_group_kwargs(cpu)["backend"] == "gloo"
 
 
 def test_the_preemption_flag_rides_on_the_default_group_when_it_has_a_cpu_backend():
@@ -71,7 +71,7 @@ def test_the_preemption_flag_rides_on_the_default_group_when_it_has_a_cpu_backen
     from accel_fsdp.train.lifetime import flag_needs_own_group
 
     _, gpu = settings_for("fsdp_2gpu")
-    assert not flag_needs_own_group(process_group_kwargs(gpu).backend)  # cuda:nccl,cpu:gloo
+    assert not flag_needs_own_group(process_group_kwargs(gpu)["backend"])  # cuda:nccl,cpu:gloo
     assert not flag_needs_own_group("cpu:gloo,cuda:gloo")  # what a gloo group on CPU ranks reports
     assert flag_needs_own_group("cuda:nccl")
 
@@ -166,24 +166,6 @@ def test_mfu_uses_the_peak_of_the_exact_part_and_precision(name, precision, tf32
     from accel_fsdp.hardware import peak_flops
 
     assert peak_flops(name, is_half(precision), tf32=tf32) == peak
-
-
-def test_a_skipped_fp16_step_does_not_advance_the_schedule():
-    from accel_fsdp.train.loop import advance_schedule
-
-    param = torch.nn.Parameter(torch.zeros(1))
-    optimizer = torch.optim.SGD([param], lr=1.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
-
-    class Acc:
-        optimizer_step_was_skipped = False
-
-    acc = Acc()
-    assert advance_schedule(acc, scheduler) == 1.0  # the rate the step used, not the next one
-    acc.optimizer_step_was_skipped = True
-    assert advance_schedule(acc, scheduler) == 0.5 and scheduler.get_last_lr() == [0.5]  # not advanced
-    acc.optimizer_step_was_skipped = False
-    assert advance_schedule(acc, scheduler) == 0.5 and scheduler.get_last_lr() == [1.0 / 3]
 
 
 def test_fsdp1_with_lora_is_refused():

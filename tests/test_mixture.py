@@ -78,7 +78,8 @@ def test_data_prepare_builds_what_the_run_reads_once_and_show_marks_the_loss(tmp
     first = CliRunner().invoke(main, ["data", "prepare", str(recipe)])
     assert first.exit_code == 0, first.output
     assert first.output.count("tokenized in") == 2 and "bytes per token" in first.output
-    assert "stories (text, builtin:quickstart)" in first.output and "weight 0.70 of the mixture by tokens" in first.output
+    assert "stories (text, builtin:quickstart)" in first.output
+    assert "weight 0.70 of the mixture by tokens" in first.output
     tables = sorted((tmp_path / "cache" / "tokenized").glob("*/stats.json"))
     stamps = [p.stat().st_mtime_ns for p in tables]
     # validate (what `recipe run` runs before launching) and a second prepare find it all in the cache
@@ -159,7 +160,8 @@ def test_a_mixture_resumes_exactly_from_two_ranks_to_one_and_refuses_a_changed_m
     assert state["data"]["step"] == 4 and len(state["data"]["units"]) == 2 and sum(state["data"]["units"]) == 32
     one = tmp_path / "one"
     proc = run_cli("recipe", "run", recipe, "--output-dir", one, "--resume-from", two / "checkpoints" / "step-000004",
-                   "--accelerate-config", "fsdp_1gpu", "--set", "training.micro_batch_size=8", env=TRACE, check=0)
+                   "--accelerate-config", "fsdp_1gpu", "--cpu", "--set", "training.micro_batch_size=8", env=TRACE,
+                   check=0)
     assert "at step 4" in proc.stdout
     expected = {s: rows for s, rows in rows_by_step(two).items() if s > 4}
     assert rows_by_step(one) == expected and sorted(expected) == [5, 6, 7, 8]

@@ -82,9 +82,14 @@ def test_hybrid_sharding_on_4_ranks_replicates_across_and_shards_within(tmp_path
                                             "parallelism_config_dp_shard_size": 2})
     recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, stories, training={"max_steps": 4, "micro_batch_size": 2})
     run = tmp_path / "run"
-    run_cli("recipe", "run", recipe, "--output-dir", run, "--accelerate-config", config, check=0)
+    run_cli("recipe", "run", recipe, "--output-dir", run, "--accelerate-config", config,
+            "--set", "fsdp.collective_timeout_minutes=10", check=0)
     info = json.loads((run / "sharding.json").read_text())
     assert info["strategy"] == "HYBRID_SHARD" and info["expected_shards"] == 2
+    # Every group has the configured timeout, the mesh's replicate and shard groups included (init_device_mesh
+    # creates them with torch's 30-minute default), and 10 minutes is not lost on the way (Accelerate's own default)
+    timeouts = info["process_group"]["group_timeouts_s"]
+    assert len(timeouts) >= 3 and set(timeouts.values()) == {600.0}, timeouts
     total = info["parameters"]
     for layout in (info["ranks"], info["ranks_after_training"]):
         by = {(r["replica"], r["shard"]): r for r in layout}

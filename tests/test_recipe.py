@@ -69,7 +69,7 @@ def test_types_are_checked():
     assert "training.seed: expected an integer, found 1.5" in msg
     assert "training.max_grad_norm: expected a finite number or null, found True" in msg
     msg = problems_of(GOOD.replace("path: builtin:quickstart", "path: builtin:quickstart\n  format: markdown"))
-    assert "data.format: expected one of text, instruction, chat, found 'markdown'" in msg
+    assert "data.format: expected one of text, instruction, chat, preference, found 'markdown'" in msg
 
 
 def test_global_batch_must_be_a_multiple_of_the_micro_batch():

@@ -61,7 +61,7 @@ def test_tiny_llama_trains_with_its_decoder_layer_as_unit(tmp_path, tiny_llama, 
     recipe = tiny_recipe(tmp_path / "llama.yaml", tiny_llama, stories, training={"max_steps": 20},
                          logging={"every_steps": 5, "trackers": ["tensorboard"]})
     run = tmp_path / "run"
-    run_cli("recipe", "run", recipe, "--output-dir", run, "--accelerate-config", "fsdp_2gpu",
+    run_cli("recipe", "run", recipe, "--output-dir", run, "--accelerate-config", "fsdp_2gpu", "--cpu",
             "--set", "fsdp.wrap_class=LlamaDecoderLayer", check=0)
     # The tracker got the same numbers through Accelerate's tracker API.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -103,7 +103,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, tiny_gpt2):
     variants = [("2ranks-k1", 4, "fsdp_cpu"), ("2ranks-k4", 1, "fsdp_cpu"), ("1rank-k4", 2, "fsdp_1gpu")]
     for name, micro, config in variants:
         recipe = tiny_recipe(tmp_path / f"{name}.yaml", tiny_gpt2, data, **base)
-        run_cli("recipe", "run", recipe, "--output-dir", tmp_path / name, "--accelerate-config", config,
+        run_cli("recipe", "run", recipe, "--output-dir", tmp_path / name, "--accelerate-config", config, "--cpu",
                 "--set", f"training.micro_batch_size={micro}", check=0)
         runs[name] = (load_weights(tmp_path / name / "final"),
                       [r for r in read_metrics(tmp_path / name) if r["kind"] == "train"])

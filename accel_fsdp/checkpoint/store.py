@@ -255,7 +255,9 @@ def _rng_state() -> dict[str, Any]:
 
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This rank's own device only (Accelerate made it current): the GPUs a rank sees may differ on resume, and
+        # get_rng_state_all would save every visible GPU's to be restored by index (torch/cuda/random.py).
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -265,8 +267,13 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if isinstance(cuda, (list, tuple)):  # written by an earlier version: every visible GPU's, by index
+            index = torch.cuda.current_device()
+            cuda = cuda[index] if index < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)  # the current device: this rank's
 
 
 def _write_synced(path: Path, text: str) -> None:

@@ -171,13 +171,16 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
               "Overrides the config (the SLURM script passes its allocation's).")
 @click.option("--rendezvous-timeout", default=300, show_default=True, type=click.IntRange(1, 86400),
               help="Multi-machine: seconds to wait for the main process and for all machines to join.")
+@click.option("--cpu", is_flag=True, help="Run a GPU accelerate config on CPU ranks (gloo), on purpose: to try its "
+              "sharding, wrapping and checkpoints on a machine without a GPU. Without it, a GPU config on a machine "
+              "that cannot run CUDA is refused.")
 @click.option("--verbose", is_flag=True, help="Also print the resolved recipe and every FSDP setting with its source "
               "(they are always saved in the run folder: recipe.yaml, fsdp_settings.json).")
 @click.option("--benchmark", is_flag=True, hidden=True, help="(accel-fsdp bench) No final evaluation, checkpoint or "
               "export.")
 def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, resume_from, overwrite, dry_run,
                gpu_memory, machine_rank, main_process_ip, main_process_port, num_machines, num_processes,
-               rendezvous_timeout, verbose, benchmark) -> None:
+               rendezvous_timeout, cpu, verbose, benchmark) -> None:
     """Train a recipe on the hardware an accelerate config describes.
 
     Outside a distributed launch this launches itself through Accelerate's launcher (one process per rank);
@@ -213,7 +216,7 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
         die_with_launcher()
         try:
             run_training(RunRequest(recipe=r, run_dir=run_dir, resume=resume, resume_from=resume_from,
-                                    overwrite=overwrite, benchmark=benchmark, verbose=verbose))
+                                    overwrite=overwrite, benchmark=benchmark, verbose=verbose, cpu=cpu))
         except UserError as e:
             # Every rank hits the same mistake; the first rank of each machine says it once.
             if int(os.environ.get("LOCAL_RANK", "0")) == 0 or e.rank_local:
@@ -233,6 +236,8 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     config, n, why = load_config_or_default(accelerate_config)
     if num_processes is not None:
         config.values["num_processes"] = n = num_processes
+    if cpu:
+        config.values["use_cpu"] = True  # as the ranks will read it (--cpu reaches them)
     machine = MachineOptions(machine_rank, main_process_ip, main_process_port, num_machines, rendezvous_timeout)
     machine.apply(config)
     raise_if(check_accelerate_config(config), f"{config.label} with these options has problems")

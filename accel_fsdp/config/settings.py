@@ -328,6 +328,15 @@ def check_settings(settings: FsdpSettings, recipe, *, visible_gpus: int | None =
     if "flash" in attn and s.device.value == "cpu":
         p.append(Problem(recipe.where("model.attn_implementation"), f"{attn} needs a CUDA GPU, and this run is on CPU",
                          "use sdpa on CPU (packed documents stay apart there too)"))
+    elif "flash" in attn and s.mixed_precision.value == "fp32":
+        # transformers picks the kernel's dtype from the first nn.Linear of the attention module when the inputs are
+        # fp32 (integrations/flash_attention.py, get_target_dtype; 5.24.0): GPT-2 has none (Conv1D) and stops with
+        # StopIteration at the first forward; others hand fp32 to flash-attn, which refuses it.
+        p.append(Problem(recipe.where("model.attn_implementation"),
+                         f"{attn} runs only in fp16 or bf16, and this run computes in fp32 "
+                         f"({s.mixed_precision.source_text}): the first forward would fail",
+                         "use training.mixed_precision: bf16 (the master weights stay fp32), or "
+                         "model.attn_implementation: sdpa"))
     if s.device.value == "cuda" and visible_gpus is not None:
         p += gpu_count_problems(settings, visible_gpus)
     if s.fsdp_version.value == 1 and recipe.model.lora.enabled:
@@ -344,6 +353,19 @@ def check_settings(settings: FsdpSettings, recipe, *, visible_gpus: int | None =
                              f"({t.weight_decay}) could not skip biases and norms",
                              "set fsdp_use_orig_params: true, or training.weight_decay: 0"))
     return p
+
+
+def cuda_problems(settings: FsdpSettings, config_label: str, reason) -> list[Problem]:
+    """A config written for GPUs on a machine that cannot run CUDA would train on CPU ranks, a thousand times slower,
+    with the word "cpu" in one line as its only sign. `reason`: a function saying why CUDA is unusable here (it
+    imports torch, so it is called only when needed)."""
+    device = settings.device
+    if device.value != "cpu" or device.source != Source.DETECTED:
+        return []  # CUDA is used, or the config (or --cpu) asked for CPU ranks
+    return [Problem(f"{config_label}: use_cpu", f"is a GPU config (use_cpu is false) and this machine cannot run CUDA: "
+                    f"{reason()}", "train on CPU ranks with --accelerate-config fsdp_cpu (or this config with --cpu), "
+                    "or repair CUDA (a torch built for your CUDA version: pip install torch --index-url "
+                    "https://download.pytorch.org/whl/cu124, a driver nvidia-smi can see)")]
 
 
 def gpu_count_problems(settings: FsdpSettings, visible_gpus: int) -> list[Problem]:

@@ -51,12 +51,17 @@ export TOTAL_GPUS=$((NODES * GPUS_PER_NODE))
 # The main process runs on the first node of the allocation.
 export MAIN_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MAIN_PORT=${{MAIN_PORT:-$((20000 + SLURM_JOB_ID % 20000))}}
+# Barriers and object collectives ride on gloo, which binds GLOO_SOCKET_IFNAME, else whatever address this node's
+# name resolves to (loopback, with a Debian-style /etc/hosts: the job hangs until the collective timeout).
+# accel-fsdp derives it on every node from NCCL_SOCKET_IFNAME (names or prefixes, "=name"; not "^exclusions"):
+# set one of the two to the interface the nodes share, e.g. export NCCL_SOCKET_IFNAME=ib0
 # After SLURM's signal the launcher waits this long for its ranks to checkpoint before it kills them.
 export PET_SHUTDOWN_TIMEOUT=${{PET_SHUTDOWN_TIMEOUT:-{signal_lead}}}
 
 echo "----- accel-fsdp job ${{SLURM_JOB_ID:-?}} (restart ${{SLURM_RESTART_COUNT:-0}}) -----"
 echo "nodes:         $NODES x $GPUS_PER_NODE GPUs = $TOTAL_GPUS ranks; main process $MAIN_ADDR:$MAIN_PORT"
 echo "run folder:    $RUN_DIR (resumed if it holds this run with a complete checkpoint, else started)"
+echo "gloo binds:    ${{GLOO_SOCKET_IFNAME:-derived on each node from NCCL_SOCKET_IFNAME=${{NCCL_SOCKET_IFNAME:-<unset>}}}}"
 # The recipe on this allocation, checked and described by accel-fsdp itself (batch arithmetic included).
 accel-fsdp recipe validate "$RECIPE" --accelerate-config "$CONFIG" --num-machines "$NODES" \\
   --num-processes "$TOTAL_GPUS" --output-dir "$RUN_DIR"{validate_sets}

@@ -208,6 +208,31 @@ def build_model(recipe, config, *, dtype: torch.dtype = torch.float32, empty: bo
     return model
 
 
+def layout_of(model: torch.nn.Module) -> dict:
+    """What rank 0's weight broadcast pairs up, tensor by tensor: the state dict's names in order with their shapes and
+    dtypes, and which parameters are tied (one tensor under several names)."""
+    ties: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        ties.setdefault(id(parameter), []).append(name)
+    return {"tensors": [(n, list(t.shape), str(t.dtype)) for n, t in model.state_dict(keep_vars=True).items()],
+            "ties": sorted(sorted(names) for names in ties.values() if len(names) > 1)}
+
+
+def layout_differences(reference: dict, mine: dict, limit: int = 5) -> list[str]:
+    """How a rank's layout differs from rank 0's (`layout_of`), at most `limit` names of each kind."""
+    ref = {n: (shape, dtype) for n, shape, dtype in reference["tensors"]}
+    own = {n: (shape, dtype) for n, shape, dtype in mine["tensors"]}
+    out = [f"{n}: only on rank 0" for n in ref if n not in own][:limit]
+    out += [f"{n}: not on rank 0" for n in own if n not in ref][:limit]
+    out += [f"{n}: rank 0 {ref[n][1]} {ref[n][0]}, here {own[n][1]} {own[n][0]}"
+            for n in ref if n in own and ref[n] != own[n]][:limit]
+    if not out and [n for n, *_ in reference["tensors"]] != [n for n, *_ in mine["tensors"]]:
+        out.append("the same names in another order")
+    if reference["ties"] != mine["ties"]:
+        out.append(f"tied parameters: rank 0 {reference['ties']}, here {mine['ties']}")
+    return out
+
+
 def _unwritten_parameters(model: torch.nn.Module) -> torch.nn.Module:
     """Replace meta parameters by CPU tensors that are allocated but never written (tied ones stay shared).
 

@@ -105,8 +105,8 @@ def estimate(m: MemoryInputs) -> MemoryBreakdown:
     host = 0.0
     if m.offload:
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
-    if m.deferred_reduce and s > 1:
-        grads = 4.0 * m.trainable  # every unit's unsharded fp32 gradient, on the device (offload or not)
+    if m.deferred_reduce:
+        grads = 4.0 * m.trainable  # every unit's unsharded fp32 gradient, on the device (offload or not; 1 GPU too)
     return MemoryBreakdown(params, grads, optimizer, gathered, activation_bytes(m), host)
 
 

@@ -65,8 +65,8 @@ def format_summary(s: dict) -> str:
     if "final_reward_margin" in s:
         held = f"; held out: margin {s['final_eval_reward_margin']:.4f}, accuracy " \
             f"{s['final_eval_reward_accuracy']:.3f}" if "final_eval_reward_margin" in s else ""
-        lines.append(f"  reward margin {s['final_reward_margin']:.4f}, accuracy {s['final_reward_accuracy']:.3f} at the "
-                     f"end (train){held}")
+        lines.append(f"  reward margin {s['final_reward_margin']:.4f}, accuracy "
+                     f"{s['final_reward_accuracy']:.3f} at the end (train){held}")
     lines.append(f"  throughput {s['tokens_per_s_median']:,.0f} tokens/s ({s['tokens_per_s_per_rank_median']:,.0f} per "
                  f"rank), {s['step_time_s_median']:.3f} s per step (medians)"
                  + (f", MFU {100 * s['mfu_median']:.1f}%" if "mfu_median" in s else ""))

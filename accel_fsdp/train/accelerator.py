@@ -85,23 +85,46 @@ def _mixed_precision_policy(version: int, precision: str, reduce_dtype):
         return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
     from torch.distributed.fsdp import MixedPrecision
 
-    return MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype)
+    # buffer_dtype None: every buffer keeps its own dtype. FSDP1 casts all buffers (non-persistent ones included) to
+    # buffer_dtype at the first forward (torch/distributed/fsdp/_runtime_utils.py, _cast_buffers_to_dtype_and_device;
+    # torch 2.13.0): Llama's rotary inv_freq rounded to bf16 would shift every position's phase by up to 0.4%.
+    return MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=None)
 
 
-def process_group_kwargs(settings: FsdpSettings):
-    """How the process group is created: its backend(s) and the timeout of every collective.
+def process_group_kwargs(settings: FsdpSettings) -> dict:
+    """init_process_group's keyword arguments: its backend(s) and the timeout of every collective.
 
     On CUDA the group always gets both backends, `cuda:nccl,cpu:gloo`. Accelerate adds the CPU one only when the
     *launcher* exported FSDP_OFFLOAD_PARAMS=true or FSDP_STATE_DICT_TYPE=FULL_STATE_DICT (accelerate/state.py,
     PartialState.__init__, checked with 1.15.0); CPU offload or a full state dict asked for by the recipe would
     then reduce CPU tensors over NCCL ("No backend type associated with device type cpu", pytorch#148532). The
     CPU backend also carries our small control messages (preemption flags) without a GPU sync.
-    """
-    from accelerate.utils import InitProcessGroupKwargs
 
-    timeout = timedelta(minutes=settings.collective_timeout_minutes.value)
+    Given to `PartialState` as they are, not through `InitProcessGroupKwargs`: its `to_kwargs()` drops a value equal
+    to the dataclass default (accelerate/utils/dataclasses.py, KwargsHandler.to_kwargs; its default timeout is 10
+    minutes), so a configured 10 minutes reached torch as torch's 30-minute default."""
     backend = "cuda:nccl,cpu:gloo" if settings.device.value == "cuda" else "gloo"
-    return InitProcessGroupKwargs(backend=backend, timeout=timeout)
+    return {"backend": backend, "timeout": timedelta(minutes=settings.collective_timeout_minutes.value)}
+
+
+def apply_collective_timeout(timeout: timedelta) -> None:
+    """Every process group of this rank gets the configured timeout. The device mesh of hybrid sharding creates its
+    dimension and flattened groups without one, i.e. with torch's default of 30 minutes (torch/distributed/
+    device_mesh.py, _init_one_process_group -> new_group / split_group with timeout None; torch 2.13.0), as would any
+    group a library makes later. `_set_pg_timeout` sets it on each group's gloo and NCCL backends."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in list(c10d._world.pg_map):
+        c10d._set_pg_timeout(timeout, group)
+
+
+def accumulate(accelerator, model, settings: FsdpSettings):
+    """`accelerator.accumulate` for one micro-step. Accelerate honours `sync_each_batch` only with several processes
+    (accelerate/accelerator.py, accumulate: `self.use_distributed and sync_each_batch`; 1.15.0): with one it runs
+    every non-final micro-step under no_sync, which for FSDP2 keeps every unit's unsharded fp32 gradient on the GPU
+    until the last micro-step (+32 GB for 8B parameters), where CPU offload was meant to keep the GPU free. Passing
+    the model only when the recipe defers the reduction gives one rank what several get."""
+    return accelerator.accumulate(*(() if settings.reduce_every_micro_step.value else (model,)))
 
 
 def gradient_accumulation_plugin(settings: FsdpSettings, steps: int):
@@ -153,6 +176,7 @@ def build_accelerator(settings: FsdpSettings, *, gradient_accumulation_steps: in
     """The Accelerator of these settings. `reduce_dtype` and `shard_cpu_ranks` (False: what stock Accelerate does on
     CPU ranks, unsharded replicas) differ from their defaults only in `verify`'s proofs that its checks can fail."""
     from accelerate import Accelerator
+    from accelerate.state import PartialState
     from accelerate.utils import ProjectConfiguration
 
     plugin = build_fsdp_plugin(settings, reduce_dtype=reduce_dtype)
@@ -161,22 +185,26 @@ def build_accelerator(settings: FsdpSettings, *, gradient_accumulation_steps: in
     group = process_group_kwargs(settings)
     cpu = settings.device.value == "cpu"
     if cpu and shard_cpu_ranks:
-
-        init_cpu_fsdp_state(plugin, mixed_precision=precision, parallelism_config=parallelism,
-                            process_group=group.to_kwargs())
+        init_cpu_fsdp_state(plugin, mixed_precision=precision, parallelism_config=parallelism, process_group=group)
+    else:
+        # The shared state created first, with our keyword arguments as they are; the Accelerator finds it
+        # initialized and keeps it (accelerate/state.py, PartialState.__init__ returns when initialized).
+        PartialState(cpu=cpu, **group)
     project = ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / LOGS_DIR)) if run_dir else None
-    return Accelerator(
+    accelerator = Accelerator(
         cpu=cpu,
         mixed_precision=precision,
         fsdp_plugin=plugin,
         parallelism_config=parallelism,
         gradient_accumulation_plugin=gradient_accumulation_plugin(settings, gradient_accumulation_steps),
-        kwargs_handlers=[group],
         log_with=list(trackers) or None,
         project_config=project,
         # The LR scheduler is stepped by the loop once per optimizer step; it is not prepared.
         step_scheduler_with_optimizer=False,
     )
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        apply_collective_timeout(group["timeout"])  # after __init__, which built the hybrid mesh's groups
+    return accelerator
 
 
 def expected_shards(settings: FsdpSettings) -> int:

@@ -98,17 +98,18 @@ class Preemption:
             print(f"[rank {os.environ.get('RANK', '?')}] {self.signal_name}: stopping after this optimizer step "
                   "with a checkpoint", file=sys.stderr, flush=True)
 
-    def join_group(self) -> None:
+    def join_group(self, timeout=None) -> None:
         """Collective (every rank): where the flag is all-reduced. The default process group when it has a CPU
         backend, as ours always does (gloo on CPU ranks; cuda:nccl,cpu:gloo on GPUs, train/accelerator.py): a
         4-byte CPU all-reduce there is lost in the step, where a gloo group of its own (its own threads and
-        sockets) measured 4-5% of a tiny model's step on 2 CPU ranks. Else a gloo group of its own."""
+        sockets) measured 4-5% of a tiny model's step on 2 CPU ranks. Else a gloo group of its own, with the
+        run's collective `timeout` (new_group's default is torch's 30 minutes)."""
         import torch
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             own = flag_needs_own_group(dist.get_backend_config())
-            self._group = dist.new_group(backend="gloo") if own else dist.group.WORLD
+            self._group = dist.new_group(backend="gloo", timeout=timeout) if own else dist.group.WORLD
             self._flag = torch.zeros(1, dtype=torch.int32)
 
     def agreed(self) -> bool:

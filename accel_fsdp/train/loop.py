@@ -15,6 +15,7 @@ The objective (train/objective.py) computes the loss; `run.norm` the global coun
 from __future__ import annotations
 
 from accel_fsdp.quiet import quiet_libraries
+from accel_fsdp.train.accelerator import accumulate
 from accel_fsdp.train.evaluate import generate_sample
 from accel_fsdp.train.setup import Components, Run, RunRequest, setup
 from accel_fsdp.train.state import TrainingState
@@ -32,16 +33,17 @@ def fit(run: Run, parts: Components, state: TrainingState) -> None:
         norm = run.norm(units)  # the global batch's counts, the same on every rank: no communication
         for part in micro_batches:
             batch = run.batch(part)
-            with acc.accumulate(model):
+            with accumulate(acc, model, run.settings):
                 with acc.autocast():
                     loss, stats = objective(model, batch, norm)
                 acc.backward(loss)
                 if acc.sync_gradients:  # the last micro-step: gradients are now reduced over ranks
                     grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
+                    scale = acc.scaler.get_scale() if acc.scaler is not None else None  # fp16
                 optimizer.step()  # skipped by Accelerate until the last micro-step
                 optimizer.zero_grad(set_to_none=True)
             parts.logger.add_loss(loss, stats)
-        lr = advance_schedule(acc, scheduler)
+        lr = advance_schedule(acc, scheduler, scale)
         tokens = run.step_tokens(units)
         state.advance(tokens)
 
@@ -53,11 +55,18 @@ def fit(run: Run, parts: Components, state: TrainingState) -> None:
     parts.hooks.close()
 
 
-def advance_schedule(acc, scheduler) -> float:
+def advance_schedule(acc, scheduler, scale_before: float | None = None) -> float:
     """Step the LR schedule after an optimizer step; return the rate that step used. A step the fp16 grad scaler
-    skipped (inf/nan gradients) does not advance it: the next step gets the rate this one would have had."""
+    skipped (inf/nan gradients) does not advance it: the next step gets the rate this one would have had.
+
+    Accelerate's flag says whether GradScaler called `optimizer.step` (accelerate/optimizer.py, AcceleratedOptimizer
+    .step, 1.15.0), which it always does for a fused AdamW: the kernel skips the update itself (torch/amp/
+    grad_scaler.py, GradScaler.step, `_step_supports_amp_scaling`; torch 2.13.0). The scaler backs its scale off
+    exactly when it found inf/nan (GradScaler.update), so a lower scale after the step is a skipped step too."""
     used = scheduler.get_last_lr()[0]
-    if not acc.optimizer_step_was_skipped:
+    skipped = acc.optimizer_step_was_skipped or (
+        scale_before is not None and acc.scaler is not None and acc.scaler.get_scale() < scale_before)
+    if not skipped:
         scheduler.step()
     return used
 

@@ -1,8 +1,8 @@
 """Measurements of a run's internals, for tests and `accel-fsdp verify` (asked for through train/hooks.py).
 
   grad-bytes  before every forward of the training loop, the bytes of gradients this rank holds (its gradient
-              shards, plus any unsharded gradient FSDP keeps between micro-steps when the reduction is deferred),
-              one JSON line per forward in <run>/trace/grad-bytes-rank<R>.jsonl.
+              shards, plus any unsharded gradient FSDP keeps between micro-steps when the reduction is deferred;
+              "unsharded": those alone), one JSON line per forward in <run>/trace/grad-bytes-rank<R>.jsonl.
   dtypes      what this rank holds and computes in: dtypes of its trainable and frozen parameter shards, of the
               weight a linear layer really multiplies with in the first forward, and the dtype FSDP reduces
               gradients in; <run>/trace/dtypes-rank<R>.json.
@@ -43,7 +43,8 @@ def install(model: torch.nn.Module, folder: Path, rank: int, names: frozenset[st
 
         def record(module, args):
             if module.training and torch.is_grad_enabled():
-                out.write(json.dumps({"bytes": held_gradient_bytes(model)}) + "\n")
+                out.write(json.dumps({"bytes": held_gradient_bytes(model),
+                                      "unsharded": held_gradient_bytes(model, unsharded_only=True)}) + "\n")
                 out.flush()
 
         model.register_forward_pre_hook(record)
@@ -175,9 +176,10 @@ def _reduce_dtypes(model: torch.nn.Module) -> set[str]:
     return out
 
 
-def held_gradient_bytes(model: torch.nn.Module) -> int:
+def held_gradient_bytes(model: torch.nn.Module, *, unsharded_only: bool = False) -> int:
     """Bytes of gradient storage this rank holds now: `.grad` of every parameter (local shards of DTensors) and
-    the unsharded gradients FSDP2 accumulates under no_sync (in the reduce dtype)."""
+    the unsharded gradients FSDP2 accumulates under no_sync (in the reduce dtype); `unsharded_only`: those alone
+    (with one rank a shard is the whole tensor, so only where it is kept tells a deferred reduction apart)."""
     from torch.distributed.tensor import DTensor
 
     seen: set[int] = set()
@@ -194,7 +196,8 @@ def held_gradient_bytes(model: torch.nn.Module) -> int:
         total += t.numel() * t.element_size()
 
     for p in model.parameters():
-        add(p.grad)
+        if not unsharded_only:
+            add(p.grad)
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover

@@ -40,7 +40,12 @@ from accel_fsdp.model.checks import human_count
 from accel_fsdp.model.tokenizer import build_tokenizer
 from accel_fsdp.preflight import model_problems, settings_for_launch
 from accel_fsdp.run.folder import Decision, FolderLock, decide, prepare
-from accel_fsdp.train.accelerator import apply_activation_checkpointing, build_accelerator, expected_shards
+from accel_fsdp.train.accelerator import (
+    apply_activation_checkpointing,
+    build_accelerator,
+    expected_shards,
+    process_group_kwargs,
+)
 from accel_fsdp.train.checkpointing import Checkpointer
 from accel_fsdp.train.cpu_fsdp import check_sharded
 from accel_fsdp.train.evaluate import Evaluator
@@ -50,7 +55,7 @@ from accel_fsdp.train.metrics import MetricsWriter, StartupClock, flops_per_toke
 from accel_fsdp.train.objective import build_objective
 from accel_fsdp.train.observe import Terminal, TrainLogger
 from accel_fsdp.train.reference import precompute, starting_weights_key
-from accel_fsdp.train.sharding import ShardingRecord
+from accel_fsdp.train.sharding import ShardingRecord, check_same_layout
 from accel_fsdp.train.state import TrainingState
 
 
@@ -66,6 +71,8 @@ class RunRequest:
     overwrite: bool = False
     benchmark: bool = False
     """accel-fsdp bench: skip the final evaluation, checkpoint, sample and export."""
+    cpu: bool = False
+    """--cpu: run the accelerate config on CPU ranks whatever it was written for."""
 
 
 @dataclass
@@ -184,11 +191,16 @@ def current_accelerate_config() -> AccelerateConfig:
     return AccelerateConfig(values={}, label="no accelerate config")
 
 
-def start_engine(recipe, *, run_dir: Path | None, trackers=(), switches: TestSwitches = NO_SWITCHES) -> Engine:
-    """Settings of this launch (checked like `recipe validate` does, now on the real GPUs), then the Accelerator."""
+def start_engine(recipe, *, run_dir: Path | None, trackers=(), switches: TestSwitches = NO_SWITCHES,
+                 cpu: bool = False) -> Engine:
+    """Settings of this launch (checked like `recipe validate` does, now on the real GPUs), then the Accelerator.
+    `cpu`: the config on CPU ranks whatever it was written for (--cpu)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    settings = settings_for_launch(recipe, current_accelerate_config(), cuda_available=torch.cuda.is_available(),
+    config = current_accelerate_config()
+    if cpu:
+        config.values["use_cpu"] = True
+    settings = settings_for_launch(recipe, config, cuda_available=torch.cuda.is_available(),
                                    num_processes=world, num_machines=max(1, world // local_world))
     accelerator = build_accelerator(settings, gradient_accumulation_steps=recipe.training.accumulation_steps(world),
                                     run_dir=run_dir, trackers=trackers,
@@ -224,6 +236,8 @@ def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | No
     rank0_only = bool(settings.cpu_ram_efficient_loading.value)
     loading = PeakMemory()
     model = build_model(recipe, config, dtype=frozen_dtype, empty=rank0_only and not accelerator.is_main_process)
+    if rank0_only and accelerator.num_processes > 1:
+        check_same_layout(accelerator, model, recipe)  # before rank 0 sends a single weight
     parameters, trainable = count_parameters(model), count_parameters(model, trainable_only=True)
     use_position_ids = "position_ids" in _forward_parameters(model)
     model_class = type(model).__name__
@@ -254,12 +268,13 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
     switches = TestSwitches.from_env()
     recipe, run_dir = request.recipe, request.run_dir
     t = recipe.training
-    engine = start_engine(recipe, run_dir=run_dir, trackers=recipe.logging.trackers, switches=switches)
+    engine = start_engine(recipe, run_dir=run_dir, trackers=recipe.logging.trackers, switches=switches,
+                          cpu=request.cpu)
     settings, accelerator = engine.settings, engine.accelerator
     layout = RunLayout.of(recipe, run_dir)
     decision = claim_run_folder(accelerator, layout, request)
     preemption = Preemption().install()
-    preemption.join_group()
+    preemption.join_group(timeout=process_group_kwargs(settings)["timeout"])
     tokenizer, config = describe_model(recipe, engine)
 
     if accelerator.is_main_process:

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.model.build import layout_differences, layout_of
 from accel_fsdp.train.accelerator import expected_shards
 from accel_fsdp.train.cpu_fsdp import local_numel
 
@@ -137,11 +139,40 @@ def process_group_record() -> dict:
     the record only: torch 2.13.0 keeps them in _world.pg_backend_config and each backend's options)."""
     import torch.distributed as dist
 
-    group = dist.distributed_c10d._get_default_group()
+    c10d = dist.distributed_c10d
+    group = c10d._get_default_group()
     record: dict = {"world_size": dist.get_world_size()}
     try:
-        record["backends"] = dist.distributed_c10d._world.pg_backend_config[group]
+        record["backends"] = c10d._world.pg_backend_config[group]
         record["timeout_s"] = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        # every group of this rank (hybrid sharding's mesh groups, the preemption flag's): each one's gloo timeout
+        record["group_timeouts_s"] = {getattr(g, "group_desc", "") or c10d._world.pg_names.get(g, "?"):
+                                      g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                                      for g in c10d._world.pg_map}
     except (AttributeError, KeyError, RuntimeError):
         record["backends"] = str(dist.get_backend())
     return record
+
+
+def check_same_layout(accelerator, model, recipe) -> None:
+    """Collective (every rank), before any weight is sent: with rank-0-only loading, rank 0 reads the weights
+    (from_pretrained) and the others build the model from its config, and Accelerate's broadcast pairs rank 0's
+    tensors with each rank's own in state-dict order, trusting shapes and dtypes to agree (accelerate/utils/
+    fsdp_utils.py, fsdp2_load_full_state_dict; FSDP1's sync_module_states likewise; 1.15.0). They may not: modules
+    from_pretrained keeps in fp32 (_keep_in_fp32_modules_strict) under a bf16 LoRA base, embeddings a checkpoint
+    stores untied. A mismatched broadcast aborts a rank inside gloo or hangs NCCL; here every rank raises the same
+    message instead."""
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    box = [layout_of(model) if accelerator.is_main_process else None]
+    broadcast_object_list(box, from_process=0)
+    every = gather_object([layout_differences(box[0], layout_of(model))])
+    bad = [(rank, d) for rank, d in enumerate(every) if d]
+    if bad:
+        rank, differences = bad[0]
+        raise UserError(Problem(recipe.where("model.name_or_path"),
+                                f"with fsdp_cpu_ram_efficient_loading rank 0 reads the weights and the other ranks "
+                                f"build the model from its config, and they differ (rank {rank}, {len(bad)} rank(s) in "
+                                f"all): " + "; ".join(differences),
+                                "set fsdp_cpu_ram_efficient_loading: false in the accelerate config (every rank reads "
+                                "the weights)"))
