@@ -286,8 +286,9 @@ def test_report_draws_the_margin_and_accuracy_beside_the_loss(tmp_path):
     (run / "run.json").write_text(json.dumps({"run_id": "0123456789abcdef", "recipe_name": "dpo"}))
     rows = [{"kind": "train", "step": s, "loss": 0.69 - 0.05 * s, "tokens_per_s": 1000.0,
              "tokens_per_s_per_rank": 500.0, "step_time_s": 0.1, "tokens_seen": 100 * s, "peak_memory_bytes": [1 << 20],
-             "reward_chosen": 0.1 * s, "reward_rejected": -0.1 * s, "reward_margin": 0.2 * s, "reward_accuracy": min(1.0, 0.5 + 0.1 * s),
-             "logps_chosen": -1.0, "logps_rejected": -2.0} for s in range(1, 9)]
+             "reward_chosen": 0.1 * s, "reward_rejected": -0.1 * s, "reward_margin": 0.2 * s,
+             "reward_accuracy": min(1.0, 0.5 + 0.1 * s), "logps_chosen": -1.0, "logps_rejected": -2.0}
+            for s in range(1, 9)]
     rows.append({"kind": "eval", "step": 8, "eval_loss": 0.3, "eval_ppl": 1.35, "eval_reward_margin": 1.5,
                  "eval_reward_accuracy": 0.95, "eval_reward_chosen": 0.7, "eval_reward_rejected": -0.8,
                  "eval_logps_chosen": -1.0, "eval_logps_rejected": -2.1})
