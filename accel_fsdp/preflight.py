@@ -75,7 +75,7 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
     here = cuda_here or None
     problems: list[Problem] = list(check_settings(settings, recipe, visible_gpus=None if for_target_hardware else here))
     if not for_target_hardware:  # about to run here: a GPU config must find CUDA
-        problems += cuda_problems(settings, config.label, hardware.cuda_unavailable_reason)
+        problems += cuda_problems(settings, config, hardware.cuda_unavailable_reason)
     if here is not None:
 
         if for_target_hardware:  # judged for other hardware: what this machine would do is only a note
@@ -133,7 +133,7 @@ def settings_for_launch(recipe, config: AccelerateConfig, *, cuda_available: boo
                                 num_machines=num_machines)
     gpus = hardware.visible_cuda_devices() if settings.device.value == "cuda" else None
     problems = check_settings(settings, recipe, visible_gpus=gpus)
-    problems += cuda_problems(settings, config.label, hardware.cuda_unavailable_reason)
+    problems += cuda_problems(settings, config, hardware.cuda_unavailable_reason)
     if problems:
         raise UserError(problems, title=f"{len(problems)} problems with this recipe on this hardware")
     return settings

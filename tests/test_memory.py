@@ -86,7 +86,8 @@ def test_estimate_matches_measured_per_rank_state(tmp_path, stories, strategy, c
                      "config_overrides": {"n_layer": 2, "n_embd": 256, "n_head": 4, "n_positions": 128}}
     recipe.write_text(yaml.safe_dump(data))
     run = tmp_path / "run"
-    run_cli("recipe", "run", recipe, "--output-dir", run, "--accelerate-config", config,
+    cpu = ["--cpu"] if config != "fsdp_cpu" else []  # the FSDP1 config is written for GPUs: CPU ranks on request
+    run_cli("recipe", "run", recipe, "--output-dir", run, "--accelerate-config", config, *cpu,
             "--set", f"fsdp.sharding_strategy={strategy}", check=0)
     info = json.loads((run / "sharding.json").read_text())
     p = info["parameters"]

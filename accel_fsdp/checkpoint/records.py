@@ -138,11 +138,13 @@ class TrainerState(_Record):
     step: int
     """Optimizer steps done."""
     epoch: int | None = None
-    """Epoch of the data the next step reads."""
+    """Passes over the whole mixture done: units drawn // the units of all sources (each source's own place is in
+    `data`)."""
     batch_in_epoch: int | None = None
-    """Global batches of that epoch already consumed."""
+    """Global batches drawn since that pass began."""
     rows_consumed: int | None = None
-    """Rows consumed since the start (global batch x step)."""
+    """Units drawn since the start (global batch x step): packed sequences, rows or preference pairs, whichever the
+    data's unit is."""
     tokens_seen: int | None = None
     """Tokens trained on since the start (labels counted)."""
     total_steps: int | None = None

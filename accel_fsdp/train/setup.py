@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from accelerate.utils import set_seed
 
+from accel_fsdp import hardware
 from accel_fsdp.config.accelerate import (
     CONFIG_PATH_ENV,
     AccelerateConfig,
@@ -27,7 +28,7 @@ from accel_fsdp.config.accelerate import (
 )
 from accel_fsdp.config.precision import compute_dtype
 from accel_fsdp.config.recipe import flatten
-from accel_fsdp.config.settings import FsdpSettings, Source
+from accel_fsdp.config.settings import FsdpSettings, Source, cpu_guess_note
 from accel_fsdp.data import batches
 from accel_fsdp.data import prepare as data_lib
 from accel_fsdp.data.sampler import GlobalBatchSampler, total_steps
@@ -83,6 +84,8 @@ class Engine:
     accelerator: Any
     world: int
     local_world: int
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """What the main process says about these settings once the run starts (e.g. CPU ranks by default)."""
 
 
 @dataclass
@@ -206,7 +209,8 @@ def start_engine(recipe, *, run_dir: Path | None, trackers=(), switches: TestSwi
                                     run_dir=run_dir, trackers=trackers,
                                     reduce_dtype=torch.bfloat16 if switches.broken("bf16-reduce") else torch.float32,
                                     shard_cpu_ranks=not switches.broken("unsharded"))
-    return Engine(settings, accelerator, world, local_world)
+    note = cpu_guess_note(settings, config, hardware.cuda_unavailable_reason)
+    return Engine(settings, accelerator, world, local_world, notes=[note] if note else [])
 
 
 def describe_model(recipe, engine: Engine):
@@ -284,6 +288,8 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
     what = {Decision.NEW: "new run", Decision.OVERWRITE: "replacing the run there", Decision.RESUME: "resuming",
             Decision.RESTART: "starting it again: no complete checkpoint"}[decision]
     terminal.say(f"accel-fsdp: {recipe.name} ({recipe.source}) -> {run_dir} ({what})")
+    for note in engine.notes:
+        terminal.say(note)
     if request.verbose:
         terminal.say(f"--- resolved recipe ---\n{recipe.to_yaml().rstrip()}\n--- FSDP settings (value, source) ---\n"
                      f"{settings.format()}")
