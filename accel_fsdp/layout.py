@@ -152,6 +152,9 @@ class RunIdentity:
     accel_fsdp_version: str | None = None
     resumed_from: str | None = None
     """The checkpoint of another run this one started from (--resume-from into a new folder)."""
+    finished_at: float | None = None
+    """When the last start of this run finished its work (export included), seconds since the epoch; None while it
+    runs. The launcher reads it to tell a preemption signal that came after the end from one that stopped the run."""
     @classmethod
     def new(cls, recipe, layout: RunLayout, resumed_from: str | None = None, run_id: str | None = None) -> RunIdentity:
 
@@ -175,6 +178,23 @@ class RunIdentity:
 
     def describe(self) -> str:
         return f"run {self.run_id} of recipe {self.recipe_name!r}"
+
+
+def record_finished(layout: RunLayout) -> None:
+    """The main process, once the run's work is done (export included): run.json says when."""
+    identity = RunIdentity.read(layout.run_file)
+    identity.finished_at = time.time()
+    identity.write(layout.run_file)
+
+
+def finished_since(run_dir: Path, since: float) -> bool:
+    """Whether the run in `run_dir` finished its work after `since` (seconds since the epoch)."""
+    try:
+        finished = RunIdentity.read(Path(run_dir) / RUN_FILE).finished_at if (Path(run_dir) / RUN_FILE).is_file() \
+            else None
+    except UserError:
+        return False
+    return isinstance(finished, (int, float)) and finished >= since
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -61,11 +61,13 @@ def default_accelerate_config() -> tuple[Path, int | None, str]:
 
 def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = None, check_data: bool = True,
               run_dir: Path | None = None, resume: str | None = None, resume_from: str | None = None,
-              overwrite: bool = False, for_target_hardware: bool = False, check_hub: bool = False) -> PreflightReport:
+              overwrite: bool = False, for_target_hardware: bool = False, check_hub: bool = False,
+              cpu_option: bool = False) -> PreflightReport:
     """Check recipe x accelerate config x model x data; raise one UserError listing every problem.
 
     `for_target_hardware`: judge the config on the hardware it is written for (GPUs unless it says use_cpu),
-    not on this machine: `recipe validate` of a GPU config on a laptop."""
+    not on this machine: `recipe validate` of a GPU config on a laptop. `cpu_option`: the command has `--cpu`, which
+    a refusal of a GPU config may then suggest."""
     cuda_here = hardware.visible_cuda_devices()
     cuda = bool(cuda_here) or (for_target_hardware and not config.get("use_cpu"))
     settings = resolve_settings(recipe, config, cuda_available=cuda, num_processes=num_processes)
@@ -75,7 +77,7 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
     here = cuda_here or None
     problems: list[Problem] = list(check_settings(settings, recipe, visible_gpus=None if for_target_hardware else here))
     if not for_target_hardware:  # about to run here: a GPU config must find CUDA
-        problems += cuda_problems(settings, config, hardware.cuda_unavailable_reason)
+        problems += cuda_problems(settings, config, hardware.cuda_unavailable_reason, cpu_option=cpu_option)
     if here is not None:
 
         if for_target_hardware:  # judged for other hardware: what this machine would do is only a note
@@ -174,7 +176,7 @@ def _check_resume(recipe, settings, layout, resume_from: str | None) -> list[str
     info = ckpt.checkpoint_to_resume(layout.checkpoints, resume_from)
     if info.manifest.total_bytes <= VERIFY_BEFORE_LAUNCH_BYTES:
         ckpt.verify_files(info)  # small: read it all here; larger ones are checked by the ranks, in parallel
-    return [f"resuming from {info.path}"] + ckpt.check_resume(info, recipe, settings)
+    return [f"resuming from {info.path}"] + ckpt.check_resume(info, recipe, settings, recipe.training.max_steps)
 
 
 def model_view(recipe):

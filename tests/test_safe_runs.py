@@ -490,12 +490,38 @@ CORPUS = [
      "--gpu-memory: only applies to --dry-run"),
     ("shard-size-of-no-bytes", lambda t: ["checkpoint", "consolidate", t, t / "out", "--max-shard-size", "0.0001KB"],
      "'0.0001KB' is not a size"),
+    # paths a command cannot write: permission bits do not tell root (a pseudo filesystem, a read-only mount)
+    ("output-dir-where-no-folder-can-be-made", lambda t: ["recipe", "run", "quickstart", "--output-dir",
+                                                          "/proc/accel-fsdp-run"],
+     "/proc/accel-fsdp-run: cannot be written: creating a folder in /proc fails"),
+    ("checkpoint-dir-where-no-folder-can-be-made", lambda t: ["recipe", "run", "quickstart", "--output-dir", t / "r",
+                                                              "--set", "checkpoint.dir=/proc/accel-fsdp-ckpt"],
+     "choose another checkpoint.dir"),
+    ("checkpoint-dir-in-the-export", lambda t: ["recipe", "run", "quickstart", "--output-dir", t / "r",
+                                                "--set", "checkpoint.dir=final/ckpt"],
+     "is the exported model's folder (final/) or inside it"),
+    ("copy-to-a-path-that-cannot-be-made", lambda t: ["recipe", "copy", "gpt2", "/proc/accel-fsdp.yaml"],
+     "/proc/accel-fsdp.yaml: No such file or directory"),
+    ("cache-is-a-file", lambda t: ["data", "prepare", "quickstart", "--set", "data.path=" + str(
+        write(t / "d.jsonl", THREE_ROWS))], "accel-fsdp-cache-file/tokenized: Not a directory"),
+    ("plot-in-no-image-format", lambda t: ["data", "show", "quickstart", "--plot", t / "lengths.yaml"],
+     "lengths.yaml: the suffix does not name an image format"),
+    ("plot-a-folder", lambda t: ["data", "show", "quickstart", "--plot", t], "is a folder"),
+    ("name-with-a-slash", lambda t: ["recipe", "validate", "quickstart", "--set", "name=../../elsewhere"],
+     "'../../elsewhere' cannot be a folder name"),
+    ("max-steps-beyond-any-machine", lambda t: ["recipe", "validate", "quickstart", "--set",
+                                                "training.max_steps=99999999999999999999999"],
+     "steps would outlast any machine"),
+    ("invalid-json-says-its-column", lambda t: ["data", "prepare", "quickstart", "--set", "data.path=" + str(
+        write(t / "d.jsonl", '{"text": "a\tb"}'))], "line 1: invalid JSON (Invalid control character at column 12)"),
 ]
 
 
 @pytest.mark.parametrize("name,make_args,expected", CORPUS, ids=[c[0] for c in CORPUS])
 def test_bad_input_corpus(tmp_path, monkeypatch, name, make_args, expected):
     monkeypatch.chdir(tmp_path)
+    if name == "cache-is-a-file":
+        monkeypatch.setenv("ACCEL_FSDP_CACHE", str(write(tmp_path / "accel-fsdp-cache-file", "x")))
     msg = user_error(*make_args(tmp_path))
     assert expected in msg, msg
     assert "fix:" in msg
@@ -528,3 +554,160 @@ def test_a_newer_damaged_checkpoint_passed_over_is_named(tmp_path):
     assert info.name == "step-000003"
     assert [(c.name, "step 'six' is not a step number" in c.reason) for c in skipped_newer(info)] == [
         ("step-000006", True)]
+
+
+# ------------------------------------------------------------------------------- found by a second probe
+
+
+def story_rows(n: int) -> str:
+    return "\n".join(json.dumps({"text": f"row {i}: mia has a pink horse . the horse is sleepy ."}) for i in range(n))
+
+
+def ok(*args) -> str:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == 0, f"exit status {result.exit_code}, output:\n{result.output}"
+    return result.output
+
+
+def test_a_section_given_as_a_mapping_changes_only_the_keys_it_names():
+    from accel_fsdp.config.recipe import load_recipe
+
+    shipped = load_recipe(shipped_recipes()["quickstart"])
+    r = load_recipe(shipped_recipes()["quickstart"], ["training={lr: 0.5, warmup_steps: 3}"])
+    assert (r.training.lr, r.training.warmup_steps) == (0.5, 3)
+    assert r.training.global_batch_size == shipped.training.global_batch_size != 8
+    assert r.training.max_steps == shipped.training.max_steps
+
+
+def test_a_value_that_cannot_be_read_is_not_judged_again():
+    msg = user_error("recipe", "validate", "quickstart-dpo", "--set", "training.method=dpoo")
+    assert "found 'dpoo'" in msg and "training.method is sft" not in msg
+    assert user_error("recipe", "validate", "quickstart", "--set", "data.max_rows=0").count("must be positive") == 1
+
+
+def test_a_relative_data_path_naming_two_files_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "sub").mkdir()
+    write(tmp_path / "d.jsonl", story_rows(3000))
+    write(tmp_path / "sub" / "d.jsonl", story_rows(4000))
+    r = recipe_with(tmp_path / "sub", "").read_text().replace("path: builtin:quickstart", "path: d.jsonl")
+    write(tmp_path / "sub" / "r.yaml", r)
+    monkeypatch.chdir(tmp_path)
+    msg = user_error("data", "prepare", tmp_path / "sub" / "r.yaml")
+    assert "d.jsonl names two different files" in msg and "write ./d.jsonl for the first" in msg
+    assert "3,000 rows read" in ok("data", "prepare", tmp_path / "sub" / "r.yaml", "--set", "data.path=./d.jsonl")
+
+
+def test_preference_answers_that_differ_only_beyond_seq_len_are_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    long = " ".join(["mia has a pink horse ."] * 40)
+    rows = [{"prompt": f"q {i}", "chosen": long + " yes", "rejected": long + " no"} for i in range(50)]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    msg = user_error("data", "prepare", "quickstart-dpo", "--set", f"data.path={path}")
+    assert "p.jsonl line 1: the chosen and the rejected answer are the same once cut to data.seq_len" in msg
+
+
+def test_data_show_decodes_both_answers_of_a_pair():
+    out = ok("data", "show", "quickstart-dpo", "--sequences", "2")
+    assert "chosen (" in out and "rejected (" in out
+
+
+def test_a_damaged_cache_entry_is_built_again(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data = write(tmp_path / "d.jsonl", story_rows(3000))
+    first = ok("data", "prepare", "quickstart", "--set", f"data.path={data}")
+    folder = Path(first.split("; ")[-1].strip().splitlines()[0])
+    tokens = folder / "train" / "tokens.bin"
+    whole = tokens.read_bytes()
+    tokens.write_bytes(whole[:10])
+    result = CliRunner().invoke(main, ["data", "prepare", "quickstart", "--set", f"data.path={data}"])
+    assert result.exit_code == 0 and "is damaged (train/tokens.bin is 10 bytes" in result.output, result.output
+    assert tokens.read_bytes() == whole
+
+
+def test_a_tokenizer_learns_from_preference_pairs(tmp_path):
+    out = ok("tokenizer", "train", "quickstart-dpo", tmp_path / "tok", "--vocab-size", "1000")
+    learned = int(out.split(" tokens ")[0].split()[-1].replace(",", ""))
+    assert learned > 262 + 100, out  # 262: the bytes and special tokens alone, what nothing to learn from gives
+
+
+def test_lora_targets_are_found_on_a_model_built_from_its_code(tmp_path):
+    ok("recipe", "validate", "quickstart-llama", "--set", "model.trust_remote_code=true",
+       "--set", "model.lora.enabled=true")
+
+
+def test_resuming_past_the_last_step_is_refused_before_launch(tmp_path):
+    run = fake_run(tmp_path / "run", "a" * 16, checkpoint_steps=(6,), overrides=["training.warmup_steps=1"])
+    (run / "checkpoints" / "step-000006" / "recipe.yaml").write_text((run / "recipe.yaml").read_text())
+    before = snapshot(run)
+    msg = user_error("recipe", "run", "quickstart", "--output-dir", run, "--resume", "--set", "training.max_steps=4",
+                     "--set", "training.warmup_steps=1")
+    assert "this run would end at step 4, before its checkpoint step-000006 (step 6)" in msg
+    assert snapshot(run) == before
+
+
+def test_resume_from_an_older_checkpoint_sets_the_abandoned_ones_aside(tmp_path):
+    from accel_fsdp.layout import RunLayout
+    from accel_fsdp.run.folder import set_aside_newer
+
+    run = fake_run(tmp_path / "run", "a" * 16, checkpoint_steps=(2, 4, 6, 8))
+    layout = RunLayout.at(run)
+    assert set_aside_newer(layout, run / "checkpoints" / "step-000004") == ["step-000006", "step-000008"]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-000002", "step-000004"]
+    (aside,) = (run / "checkpoints").glob("abandoned-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["step-000006", "step-000008"]
+    assert set_aside_newer(layout, run / "checkpoints" / "step-000004") == []
+
+
+def test_a_preemption_signal_after_the_run_finished_ends_it_with_0(tmp_path, capsys):
+    import time
+
+    from accel_fsdp.launch.launcher import _preempted
+    from accel_fsdp.layout import RunLayout, record_finished
+    from accel_fsdp.train.lifetime import PREEMPTED
+
+    run = fake_run(tmp_path / "run", "a" * 16)
+    started = time.time()
+    assert _preempted("SIGTERM", run, started) == PREEMPTED
+    assert "--resume auto" in capsys.readouterr().err
+    record_finished(RunLayout.at(run))
+    assert _preempted("SIGTERM", run, started) == 0
+    assert _preempted("SIGTERM", run, time.time() + 60) == PREEMPTED  # finished by an earlier launch
+
+
+def test_a_failed_save_says_why(tmp_path, monkeypatch):
+    import errno
+
+    from accel_fsdp.checkpoint import store
+
+    cause, fix = store._save_error_cause(PermissionError(errno.EACCES, "Permission denied", "/x/ckpt"), tmp_path)
+    assert cause == "Permission denied (/x/ckpt)" and "writable" in fix
+    cause, fix = store._save_error_cause(OSError(errno.ENOSPC, "No space left on device"), tmp_path)
+    assert cause == "No space left on device" and "free disk space" in fix
+    monkeypatch.setattr(store, "_free_bytes", lambda folder: 3 * 2**20)
+    cause, _ = store._save_error_cause(RuntimeError("[enforce fail at inline_container.cc] unexpected pos"), tmp_path)
+    assert cause.startswith("the disk is full (3.0 MiB free there")
+
+
+def test_an_export_killed_half_way_is_swept_and_exports_are_readable_by_the_group(tmp_path):
+    import socket as sockets
+    import stat
+
+    from accel_fsdp.checkpoint.consolidate import _readable_as_umask_says, _sweep_dead_exports
+
+    out = tmp_path / "out"
+    host = sockets.gethostname()
+    dead, alive = tmp_path / f".out.tmp-{host}-999999999", tmp_path / f".out.tmp-{host}-{os.getppid()}"
+    other = tmp_path / ".out.tmp-another-machine-1"
+    for folder in (dead, alive, other):
+        folder.mkdir()
+    _sweep_dead_exports(out)
+    assert not dead.exists() and alive.exists() and other.exists()
+    weights = tmp_path / "w.safetensors"
+    weights.write_bytes(b"x")
+    weights.chmod(0o600)
+    old = os.umask(0o022)
+    try:
+        _readable_as_umask_says(tmp_path)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(weights.stat().st_mode) == 0o644

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import time
 import warnings
 from dataclasses import dataclass
@@ -72,7 +73,8 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
                                 f"{str(e).splitlines()[0][:160] if str(e) else ''})",
                                 "use an earlier checkpoint (see `accel-fsdp checkpoint inspect` on the run)")) from None
     monitor = PeakMemory()  # from here on: reading and writing weights
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    _sweep_dead_exports(out_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
@@ -83,6 +85,7 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
         if adapter and merge_lora:
             _merge_lora(tmp, tmp / "merged", dtype, base_model)
         written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        _readable_as_umask_says(tmp)
         (tmp / MARKER).write_text(json.dumps({"checkpoint": str(info.path), "step": info.manifest.step,
                                               "dtype": dtype, "adapter": adapter, "files": written}, indent=1))
         if out_dir.exists():
@@ -100,6 +103,31 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
         monitor.stop()
     return ExportReport(out_dir, files, len(keys), total, largest, monitor.peak, monitor.baseline,
                         time.perf_counter() - start, adapter)
+
+
+def _sweep_dead_exports(out_dir: Path) -> None:
+    """Remove half-written exports to `out_dir` whose process is gone (killed: no `finally` ran). The name carries
+    the writer's machine and PID; one of another machine, or still alive here, is left alone."""
+    for tmp in out_dir.parent.glob(f".{out_dir.name}.tmp-{socket.gethostname()}-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass  # alive under another user
+
+
+def _readable_as_umask_says(folder: Path) -> None:
+    """Files as the user's umask allows (0644 by default): safetensors' save_file creates them 0600 (safetensors
+    0.8), which hides an export from the other users of a shared cluster."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in folder.rglob("*"):
+        if p.is_file():
+            os.chmod(p, 0o666 & ~mask)
 
 
 def _check_destination(out_dir: Path) -> None:

@@ -77,15 +77,18 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, ste
     name = checkpoint_name(step)
     final, tmp = root / name, root / f"{TMP_PREFIX}{name}"
     main = accelerator.is_main_process
+    error: BaseException | None = None
     if main:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(f"{TMP_PREFIX}{STEP_PREFIX}*"):  # left by a crash; never a valid checkpoint
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(f"{TMP_PREFIX}{STEP_PREFIX}*"):  # left by a crash; never a valid checkpoint
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as e:  # said below, after every rank tried (and failed) too: the save is collective
+            error = e
     accelerator.wait_for_everyone()
     from torch.distributed.checkpoint.api import CheckpointException
 
-    error: BaseException | None = None
     try:
         plugin = accelerator.state.fsdp_plugin
         save_fsdp_model(plugin, accelerator, model, str(tmp), adapter_only=lora)
@@ -102,7 +105,11 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, ste
             (tmp / SETTINGS_FILE).write_text(json.dumps(settings.to_dict(), indent=1, default=str))
             _save_hf_files(accelerator, model, tokenizer, tmp / HF_DIR)
     except (OSError, CheckpointException) as e:  # DCP reports a failed write on any rank to every rank
-        error = e
+        error = error or e
+    except RuntimeError as e:  # torch.save's zip writer on a full disk ("unexpected pos"); else a bug: raised
+        if _free_bytes(root) >= LOW_DISK:
+            raise
+        error = error or e
     if accelerator.num_processes > 1:
         from accelerate.utils import gather_object
 
@@ -114,9 +121,8 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, ste
             shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_complete(root)
         kept = f"the previous checkpoint {previous.path.name} is intact" if previous else "no earlier checkpoint exists"
-        cause = _save_error_cause(error) if error else f"rank(s) {failed} failed"
-        raise UserError(Problem(str(final), f"saving the checkpoint failed: {cause}; {kept}",
-                                "free disk space (or set checkpoint.dir to a larger disk) and restart with --resume"),
+        cause, fix = _save_error_cause(error, root) if error else (f"rank(s) {failed} failed", _FULL_DISK_FIX)
+        raise UserError(Problem(str(final), f"saving the checkpoint failed: {cause}; {kept}", fix),
                         rank_local=error is not None) from None  # the rank that hit the error says why
     accelerator.wait_for_everyone()  # every rank's shards are on disk
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -186,14 +192,39 @@ def verify_files(info: CheckpointInfo, accelerator=None) -> None:
                                 f"changed since it was saved (CRC-32 differs from the manifest's)", fix))
 
 
-def _save_error_cause(error: BaseException) -> str:
-    """'No space left on device', from an OSError or from the first failure a DCP CheckpointException carries."""
+_FULL_DISK_FIX = "free disk space (or set checkpoint.dir to a larger disk) and restart with --resume"
+
+
+def _save_error_cause(error: BaseException, root: Path) -> tuple[str, str]:
+    """(why, fix) of a failed save: the OSError's own words ('No space left on device', 'Permission denied'), from the
+    error or from the first failure a DCP CheckpointException carries; else its first line, with the free space of
+    the checkpoint folder's disk when that is nearly none (torch.save's writer says only 'unexpected pos')."""
+    import errno
+
     failures = getattr(error, "failures", None)
     if failures:
         error = next(iter(failures.values()))[0]
     if isinstance(error, OSError) and error.strerror:
-        return error.strerror
-    return str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return f"{error.strerror} ({error.filename})", ("make checkpoint.dir writable again (or set it to a "
+                                                             "writable folder) and restart with --resume")
+        return error.strerror, _FULL_DISK_FIX
+    cause = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+    free = _free_bytes(root)
+    if free < LOW_DISK:
+        cause = f"the disk is full ({free / 2**20:.1f} MiB free there; {cause})"
+    return cause, _FULL_DISK_FIX
+
+
+LOW_DISK = 64 * 2**20
+"""Free bytes below which a failed write is put down to a full disk."""
+
+
+def _free_bytes(folder: Path) -> int:
+    try:
+        return shutil.disk_usage(folder if folder.exists() else folder.parent).free
+    except OSError:
+        return 1 << 62
 
 
 def _save_hf_files(accelerator, model, tokenizer, folder: Path) -> None:
@@ -429,8 +460,10 @@ def checkpoint_to_resume(root: Path, resume_from: str | None) -> CheckpointInfo:
     return info
 
 
-def check_resume(info: CheckpointInfo, recipe, settings) -> list[str]:
-    """Refuse a checkpoint of another model or an incompatible recipe; return notes for what changes safely."""
+def check_resume(info: CheckpointInfo, recipe, settings, total_steps: int | None = None) -> list[str]:
+    """Refuse a checkpoint of another model or an incompatible recipe, or one past the run's last step
+    (`total_steps`: the recipe's max_steps, or what its epochs come to; None when not known yet); return notes for
+    what changes safely."""
     saved = read_saved_recipe(info.path / RECIPE_FILE, then=", so the recipe that made this checkpoint is unknown",
                               fix="use another checkpoint")
     diff = incompatible_keys(saved, recipe.to_dict())
@@ -441,6 +474,12 @@ def check_resume(info: CheckpointInfo, recipe, settings) -> list[str]:
                                 "or start a new run (another --output-dir) and load the consolidated export as "
                                 "model.name_or_path"))
     m = info.manifest
+    if total_steps is not None and m.step > total_steps:
+        key = "training.max_steps" if recipe.training.max_steps is not None else "training.epochs"
+        raise UserError(Problem(recipe.where(key), f"this run would end at step {total_steps:,}, before its "
+                                f"checkpoint {info.path.name} (step {m.step:,}): resuming cannot go back",
+                                f"set {key} to reach beyond step {m.step:,} to train on, or use the checkpoint as it "
+                                "is (accel-fsdp checkpoint consolidate); nothing was changed"))
     notes = []
     if m.fsdp_version != settings.fsdp_version.value:
         raise UserError(Problem(str(info.path), f"was written with FSDP{m.fsdp_version}, this run uses "

@@ -6,17 +6,47 @@ value and the fix; never a traceback.
 
 from __future__ import annotations
 
+import errno
+
 import click
 
 from accel_fsdp import __version__
 from accel_fsdp.cli import checkpoint, data, plan, recipe, tools
-from accel_fsdp.errors import show_usage_error
+from accel_fsdp.errors import Problem, UserError, show_usage_error
 from accel_fsdp.quiet import quiet_warnings
 
 click.UsageError.show = show_usage_error  # one format for every user mistake, click's own included
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+FIXES = {
+    errno.ENOSPC: "free space there, or choose a path on another filesystem",
+    errno.EDQUOT: "free space within your quota there, or choose a path on another filesystem",
+    errno.EROFS: "choose a path on a filesystem that can be written",
+    errno.ENAMETOOLONG: "choose a shorter path",
+}
+"""Filesystem errors that come from the paths and disks a user chose; any other errno is a bug and keeps its
+traceback."""
+USER_PATH_ERRORS = {errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, *FIXES}
+
+
+class Commands(click.Group):
+    """The command group; a path the user chose that cannot be read or written (a folder without permission, a
+    read-only or full disk, a file where a folder must be) is one message naming the path, exit status 2, whichever
+    command met it: checked by each command where it can be before any work, and here for what only the attempt
+    finds."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except OSError as e:
+            if e.errno not in USER_PATH_ERRORS or not e.filename:
+                raise
+            path = f"{e.filename} -> {e.filename2}" if e.filename2 else str(e.filename)
+            raise UserError(Problem(path, e.strerror or type(e).__name__, FIXES.get(
+                e.errno, "choose a path this user can create and write, or fix its permissions"))) from None
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="accel-fsdp")
 def main() -> None:
     """Fine-tune GPT-2 and Llama models with PyTorch FSDP through Hugging Face Accelerate.

@@ -47,7 +47,7 @@ def tokenizer_train(name_or_path, out_dir, vocab_size, overrides) -> None:
                                 "written)"))
     quiet_libraries()
     tok = trained_tokenizer(r, out_dir=out_dir.absolute())
-    sample = r.data.path
+    sample = ", ".join(s.path or s.name for s in r.data.resolved_sources())
     click.echo(f"wrote a byte-level BPE tokenizer of {len(tok):,} tokens trained on {sample} to {out_dir}")
 
 

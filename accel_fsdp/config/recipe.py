@@ -20,6 +20,7 @@ import hashlib
 import inspect
 import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -466,8 +467,13 @@ def recipe_from_text(text: str, *, source: str, overrides=(), default_name: str 
     if not recipe.name:
         recipe.name = default_name
     # Range checks run too (on defaults where a value had the wrong type), so one pass reports everything.
-    reported = {p.where for p in problems}
-    problems.extend(p for p in check_recipe(recipe) if p.where not in reported)
+    # A key whose value could not be read is not judged again, neither alone nor in a relation to another key
+    # (training.method: 'dpoo' would also read as "training.method is sft"); a problem found twice is said once.
+    unreadable = {p.where for p in problems}
+    unread = {k for k in (p.where.split(" ")[-1] for p in problems) if "." in k}
+    for p in check_recipe(recipe):
+        if p.where not in unreadable and not any(key in p.message for key in unread) and p not in problems:
+            problems.append(p)
     if problems:
         raise UserError(problems, title=f"recipe {source} has {len(problems)} problems")
     return recipe
@@ -492,8 +498,9 @@ def _apply_override(raw: dict, item: str, problems: list[Problem]) -> str | None
             count = len(entries) if isinstance(entries, list) else 0
             if not part.isdigit() or int(part) >= count:
                 problems.append(Problem(f"--set {key}", f"{'.'.join(parts[:i])} has no entry {part!r} "
-                                        f"({count} entries, numbered from 0)",
-                                        f"use an index below {count}, or set the whole list"))
+                                        f"({count} entr{'y' if count == 1 else 'ies'}, numbered from 0)",
+                                        f"use an index below {count}, or set the whole list" if count else
+                                        f"set the whole list: --set {'.'.join(parts[:i])}=[...]"))
                 return None
             cls = _section_list(cls)
             continue
@@ -523,9 +530,19 @@ def _apply_override(raw: dict, item: str, problems: list[Problem]) -> str | None
         node = node[part]
     if isinstance(node, list):
         node[int(parts[-1])] = value
+    elif isinstance(value, dict) and isinstance(node.get(parts[-1]), dict) and _is_dataclass_type(cls):
+        node[parts[-1]] = _merged(node[parts[-1]], value)  # --set training={lr: 1e-5} sets lr, keeps the rest
     else:
         node[parts[-1]] = value
     return key
+
+
+def _merged(base: dict, update: dict) -> dict:
+    """`update` laid over `base`, mapping within mapping (a section given as a mapping changes the keys it names)."""
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def _lookup(raw: Any, parts: list[str]) -> Any:
@@ -580,6 +597,11 @@ def _build(cls, raw: Any, prefix: str, where, problems: list[Problem]):
     return _construct(cls, kwargs)
 
 
+MAX_STEPS = 10**9
+"""More optimizer steps than any run takes (a billion steps of a second each are 32 years): a larger max_steps is
+a typo, or an exponent where a count was meant."""
+
+
 def check_recipe(r: Recipe) -> list[Problem]:
     """Ranges and relations between keys that need no machine to check."""
     p: list[Problem] = []
@@ -590,6 +612,9 @@ def check_recipe(r: Recipe) -> list[Problem]:
             p.append(Problem(where(key), msg, fix))
 
     m, d, t, c, lg = r.model, r.data, r.training, r.checkpoint, r.logging
+    need(not r.name or (re.fullmatch(r"[^/\\\x00-\x1f]+", r.name) is not None and not r.name.startswith(".")), "name",
+         f"{r.name!r} cannot be a folder name (runs/<name>): it has a slash, a control character or a leading dot",
+         "use letters, digits, '-', '_' (and '.' after the first character)")
     need(bool(m.name_or_path) != bool(m.architecture), "model.name_or_path",
          f"set exactly one of model.name_or_path ({m.name_or_path!r}) and model.architecture ({m.architecture!r})",
          "name_or_path loads pretrained weights; architecture builds the model from scratch")
@@ -620,6 +645,9 @@ def check_recipe(r: Recipe) -> list[Problem]:
         p.append(Problem(where("training.max_steps"), f"both max_steps ({t.max_steps}) and epochs ({t.epochs}) are set",
                          "keep one of them (on the command line: --set training.max_steps=null)"))
     need(t.max_steps is None or t.max_steps >= 1, "training.max_steps", f"{t.max_steps} must be at least 1", "or null")
+    need(t.max_steps is None or t.max_steps <= MAX_STEPS, "training.max_steps", f"{t.max_steps or 0:,} steps would "
+         f"outlast any machine (at most {MAX_STEPS:,})", "give the number of optimizer steps to run, or use "
+         "training.epochs")
     need(t.epochs is None or t.epochs > 0, "training.epochs", f"{t.epochs} must be positive", "e.g. 1 or 0.5")
     need(t.lr > 0, "training.lr", f"{t.lr} must be positive", "typical: 1e-5 to 3e-4 for fine-tuning")
     need(0 <= t.min_lr_ratio <= 1, "training.min_lr_ratio", f"{t.min_lr_ratio} is outside [0, 1]", "e.g. 0.1")

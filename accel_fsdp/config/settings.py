@@ -355,7 +355,7 @@ def check_settings(settings: FsdpSettings, recipe, *, visible_gpus: int | None =
     return p
 
 
-def cuda_problems(settings: FsdpSettings, config, reason) -> list[Problem]:
+def cuda_problems(settings: FsdpSettings, config, reason, *, cpu_option: bool = True) -> list[Problem]:
     """A config written for GPUs on a machine that cannot run CUDA would train on CPU ranks, a thousand times slower,
     with the word "cpu" in one line as its only sign. `config`: the AccelerateConfig; `reason`: a function saying
     why CUDA is unusable here (it imports torch, so it is called only when needed).
@@ -363,12 +363,13 @@ def cuda_problems(settings: FsdpSettings, config, reason) -> list[Problem]:
     Only a config read from its file is judged: the settings that stock `accelerate launch` exports to the ranks do
     not say use_cpu (accelerate 1.15, utils/launch.py: ACCELERATE_USE_CPU is set by the simple launcher alone, not
     by `prepare_multi_gpu_env`, which FSDP configs launch through), so there fsdp_cpu.yaml and fsdp_2gpu.yaml look
-    the same; `cpu_guess_note` says what the ranks then do."""
+    the same; `cpu_guess_note` says what the ranks then do. `cpu_option`: the command has `--cpu` (recipe run)."""
     device = settings.device
     if device.value != "cpu" or device.source != Source.DETECTED or config.path is None:
         return []  # CUDA is used, the config (or --cpu) asked for CPU ranks, or no file says what it was written for
     return [Problem(f"{config.label}: use_cpu", f"is a GPU config (use_cpu is false) and this machine cannot run CUDA: "
-                    f"{reason()}", "train on CPU ranks with --accelerate-config fsdp_cpu (or this config with --cpu), "
+                    f"{reason()}", "train on CPU ranks with --accelerate-config fsdp_cpu"
+                    + (" (or this config with --cpu)" if cpu_option else "") + ", "
                     "or repair CUDA (a torch built for your CUDA version: pip install torch --index-url "
                     "https://download.pytorch.org/whl/cu124, a driver nvidia-smi can see)")]
 

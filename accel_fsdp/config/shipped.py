@@ -48,7 +48,9 @@ def _resolve(name_or_path: str, shipped: dict[str, Path], folder: str, what: str
     if name in shipped and spelled_as_shipped:
         return shipped[name]
     if path.exists():
-        raise UserError(Problem(str(path), f"is a {'folder' if path.is_dir() else 'special file'}, not a {what} file",
+        article = "an" if what[0] in "aeiou" else "a"
+        raise UserError(Problem(str(path), f"is a {'folder' if path.is_dir() else 'special file'}, not {article} "
+                                f"{what} file",
                                 f"give a .yaml file or one of the names `{list_command}` prints"))
     close = difflib.get_close_matches(name, list(shipped), n=3)
     hint = f"did you mean {', '.join(close)}? " if close else ""

@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -34,7 +35,7 @@ import numpy as np
 from accel_fsdp.config.recipe import SourceConfig
 from accel_fsdp.data.sampler import GlobalBatchSampler, held_out
 from accel_fsdp.data.sources import SourceReader, locate, source_key
-from accel_fsdp.data.store import IGNORE_INDEX, Sequence, TableWriter, TokenTable, id_dtype
+from accel_fsdp.data.store import IGNORE_INDEX, Sequence, TableWriter, TokenTable, id_dtype, table_damage
 from accel_fsdp.data.synthetic import VERSION as BUILTIN_VERSION
 from accel_fsdp.data.tokenize import Example, ExampleTokenizer, fit_pair
 from accel_fsdp.errors import Problem, UserError
@@ -313,14 +314,18 @@ def read_stats(folder: Path) -> SourceStats:
 def prepare_source(recipe, tokenizer, index: int, source: SourceConfig) -> tuple[Path, bool]:
     """The cache folder of one source, built now unless it is complete already: (folder, built now)."""
     folder = cache_folder(recipe, tokenizer, index, source)
-    if (folder / STATS_FILE).exists():
+    if (folder / STATS_FILE).exists() and not entry_damage(folder):
         return folder, False
     folder.parent.mkdir(parents=True, exist_ok=True)
     with _BuildLock(folder.with_name(folder.name + ".lock")):
         if (folder / STATS_FILE).exists():  # another machine sharing this cache built it while we waited
-            return folder, False
+            damage = entry_damage(folder)
+            if not damage:
+                return folder, False
+            print(f"note: the cache entry {folder} is damaged ({damage}); building it again", file=sys.stderr)
         tmp = folder.with_name(f".{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
+        for dead in folder.parent.glob(f".{folder.name}.tmp-*"):  # builds killed half-way: we hold the lock
+            shutil.rmtree(dead, ignore_errors=True)
         try:
             stats = _build(recipe, tokenizer, index, source, tmp)
             (tmp / STATS_FILE).write_text(json.dumps(asdict(stats), indent=1))
@@ -330,6 +335,17 @@ def prepare_source(recipe, tokenizer, index: int, source: SourceConfig) -> tuple
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return folder, True
+
+
+def entry_damage(folder: Path) -> str | None:
+    """What is wrong with a finished cache entry (a table truncated or removed since it was written), or None."""
+    for split in ("train", "eval"):
+        table = folder / split
+        if split == "train" or table.exists():
+            damage = table_damage(table)
+            if damage:
+                return f"{split}/{damage}"
+    return None
 
 
 def _build(recipe, tokenizer, index: int, source: SourceConfig, folder: Path) -> SourceStats:
@@ -367,6 +383,10 @@ def _build(recipe, tokenizer, index: int, source: SourceConfig, folder: Path) ->
             held_row = is_eval[group[0].row]
             if pairs:
                 chosen, rejected, cut, answer_cut = fit_pair(group[0], group[1], d.seq_len)
+                if answer_cut and np.array_equal(chosen.ids, rejected.ids):
+                    reader.bad("same once cut", chosen.row, f"the chosen and the rejected answer are the same once "
+                               f"cut to data.seq_len = {d.seq_len} tokens: they differ only after that",
+                               "raise data.seq_len, or shorten the answers", "data.seq_len")
                 group = [chosen, rejected]
                 stats.prompts_cut += cut and not held_row
                 stats.truncated += answer_cut and not held_row
@@ -379,6 +399,7 @@ def _build(recipe, tokenizer, index: int, source: SourceConfig, folder: Path) ->
             parts[held_row] += [(ex.ids, ex.mask) for ex in group]
             stats.train_rows += not held_row
             stats.eval_rows += held_row
+        reader.raise_problems()
         train.add(parts[False])
         if evaluation is not None:
             evaluation.add(parts[True])

@@ -12,6 +12,7 @@ A mistake in the data (a missing file, a field the rows lack, a row that is not 
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -57,13 +58,25 @@ def locate(recipe, source: SourceConfig, key: str) -> SourceFile:
     if path.startswith("hub:"):
         return SourceFile("hub", None, path.removeprefix("hub:"))
     p = Path(path).expanduser()
-    if not p.is_absolute() and recipe.source and not p.exists():
+    if not p.is_absolute() and recipe.source:
         alt = Path(recipe.source).parent / p
-        if alt.exists():
+        if not p.exists() and alt.exists():
             p = alt
+        elif p.exists() and alt.exists() and not os.path.samefile(p, alt) and key not in recipe.overridden \
+                and not path.startswith(("./", "../")):
+            raise UserError(Problem(recipe.where(key), f"{path} names two different files: {p.absolute()} (from "
+                                    f"the working directory) and {alt.absolute()} (next to the recipe)",
+                                    f"write ./{path} for the first, or the absolute path of either"))
     if not p.exists() and p.suffix.lower() not in FILE_TYPES and re.fullmatch(r"[\w.-]+/[\w.-]+", path):
         return SourceFile("hub", None, path)  # owner/name with no such local file: a hub dataset
     return SourceFile("file", str(p), path)
+
+
+def _json_error(e: ValueError) -> str:
+    """What json found wrong, and at which column (its `msg` alone may end in "at", the position cut off)."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg.removesuffix(' at')} at column {e.colno}"
+    return str(e)
 
 
 def source_key(recipe, index: int) -> str:
@@ -226,7 +239,7 @@ class SourceReader:
                                             UTF8_FIX)) from None
                 except ValueError as e:
                     raise UserError(Problem(f"{self.where} ({self.file.path})",
-                                            f"line {number}: invalid JSON ({getattr(e, 'msg', e)})",
+                                            f"line {number}: invalid JSON ({_json_error(e)})",
                                             "fix the file: one JSON object per line (.jsonl)")) from None
                 if not isinstance(row, dict):
                     raise UserError(Problem(f"{self.where} ({self.file.path})", f"line {number}: expected a JSON "
@@ -355,7 +368,7 @@ def _find_bad_json_line(path: str) -> str | None:
         try:
             json.loads(text)
         except json.JSONDecodeError as e:
-            return f"line {e.lineno}: invalid JSON ({e.msg})"
+            return f"line {e.lineno}: invalid JSON ({_json_error(e)})"
         return None
     for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -363,7 +376,7 @@ def _find_bad_json_line(path: str) -> str | None:
         try:
             value = json.loads(line)
         except json.JSONDecodeError as e:
-            return f"line {i}: invalid JSON ({e.msg})"
+            return f"line {i}: invalid JSON ({_json_error(e)})"
         if not isinstance(value, dict):
             return f"line {i}: expected a JSON object per line, found {type(value).__name__}"
     return None

@@ -225,6 +225,29 @@ class TokenTable:
         return Sequence(ids, np.where(carries, ids, IGNORE_INDEX), positions)
 
 
+def table_damage(folder: Path) -> str | None:
+    """What is wrong with a finished table on disk, from table.json and the files' sizes alone (no reading): a file
+    truncated, removed or swapped since it was written. None when every file has the size table.json says."""
+    try:
+        m = json.loads((Path(folder) / META).read_text())
+        if m.get("format") != TABLE_FORMAT:
+            return f"{META} is not of this version ({m.get('format')})"
+        sizes = {TOKENS: m["tokens"] * np.dtype(m["dtype"]).itemsize, DOCUMENTS: 8 * m["documents"],
+                 SEQUENCES: 8 * (m["sequences"] + 1), LABELS: 4 * m["sequences"]}
+        if m["masked"] and m["tokens"]:
+            sizes[MASK] = (m["tokens"] + 7) // 8
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{META} is unreadable ({type(e).__name__})"
+    for name, size in sizes.items():
+        path = Path(folder) / name
+        have = path.stat().st_size if path.is_file() else None
+        if have is None and size:
+            return f"{name} is missing"
+        if have is not None and have != size:
+            return f"{name} is {have:,} bytes where {META} says {size:,}"
+    return None
+
+
 def _map(path: Path, dtype: str, count: int) -> np.ndarray:
     if count == 0:
         return np.zeros(0, dtype=dtype)

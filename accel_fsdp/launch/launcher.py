@@ -21,7 +21,7 @@ from pathlib import Path
 from accel_fsdp.config.accelerate import CONFIG_PATH_ENV, AccelerateConfig
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.hardware import usable_cores
-from accel_fsdp.layout import PREEMPTED_FILE
+from accel_fsdp.layout import PREEMPTED_FILE, finished_since
 from accel_fsdp.train.lifetime import PREEMPTED, launcher_environment
 
 
@@ -85,6 +85,7 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
     # torchrun's agent logs every child failure with a banner; our ranks already said what went wrong.
     for name in ("torch.distributed.elastic", "torch.distributed.run", "accelerate"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    started = time.time()
     try:
         launch_command(parsed)
     except subprocess.CalledProcessError as e:  # the single-process launcher
@@ -94,7 +95,7 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
     except Exception as e:  # torchrun's ChildFailedError, or a rendezvous that never completed
         if type(e).__name__ == "SignalException":  # torchrun turns the signals it handles into this
             name = signal.Signals(getattr(e, "sigval", signal.SIGTERM)).name
-            return _preempted(name, run_dir) if name in ("SIGTERM", "SIGUSR1") else _interrupted(name)
+            return _preempted(name, run_dir, started) if name in ("SIGTERM", "SIGUSR1") else _interrupted(name)
         failures = getattr(e, "failures", None)
         if not failures:
             if machines > 1 and _is_timeout(e):
@@ -109,7 +110,7 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
         if 2 in codes:
             return 2  # a user error, already explained by rank 0
         if all(code == PREEMPTED for code in codes):
-            return _preempted(None, run_dir)  # a rank got the signal; the ranks checkpointed
+            return _preempted(None, run_dir, started)  # a rank got the signal; the ranks checkpointed
         for rank, f in sorted(failures.items()):
             if f.exitcode < 0:
                 print(f"error: rank {rank} was killed by {signal.Signals(-f.exitcode).name}", file=sys.stderr)
@@ -185,11 +186,16 @@ def wait_for_main(host: str, port: int, *, timeout: float, interval: float = 1.0
                             "machines; --rendezvous-timeout waits longer"))
 
 
-def _preempted(name: str | None, run_dir: Path | None) -> int:
-    """The run stopped on a preemption signal (to this launcher, which forwarded it, or to a rank): the ranks
-    checkpointed and exited; say where, from the record the main rank wrote."""
+def _preempted(name: str | None, run_dir: Path | None, started: float = 0.0) -> int:
+    """A preemption signal (to this launcher, which forwarded it, or to a rank) ended the launch. If the ranks had
+    finished the run first (the signal came during the last moments, or as the job ended), the run is done: 0, so a
+    scheduler does not requeue a finished job. Else they checkpointed and exited: say where, from the record the
+    main rank wrote in this launch (each start removes an older one), and return PREEMPTED."""
     import json
 
+    if run_dir is not None and finished_since(run_dir, started):
+        print(f"{name or 'a preemption signal'} came after the run had finished: nothing to resume", file=sys.stderr)
+        return 0
     where = ""
     marker = run_dir / PREEMPTED_FILE if run_dir else None
     if marker is not None and marker.exists():
@@ -199,8 +205,9 @@ def _preempted(name: str | None, run_dir: Path | None) -> int:
             name = name or info.get("signal")
         except (ValueError, KeyError, OSError):
             pass
-    print(f"preempted ({name}){where}. Continue with the same command and --resume (or --resume auto).",
-          file=sys.stderr)
+    # --resume auto, not --resume: a signal before the first checkpoint (or before the run folder) leaves nothing
+    # that --resume could continue, and auto then starts the run again.
+    print(f"preempted ({name}){where}. Continue with the same command and --resume auto.", file=sys.stderr)
     return PREEMPTED
 
 

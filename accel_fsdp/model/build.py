@@ -156,12 +156,19 @@ def meta_model(config, trust_remote_code: bool = False):
 
 def view_of(model: torch.nn.Module, config=None) -> ModelView:
     """A model (real or on the meta device) as the checks see it."""
-    linears = {n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-               or type(m).__name__ == "Conv1D"}
+    linears = {_target_name(n) for n, m in model.named_modules() if (isinstance(m, torch.nn.Linear)
+               or type(m).__name__ == "Conv1D") and not any(p.startswith("lora_") for p in n.split("."))}
     classes = frozenset(type(m).__name__ for m in model.modules())
     return ModelView(type(model).__name__, no_split_modules(model), classes, frozenset(linears),
                      context_length(config if config is not None else model.config), count_parameters(model),
                      count_parameters(model, trainable_only=True))
+
+
+def _target_name(name: str) -> str:
+    """The name LoRA's target_modules matches: a layer PEFT has wrapped keeps its own as `<name>.base_layer`
+    (peft 0.21, tuners/lora/layer.py, LoraLayer.base_layer)."""
+    parts = name.split(".")
+    return parts[-2] if parts[-1] == "base_layer" and len(parts) > 1 else parts[-1]
 
 
 def no_split_modules(model: torch.nn.Module) -> list[str]:

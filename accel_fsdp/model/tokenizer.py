@@ -4,6 +4,7 @@ and the data checks before launch use it.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 from accel_fsdp.data.sources import SourceReader, locate, source_key
@@ -77,7 +78,8 @@ BPE_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'
                      "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 BPE_MAX_EXAMPLES = 200_000
 """Examples the tokenizer is trained on (the first ones read): plenty for a vocabulary, bounded in time."""
-BPE_VERSION = 1
+BPE_VERSION = 2
+"""2: preference sources are read (prompt, chosen, rejected); version 1 learned nothing from them."""
 
 
 def bpe_vocab_size(source: str | None) -> int | None:
@@ -138,19 +140,29 @@ def _texts(recipe, limit: int):
         read = 0
         for _, rows in reader.batches(1000):
             for row in rows[:share - read]:
-                if source.format == "text":
-                    values = [row.get(source.text_field)]
-                elif source.format == "instruction":
-                    values = [row.get(source.instruction_field), row.get(source.input_field),
-                              row.get(source.output_field)]
-                else:
-                    messages = row.get(source.messages_field)
-                    values = [m.get("content") for m in messages if isinstance(m, dict)] \
-                        if isinstance(messages, list) else []
-                yield from (v for v in values if isinstance(v, str) and v)
+                yield from (v for v in _row_texts(row, source) if isinstance(v, str) and v)
             read += len(rows)
             if read >= share:
                 break
+
+
+def _row_texts(row: dict, source) -> list:
+    """The texts of one row of a source, by its format: every field a model reads (prompts and answers alike)."""
+    if source.format == "text":
+        return [row.get(source.text_field)]
+    if source.format == "instruction":
+        return [row.get(source.instruction_field), row.get(source.input_field), row.get(source.output_field)]
+    if source.format == "chat":
+        fields = [row.get(source.messages_field)]
+    else:  # preference: prompt, chosen and rejected, each a text or a conversation
+        fields = [row.get(source.prompt_field), row.get(source.chosen_field), row.get(source.rejected_field)]
+    out = []
+    for value in fields:
+        if isinstance(value, list):
+            out += [m.get("content") for m in value if isinstance(m, dict)]
+        else:
+            out.append(value)
+    return out
 
 
 def _train_bpe(recipe, vocab: int):
@@ -162,7 +174,13 @@ def _train_bpe(recipe, vocab: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(BPE_SPECIAL), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_texts(recipe, BPE_MAX_EXAMPLES), trainer=trainer)
+    texts = _texts(recipe, BPE_MAX_EXAMPLES)
+    first = next(texts, None)
+    if first is None:
+        raise UserError(Problem(recipe.where("model.tokenizer"), f"{recipe.model.tokenizer}: the recipe's data has no "
+                                "text to learn a vocabulary from (every row's fields are empty or missing)",
+                                "check the data's field names (accel-fsdp data show), or use a pretrained tokenizer"))
+    tok.train_from_iterator(itertools.chain([first], texts), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=BPE_SPECIAL[0], pad_token=BPE_SPECIAL[1],
                                         model_max_length=1 << 20)
     tokenizer.chat_template = BPE_CHAT_TEMPLATE

@@ -27,9 +27,11 @@ from accel_fsdp.errors import Problem, UserError
 # The paths of a run are layout.py's; this module decides what a start may do with them.
 from accel_fsdp.layout import (
     CHECKPOINT_PREFIXES,
+    FINAL_DIR,
     LOCK_FILE,
     OWNER_FILE,
     RUN_FOLDER_ENTRIES,
+    STEP_PREFIX,
     RunIdentity,
     RunLayout,
     checkpoints_of,
@@ -77,6 +79,10 @@ def decide(layout: RunLayout, recipe, *, resume: str | None = None, resume_from:
         check_checkpoint_folder(layout, owner=identity)
         return Decision.OVERWRITE
     if resume_from:
+        if not Path(resume_from).expanduser().exists():
+            raise UserError(Problem(str(resume_from), "--resume-from: no such checkpoint (rotation may have removed "
+                                    "it: checkpoint.keep_last)", "give an existing step-NNNNNN folder (accel-fsdp "
+                                    "checkpoint inspect lists a run's)"))
         theirs = checkpoint_run_id(Path(resume_from))
         if theirs != identity.run_id:
             raise UserError(Problem(str(root), f"holds {identity.describe()}, but {resume_from} belongs to run "
@@ -194,13 +200,45 @@ def prepare(layout: RunLayout, recipe, settings, decision: Decision, *, resumed_
     else:
         identity = RunIdentity.new(recipe, layout, resumed_from=resumed_from)
     identity.checkpoint_dir = layout.recorded_checkpoints
+    identity.finished_at = None
     identity.write(layout.run_file)
+    layout.preempted_file.unlink(missing_ok=True)  # a record of an earlier stop: this start supersedes it
+    for dead in root.glob(f".{FINAL_DIR}.tmp-*"):  # an export killed half-way (we hold the run folder's lock)
+        shutil.rmtree(dead, ignore_errors=True)
     layout.checkpoints.mkdir(parents=True, exist_ok=True)
+    if decision == Decision.RESUME and resumed_from:
+        set_aside_newer(layout, Path(resumed_from))
     write_atomic(layout.checkpoints / OWNER_FILE,
                   json.dumps({"run_id": identity.run_id, "run_dir": str(root)}, indent=1) + "\n")
     write_atomic(layout.recipe_file, recipe.to_yaml())
     write_atomic(layout.settings_file, json.dumps(settings.to_dict(), indent=1, default=str) + "\n")
     return identity
+
+
+def set_aside_newer(layout: RunLayout, resume_from: Path) -> list[str]:
+    """--resume-from an older checkpoint of this run: its newer checkpoints belong to the abandoned continuation.
+    Left in place they would outlive every checkpoint this run writes (rotation keeps the highest steps) and a later
+    --resume would continue the abandoned run; they are moved into `abandoned-<time>/` of the checkpoint folder,
+    where neither rotation nor resume looks. Returns the names moved."""
+    start = resume_from.expanduser().resolve()
+    if start.parent != layout.checkpoints.resolve() or not start.name.startswith(STEP_PREFIX):
+        return []
+    def step(p: Path) -> int:
+        number = p.name[len(STEP_PREFIX):]
+        return int(number) if number.isdigit() else -1
+
+    newer = sorted((p for p in layout.checkpoints.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)
+                    and step(p) > step(start)), key=step)
+    if not newer:
+        return []
+    aside = layout.checkpoints / time.strftime("abandoned-%Y%m%d-%H%M%S")
+    aside.mkdir(exist_ok=True)
+    for p in newer:
+        os.replace(p, aside / p.name)
+    names = [p.name for p in newer]
+    print(f"resume: {len(names)} newer checkpoint(s) of the continuation abandoned by --resume-from "
+          f"({names[0]} to {names[-1]}) moved to {aside}", file=sys.stderr, flush=True)
+    return names
 
 
 # ---------------------------------------------------------------------------------------------------- lock
@@ -301,4 +339,24 @@ def writable_problems(layout: RunLayout) -> list[Problem]:
         elif existing.exists() and not os.access(existing, os.W_OK | os.X_OK):
             out.append(Problem(str(folder), f"cannot be written: {existing} is not writable by this user",
                                f"choose a writable {key}, or fix the permissions of {existing}"))
+        elif existing.exists() and (error := _cannot_create_in(existing)):
+            out.append(Problem(str(folder), f"cannot be written: creating a folder in {existing} fails ({error})",
+                               f"choose another {key}"))
+    final, checkpoints = layout.final.resolve(), layout.checkpoints.resolve()
+    if final == checkpoints or final in checkpoints.parents:
+        out.append(Problem(f"checkpoint.dir: {layout.checkpoints}", "is the exported model's folder (final/) or inside "
+                           "it: the export at the end replaces final/", "choose another folder, e.g. "
+                           "checkpoints"))
     return out
+
+
+def _cannot_create_in(folder: Path) -> str | None:
+    """Why a folder cannot be created in `folder`, found by creating one and removing it (permission bits do not
+    say it for root, a read-only mount or a pseudo filesystem such as /proc)."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".accel-fsdp-probe-", dir=folder))
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None

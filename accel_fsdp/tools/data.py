@@ -68,16 +68,18 @@ def prepare_report(recipe, prepared: list[PreparedSource], data) -> str:
 def show(recipe, *, sequences: int, color: bool, plot: Path | None = None) -> str:
     """The first `sequences` training sequences in the order a run reads them (step 0 on), decoded, with the tokens
     that carry a loss marked; optionally each source's histogram of example lengths drawn into `plot`."""
+    if plot is not None:
+        check_plot_path(plot)
     tokenizer = build_tokenizer(recipe)
     _, data = prepare(recipe, tokenizer)
     sampler = data.sampler(recipe.training, world_size=1, rank=0)
     out, step = [], 0
     while len(out) < sequences:
         for slot, unit in enumerate(sampler.global_sequences(step)):
-            if len(out) == sequences:
+            if len(out) >= sequences:
                 break
             source, j = data.split(unit)
-            out.append(_describe(tokenizer, data, unit, step, slot, source, j, color))
+            out.extend(_describe(tokenizer, data, unit, step, slot, source, j, color))
         step += 1
     if plot is not None:
         draw_lengths(data, recipe.data.seq_len, plot)
@@ -85,14 +87,31 @@ def show(recipe, *, sequences: int, color: bool, plot: Path | None = None) -> st
     return "\n\n".join(out)
 
 
-def _describe(tokenizer, data, unit, step, slot, source, j, color) -> str:
-    s = data.sequence(unit)
+def _describe(tokenizer, data, unit, step, slot, source, j, color) -> list[str]:
+    """A unit's sequences, decoded: one, or a preference pair's chosen and rejected."""
     name = data.sources[source].name
-    carries = s.labels != -100
-    documents = int((s.positions == 0).sum())
-    head = (f"step {step} slot {slot}: {name} sequence {j:,} ({len(s)} tokens, {int(carries.sum())} with a loss, "
-            f"{documents} document{'s' if documents != 1 else ''})")
-    return head + "\n" + mark(tokenizer, s.ids, carries, s.positions, color)
+    seqs = data.sequences(unit)
+    out = []
+    for k, s in enumerate(seqs):
+        carries = s.labels != -100
+        documents = int((s.positions == 0).sum())
+        what = f"pair {j:,} {('chosen', 'rejected')[k]}" if len(seqs) == 2 else f"sequence {j:,}"
+        head = (f"step {step} slot {slot}: {name} {what} ({len(s)} tokens, {int(carries.sum())} with a loss, "
+                f"{documents} document{'s' if documents != 1 else ''})")
+        out.append(head + "\n" + mark(tokenizer, s.ids, carries, s.positions, color))
+    return out
+
+
+PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "eps")
+
+
+def check_plot_path(path: Path) -> None:
+    """Before any work: a file name whose suffix says a format matplotlib writes, in a folder that can be written."""
+    if path.is_dir():
+        raise UserError(Problem("--plot", f"{path} is a folder", f"name a file in it, e.g. {path / 'lengths.png'}"))
+    if path.suffix.lower().lstrip(".") not in PLOT_FORMATS:
+        raise UserError(Problem("--plot", f"{path}: the suffix does not name an image format",
+                                f"end the name with one of {', '.join('.' + f for f in PLOT_FORMATS)}"))
 
 
 LOSS_OPEN, LOSS_CLOSE, DOCUMENT = "\u00ab", "\u00bb", " \u2016 "

@@ -62,7 +62,7 @@ class Checkpointer:
         if not request.resume_from:
             for newer in ckpt.skipped_newer(info):
                 run.say(f"resume: {newer.name} is newer but not usable ({newer.reason})")
-        for note in ckpt.check_resume(info, recipe, run.settings):
+        for note in ckpt.check_resume(info, recipe, run.settings, run.total_steps):
             run.say(f"resume: {note}")
         state = ckpt.load_checkpoint(acc, run.model, run.optimizer, run.scheduler, info,
                                      lora=recipe.model.lora.enabled)

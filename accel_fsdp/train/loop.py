@@ -14,6 +14,7 @@ The objective (train/objective.py) computes the loss; `run.norm` the global coun
 
 from __future__ import annotations
 
+from accel_fsdp.layout import record_finished
 from accel_fsdp.quiet import quiet_libraries
 from accel_fsdp.train.accelerator import accumulate
 from accel_fsdp.train.evaluate import generate_sample
@@ -101,6 +102,7 @@ def finish(run: Run, parts: Components, state: TrainingState) -> None:
     if sample is not None:
         print(f"sample: {recipe.logging.sample_prompt!r} -> {sample!r}")
     print(f"done: {run.total_steps} steps; run folder {run.request.run_dir}")
+    record_finished(run.layout)
 
 
 def run_training(request: RunRequest) -> None:
