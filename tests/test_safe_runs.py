@@ -711,3 +711,12 @@ def test_an_export_killed_half_way_is_swept_and_exports_are_readable_by_the_grou
     finally:
         os.umask(old)
     assert stat.S_IMODE(weights.stat().st_mode) == 0o644
+
+
+def test_a_csv_of_a_header_alone_and_a_base_model_without_merge_are_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    msg = user_error("data", "prepare", "quickstart", "--set", f"data.path={write(tmp_path / 'h.csv', 'text,label')}")
+    assert "h.csv): has a header line and no rows" in msg and "add rows below the header" in msg
+    msg = user_error("checkpoint", "consolidate", fake_run(tmp_path / "run", "a" * 16), tmp_path / "out",
+                     "--base-model", "gpt2")
+    assert "--base-model: only applies to --merge" in msg

@@ -41,6 +41,9 @@ def checkpoint_consolidate(checkpoint_or_run, out_dir, dtype, max_shard_size, me
     from accel_fsdp.checkpoint.consolidate import consolidate
     from accel_fsdp.checkpoint.store import resolve_checkpoint, skipped_newer
 
+    if base_model and not merge:
+        raise UserError(Problem("--base-model", "only applies to --merge (the base the adapter is merged into)",
+                                "add --merge, or drop --base-model"))
     try:
         size = parse_bytes(max_shard_size)
     except ValueError:

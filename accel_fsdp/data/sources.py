@@ -72,6 +72,12 @@ def locate(recipe, source: SourceConfig, key: str) -> SourceFile:
     return SourceFile("file", str(p), path)
 
 
+def _csv_without_rows(path: str) -> bool:
+    """A CSV file of one line (its header) or none: datasets says only 'Instruction "train" corresponds to no data'."""
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip()) <= 1
+
+
 def _json_error(e: ValueError) -> str:
     """What json found wrong, and at which column (its `msg` alone may end in "at", the position cut off)."""
     if isinstance(e, json.JSONDecodeError):
@@ -167,10 +173,14 @@ class SourceReader:
                 return datasets.load_dataset(builder, data_files=self.file.path, split="train", **kwargs)
         except Exception as e:
             detail = _find_bad_json_line(self.file.path) if builder == "json" else None
+            if builder == "csv" and detail is None and _csv_without_rows(self.file.path):
+                detail = "has a header line and no rows"
             msg = detail or f"cannot read it as {builder}: {_root_cause(e)}"
             fix = {"json": "fix the file: one JSON object per line (.jsonl), or one JSON list of objects (.json)",
                    "csv": "fix the file: a header line, then the same number of comma-separated fields on every "
                           "line (quote fields that contain commas)"}.get(builder, "fix the file")
+            if detail == "has a header line and no rows":
+                fix = "add rows below the header, or point the path at the file that has them"
             raise UserError(Problem(f"{self.where} ({self.file.path})", msg, fix)) from None
 
     # ------------------------------------------------------------------------------------------ reading
