@@ -720,3 +720,15 @@ def test_a_csv_of_a_header_alone_and_a_base_model_without_merge_are_named(tmp_pa
     msg = user_error("checkpoint", "consolidate", fake_run(tmp_path / "run", "a" * 16), tmp_path / "out",
                      "--base-model", "gpt2")
     assert "--base-model: only applies to --merge" in msg
+
+
+def test_an_export_of_another_run_is_not_replaced(tmp_path):
+    from accel_fsdp.checkpoint.consolidate import MARKER, _check_destination
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"w")
+    (out / MARKER).write_text(json.dumps({"files": ["model.safetensors"], "run_id": "b" * 16}))
+    _check_destination(out, "b" * 16)  # its own run's export: replaced
+    with pytest.raises(Exception, match=r"holds an export of another run \(run b{16}; this checkpoint is of run a{16}"):
+        _check_destination(out, "a" * 16)

@@ -63,7 +63,7 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
     """Write a Hugging Face folder (or a PEFT adapter folder for LoRA checkpoints) from a complete checkpoint."""
     start = time.perf_counter()
     out_dir = Path(out_dir)
-    _check_destination(out_dir)
+    _check_destination(out_dir, info.manifest.run_id)
     adapter = bool(info.manifest.lora)
     try:
         reader = _TensorSource(info)
@@ -87,7 +87,8 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
         written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
         _readable_as_umask_says(tmp)
         (tmp / MARKER).write_text(json.dumps({"checkpoint": str(info.path), "step": info.manifest.step,
-                                              "dtype": dtype, "adapter": adapter, "files": written}, indent=1))
+                                              "dtype": dtype, "adapter": adapter, "files": written,
+                                              "run_id": info.manifest.run_id}, indent=1))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.rename(tmp, out_dir)
@@ -130,19 +131,24 @@ def _readable_as_umask_says(folder: Path) -> None:
             os.chmod(p, 0o666 & ~mask)
 
 
-def _check_destination(out_dir: Path) -> None:
-    """A new folder, or an earlier export that holds nothing but what the export wrote (its marker lists it): an
-    export replaces only its own files, never the user's."""
+def _check_destination(out_dir: Path, run_id: str | None = None) -> None:
+    """A new folder, or an earlier export of the same run (`run_id`: the checkpoint's) that holds nothing but what the
+    export wrote (its marker lists it): an export replaces only its own files, never the user's or another run's."""
     if out_dir.parent.exists() and not out_dir.parent.is_dir():
         raise UserError(Problem(str(out_dir), f"{out_dir.parent} is a file", "choose a folder (nothing was written)"))
     if not out_dir.exists():
         return
-    ours = None
+    ours, theirs = None, None
     if out_dir.is_dir() and (out_dir / MARKER).is_file():
         try:
-            ours = set(json.loads((out_dir / MARKER).read_text()).get("files", [])) | {MARKER}
+            marker = json.loads((out_dir / MARKER).read_text())
+            ours, theirs = set(marker.get("files", [])) | {MARKER}, marker.get("run_id")
         except (OSError, ValueError, AttributeError, TypeError):
             ours = None
+    if theirs and run_id and theirs != run_id:
+        raise UserError(Problem(str(out_dir), f"holds an export of another run (run {theirs}; this checkpoint is of "
+                                f"run {run_id})", "choose a new folder, or delete that export first (nothing was "
+                                "written)"))
     if not out_dir.is_dir() or (any(out_dir.iterdir()) and ours is None):
         raise UserError(Problem(str(out_dir), "exists and is not an earlier export of accel-fsdp",
                                 "choose a new folder (nothing was written)"))
