@@ -181,10 +181,14 @@ class RunIdentity:
 
 
 def record_finished(layout: RunLayout) -> None:
-    """The main process, once the run's work is done (export included): run.json says when."""
-    identity = RunIdentity.read(layout.run_file)
-    identity.finished_at = time.time()
-    identity.write(layout.run_file)
+    """The main process, once the run's work is done (export included): run.json says when. A run.json removed or
+    damaged meanwhile is left as it is (the work is done; only a late signal's exit status depends on it)."""
+    try:
+        identity = RunIdentity.read(layout.run_file)
+        identity.finished_at = time.time()
+        identity.write(layout.run_file)
+    except (UserError, OSError):
+        pass
 
 
 def finished_since(run_dir: Path, since: float) -> bool:

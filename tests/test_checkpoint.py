@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
 import subprocess
@@ -195,6 +196,9 @@ def test_consolidate_streams_shards_and_transformers_loads_the_same_logits(tmp_p
     assert "lm_head.weight" not in index["weight_map"]  # tied to transformer.wte.weight: written once
     for f in ["config.json", "generation_config.json", "tokenizer.json", "recipe.yaml"]:
         assert (out / f).exists(), f
+    umask = os.umask(0)
+    os.umask(umask)  # the export's files as the umask says (safetensors writes 0600): others on a cluster read them
+    assert {(p.stat().st_mode & 0o777) for p in out.iterdir() if p.is_file()} == {0o666 & ~umask}
 
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()

@@ -43,7 +43,8 @@ class Commands(click.Group):
                 raise
             path = f"{e.filename} -> {e.filename2}" if e.filename2 else str(e.filename)
             raise UserError(Problem(path, e.strerror or type(e).__name__, FIXES.get(
-                e.errno, "choose a path this user can create and write, or fix its permissions"))) from None
+                e.errno, "check the path, or choose one this user can create and write (or fix its "
+                "permissions)"))) from None
 
 
 @click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
