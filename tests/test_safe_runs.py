@@ -732,3 +732,14 @@ def test_an_export_of_another_run_is_not_replaced(tmp_path):
     _check_destination(out, "b" * 16)  # its own run's export: replaced
     with pytest.raises(Exception, match=r"holds an export of another run \(run b{16}; this checkpoint is of run a{16}"):
         _check_destination(out, "a" * 16)
+
+
+def test_text_the_tokenizer_does_not_know_is_warned_about(tmp_path, monkeypatch):
+    """The built-in word-level tokenizer knows the built-in stories' words only: on other English text most tokens
+    are <unk>, and a run would learn nothing from them."""
+    monkeypatch.chdir(tmp_path)
+    words = "the quick brown fox jumps over a lazy dog while zebras quietly graze".split()
+    rows = [{"text": " ".join(words[(i + k) % len(words)] for k in range(30))} for i in range(3000)]
+    out = ok("data", "prepare", "quickstart", "--set", f"data.path={write_jsonl(tmp_path / 'eng.jsonl', rows)}")
+    assert "of the tokens" in out and "are the tokenizer's unknown token" in out and "bpe:8192" in out
+    assert "unknown token" not in ok("data", "prepare", "quickstart")  # the stories it was made for

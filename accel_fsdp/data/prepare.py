@@ -87,8 +87,14 @@ class SourceStats:
     """Share of the training sequences' seq_len slots holding a token (packed sources)."""
     seconds: float = 0.0
     """Time the build took (reading, tokenizing, writing)."""
+    tokens_read: int = 0
+    """Tokens of every example as tokenized (before truncation, held-out ones included)."""
+    unknown_tokens: int = 0
+    """Of those, the tokenizer's unknown token (a vocabulary that does not cover the text: a word-level or
+    character-limited tokenizer on text it was not made for)."""
 
     TRUNCATION_WARNING = 0.05
+    UNKNOWN_WARNING = 0.01
 
     def summary(self) -> str:
         parts = [f"{self.rows_read:,} rows read", f"{self.train_rows:,} train / {self.eval_rows:,} held out",
@@ -108,13 +114,20 @@ class SourceStats:
         return "; ".join(parts)
 
     def warnings(self, seq_len: int, named: bool = False) -> list[str]:
+        out = []
         share = self.no_label_rows / max(1, self.train_rows)
-        if share < self.TRUNCATION_WARNING:
-            return []
-        return [f"{self.name + ': ' if named else ''}{100 * share:.0f}% of the training examples "
-                f"({self.no_label_rows:,} of "
-                f"{self.train_rows:,}) lost all their loss-carrying tokens to truncation at data.seq_len = {seq_len}: "
-                "they are trained on nothing (raise data.seq_len, or shorten the prompts)"]
+        if share >= self.TRUNCATION_WARNING:
+            out.append(f"{self.name + ': ' if named else ''}{100 * share:.0f}% of the training examples "
+                       f"({self.no_label_rows:,} of {self.train_rows:,}) lost all their loss-carrying tokens to "
+                       f"truncation at data.seq_len = {seq_len}: they are trained on nothing (raise data.seq_len, or "
+                       "shorten the prompts)")
+        unknown = self.unknown_tokens / max(1, self.tokens_read)
+        if unknown >= self.UNKNOWN_WARNING:
+            out.append(f"{self.name + ': ' if named else ''}{100 * unknown:.1f}% of the tokens "
+                       f"({self.unknown_tokens:,} of {self.tokens_read:,}) are the tokenizer's unknown token: its "
+                       "vocabulary does not cover this text, and a model learns nothing from them (use the model's own "
+                       "tokenizer, or model.tokenizer: bpe:8192 to train one on this data)")
+        return out
 
 
 @dataclass
@@ -368,6 +381,9 @@ def _build(recipe, tokenizer, index: int, source: SourceConfig, folder: Path) ->
     evaluation = TableWriter(folder / "eval", dtype=dtype, masked=masked, seq_len=d.seq_len, packing=packing) \
         if n_eval else None
     tokenize = ExampleTokenizer(tokenizer, source, reader)
+    unknown = tokenizer.unk_token_id  # not counted where it doubles as a special token (GPT-2's is <|endoftext|>)
+    if unknown in (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id):
+        unknown = None
     stats = SourceStats(name=source.name, format=source.format, rows_read=rows, packed=packing != "none",
                         pairs=pairs)
     seen = 0
@@ -377,6 +393,9 @@ def _build(recipe, tokenizer, index: int, source: SourceConfig, folder: Path) ->
         seen += len(batch)
         examples = tokenize(numbers, batch)
         reader.raise_problems()
+        stats.tokens_read += sum(len(ex.ids) for ex in examples)
+        if unknown is not None:
+            stats.unknown_tokens += sum(int(np.count_nonzero(ex.ids == unknown)) for ex in examples)
         parts: dict[bool, list] = {False: [], True: []}
         groups = [examples[k:k + 2] for k in range(0, len(examples), 2)] if pairs else [[ex] for ex in examples]
         for group in groups:

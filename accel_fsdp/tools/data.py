@@ -62,6 +62,7 @@ def prepare_report(recipe, prepared: list[PreparedSource], data) -> str:
         if len(data.sources) > 1:
             lines.append(f"    weight {w / total:.2f} of the mixture by {data.mix_by}: about {e:.2f} epochs of it in "
                          f"{steps:,} steps")
+        lines += [f"    warning: {text}" for text in s.warnings(recipe.data.seq_len)]
     return "\n".join(lines)
 
 
