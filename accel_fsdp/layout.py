@@ -80,6 +80,24 @@ def checkpoint_name(step: int) -> str:
     return f"{STEP_PREFIX}{step:06d}"
 
 
+def checkpoint_step(name: str) -> int | None:
+    """The step of a checkpoint folder's name (step-000200 -> 200), None for any other name."""
+    number = name.removeprefix(STEP_PREFIX)
+    return int(number) if name.startswith(STEP_PREFIX) and len(number) >= 6 and number.isascii() \
+        and number.isdigit() else None
+
+
+def existing_folder(path: str | Path, *, what: str = "checkpoint") -> Path:
+    """`path` (a checkpoint or run folder the user named) as a folder that exists, else one message."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UserError(Problem(str(p), f"no such {what}", "give a step-NNNNNN folder or a run folder (`accel-fsdp "
+                                "checkpoint inspect RUN` lists a run's; rotation keeps the last checkpoint.keep_last)"))
+    if not p.is_dir():
+        raise UserError(Problem(str(p), f"is a file, not a {what} folder", "give a step-NNNNNN folder or a run folder"))
+    return p
+
+
 def checkpoints_of(run_dir: Path, recorded: str) -> Path:
     """The checkpoint folder run.json records, for the run folder where it is now."""
     path = Path(recorded).expanduser()

@@ -27,7 +27,6 @@ import dataclasses
 import json
 import os
 import random
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -54,10 +53,11 @@ from accel_fsdp.layout import (
     TRASH_PREFIX,
     RunLayout,
     checkpoint_name,
+    checkpoint_step,
+    existing_folder,
     rng_file,
 )
 
-_NAME = re.compile(rf"^{STEP_PREFIX}(\d{{6,}})$")
 
 
 # --------------------------------------------------------------------------------------------------- save
@@ -362,8 +362,7 @@ class CheckpointInfo:
 def inspect_checkpoint(path: Path, *, verify: bool = False) -> CheckpointInfo:
     """Read the manifest and check every file it lists is there with its size; with `verify`, also its CRC-32."""
     path = Path(path)
-    m = _NAME.match(path.name)
-    step = int(m.group(1)) if m else None
+    step = checkpoint_step(path.name)
     manifest_path = path / MANIFEST
     if path.name.startswith(".tmp-"):
         return CheckpointInfo(path, step, False, "a save that never finished (temporary folder)")
@@ -396,7 +395,7 @@ def list_checkpoints(root: Path) -> list[CheckpointInfo]:
     root = Path(root)
     if not root.is_dir():
         return []
-    infos = [inspect_checkpoint(p) for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)]
+    infos = [inspect_checkpoint(p) for p in root.iterdir() if p.is_dir() and checkpoint_step(p.name) is not None]
     return sorted(infos, key=lambda c: c.step or -1)
 
 
@@ -413,12 +412,8 @@ def skipped_newer(info: CheckpointInfo) -> list[CheckpointInfo]:
 
 def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint", verify: bool = False) -> CheckpointInfo:
     """A checkpoint folder, or a run folder / checkpoints folder (its newest complete checkpoint)."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise UserError(Problem(str(p), f"no such {what}", "give a step-NNNNNN folder or a run folder"))
-    if not p.is_dir():
-        raise UserError(Problem(str(p), f"is a file, not a {what} folder", "give a step-NNNNNN folder or a run folder"))
-    if _NAME.match(p.name) or p.name.startswith(TMP_PREFIX + STEP_PREFIX) or (p / MANIFEST).exists():
+    p = existing_folder(path, what=what)
+    if checkpoint_step(p.name) is not None or p.name.startswith(TMP_PREFIX + STEP_PREFIX) or (p / MANIFEST).exists():
         info = inspect_checkpoint(p, verify=verify)
         if not info.complete:
             raise UserError(Problem(str(p), f"incomplete or corrupt checkpoint: {info.reason}",

@@ -27,14 +27,14 @@ from accel_fsdp.errors import Problem, UserError
 # The paths of a run are layout.py's; this module decides what a start may do with them.
 from accel_fsdp.layout import (
     CHECKPOINT_PREFIXES,
-    FINAL_DIR,
     LOCK_FILE,
     OWNER_FILE,
     RUN_FOLDER_ENTRIES,
-    STEP_PREFIX,
     RunIdentity,
     RunLayout,
+    checkpoint_step,
     checkpoints_of,
+    existing_folder,
     write_atomic,
 )
 
@@ -79,11 +79,7 @@ def decide(layout: RunLayout, recipe, *, resume: str | None = None, resume_from:
         check_checkpoint_folder(layout, owner=identity)
         return Decision.OVERWRITE
     if resume_from:
-        if not Path(resume_from).expanduser().exists():
-            raise UserError(Problem(str(resume_from), "--resume-from: no such checkpoint (rotation may have removed "
-                                    "it: checkpoint.keep_last)", "give an existing step-NNNNNN folder (accel-fsdp "
-                                    "checkpoint inspect lists a run's)"))
-        theirs = checkpoint_run_id(Path(resume_from))
+        theirs = checkpoint_run_id(existing_folder(resume_from))  # a missing one is named as missing
         if theirs != identity.run_id:
             raise UserError(Problem(str(root), f"holds {identity.describe()}, but {resume_from} belongs to run "
                                     f"{theirs or '(unknown)'}; --resume-from would write this other run's training "
@@ -203,8 +199,6 @@ def prepare(layout: RunLayout, recipe, settings, decision: Decision, *, resumed_
     identity.finished_at = None
     identity.write(layout.run_file)
     layout.preempted_file.unlink(missing_ok=True)  # a record of an earlier stop: this start supersedes it
-    for dead in root.glob(f".{FINAL_DIR}.tmp-*"):  # an export killed half-way (we hold the run folder's lock)
-        shutil.rmtree(dead, ignore_errors=True)
     layout.checkpoints.mkdir(parents=True, exist_ok=True)
     if decision == Decision.RESUME and resumed_from:
         set_aside_newer(layout, Path(resumed_from))
@@ -221,14 +215,11 @@ def set_aside_newer(layout: RunLayout, resume_from: Path) -> list[str]:
     --resume would continue the abandoned run; they are moved into `abandoned-<time>/` of the checkpoint folder,
     where neither rotation nor resume looks. Returns the names moved."""
     start = resume_from.expanduser().resolve()
-    if start.parent != layout.checkpoints.resolve() or not start.name.startswith(STEP_PREFIX):
-        return []
-    def step(p: Path) -> int:
-        number = p.name[len(STEP_PREFIX):]
-        return int(number) if number.isdigit() else -1
-
-    newer = sorted((p for p in layout.checkpoints.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)
-                    and step(p) > step(start)), key=step)
+    first = checkpoint_step(start.name)
+    if start.parent != layout.checkpoints.resolve() or first is None:
+        return []  # a checkpoint of another folder, or a run folder (its newest checkpoint: nothing is newer)
+    newer = sorted((p for p in layout.checkpoints.iterdir() if p.is_dir() and (checkpoint_step(p.name) or -1) > first),
+                   key=lambda p: checkpoint_step(p.name))
     if not newer:
         return []
     aside = layout.checkpoints / time.strftime("abandoned-%Y%m%d-%H%M%S")

@@ -103,16 +103,29 @@ def _describe(tokenizer, data, unit, step, slot, source, j, color) -> list[str]:
     return out
 
 
-PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "eps")
-
-
 def check_plot_path(path: Path) -> None:
-    """Before any work: a file name whose suffix says a format matplotlib writes, in a folder that can be written."""
+    """Before any work: a file name whose suffix names a format matplotlib writes (its own list), not a folder."""
     if path.is_dir():
         raise UserError(Problem("--plot", f"{path} is a folder", f"name a file in it, e.g. {path / 'lengths.png'}"))
-    if path.suffix.lower().lstrip(".") not in PLOT_FORMATS:
+    _pyplot()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if path.suffix.lower().lstrip(".") not in formats:
         raise UserError(Problem("--plot", f"{path}: the suffix does not name an image format",
-                                f"end the name with one of {', '.join('.' + f for f in PLOT_FORMATS)}"))
+                                f"end the name with one of {', '.join('.' + f for f in formats)}"))
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError(Problem("--plot", "drawing needs matplotlib, which is not installed",
+                                'pip install "accel-fsdp[plot]"')) from None
+    return plt
 
 
 LOSS_OPEN, LOSS_CLOSE, DOCUMENT = "\u00ab", "\u00bb", " \u2016 "
@@ -140,14 +153,7 @@ def mark(tokenizer, ids: np.ndarray, carries: np.ndarray, positions: np.ndarray,
 
 def draw_lengths(data, seq_len: int, path: Path) -> None:
     """One histogram of example lengths (tokens, after truncation) per source, with seq_len marked."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError(Problem("--plot", "drawing needs matplotlib, which is not installed",
-                                'pip install "accel-fsdp[plot]"')) from None
+    plt = _pyplot()
     fig, axes = plt.subplots(len(data.sources), 1, figsize=(8, 2.6 * len(data.sources)), squeeze=False)
     for ax, source in zip(axes[:, 0], data.sources):
         table = source.train
