@@ -30,6 +30,7 @@ from typing import Any, Literal
 import yaml
 
 from accel_fsdp.config.accelerate import STRATEGIES
+from accel_fsdp.config.methods import METHODS, NAMES, PAIR_METHODS, method_problems
 from accel_fsdp.config.yaml_file import load_yaml
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.layout import CHECKPOINTS_DIR
@@ -83,8 +84,6 @@ class ModelConfig:
 FORMATS = ("text", "instruction", "chat", "preference")
 """data.format: what a row of a source holds."""
 MIX_BY = ("tokens", "rows")
-METHODS = ("sft", "dpo", "simpo", "orpo")
-"""training.method: next-token prediction, or one of the preference-tuning losses."""
 SOURCE_KEYS = ("path", "format", "text_field", "instruction_field", "input_field", "output_field", "messages_field",
                "prompt_field", "chosen_field", "rejected_field", "hub_config", "split", "max_rows")
 """The keys of `data` that describe one source; an entry of data.sources that leaves one out takes data's value."""
@@ -207,7 +206,7 @@ def default_source_name(path: str) -> str:
 class TrainingConfig:
     """Batch, schedule and precision."""
 
-    method: Literal[METHODS] = "sft"
+    method: Literal[NAMES] = "sft"
     """sft: next-token prediction on the data; dpo (Rafailov et al., 2023), simpo (Meng et al., 2024) or orpo (Hong
     et al., 2024): preference tuning on pairs of answers (data.format: preference), parameters in `preference`."""
     micro_batch_size: int = 1
@@ -263,7 +262,7 @@ class TrainingConfig:
 
     def sequences_per_micro_step(self) -> int:
         """Sequences one rank's micro-step puts through the model: a preference pair is two (chosen, rejected)."""
-        return self.micro_batch_size * (1 if self.method == "sft" else 2)
+        return self.micro_batch_size * METHODS[self.method].sequences_per_unit
 
 
 @dataclass(kw_only=True)
@@ -281,11 +280,14 @@ class PreferenceConfig:
     """SimPO: the target margin between the chosen and the rejected answer's scaled mean log-probabilities."""
     lambda_: float = field(default=0.1, metadata={"key": "lambda"})
     """ORPO: weight of the log odds-ratio term added to the SFT loss of the chosen answer (YAML key: lambda)."""
+    keep_dropout: bool = False
+    """Train with the model's dropout (its config's dropout keys, LoRA's dropout). Off by default for preference
+    tuning: the reference log-probabilities come from the model without dropout, so with it the first step's margin
+    is dropout noise, not 0, and the loss compares noisy log-probabilities throughout."""
 
-    DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0, "orpo": 0.1}
-
-    def beta_for(self, method: str) -> float:
-        return self.beta if self.beta is not None else self.DEFAULT_BETA.get(method, 0.1)
+    def beta_for(self, method: str) -> float | None:
+        """beta, or the method's default when the recipe leaves it null (config/methods.py)."""
+        return self.beta if self.beta is not None else METHODS[method].default_beta
 
 
 @dataclass(kw_only=True)
@@ -680,6 +682,7 @@ def check_recipe(r: Recipe) -> list[Problem]:
          "0 trusts every pair; conservative DPO uses 0.1 to 0.3")
     need(pref.gamma >= 0, "preference.gamma", f"{pref.gamma} must be 0 or more", "SimPO: about 0.5 x beta")
     need(pref.lambda_ >= 0, "preference.lambda", f"{pref.lambda_} must be 0 or more", "ORPO: 0.05 to 1 (default 0.1)")
+    p += method_problems(r)
     need(1 <= r.fsdp.collective_timeout_minutes <= 7 * 24 * 60, "fsdp.collective_timeout_minutes",
          f"{r.fsdp.collective_timeout_minutes} is outside [1, 10080] (a week)", "e.g. 60")
     need(lg.every_steps >= 1, "logging.every_steps", f"{lg.every_steps} must be at least 1", "e.g. 10")
@@ -723,13 +726,14 @@ def source_problems(r: Recipe) -> list[Problem]:
                              "set data.packing to false (chat sequences are padded)"))
         method = r.training.method
         fmt_key = f"{key}.format" if entry is not None and entry.format is not None else "data.format"
-        if method != "sft" and source.format != "preference":
+        if METHODS[method].pairs and source.format != "preference":
             p.append(Problem(where(fmt_key), f"{source.format}{label}: training.method {method} trains on preference "
                              "pairs", "use data with a prompt, a chosen and a rejected answer (format: preference), "
                              "or training.method: sft"))
-        if method == "sft" and source.format == "preference":
+        if not METHODS[method].pairs and source.format == "preference":
             p.append(Problem(where(fmt_key), f"preference pairs{label} need a preference method, and "
-                             "training.method is sft", "set training.method to dpo, simpo or orpo (or, to fine-tune "
+                             f"training.method is {method}", f"set training.method to {', '.join(PAIR_METHODS[:-1])} "
+                             f"or {PAIR_METHODS[-1]} (or, to fine-tune "
                              "on the chosen answers, make them instruction rows)"))
         if source.format == "preference" and d.packing:
             p.append(Problem(where("data.packing"), f"preference pairs{label} are not packed (a pair's two answers "

@@ -14,7 +14,6 @@ import torch
 from accel_fsdp.config.precision import is_half
 from accel_fsdp.hardware import device_peak_flops, peak_memory_bytes, reset_peak_memory
 from accel_fsdp.train.metrics import MetricsWriter, StartupRow, TrainRow
-from accel_fsdp.train.objective import PREFERENCE_METRICS
 from accel_fsdp.train.sharding import gather_ints
 from accel_fsdp.train.state import TrainingState
 
@@ -62,8 +61,8 @@ class TrainLogger:
         """Highest per-rank peak memory of any logging window so far."""
         self.loss = torch.zeros((), device=acc.device)
         self.norm = torch.zeros((), device=acc.device)
-        self.pairs: dict[str, torch.Tensor] = {}
-        """A preference run's window: sums over its pairs of the objective's statistics (rewards, log-probs)."""
+        self.sums: dict[str, torch.Tensor] = {}
+        """The window's sums of what the objective logs (a preference run's rewards and log-probs over its pairs)."""
         # No reset here: the first window's peak includes setup (loading and sharding).
         self.tokens, self.steps, self.window_start = 0, 0, time.perf_counter()
         self.first_step: int | None = None
@@ -71,7 +70,7 @@ class TrainLogger:
     def _new_window(self) -> None:
         self.loss.zero_()
         self.norm.zero_()
-        self.pairs = {}
+        self.sums = {}
         reset_peak_memory(self.run.accelerator.device)
         self.tokens, self.steps, self.window_start = 0, 0, time.perf_counter()
 
@@ -85,7 +84,7 @@ class TrainLogger:
         """A micro-step's loss, and what else its objective measured (sums over its pairs; none for sft)."""
         self.loss += loss.detach()
         for name, value in (stats or {}).items():
-            self.pairs[name] = self.pairs[name] + value if name in self.pairs else value.clone()
+            self.sums[name] = self.sums[name] + value if name in self.sums else value.clone()
 
     def after_step(self, state: TrainingState, lr: float, grad_norm, tokens: int, units: list[int]) -> None:
         """`state` has advanced over this step, whose global batch (`units`) held `tokens` tokens."""
@@ -106,9 +105,9 @@ class TrainLogger:
         """The only synchronizing point of a logging window: reduce the window's sums over ranks."""
         run, acc = self.run, self.run.accelerator
         world, k = acc.num_processes, run.sampler.accumulation_steps
-        names = sorted(self.pairs)
-        sums = acc.reduce(torch.stack([self.loss] + [self.pairs[n].float() for n in names]), reduction="sum").tolist()
-        loss_sum, pairs = sums[0], dict(zip(names, sums[1:]))
+        names = sorted(self.sums)
+        sums = acc.reduce(torch.stack([self.loss] + [self.sums[n].float() for n in names]), reduction="sum").tolist()
+        loss_sum, logged = sums[0], dict(zip(names, sums[1:]))
         elapsed = time.perf_counter() - self.window_start
         window_peak = gather_ints(acc, [peak_memory_bytes(acc.device)])
         self.peak_memory = [max(a, b) for a, b in zip(self.peak_memory or window_peak, window_peak)]
@@ -119,7 +118,7 @@ class TrainLogger:
                        tokens_seen=state.tokens_seen, peak_memory_bytes=window_peak,
                        peak_memory_bytes_run=self.peak_memory,
                        mfu=run.flops_per_token * per_rank / self.peak_flops if self.peak_flops else None,
-                       source_tokens=run.data.tokens_by_source(units), **preference_means(pairs))
+                       source_tokens=run.data.tokens_by_source(units), preference=run.objective.statistics(logged))
         self.metrics.write(row)
         self._new_window()
         return row
@@ -136,18 +135,6 @@ class TrainLogger:
 
     def close(self) -> None:
         self.run.terminal.close_bar()
-
-
-def preference_means(sums: dict[str, float], prefix: str = "") -> dict[str, float]:
-    """A preference objective's sums over pairs (objective.py) as the means a row reports: rewards of both answers,
-    their margin, the share of pairs whose chosen answer has the higher reward, the mean token log-probabilities."""
-    if not sums.get("pairs"):
-        return {}
-    n = sums["pairs"]
-    means = {name: sums[name] / n for name in ("reward_chosen", "reward_rejected", "reward_accuracy",
-                                                "logps_chosen", "logps_rejected")}
-    means["reward_margin"] = means["reward_chosen"] - means["reward_rejected"]
-    return {prefix + name: means[name] for name in PREFERENCE_METRICS}
 
 
 def _full(t):
