@@ -113,7 +113,8 @@ def two_machines(tmp_path: Path, name: str, caches: dict[int, Path]) -> list[tup
     procs = [cli_process("recipe", "run", "quickstart-dpo", "--output-dir", tmp_path / name, *SMALL,
                          "--set", "fsdp.collective_timeout_minutes=1", "--accelerate-config", config,
                          "--machine-rank", rank, env={"ACCEL_FSDP_CACHE": str(caches[rank])}) for rank in (1, 0)]
-    return [(p.returncode, *p.communicate(timeout=600)) for p in procs]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    return [(p.returncode, *output) for p, output in zip(procs, outputs)]
 
 
 @pytest.mark.slow
