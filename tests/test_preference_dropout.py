@@ -58,13 +58,13 @@ def test_dpo_on_a_gpt2_with_dropout_starts_at_ln2(tmp_path):
                    "--set", "data.max_rows=400", "--set", "training.max_steps=1", "--set", "training.warmup_steps=0",
                    "--set", "training.eval_every_steps=null", "--set", "checkpoint.export_final=false",
                    "--set", "training.mixed_precision=fp32", check=0)
-    assert ("  dropout   off for dpo (preference.keep_dropout: true keeps it): resid_pdrop 0.1, embd_pdrop 0.1, "
-            "attn_pdrop 0.1, summary_first_dropout 0.1 -> 0") in proc.stdout, proc.stdout
     [first] = [r for r in read_metrics(run) if r["kind"] == "train"]
     scale = max(abs(first["logps_chosen"]), abs(first["logps_rejected"]))
     bound = SIGMAS * 0.1 * math.sqrt(96 * 2 * LOGIT_PATH / 32) * ROUNDOFF["fp32"] * scale
     assert abs(first["loss"] - math.log(2)) <= bound, (first["loss"], bound)
     assert abs(first["reward_margin"]) <= 2 * bound
+    assert ("  dropout   off for dpo (preference.keep_dropout: true keeps it): resid_pdrop 0.1, embd_pdrop 0.1, "
+            "attn_pdrop 0.1, summary_first_dropout 0.1 -> 0") in proc.stdout, proc.stdout
     config = json.loads((run / "checkpoints" / "step-000001" / "hf" / "config.json").read_text())
     assert config["resid_pdrop"] == config["attn_pdrop"] == config["embd_pdrop"] == 0.0  # what it trained with
 

@@ -91,13 +91,13 @@ def loss_shares(data, objective) -> dict[str, dict[str, float]]:
     units come in proportion to w_i / c_i (c_i: its mean loss-carrying tokens per unit); mix_by rows gives it w_i of
     the units. A count of n_i per unit then falls to it in proportion to its units x n_i: with tokens and a token loss
     that is w_i, with rows it is the realized token share w_i c_i / sum_j w_j c_j."""
-    costs = data.mean_costs()  # None for mix_by rows
-    weights = [s.weight / (costs[i] or 1.0) if costs is not None else s.weight for i, s in enumerate(data.sources)]
-    counts = [objective.unit_counts(s) for s in data.sources]
+    costs = data.mean_costs() or [1.0] * len(data.sources)  # mix_by rows: the weights share out units
+    units = [s.weight / (cost or 1.0) for s, cost in zip(data.sources, costs)]
+    per_unit = [objective.unit_counts(s) for s in data.sources]
     names = {count for _, count in objective.eval_terms}
-    totals = {count: sum(w * c[count] for w, c in zip(weights, counts)) or 1.0 for count in names}
-    return {s.name: {count: w * c[count] / totals[count] for count in names}
-            for s, w, c in zip(data.sources, weights, counts)}
+    totals = {name: sum(u * counts[name] for u, counts in zip(units, per_unit)) or 1.0 for name in names}
+    return {s.name: {name: u * counts[name] / totals[name] for name in names}
+            for s, u, counts in zip(data.sources, units, per_unit)}
 
 
 def mixture_loss(terms, sums_by_source: dict[str, dict[str, float]], shares: dict[str, dict[str, float]]) -> float:
