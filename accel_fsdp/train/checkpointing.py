@@ -80,7 +80,6 @@ class Checkpointer:
         run, step = self.run, state.step
         run.terminal.close_bar()
         path = run.layout.checkpoints / ckpt.checkpoint_name(step) if self.last_saved_step == step else self.save(state)
-        run.preemption.finish()
         if run.accelerator.is_main_process:
             run.layout.preempted_file.write_text(json.dumps({"step": step, "checkpoint": str(path),
                                                              "signal": run.preemption.signal_name}))

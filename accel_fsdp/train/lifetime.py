@@ -8,11 +8,10 @@ elsewhere). A checkpoint is written under a temporary name and renamed last, so 
 half checkpoint.
 
 Preemption: SIGTERM or SIGUSR1 (SLURM's warning signal) to a rank or to the launcher asks the run to stop: every rank
-finishes its current optimizer step, the run writes a checkpoint, and the processes exit with PREEMPTED (75,
-EX_TEMPFAIL: "resumable"). The ranks agree on the step to stop at through a non-blocking all-reduce of the flag on a
-gloo group of its own, read one step later, so the check costs no synchronization of the training step. The
-launcher forwards the signal to the ranks and waits for them (PET_SHUTDOWN_TIMEOUT), instead of torchrun's 30
-seconds before SIGKILL.
+finishes the optimizer step the signal arrived in, the run writes a checkpoint of that step, and the processes exit
+with PREEMPTED (75, EX_TEMPFAIL: "resumable"). The ranks agree on that step through one all-reduce of a 4-byte CPU
+flag after each optimizer step (gloo: it waits for the other ranks' hosts, never for a GPU). The launcher forwards
+the signal to the ranks and waits for them (PET_SHUTDOWN_TIMEOUT), instead of torchrun's 30 seconds before SIGKILL.
 """
 
 from __future__ import annotations
@@ -85,7 +84,6 @@ class Preemption:
         self.signal_name: str | None = None
         self._group = None
         self._flag = None
-        self._work = None
 
     def install(self) -> Preemption:
         for sig in PREEMPTION_SIGNALS:
@@ -113,30 +111,21 @@ class Preemption:
             self._flag = torch.zeros(1, dtype=torch.int32)
 
     def agreed(self) -> bool:
-        """Called by every rank after every optimizer step. True on every rank at the same step: the first one
-        after any rank's flag was seen by the all-reduce started at the previous step."""
+        """Called by every rank after every optimizer step: True on every rank after the step in which any rank got
+        the signal. Blocking, so that step is the one every rank stops after: a non-blocking all-reduce read one
+        step later (as this was before) stopped the run one optimizer step after the signal. It is a CPU tensor on
+        the CPU backend: it waits for the other ranks' hosts to finish queueing this step, not for their GPUs, and
+        the ranks meet in the step's own collectives anyway."""
         import torch.distributed as dist
 
         if self._group is None:
             return self.signal_name is not None
-        stop = False
-        if self._work is not None:
-            self._work.wait()
-            stop = bool(self._flag.item())
-            if stop and self.signal_name is None:  # another rank got it: the flag carries its number
-                self.signal_name = f"{signal.Signals(int(self._flag.item())).name} to another rank"
-        if not stop:
-            self._flag.fill_(signal.Signals[self.signal_name].value if self.signal_name else 0)
-            self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        else:
-            self._work = None
+        self._flag.fill_(signal.Signals[self.signal_name].value if self.signal_name else 0)
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
+        stop = bool(self._flag.item())
+        if stop and self.signal_name is None:  # another rank got it: the flag carries its number
+            self.signal_name = f"{signal.Signals(int(self._flag.item())).name} to another rank"
         return stop
-
-    def finish(self) -> None:
-        """Complete the outstanding all-reduce (every rank started the same number)."""
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
 
 
 class Preempted(Exception):

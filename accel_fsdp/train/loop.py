@@ -76,7 +76,6 @@ def finish(run: Run, parts: Components, state: TrainingState) -> None:
     """Final evaluation, checkpoint, sample generation; then the main process exports the model alone."""
     acc, recipe = run.accelerator, run.recipe
     if run.request.benchmark:
-        run.preemption.finish()
         acc.wait_for_everyone()
         acc.end_training()
         parts.checkpointer.wait()
@@ -89,7 +88,6 @@ def finish(run: Run, parts: Components, state: TrainingState) -> None:
     sample = None
     if recipe.logging.sample_prompt:
         sample = generate_sample(run, recipe.logging.sample_prompt, recipe.logging.sample_max_new_tokens)
-    run.preemption.finish()
     acc.wait_for_everyone()
     acc.end_training()  # closes the trackers and destroys the process group
     parts.checkpointer.wait()
