@@ -12,7 +12,7 @@ import click
 
 from accel_fsdp.cli.catalog import recipe_rows
 from accel_fsdp.cli.options import CONFIG_HELP, SET_HELP, child_argv, load_recipe
-from accel_fsdp.config.accelerate import CONFIG_PATH_ENV, check_accelerate_config
+from accel_fsdp.config.accelerate import check_accelerate_config
 from accel_fsdp.config.recipe import key_reference
 from accel_fsdp.config.shipped import resolve_recipe
 from accel_fsdp.errors import Problem, UserError, raise_if
@@ -22,7 +22,7 @@ from accel_fsdp.layout import RunLayout
 from accel_fsdp.planning.plan import print_plan
 from accel_fsdp.preflight import load_config_or_default, preflight
 from accel_fsdp.quiet import quiet_libraries
-from accel_fsdp.train.lifetime import PREEMPTED, Preempted, die_with_launcher
+from accel_fsdp.train.lifetime import die_with_launcher, run_rank
 from accel_fsdp.train.metrics import START_ENV
 
 # ---------------------------------------------------------------------------------------------- recipe
@@ -214,24 +214,8 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
         from accel_fsdp.train.loop import RunRequest, run_training
 
         die_with_launcher()
-        try:
-            run_training(RunRequest(recipe=r, run_dir=run_dir, resume=resume, resume_from=resume_from,
-                                    overwrite=overwrite, benchmark=benchmark, verbose=verbose, cpu=cpu))
-        except UserError as e:
-            # Every rank hits the same mistake; the first rank of each machine says it once.
-            if int(os.environ.get("LOCAL_RANK", "0")) == 0 or e.rank_local:
-                e.show()
-            _leave_rank(e.exit_code)
-        except Preempted as p:
-
-            if int(os.environ.get("RANK", "0")) == 0 and CONFIG_PATH_ENV not in os.environ:  # else our launcher says it
-                click.echo(f"preempted ({p.signal_name}) after step {p.step}: checkpoint {p.checkpoint}; continue "
-                           "with the same command and --resume (or --resume auto)", err=True)
-            _leave_rank(PREEMPTED)
-        except KeyboardInterrupt:  # Ctrl-C reaches every rank; the launcher says what to do next
-            _leave_rank(130)
-        _leave_rank(0)
-
+        run_rank(lambda: run_training(RunRequest(recipe=r, run_dir=run_dir, resume=resume, resume_from=resume_from,
+                                                 overwrite=overwrite, benchmark=benchmark, verbose=verbose, cpu=cpu)))
 
     config, n, why = load_config_or_default(accelerate_config)
     if num_processes is not None:
@@ -265,16 +249,3 @@ LAUNCHER_OPTIONS = frozenset({"accelerate_config", "num_processes", "num_machine
                               "main_process_port", "rendezvous_timeout", "dry_run", "gpu_memory"})
 """Options of `recipe run` the launching process consumes (the accelerate config, the machines; a dry run never
 launches): never passed on to the ranks."""
-
-
-def _leave_rank(status: int) -> None:
-    """End a rank: destroy the process group, flush, and exit without interpreter finalization, where gloo's
-    worker threads can still hold tensors and abort the process (SIGABRT, "terminate called without an active
-    exception"; see pytorch/pytorch#179291) after the work is done and saved."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)

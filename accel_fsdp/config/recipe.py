@@ -306,9 +306,10 @@ class FsdpConfig:
     defers the reduction to the last micro-step of an optimizer step: less communication, but between micro-steps
     every rank holds the unsharded fp32 gradients of the whole model (on the GPU even with CPU offload): only for
     models small enough that this fits."""
-    collective_timeout_minutes: int = 60
-    """How long a collective (all-gather, barrier, broadcast) may wait before the run fails. Generous, because
-    the first run tokenizes the data on one rank while the others wait, and large checkpoints take time."""
+    collective_timeout_minutes: float = 60
+    """How long a collective (all-gather, barrier, broadcast) may wait before the run fails, naming the rank that
+    stopped making progress. Generous, because the first run tokenizes the data on one rank while the others wait,
+    and large checkpoints take time. Fractions allowed (0.5 is 30 s)."""
 
 
 @dataclass(kw_only=True)
@@ -683,8 +684,8 @@ def check_recipe(r: Recipe) -> list[Problem]:
     need(pref.gamma >= 0, "preference.gamma", f"{pref.gamma} must be 0 or more", "SimPO: about 0.5 x beta")
     need(pref.lambda_ >= 0, "preference.lambda", f"{pref.lambda_} must be 0 or more", "ORPO: 0.05 to 1 (default 0.1)")
     p += method_problems(r)
-    need(1 <= r.fsdp.collective_timeout_minutes <= 7 * 24 * 60, "fsdp.collective_timeout_minutes",
-         f"{r.fsdp.collective_timeout_minutes} is outside [1, 10080] (a week)", "e.g. 60")
+    need(0.1 <= r.fsdp.collective_timeout_minutes <= 7 * 24 * 60, "fsdp.collective_timeout_minutes",
+         f"{r.fsdp.collective_timeout_minutes} is outside [0.1, 10080] (6 seconds to a week)", "e.g. 60")
     need(lg.every_steps >= 1, "logging.every_steps", f"{lg.every_steps} must be at least 1", "e.g. 10")
     need(1 <= lg.sample_max_new_tokens <= 4096, "logging.sample_max_new_tokens",
          f"{lg.sample_max_new_tokens} is outside [1, 4096]", "e.g. 24")

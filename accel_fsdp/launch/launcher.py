@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,19 @@ from accel_fsdp.config.accelerate import CONFIG_PATH_ENV, AccelerateConfig
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.hardware import usable_cores
 from accel_fsdp.layout import PREEMPTED_FILE, finished_since
-from accel_fsdp.train.lifetime import PREEMPTED, launcher_environment
+from accel_fsdp.train.lifetime import (
+    CRASHED,
+    PEER_FAILED,
+    PREEMPTED,
+    RANK_RECORDS_ENV,
+    STOPPED,
+    TIMED_OUT,
+    TIMEOUT_FIX,
+    USER_ERROR,
+    RankRecord,
+    RankRecords,
+    launcher_environment,
+)
 
 
 def inside_launch() -> bool:
@@ -52,11 +66,11 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
 
     A preemption signal (SIGTERM, SIGUSR1) to this process reaches every rank, which finishes its step and writes a
     checkpoint; the status is then PREEMPTED (75). Ctrl-C stops the ranks at once (130)."""
-    from accelerate.commands.launch import launch_command, launch_command_parser
-
+    from accelerate.commands.launch import launch_command_parser
 
     machine = machine or MachineOptions()
     machines = int(config.get("num_machines", 1) or 1)
+    per_machine = max(1, int(num_processes or config.get("num_processes", 1) or 1) // machines)
     args = ["--config_file", str(config.path)]
     if num_processes is not None:
         args += ["--num_processes", str(num_processes)]
@@ -76,7 +90,6 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
             wait_for_main(*address, timeout=machine.rendezvous_timeout)
     if config.get("use_cpu") and not os.environ.get("OMP_NUM_THREADS"):
         # One thread per rank unless told otherwise: CPU ranks share the cores.
-        per_machine = max(1, int(config.get("num_processes", 1) or 1) // machines)
         args += ["--num_cpu_threads_per_process", str(max(1, usable_cores() // per_machine))]
     args += ["-m", "accel_fsdp", *argv]
     parsed = launch_command_parser().parse_args(args)
@@ -85,11 +98,29 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
     # torchrun's agent logs every child failure with a banner; our ranks already said what went wrong.
     for name in ("torch.distributed.elastic", "torch.distributed.run", "accelerate"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    first = int(config.get("machine_rank", 0) or 0) * per_machine
+    # Where a rank that ends early says why (train/lifetime.py): this launch's alone, read once the ranks are gone.
+    records = RankRecords(Path(tempfile.mkdtemp(prefix="accel-fsdp-ranks-")))
+    os.environ[RANK_RECORDS_ENV] = str(records.folder)
+    try:
+        return _launch(parsed, config, machine, run_dir, records, range(first, first + per_machine))
+    finally:
+        os.environ.pop(RANK_RECORDS_ENV, None)
+        shutil.rmtree(records.folder, ignore_errors=True)
+
+
+def _launch(parsed, config: AccelerateConfig, machine: MachineOptions, run_dir: Path | None, records: RankRecords,
+            local_ranks: range) -> int:
+    """Accelerate's launch of this machine's ranks, and what it ended with: the exit status, and what to say."""
+    from accelerate.commands.launch import launch_command
+
+    machines = int(config.get("num_machines", 1) or 1)
     started = time.time()
     try:
         launch_command(parsed)
     except subprocess.CalledProcessError as e:  # the single-process launcher
-        return _status(e.returncode)
+        early = ended_early(records.read(), local_ranks, machines)
+        return early if early is not None else _status(e.returncode)
     except KeyboardInterrupt:
         return _interrupted("SIGINT")
     except Exception as e:  # torchrun's ChildFailedError, or a rendezvous that never completed
@@ -106,18 +137,96 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
                     f"{machines - 1}), check that they can reach this address and port, or raise "
                     "--rendezvous-timeout")) from None
             raise
-        codes = [f.exitcode for f in failures.values()]
-        if 2 in codes:
-            return 2  # a user error, already explained by rank 0
-        if all(code == PREEMPTED for code in codes):
+        codes = {rank: f.exitcode for rank, f in failures.items()}
+        early = ended_early(records.read(), local_ranks, machines)
+        if early is not None:
+            return early
+        if 2 in codes.values():
+            return 2  # a user error, already explained by a rank
+        if all(code == PREEMPTED for code in codes.values()):
             return _preempted(None, run_dir, started)  # a rank got the signal; the ranks checkpointed
-        for rank, f in sorted(failures.items()):
-            if f.exitcode < 0:
-                print(f"error: rank {rank} was killed by {signal.Signals(-f.exitcode).name}", file=sys.stderr)
-            else:
-                print(f"error: rank {rank} exited with status {f.exitcode} (see its output above)", file=sys.stderr)
+        for rank, code in sorted(codes.items()):
+            if code < 0:
+                print(f"error: rank {rank} was killed by {signal.Signals(-code).name}", file=sys.stderr)
+            elif code != PEER_FAILED:
+                print(f"error: rank {rank} exited with status {code} (see its output above)", file=sys.stderr)
         return 1
     return 0
+
+
+def ended_early(records: dict[int, RankRecord], local_ranks: range, machines: int) -> int | None:
+    """What to say when ranks of this machine ended early and recorded why (train/lifetime.py), once: a user's
+    mistake (each distinct message, exit 2), a rank that stopped making progress and where the others waited for it
+    (1), a bug (the rank's traceback is above; 1), or a failure on another machine. None: no record explains it."""
+    by_why: dict[str, list[RankRecord]] = {}
+    for record in sorted(records.values(), key=lambda r: r.rank):
+        by_why.setdefault(record.why, []).append(record)
+    if USER_ERROR in by_why:
+        for message in dict.fromkeys(r.message for r in by_why[USER_ERROR]):
+            UserError(message).show()
+        return 2
+    if TIMED_OUT in by_why:
+        UserError(hang_problem(records, local_ranks, machines)).show()
+        return 1
+    if CRASHED in by_why:
+        for r in by_why[CRASHED]:
+            print(f"error: rank {r.rank} failed in {r.doing} (its traceback is above)", file=sys.stderr)
+        return 1
+    if STOPPED in by_why and machines > 1:
+        print("error: this machine's ranks stopped because a rank of another machine ended early: that machine's "
+              "output says why", file=sys.stderr)
+        return 1
+    return None
+
+
+def hang_problem(records: dict[int, RankRecord], local_ranks: range, machines: int) -> Problem:
+    """A collective timed out: which rank(s) stopped making progress, where, and where the others waited for them.
+    A rank that did not time out itself is the one that stopped: its record says where torchrun's SIGTERM found it,
+    and no record means it did not even answer that (stuck outside Python: a GPU, file-system or network call)."""
+    waited = [r for r in sorted(records.values(), key=lambda r: r.rank) if r.why == TIMED_OUT]
+    how_long = waited_for(waited[0].waited_minutes)
+    stuck = [rank for rank in local_ranks if rank not in {r.rank for r in waited}]
+    places = {r.doing for r in waited}
+    if stuck:
+        found = {records[rank].doing for rank in stuck if rank in records}
+        where = "; ".join(
+            f"{_ranks(group)} stopped making progress in {records[group[0]].doing}" if group[0] in records else
+            f"{_ranks(group)} stopped making progress (it did not answer the launcher's SIGTERM: stuck outside "
+            "Python, in a GPU, file-system or network call)"
+            for group in _grouped(stuck, lambda rank: records[rank].doing if rank in records else ""))
+        waiting = (f"{_ranks([r.rank for r in waited])} waited {how_long} for it there" if places == found else
+                   f"{_waiting(waited)} waited {how_long} for it")
+        return Problem("", f"{where}: {waiting}", TIMEOUT_FIX)
+    if machines > 1:
+        return Problem("", f"every rank of this machine waited {how_long} for a rank of another machine that stopped "
+                           f"making progress ({_waiting(waited)}): that machine's output names it", TIMEOUT_FIX)
+    return Problem("", f"the ranks waited {how_long} for each other in different places ({_waiting(waited)}): they "
+                       "ran different collectives, a bug of accel-fsdp: please report it with this output")
+
+
+def waited_for(minutes: float | None) -> str:
+    """'15 s (fsdp.collective_timeout_minutes: 0.25)'."""
+    if not minutes:
+        return "the collective timeout"
+    span = f"{minutes * 60:.0f} s" if minutes < 1 else f"{minutes:g} min"
+    return f"{span} (fsdp.collective_timeout_minutes: {minutes:g})"
+
+
+def _waiting(waited: list[RankRecord]) -> str:
+    return "; ".join(f"{_ranks([r.rank for r in group])} in {group[0].doing}"
+                     for group in _grouped(waited, lambda r: r.doing))
+
+
+def _grouped(items, key) -> list[list]:
+    groups: dict = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return list(groups.values())
+
+
+def _ranks(ranks: list[int]) -> str:
+    ranks = list(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
 
 
 def gloo_interface(env, interfaces: dict[str, list[str]]) -> tuple[str | None, str]:

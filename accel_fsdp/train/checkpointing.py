@@ -13,7 +13,7 @@ from accel_fsdp.checkpoint.records import TrainerState
 from accel_fsdp.errors import UserError
 from accel_fsdp.layout import RunIdentity
 from accel_fsdp.train.faults import Faults
-from accel_fsdp.train.lifetime import Preempted
+from accel_fsdp.train.lifetime import Preempted, doing
 from accel_fsdp.train.state import TrainingState
 
 
@@ -41,6 +41,7 @@ class Checkpointer:
         run = self.run
         recipe = run.recipe
         step = training.step
+        doing(f"the save of the checkpoint of step {step}")
         state = TrainerState(step=step, **run.sampler.position(step), tokens_seen=training.tokens_seen,
                              total_steps=run.total_steps, parameters=run.parameters,
                              trainable_parameters=run.trainable_parameters, data=run.sampler.state_dict(step))

@@ -8,6 +8,7 @@ Kinds:
   sigterm:N       send SIGTERM to this rank right after optimizer step N (a preemption of one rank).
   sigusr1-launcher:N  send SIGUSR1 to the launcher (this rank's parent) after optimizer step N (SLURM's warning).
   hang:N          stop making progress after optimizer step N (sleep), as a stuck rank would.
+  user-error:N    raise a UserError after optimizer step N on this rank alone (a mistake one rank finds).
 `@R` limits the fault to rank R (default: rank 0). Without a spec this module does nothing; it never changes results.
 """
 
@@ -19,7 +20,9 @@ import signal
 import sys
 import time
 
-KINDS = ("kill", "kill-in-save", "enospc-in-save", "sigterm", "sigusr1-launcher", "hang")
+from accel_fsdp.errors import Problem, UserError
+
+KINDS = ("kill", "kill-in-save", "enospc-in-save", "sigterm", "sigusr1-launcher", "hang", "user-error")
 
 
 class Faults:
@@ -50,6 +53,9 @@ class Faults:
             print(f"[fault] hanging after optimizer step {step}", file=sys.stderr, flush=True)
             while True:
                 time.sleep(3600)
+        elif self.kind == "user-error":
+            raise UserError(Problem("(injected fault)", f"a mistake found by one rank alone after optimizer step {step}",
+                                    "nothing to fix: a test fault"))
 
     def in_save(self, step: int) -> None:
         if step != self.step:

@@ -1,4 +1,4 @@
-"""How a rank's life ends: with its launcher, or on a preemption signal after a checkpoint.
+"""How a rank's life ends: with its launcher, on a preemption signal after a checkpoint, or early, with one message.
 
 Ranks die with their launcher. `accelerate launch` (torchrun underneath) starts every rank in a session of its own
 (torch/distributed/elastic/multiprocessing/subprocess_handler, `start_new_session=True`, checked with torch 2.13.0),
@@ -12,21 +12,43 @@ finishes the optimizer step the signal arrived in, the run writes a checkpoint o
 with PREEMPTED (75, EX_TEMPFAIL: "resumable"). The ranks agree on that step through one all-reduce of a 4-byte CPU
 flag after each optimizer step (gloo: it waits for the other ranks' hosts, never for a GPU). The launcher forwards
 the signal to the ranks and waits for them (PET_SHUTDOWN_TIMEOUT), instead of torchrun's 30 seconds before SIGKILL.
+
+An early end: a rank that stops for a reason of its own (a user's mistake only it found, a collective that waited
+past `fsdp.collective_timeout_minutes`, a bug) while the others are in, or on their way to, a collective. It writes
+a `RankRecord` (why, and what it was doing) into the launch's record folder before it exits. The others then end
+quietly with PEER_FAILED: their collective fails because a peer left (gloo: "Connection reset by peer"), or
+torchrun's agent, which stops the remaining ranks with SIGTERM once one failed (SimpleElasticAgent._invoke_run ->
+_stop_workers; torch 2.13.0), finds a record there and so is not taken for a preemption. Our launcher reads the
+records and says what happened once: the user's message (exit 2), or which rank stopped making progress and where
+the others waited for it. Under a stock `accelerate launch` (no record folder) each rank says it itself, once per
+message across the job (a counter in the process group's store).
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import os
 import signal
 import sys
 import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.layout import write_atomic
 
 PREEMPTED = 75
 """Exit status of a run stopped by a preemption signal after writing its checkpoint: resume it."""
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 SHUTDOWN_GRACE_S = 900
 """How long the launcher waits for its ranks to checkpoint after a preemption signal before killing them."""
+PEER_FAILED = 3
+"""Exit status of a rank that stopped because another rank failed first: it says nothing, the other rank's record
+(or its own output) says why."""
+RANK_RECORDS_ENV = "ACCEL_FSDP_RANK_RECORDS"
+"""The folder where a rank that ends early writes its `RankRecord`: made by our launcher for one launch."""
 
 
 def die_with_launcher() -> None:
@@ -80,10 +102,11 @@ def flag_needs_own_group(backend_config: str) -> bool:
 class Preemption:
     """A rank's view of preemption: the signal handlers, and the agreement of all ranks on when to stop."""
 
-    def __init__(self):
+    def __init__(self, records: RankRecords | None = None):
         self.signal_name: str | None = None
         self._group = None
         self._flag = None
+        self._records = records if records is not None else RankRecords.from_env()
 
     def install(self) -> Preemption:
         for sig in PREEMPTION_SIGNALS:
@@ -91,6 +114,8 @@ class Preemption:
         return self
 
     def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGTERM and stopped_by_launcher(self._records):
+            return  # not reached: the rank has ended
         if self.signal_name is None:
             self.signal_name = signal.Signals(signum).name
             print(f"[rank {os.environ.get('RANK', '?')}] {self.signal_name}: stopping after this optimizer step "
@@ -134,3 +159,209 @@ class Preempted(Exception):
     def __init__(self, step: int, checkpoint, signal_name: str):
         super().__init__(f"preempted by {signal_name} at step {step}")
         self.step, self.checkpoint, self.signal_name = step, checkpoint, signal_name
+
+
+# ------------------------------------------------------------------------------------------------ an early end
+
+USER_ERROR, TIMED_OUT, STOPPED, CRASHED = "user-error", "timed-out", "stopped", "crashed"
+"""Why a rank ended early: a user's mistake (exit 2), a collective that waited past the timeout, stopped because
+another rank failed (PEER_FAILED), or a bug of ours (its traceback is in the rank's output)."""
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """Why one rank ended early, written where the launcher reads it."""
+
+    rank: int
+    why: str
+    """USER_ERROR, TIMED_OUT, STOPPED or CRASHED."""
+    doing: str
+    """What the rank was doing (or waiting in) when it ended."""
+    message: str = ""
+    """What the user is shown (a UserError's message; a timeout's, with the minutes waited)."""
+    waited_minutes: float | None = None
+    """TIMED_OUT: the collective timeout it waited."""
+
+
+class RankRecords:
+    """The launch's record folder (RANK_RECORDS_ENV), or none under a launcher that is not ours."""
+
+    def __init__(self, folder: Path | None):
+        self.folder = folder
+
+    @classmethod
+    def from_env(cls, env=None) -> RankRecords:
+        folder = (os.environ if env is None else env).get(RANK_RECORDS_ENV)
+        return cls(Path(folder) if folder else None)
+
+    @property
+    def active(self) -> bool:
+        """Our launcher reads them (and says what they hold)."""
+        return self.folder is not None
+
+    def write(self, record: RankRecord) -> bool:
+        """False when it could not be written: the rank then says its message itself."""
+        if self.folder is None:
+            return False
+        try:
+            write_atomic(self.folder / f"rank-{record.rank}.json", json.dumps(asdict(record)))
+            return True
+        except OSError:
+            return False
+
+    def read(self) -> dict[int, RankRecord]:
+        out = {}
+        for path in sorted(self.folder.glob("rank-*.json")) if self.folder is not None else ():
+            try:
+                record = RankRecord(**json.loads(path.read_text()))
+            except (OSError, ValueError, TypeError):
+                continue
+            out[record.rank] = record
+        return out
+
+    def another_rank_failed(self, rank: int) -> bool:
+        return self.folder is not None and any(p.name != f"rank-{rank}.json" for p in self.folder.glob("rank-*.json"))
+
+
+class Whereabouts:
+    """What this rank is doing now, named for a message if it has to end there: set by setup, the loop and the
+    checkpointer as they go (an assignment: no communication), read when the rank ends early."""
+
+    doing = "starting (before the process group)"
+    timeout_minutes: float | None = None
+    """The collective timeout of this run's process groups (fsdp.collective_timeout_minutes)."""
+
+
+WHEREABOUTS = Whereabouts()
+
+
+def doing(what: str) -> None:
+    """This rank is now in `what` ("optimizer step 7 (forward, backward, gradient reduction)")."""
+    WHEREABOUTS.doing = what
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def collective_failure(error: BaseException) -> str | None:
+    """TIMED_OUT or STOPPED (a peer left) for an error a collective raised, in gloo's and NCCL's words (gloo/transport/
+    tcp/pair.cc and unbound_buffer.cc; ProcessGroupNCCL; torch 2.13.0), else None (not a collective's failure)."""
+    if not isinstance(error, RuntimeError):  # torch.distributed.DistError is a RuntimeError
+        return None
+    text = str(error).lower()
+    if "timed out waiting" in text or ("timeout" in text and type(error).__name__.startswith("Dist")):
+        return TIMED_OUT
+    if any(words in text for words in ("reset by peer", "closed by peer", "broken pipe", "communicator was aborted",
+                                       "remote process exited")):
+        return STOPPED
+    return None
+
+
+def timeout_message(doing_now: str, minutes: float | None) -> str:
+    """A rank's own account of a timeout (under a stock launcher; ours names the rank that stopped, too)."""
+    waited = f"{minutes:g} min (fsdp.collective_timeout_minutes)" if minutes else "the collective timeout"
+    return str(Problem(f"rank {rank()}", f"waited {waited} in {doing_now} for a rank that did not arrive",
+                       TIMEOUT_FIX))
+
+
+TIMEOUT_FIX = ("a rank stopped making progress: its output above may say why (a stuck filesystem or data source, a "
+               "deadlock, a GPU error); if it is only slow there (a large dataset built on one rank, a long save), "
+               "raise fsdp.collective_timeout_minutes")
+
+
+def leave(status: int) -> None:
+    """End a rank: destroy the process group, flush, and exit without interpreter finalization, where gloo's
+    worker threads can still hold tensors and abort the process (SIGABRT, "terminate called without an active
+    exception"; see pytorch/pytorch#179291) after the work is done and saved."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and status in (0, PREEMPTED):
+        dist.destroy_process_group()  # its barrier would wait for the ranks that left
+    if status not in (0, PREEMPTED) and "tqdm" in sys.modules:  # a progress bar ended mid-line: end the line
+        for bar in list(getattr(sys.modules["tqdm"].tqdm, "_instances", ())):
+            try:
+                bar.close()
+            except (OSError, RuntimeError, ValueError):
+                pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, RuntimeError, ValueError):  # in a signal handler: a write the handler interrupted
+            pass
+    os._exit(status)
+
+
+def first_to_say(message: str) -> bool | None:
+    """Whether this rank is the first of the job to report `message` (a counter in the process group's store, which
+    every rank reaches, on every machine), or None when there is no store to ask."""
+    import torch.distributed as dist
+
+    try:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        store = dist.distributed_c10d._get_default_store()
+        return store.add("accel_fsdp/said/" + hashlib.sha1(message.encode()).hexdigest()[:16], 1) == 1
+    except Exception:  # noqa: BLE001 - a store gone with its host: say it anyway
+        return None
+
+
+def end_with_user_error(error: UserError, records: RankRecords) -> None:
+    """A user's mistake found by this rank (alone, or like every rank): recorded for our launcher, which says each
+    message once; else said here, once per message across the job."""
+    message = error.format_message()
+    if not records.write(RankRecord(rank(), USER_ERROR, WHEREABOUTS.doing, message)):
+        first = first_to_say(message)
+        if first or (first is None and (int(os.environ.get("LOCAL_RANK", "0")) == 0 or error.rank_local)):
+            error.show()
+    leave(error.exit_code)
+
+
+def end_after_collective_failure(why: str, error: BaseException, records: RankRecords) -> None:
+    """A collective this rank was in failed: a peer left (quietly: it, or the launcher, says why), or the timeout
+    passed (the launcher, or this rank, names where it waited)."""
+    here = WHEREABOUTS.doing
+    if why == STOPPED:
+        if not records.write(RankRecord(rank(), STOPPED, here)):
+            print(f"[rank {rank()}] stopped in {here}: another rank left (its output says why)", file=sys.stderr)
+        leave(PEER_FAILED)
+    message = timeout_message(here, WHEREABOUTS.timeout_minutes)
+    if not records.write(RankRecord(rank(), TIMED_OUT, here, message, WHEREABOUTS.timeout_minutes)):
+        if first_to_say(message) is not False:
+            UserError(message).show()
+    leave(1)
+
+
+def stopped_by_launcher(records: RankRecords) -> bool:
+    """In the SIGTERM handler: another rank ended early, so this SIGTERM is torchrun's agent stopping the rest, not a
+    preemption. Recorded (with where this rank was, which names a rank that hung) before it ends quietly."""
+    if not records.another_rank_failed(rank()):
+        return False
+    records.write(RankRecord(rank(), STOPPED, WHEREABOUTS.doing))
+    leave(PEER_FAILED)
+    return True
+
+
+def run_rank(train) -> None:
+    """Run this rank's training (`train()`), then end the process with the status that says how it went: 0, 2 (a
+    user's mistake), PREEMPTED, 130 (Ctrl-C), PEER_FAILED, 1 (a collective timed out). A bug of ours keeps its
+    traceback (and is recorded, so the other ranks end quietly)."""
+    records = RankRecords.from_env()
+    try:
+        train()
+    except UserError as e:
+        end_with_user_error(e, records)
+    except Preempted as p:
+        if rank() == 0 and not records.active:  # else our launcher says it
+            print(f"preempted ({p.signal_name}) after step {p.step}: checkpoint {p.checkpoint}; continue with the same "
+                  "command and --resume (or --resume auto)", file=sys.stderr)
+        leave(PREEMPTED)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank; the launcher says what to do next
+        leave(130)
+    except Exception as e:
+        why = collective_failure(e)
+        if why is not None:
+            end_after_collective_failure(why, e, records)
+        records.write(RankRecord(rank(), CRASHED, WHEREABOUTS.doing))
+        raise
+    leave(0)

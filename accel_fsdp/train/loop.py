@@ -18,6 +18,7 @@ from accel_fsdp.layout import record_finished
 from accel_fsdp.quiet import quiet_libraries
 from accel_fsdp.train.accelerator import accumulate
 from accel_fsdp.train.evaluate import generate_sample
+from accel_fsdp.train.lifetime import doing
 from accel_fsdp.train.setup import Components, Run, RunRequest, setup
 from accel_fsdp.train.state import TrainingState
 
@@ -32,6 +33,7 @@ def fit(run: Run, parts: Components, state: TrainingState) -> None:
     while state.step < run.total_steps:
         units, micro_batches = sampler.global_sequences(state.step), sampler.micro_batches(state.step)
         norm = run.norm(units)  # the global batch's counts, the same on every rank: no communication
+        doing(f"optimizer step {state.step + 1} (forward, backward, gradient reduction)")
         for part in micro_batches:
             batch = run.batch(part)
             with accumulate(acc, model, run.settings):
@@ -47,6 +49,7 @@ def fit(run: Run, parts: Components, state: TrainingState) -> None:
         lr = advance_schedule(acc, scheduler, scale)
         tokens = run.step_tokens(units)
         state.advance(tokens)
+        doing(f"the logging, evaluation and checkpoint after optimizer step {state.step}")
 
         parts.hooks.after_step(state.step, micro_batches)
         parts.logger.after_step(state, lr, grad_norm, tokens, units)
@@ -75,6 +78,7 @@ def advance_schedule(acc, scheduler, scale_before: float | None = None) -> float
 def finish(run: Run, parts: Components, state: TrainingState) -> None:
     """Final evaluation, checkpoint, sample generation; then the main process exports the model alone."""
     acc, recipe = run.accelerator, run.recipe
+    doing("the end of the run (final evaluation, checkpoint, sample)")
     if run.request.benchmark:
         acc.wait_for_everyone()
         acc.end_training()

@@ -60,7 +60,7 @@ from accel_fsdp.train.checkpointing import Checkpointer
 from accel_fsdp.train.cpu_fsdp import check_sharded
 from accel_fsdp.train.evaluate import Evaluator
 from accel_fsdp.train.hooks import NO_SWITCHES, TestHooks, TestSwitches
-from accel_fsdp.train.lifetime import Preemption
+from accel_fsdp.train.lifetime import WHEREABOUTS, Preemption, doing
 from accel_fsdp.train.methods import Objective, build_objective
 from accel_fsdp.train.metrics import MetricsWriter, StartupClock, flops_per_token
 from accel_fsdp.train.observe import Terminal, TrainLogger
@@ -283,13 +283,18 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
     switches = TestSwitches.from_env()
     recipe, run_dir = request.recipe, request.run_dir
     t = recipe.training
+    doing("the creation of the process group")
     engine = start_engine(recipe, run_dir=run_dir, trackers=recipe.logging.trackers, switches=switches,
                           cpu=request.cpu)
     settings, accelerator = engine.settings, engine.accelerator
+    WHEREABOUTS.timeout_minutes = settings.collective_timeout_minutes.value
+    doing("the claim of the run folder (rank 0 decides, the others wait)")
     layout = RunLayout.of(recipe, run_dir)
     decision = claim_run_folder(accelerator, layout, request)
     preemption = Preemption().install()
     preemption.join_group(timeout=process_group_kwargs(settings)["timeout"])
+    doing("the tokenizer and the model's description (the first rank of each machine builds a tokenizer, the others "
+          "wait)")
     tokenizer, config = describe_model(recipe, engine)
     # Before the model is built from the config: dropout of a method that trains without it (config/methods.py).
     dropout_off = {} if trains_with_dropout(recipe) else turn_off_dropout(config)
@@ -307,10 +312,12 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
         terminal.say(f"--- resolved recipe ---\n{recipe.to_yaml().rstrip()}\n--- FSDP settings (value, source) ---\n"
                      f"{settings.format()}")
 
+    doing("the data preparation (the first rank of each machine builds it, the others wait)")
     data = data_lib.prepare_data(recipe, tokenizer, accelerator)
     clock.mark("data")
     for warning in data.stats.warnings(recipe):
         terminal.say(f"warning: {warning}")
+    doing("the loading and sharding of the model")
     built = build_sharded_model(recipe, engine, config, clock, switches)
     if not trains_with_dropout(recipe):
         dropout_off.update(turn_off_dropout_layers(built.model))  # LoRA's, and any a config key did not reach
@@ -334,6 +341,7 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
               parameters=built.parameters, trainable_parameters=built.trainable_parameters, flops_per_token=fpt,
               clock=clock, sharding=sharding, global_loss_normalization=not switches.broken("mean-loss"),
               restart_positions=not switches.broken("mask-leak"))
+    doing("the reference (log-probabilities computed once, by every rank, where the method needs them)")
     reference = build_reference(run, settings)  # before any checkpoint is loaded: the starting weights
     if reference.kind == "precomputed":
         clock.mark("reference")
@@ -348,6 +356,7 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
     checkpointer = Checkpointer(run, faults=hooks.faults, skip_steps_on_resume=int(switches.broken("skip-batch")))
     state = TrainingState()
     if decision == Decision.RESUME or request.resume_from:
+        doing("the resume from a checkpoint")
         state = checkpointer.resume()
     metrics = MetricsWriter(accelerator, layout.metrics_file, state.step)
     parts = Components(logger=TrainLogger(run, metrics), evaluator=Evaluator(run, metrics), checkpointer=checkpointer,

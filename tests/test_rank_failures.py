@@ -1,0 +1,76 @@
+"""One rank ends early, the others are in (or on their way to) a collective: the run ends with one message.
+
+A user's mistake found by one rank alone is said once, with exit status 2, and no other rank adds a traceback; a
+rank that stops making progress is named, with where the others waited for it, when the collective timeout passes.
+The faults are injected through ACCEL_FSDP_FAULT (train/faults.py), on rank 1 only.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import run_cli, tiny_recipe
+
+from accel_fsdp.launch.launcher import ended_early, hang_problem
+from accel_fsdp.train.lifetime import STOPPED, TIMED_OUT, USER_ERROR, RankRecord
+
+pytestmark = pytest.mark.multiprocess
+
+
+def quiet_end(output: str) -> None:
+    """Nothing but the one message: no traceback, no rank's gloo error, no preemption taken for the teardown."""
+    for noise in ("Traceback", "[rank0]", "[rank1]", "gloo", "SIGTERM", "exited with status", "killed by"):
+        assert noise not in output, (noise, output[-3000:])
+
+
+def test_a_user_error_on_one_rank_ends_the_others_quietly_with_one_message(tmp_path, tiny_gpt2, stories):
+    recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, stories)
+    proc = run_cli("recipe", "run", recipe, "--output-dir", tmp_path / "run",
+                   env={"ACCEL_FSDP_FAULT": "user-error:2@1"})  # rank 1 alone, while rank 0 goes on to step 3
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    message = "error: (injected fault): a mistake found by one rank alone after optimizer step 2\n" \
+              "    fix: nothing to fix: a test fault"
+    assert proc.stderr.count(message) == 1, proc.stderr[-3000:]
+    quiet_end(proc.stdout + proc.stderr)
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_is_named_with_where_the_others_waited_for_it(tmp_path, tiny_gpt2, stories):
+    recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, stories, fsdp={"collective_timeout_minutes": 0.25})
+    run_cli("data", "prepare", recipe, check=0)  # so the start waits on nothing near the 15 s
+    started = time.monotonic()
+    proc = run_cli("recipe", "run", recipe, "--output-dir", tmp_path / "run", env={"ACCEL_FSDP_FAULT": "hang:2@1"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "error: rank 1 stopped making progress in the logging, evaluation and checkpoint after optimizer step 2: " \
+           "rank 0 waited 15 s (fsdp.collective_timeout_minutes: 0.25) for it there\n    fix: a rank stopped making " \
+           "progress" in proc.stderr, proc.stderr[-3000:]
+    quiet_end(proc.stdout + proc.stderr.replace("[fault] hanging after optimizer step 2", ""))
+    # The stalled rank answered the launcher's SIGTERM at once (torchrun waits 30 s before its SIGKILL).
+    assert time.monotonic() - started < 120
+
+
+def record(rank: int, why: str, doing: str, message: str = "") -> RankRecord:
+    return RankRecord(rank, why, doing, message, 1.0 if why == TIMED_OUT else None)
+
+
+def test_the_launcher_says_each_user_error_once_and_names_where_ranks_waited(capsys):
+    same = "r.yaml: data.path: missing"
+    assert ended_early({0: record(0, USER_ERROR, "x", same), 1: record(1, USER_ERROR, "x", same),
+                        2: record(2, STOPPED, "y")}, range(4), 1) == 2
+    assert capsys.readouterr().err == f"error: {same}\n"
+    step = "optimizer step 4 (forward, backward, gradient reduction)"
+    # a rank that did not even answer the launcher's SIGTERM: no record of its own
+    problem = hang_problem({0: record(0, TIMED_OUT, step), 2: record(2, TIMED_OUT, step)}, range(3), 1)
+    assert problem.message.startswith("rank 1 stopped making progress (it did not answer the launcher's SIGTERM")
+    assert problem.message.endswith(f"ranks 0 and 2 in {step} waited 1 min (fsdp.collective_timeout_minutes: 1) "
+                                    "for it")
+    # every rank of this machine waited: the one that stalled is on another machine
+    problem = hang_problem({4: record(4, TIMED_OUT, step), 5: record(5, TIMED_OUT, step)}, range(4, 6), 2)
+    assert "every rank of this machine waited 1 min" in problem.message and "that machine's output" in problem.message
+    # both waited, in different places: they ran different collectives
+    problem = hang_problem({0: record(0, TIMED_OUT, step), 1: record(1, TIMED_OUT, "the save of the checkpoint of "
+                                                                                   "step 3")}, range(2), 1)
+    assert problem.message == (f"the ranks waited 1 min (fsdp.collective_timeout_minutes: 1) for each other in "
+                               f"different places (rank 0 in {step}; rank 1 in the save of the checkpoint of step 3): "
+                               "they ran different collectives, a bug of accel-fsdp: please report it with this output")
