@@ -1,5 +1,5 @@
 """What the machine is: CUDA devices, the CPU's native bf16, the cores this process may use, accelerators' peak
-FLOP/s, and this process's memory. The ground floor: it imports nothing of the package above errors.py, and torch
+FLOP/s, this process's memory, and the network interface gloo binds. The ground floor: it imports nothing of the package above errors.py, and torch
 only inside the functions that need it, so the fast commands (`recipe list`, `validate`) never pay its import.
 """
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import resource
+import socket
 import threading
 from pathlib import Path
 
@@ -198,3 +199,51 @@ def rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ------------------------------------------------------------------------------------------------- network
+
+
+def gloo_interface(env, interfaces: dict[str, list[str]]) -> tuple[str | None, str]:
+    """GLOO_SOCKET_IFNAME for this machine (None: leave it as it is) and the note said before a multi-machine launch.
+
+    Barriers, object collectives and CPU tensors ride on gloo (the group is cuda:nccl,cpu:gloo). Without
+    GLOO_SOCKET_IFNAME gloo binds the address this machine's name resolves to, else loopback, silently: other machines
+    cannot reach it and the job hangs until the collective timeout. gloo takes exact interface names, comma separated,
+    one device each, and ignores a one-character value (torch/csrc/distributed/c10d/init.cpp, ProcessGroupGloo;
+    gloo/transport/tcp/device.cc, lookupAddrForIface compares names with strcmp; torch 2.13.0). NCCL_SOCKET_IFNAME
+    lists prefixes, `=` makes them exact, `^` excludes. One interface is derived, so every machine opens one gloo
+    device. `interfaces`: name -> addresses, in the system's order."""
+    own = env.get("GLOO_SOCKET_IFNAME", "").strip()
+    if own:
+        return None, f"gloo (barriers, object collectives) binds GLOO_SOCKET_IFNAME={own}"
+    nccl = env.get("NCCL_SOCKET_IFNAME", "").strip()
+    usable = [name for name, addresses in interfaces.items() if addresses]
+    if nccl and not nccl.startswith("^"):
+        exact = nccl.startswith("=")
+        for want in (w.strip() for w in nccl.lstrip("=").split(",") if w.strip()):
+            for name in usable:
+                if name == want or (not exact and name.startswith(want)):
+                    return name, f"gloo (barriers, object collectives) binds {name}: GLOO_SOCKET_IFNAME derived from " \
+                                 f"NCCL_SOCKET_IFNAME={nccl}"
+        return None, (f"NCCL_SOCKET_IFNAME={nccl} names no interface with an address on this machine "
+                      f"({', '.join(usable) or 'none'}): gloo binds the address of this machine's name; set "
+                      "GLOO_SOCKET_IFNAME to the interface the machines share")
+    try:
+        where = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        where = "nothing (gloo falls back to 127.0.0.1)"
+    why = f"NCCL_SOCKET_IFNAME={nccl} excludes interfaces rather than naming one" if nccl else \
+        "neither GLOO_SOCKET_IFNAME nor NCCL_SOCKET_IFNAME is set"
+    loop = ", a loopback address the other machines cannot reach" if where.startswith("127.") else ""
+    return None, (f"{why}: gloo (barriers, object collectives) binds the address this machine's name resolves to "
+                  f"({where}{loop}); set GLOO_SOCKET_IFNAME (or NCCL_SOCKET_IFNAME) to the interface the machines "
+                  "share, on every machine")
+
+
+def network_interfaces() -> dict[str, list[str]]:
+    """This machine's interfaces and their IPv4/IPv6 addresses (psutil, a dependency of Accelerate)."""
+    import psutil
+
+    return {name: [a.address for a in addresses if a.family in (socket.AF_INET, socket.AF_INET6)]
+            for name, addresses in psutil.net_if_addrs().items()}

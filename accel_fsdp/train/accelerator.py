@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from accel_fsdp.config.accelerate import FULL_SHARD, HYBRID_SHARD, NO_SHARD
+from accel_fsdp.config.accelerate import CONFIG_PATH_ENV, FULL_SHARD, HYBRID_SHARD, NO_SHARD
 from accel_fsdp.config.precision import ACCELERATE, compute_dtype
 from accel_fsdp.config.settings import MODEL_DEFAULT, FsdpSettings
+from accel_fsdp.hardware import gloo_interface
 from accel_fsdp.layout import LOGS_DIR
 from accel_fsdp.train.cpu_fsdp import init_cpu_fsdp_state
 
@@ -105,6 +106,17 @@ def process_group_kwargs(settings: FsdpSettings) -> dict:
     minutes), so a configured 10 minutes reached torch as torch's 30-minute default."""
     backend = "cuda:nccl,cpu:gloo" if settings.device.value == "cuda" else "gloo"
     return {"backend": backend, "timeout": timedelta(minutes=settings.collective_timeout_minutes.value)}
+
+
+def stock_launch_gloo_interface(env, machines: int, interfaces) -> tuple[str | None, str | None]:
+    """The GLOO_SOCKET_IFNAME this rank sets before its process group is created, and the note its machine says, when
+    a stock `accelerate launch` started several machines: nobody derived it there (our launcher does, and says so,
+    launch/launcher.py), and gloo reads the variable when it creates its device, i.e. with the group (the test
+    `test_gloo_takes_exact_interface_names` creates one). (None, None): nothing to do here: one machine, the variable
+    set, or our launcher. `interfaces`: called only when needed (hardware.network_interfaces)."""
+    if machines <= 1 or env.get("GLOO_SOCKET_IFNAME", "").strip() or env.get(CONFIG_PATH_ENV):
+        return None, None
+    return gloo_interface(env, interfaces())
 
 
 def apply_collective_timeout(timeout: timedelta) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ from accel_fsdp.train.accelerator import (
     build_accelerator,
     expected_shards,
     process_group_kwargs,
+    stock_launch_gloo_interface,
 )
 from accel_fsdp.train.checkpointing import Checkpointer
 from accel_fsdp.train.cpu_fsdp import check_sharded
@@ -211,6 +213,12 @@ def start_engine(recipe, *, run_dir: Path | None, trackers=(), switches: TestSwi
     `cpu`: the config on CPU ranks whatever it was written for (--cpu)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    interface, note = stock_launch_gloo_interface(os.environ, max(1, world // local_world),
+                                                  hardware.network_interfaces)
+    if interface:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface  # before the process group: gloo reads it then
+    if note and os.environ.get("LOCAL_RANK", "0") == "0":  # no Accelerator yet: each machine says its own, once
+        print(f"note: {note}", file=sys.stderr, flush=True)
     config = current_accelerate_config()
     if cpu:
         config.values["use_cpu"] = True
