@@ -9,6 +9,9 @@ from accel_fsdp.config.recipe import load_recipe as read_recipe
 from accel_fsdp.config.shipped import display, resolve_recipe
 
 SET_HELP = "Override a recipe key, typed as YAML: --set training.lr=3e-4 --set model.lora.enabled=true (repeatable)."
+CPU_HELP = ("Run a GPU accelerate config on CPU ranks (gloo), on purpose: to try its sharding, wrapping and "
+            "checkpoints on a machine without a GPU. Without it, a GPU config on a machine that cannot run CUDA is "
+            "refused.")
 CONFIG_HELP = ("Accelerate config: a shipped name (fsdp_2gpu) or a path. Default: fsdp_cpu (2 CPU ranks) without a "
                "GPU, else fsdp_1gpu with one process per local GPU.")
 

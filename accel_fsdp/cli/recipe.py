@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from accel_fsdp.cli.catalog import recipe_rows
-from accel_fsdp.cli.options import CONFIG_HELP, SET_HELP, child_argv, load_recipe
+from accel_fsdp.cli.options import CONFIG_HELP, CPU_HELP, SET_HELP, child_argv, load_recipe
 from accel_fsdp.config.accelerate import check_accelerate_config
 from accel_fsdp.config.recipe import key_reference
 from accel_fsdp.config.shipped import resolve_recipe
@@ -171,9 +171,7 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
               "Overrides the config (the SLURM script passes its allocation's).")
 @click.option("--rendezvous-timeout", default=300, show_default=True, type=click.IntRange(1, 86400),
               help="Multi-machine: seconds to wait for the main process and for all machines to join.")
-@click.option("--cpu", is_flag=True, help="Run a GPU accelerate config on CPU ranks (gloo), on purpose: to try its "
-              "sharding, wrapping and checkpoints on a machine without a GPU. Without it, a GPU config on a machine "
-              "that cannot run CUDA is refused.")
+@click.option("--cpu", is_flag=True, help=CPU_HELP)
 @click.option("--verbose", is_flag=True, help="Also print the resolved recipe and every FSDP setting with its source "
               "(they are always saved in the run folder: recipe.yaml, fsdp_settings.json).")
 @click.option("--benchmark", is_flag=True, hidden=True, help="(accel-fsdp bench) No final evaluation, checkpoint or "

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from accel_fsdp.cli.options import CONFIG_HELP, SET_HELP, finite, load_recipe
+from accel_fsdp.cli.options import CONFIG_HELP, CPU_HELP, SET_HELP, finite, load_recipe
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.layout import RunLayout
 from accel_fsdp.model.tokenizer import trained_tokenizer
@@ -69,8 +69,9 @@ def tokenizer_train(name_or_path, out_dir, vocab_size, overrides) -> None:
 @click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, 50),
               help="With --compare-baseline: alternate ours and the baseline this many times; medians are reported.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+@click.option("--cpu", is_flag=True, help=CPU_HELP)
 def bench_command(name_or_path, accelerate_config, steps, warmup, overrides, compare_baseline, compare, rounds,
-                  as_json) -> None:
+                  as_json, cpu) -> None:
     """Measure tokens/s per rank, step time, peak memory per rank (and MFU on GPUs) of a recipe.
 
     \b
@@ -78,12 +79,15 @@ def bench_command(name_or_path, accelerate_config, steps, warmup, overrides, com
     accel-fsdp bench quickstart --compare-baseline --rounds 3
     accel-fsdp bench quickstart --compare strategies
     accel-fsdp bench gpt2-xl --accelerate-config fsdp_1gpu --set data.path=builtin:quickstart --steps 20
+    accel-fsdp bench quickstart --accelerate-config fsdp_2gpu --cpu  # a GPU config's sharding, on CPU ranks
     """
     r = load_recipe(name_or_path, overrides)
     config, n, _ = load_config_or_default(accelerate_config)
-    preflight(r, config, num_processes=n, check_hub=True)
+    if cpu:
+        config.values["use_cpu"] = True  # as the ranks will read it (--cpu reaches them)
+    preflight(r, config, num_processes=n, check_hub=True, cpu_option=True)
     result, text = bench.run(r, config, list(overrides), steps=steps, warmup=warmup, compare=compare,
-                             baseline_rounds=rounds if compare_baseline else 0)
+                             baseline_rounds=rounds if compare_baseline else 0, cpu=cpu)
     click.echo(bench.to_json(result) if as_json else text)
 
 
@@ -104,8 +108,9 @@ def bench_command(name_or_path, accelerate_config, steps, warmup, overrides, com
               help="Only these checks (repeatable). Default: all.")
 @click.option("--output-dir", type=click.Path(path_type=Path), help="Where the probes and report.json go. Default: "
               "runs/<recipe name>-verify.")
+@click.option("--cpu", is_flag=True, help=CPU_HELP)
 def verify_command(name_or_path, accelerate_config, overrides, quick, steps, layers, num_processes, only,
-                   output_dir) -> None:
+                   output_dir, cpu) -> None:
     """Prove on this hardware that the recipe trains correctly: sharding, precision, the same loss however the
     global batch is split, exact resume, packed documents kept apart, the data mixture (each sequence once per epoch,
     shares by weight, the same sequences on any number of ranks), activation checkpointing with dropout, memory
@@ -116,14 +121,17 @@ def verify_command(name_or_path, accelerate_config, overrides, quick, steps, lay
     accel-fsdp verify quickstart                                     # 2 CPU ranks: what CI runs
     accel-fsdp verify gpt2-xl --accelerate-config fsdp_2gpu
     accel-fsdp verify my.yaml --accelerate-config llama_fsdp_8gpu --quick --layers 4
+    accel-fsdp verify quickstart --accelerate-config fsdp_2gpu --cpu  # a GPU config's settings, on CPU ranks
     """
     r = load_recipe(name_or_path, overrides)
     config, n, _ = load_config_or_default(accelerate_config)
     if num_processes is not None:
         config.values["num_processes"] = n = num_processes
+    if cpu:
+        config.values["use_cpu"] = True  # as the probes' ranks will read it (--cpu reaches them)
     out = (output_dir or Path(f"runs/{r.name}-verify")).expanduser().absolute()
     result = verify(r, config, n, list(overrides), out_dir=out, quick=quick, layers=layers, steps=steps,
-                    only=list(only))
+                    only=list(only), cpu=cpu)
     click.echo(format_table(result))
     if any(c.status == "FAIL" for c in result.checks):
         sys.exit(1)

@@ -6,7 +6,7 @@ differs: one global batch collated once and fed again every step, no loss normal
 metrics files, no checkpoints, and the global loss all-reduced every step (as `bench` makes our loop log every
 step). Whatever our loop costs on top of Accelerate shows up as the ratio.
 
-Run inside a launch: `python -m accel_fsdp.tools.baseline RECIPE_PATH OUT_JSON --steps N --warmup W [--set ...]`.
+Run inside a launch: `python -m accel_fsdp.tools.baseline RECIPE_PATH OUT_JSON --steps N --warmup W [--set ...] [--cpu]`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--cpu", action="store_true", help="the config on CPU ranks (bench --cpu)")
     args = parser.parse_args()
 
     from accel_fsdp.train.setup import build_sharded_model, describe_model, start_engine
@@ -38,7 +39,7 @@ def main() -> None:
     quiet_libraries()
     recipe = load_recipe(args.recipe, args.overrides)
     t = recipe.training
-    engine = start_engine(recipe, run_dir=None)
+    engine = start_engine(recipe, run_dir=None, cpu=args.cpu)
     acc, world = engine.accelerator, engine.world
     tokenizer, config = describe_model(recipe, engine)
     built = build_sharded_model(recipe, engine, config)

@@ -52,10 +52,11 @@ def bench_overrides(steps: int, warmup: int) -> list[str]:
 
 
 def measure_ours(recipe: str, config: str, overrides: list[str], steps: int, warmup: int, label: str,
-                 workdir: Path) -> Measurement:
+                 workdir: Path, cpu: bool = False) -> Measurement:
+    """`cpu`: the config on CPU ranks whatever it was written for (--cpu of `recipe run`)."""
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=workdir))
     argv = ["recipe", "run", recipe, "--accelerate-config", config, "--output-dir", str(run_dir), "--overwrite",
-            "--benchmark"]
+            "--benchmark", *(["--cpu"] if cpu else [])]
     for item in list(overrides) + bench_overrides(steps, warmup):
         argv += ["--set", item]
     proc = _run(argv)
@@ -75,12 +76,12 @@ def measure_ours(recipe: str, config: str, overrides: list[str], steps: int, war
 
 
 def measure_baseline(recipe: str, config_path: Path, overrides: list[str], steps: int, warmup: int,
-                     workdir: Path) -> Measurement:
+                     workdir: Path, cpu: bool = False) -> Measurement:
     """The hand-written loop (tools/baseline.py), launched by Accelerate's own launcher with the same config."""
     out = Path(tempfile.mkstemp(prefix="baseline-", suffix=".json", dir=workdir)[1])
     script = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config_path),
               "--main_process_port", "0", "-m", "accel_fsdp.tools.baseline", recipe, str(out), "--steps", str(steps),
-              "--warmup", str(warmup)]
+              "--warmup", str(warmup), *(["--cpu"] if cpu else [])]
     for item in overrides:
         script += ["--set", item]
     env = dict(os.environ, PYTHONUNBUFFERED="1", ACCEL_FSDP_ACCELERATE_CONFIG=str(config_path))
@@ -109,15 +110,15 @@ def variant_config(base: Path, workdir: Path, name: str, **fsdp) -> Path:
     return path
 
 
-def compare_strategies(recipe, config: Path, overrides, steps, warmup, workdir) -> list[Measurement]:
+def compare_strategies(recipe, config: Path, overrides, steps, warmup, workdir, cpu=False) -> list[Measurement]:
     """The strategies table: NO_SHARD (FSDP1, the DDP-like baseline), SHARD_GRAD_OP and FULL_SHARD."""
     version = int(yaml.safe_load(config.read_text()).get("fsdp_config", {}).get("fsdp_version", 1))
     no_shard = variant_config(config, workdir, "no_shard", fsdp_version=1, fsdp_sharding_strategy=NO_SHARD,
                               fsdp_use_orig_params=True, fsdp_sync_module_states=False)
-    out = [measure_ours(recipe, str(no_shard), overrides, steps, warmup, "NO_SHARD (FSDP1)", workdir)]
+    out = [measure_ours(recipe, str(no_shard), overrides, steps, warmup, "NO_SHARD (FSDP1)", workdir, cpu)]
     for strategy in (SHARD_GRAD_OP, FULL_SHARD):
         out.append(measure_ours(recipe, str(config), list(overrides) + [f"fsdp.sharding_strategy={strategy}"], steps,
-                                warmup, f"{strategy} (FSDP{version})", workdir))
+                                warmup, f"{strategy} (FSDP{version})", workdir, cpu))
     return out
 
 
@@ -128,7 +129,8 @@ def linear_classes(meta_model) -> list[str]:
     return sorted({type(m).__name__ for m in block.modules() if type(m).__name__ in ("Linear", "Conv1D")})
 
 
-def compare_wrapping(recipe, config: Path, overrides, steps, warmup, workdir, classes: list[str]) -> list[Measurement]:
+def compare_wrapping(recipe, config: Path, overrides, steps, warmup, workdir, classes: list[str],
+                     cpu: bool = False) -> list[Measurement]:
     """The "wrap test": one unit per transformer block vs the whole model as one unit vs one per Linear.
 
     Per Linear means every linear layer class of the blocks is a unit of its own (a transformer-based policy on
@@ -138,10 +140,11 @@ def compare_wrapping(recipe, config: Path, overrides, steps, warmup, workdir, cl
     whole = variant_config(config, workdir, "whole", fsdp_auto_wrap_policy="NO_WRAP")
     per_linear = variant_config(config, workdir, "per_linear", fsdp_auto_wrap_policy="TRANSFORMER_BASED_WRAP",
                                 fsdp_transformer_layer_cls_to_wrap=",".join(classes))
-    return [measure_ours(recipe, str(per_block), overrides, steps, warmup, "per block (transformer layer)", workdir),
-            measure_ours(recipe, str(whole), overrides, steps, warmup, "whole model (no wrap)", workdir),
+    return [measure_ours(recipe, str(per_block), overrides, steps, warmup, "per block (transformer layer)", workdir,
+                         cpu),
+            measure_ours(recipe, str(whole), overrides, steps, warmup, "whole model (no wrap)", workdir, cpu),
             measure_ours(recipe, str(per_linear), overrides, steps, warmup, f"per Linear ({', '.join(classes)})",
-                         workdir)]
+                         workdir, cpu)]
 
 
 def format_measurements(rows: list[Measurement], title: str) -> str:
@@ -184,14 +187,15 @@ def to_json(result: dict) -> str:
 
 
 def run(recipe, config, overrides: list[str], *, steps: int, warmup: int, compare: str | None,
-        baseline_rounds: int) -> tuple[dict, str]:
-    """One `accel-fsdp bench` invocation: (results for --json, the table to print)."""
+        baseline_rounds: int, cpu: bool = False) -> tuple[dict, str]:
+    """One `accel-fsdp bench` invocation: (results for --json, the table to print). `cpu`: every run on CPU ranks,
+    whatever the config was written for (--cpu)."""
     recipe_path = str(Path(recipe.source).absolute())
     result: dict = {"recipe": recipe.name, "config": config.label}
     with tempfile.TemporaryDirectory(prefix="accel-fsdp-bench-") as tmp:
         work = Path(tmp)
         if compare == "strategies":
-            rows = compare_strategies(recipe_path, config.path, overrides, steps, warmup, work)
+            rows = compare_strategies(recipe_path, config.path, overrides, steps, warmup, work, cpu)
             result["strategies"] = rows
             text = format_measurements(rows, f"strategies on {config.label} ({recipe.name}):")
             text += "\n" + "\n".join(strategy_summary(rows))
@@ -199,22 +203,23 @@ def run(recipe, config, overrides: list[str], *, steps: int, warmup: int, compar
             from accel_fsdp.model.build import meta_model, model_config
 
             skeleton = meta_model(model_config(recipe, tokenizer=offline_tokenizer(recipe), offline=True))
-            rows = compare_wrapping(recipe_path, config.path, overrides, steps, warmup, work, linear_classes(skeleton))
+            rows = compare_wrapping(recipe_path, config.path, overrides, steps, warmup, work, linear_classes(skeleton),
+                                    cpu)
             result["wrapping"] = rows
             text = format_measurements(rows, f"wrapping on {config.label} ({recipe.name}):")
         elif baseline_rounds:
             ours, base = [], []
             for i in range(baseline_rounds):  # alternate, so drifts in machine load hit both sides alike
                 ours.append(measure_ours(recipe_path, str(config.path), overrides, steps, warmup,
-                                         f"accel-fsdp (round {i + 1})", work))
-                base.append(measure_baseline(recipe_path, config.path, overrides, steps, warmup, work))
+                                         f"accel-fsdp (round {i + 1})", work, cpu))
+                base.append(measure_baseline(recipe_path, config.path, overrides, steps, warmup, work, cpu))
             ratio = statistics.median(o.tokens_per_s for o in ours) / statistics.median(b.tokens_per_s for b in base)
             result.update(ours=ours, baseline=base, ratio=ratio)
             text = format_measurements(ours + base, f"ours vs a hand-written Accelerate FSDP loop on {config.label} "
                                        f"({recipe.name}), {baseline_rounds} alternating rounds:")
             text += f"\nthroughput ratio ours / baseline (medians): {ratio:.3f}"
         else:
-            m = measure_ours(recipe_path, str(config.path), overrides, steps, warmup, recipe.name, work)
+            m = measure_ours(recipe_path, str(config.path), overrides, steps, warmup, recipe.name, work, cpu)
             result["measurement"] = m
             text = format_measurements([m], f"{recipe.name} on {config.label}, {steps} steps after {warmup} warm-up:")
     return result, text

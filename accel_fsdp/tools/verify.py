@@ -135,6 +135,8 @@ class Verification:
     out_dir: Path
     overrides: list[str]
     layers: int | None = None
+    cpu: bool = False
+    """--cpu: every probe runs the config on CPU ranks, whatever it was written for."""
     probes: dict[str, Probe] = field(default_factory=dict)
     checks: list[Check] = field(default_factory=list)
 
@@ -148,7 +150,8 @@ class Verification:
 def run_probe(v: Verification, name: str, sets: list[str], *, extra_args=(), env: dict | None = None) -> Probe:
     folder = v.out_dir / name
     argv = [sys.executable, "-m", "accel_fsdp", "recipe", "run", str(Path(v.recipe.source).absolute()),
-            "--accelerate-config", str(v.config.path), "--output-dir", str(folder), *extra_args]
+            "--accelerate-config", str(v.config.path), "--output-dir", str(folder), *extra_args,
+            *(["--cpu"] if v.cpu else [])]
     if folder.exists():
         argv.append("--overwrite")
     for item in sets:
@@ -519,12 +522,13 @@ def check_throughput(v: Verification) -> Check:
 
 
 def verify(recipe, config, num_processes: int | None, overrides: list[str], *, out_dir: Path, quick: bool,
-           layers: int | None, steps: int, only: list[str]) -> Verification:
+           layers: int | None, steps: int, only: list[str], cpu: bool = False) -> Verification:
 
-    report = preflight(recipe, config, num_processes=num_processes, check_hub=True)
+    report = preflight(recipe, config, num_processes=num_processes, check_hub=True, cpu_option=True)
     s = report.settings
     v = Verification(recipe=recipe, config=config, world=s.num_processes.value, precision=s.mixed_precision.value,
-                     device=s.device.value, steps=steps, out_dir=out_dir, overrides=list(overrides), layers=layers)
+                     device=s.device.value, steps=steps, out_dir=out_dir, overrides=list(overrides), layers=layers,
+                     cpu=cpu)
     prepare_folder(out_dir)
     wanted = set(only or CHECKS)
     sets = base_sets(v, steps)
