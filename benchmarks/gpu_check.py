@@ -1,18 +1,27 @@
-"""Check the GPU-path fixes on a real GPU machine, in a few minutes: `python benchmarks/gpu_check.py`.
+"""Check the GPU path on a real GPU machine in a few minutes, or every part of it that runs on CPU ranks:
 
-Runs the real CLI on every visible GPU (1, 2, 8...) with tiny or small models made here (no downloads), and prints
-one line per check, PASS / FAIL / SKIP, with the figures. What each check proves is in docs/PERFORMANCE.md ("The
-GPU path"); the same properties are held on CPU ranks by tests/test_gpu_path.py.
+    python benchmarks/gpu_check.py                       # every visible GPU (1, 2, 8...)
+    python benchmarks/gpu_check.py --cpu                 # 2 CPU ranks: the checks whose mechanism runs there
+    python benchmarks/gpu_check.py --markdown out.md     # also write the results as a markdown table
 
-  1  CPU offload and FULL_STATE_DICT asked for by the recipe train on NCCL (cuda:nccl,cpu:gloo process group)
-  2  rank-0-only loading: host memory growth of each rank while loading a 1.4 GB model
-  3  packed documents stay apart with flash_attention_2 (padding-free batches), when flash-attn is installed
-  4  gradients held between micro-steps: the rank's shard by default, the whole model when deferred
+It runs the real CLI (`recipe run` with a GPU accelerate config; with --cpu, that config on CPU ranks through
+`recipe run --cpu`) on tiny or small models made here (no downloads), and prints one line per check, PASS / FAIL /
+SKIP / INFO, with its figures; a skipped check says why. What each check proves is in docs/PERFORMANCE.md ("The GPU
+path"); tests/test_gpu_path.py and tests/test_gpu_review.py hold the same properties on CPU ranks, and
+tests/test_gpu_check.py runs this script with --cpu.
+
+  1  CPU offload and FULL_STATE_DICT asked for by the recipe train, and checkpoint, on the launch's process group
+  2  rank-0-only loading: host memory growth of each rank while loading a model
+  3  packed documents stay apart with flash_attention_2 (padding-free batches); on CPU ranks, a stand-in kernel
+  4  gradients held between micro-steps: never an unsharded one unless deferred; with several ranks, the shard only
   5  activation checkpointing with dropout: the same losses with and without it
   6  more processes than GPUs: refused before launch
   7  the collective timeout and backends the process group really has
   8  the offloaded optimizer step (fused AdamW, the rank's share of the cores)
   9  the device's peak FLOP/s used for MFU, and the MFU of a short run
+
+The report is a list of sections (a title and a table); a part of the script adds its own (issue 23 adds the
+throughput table of its knobs) and every section goes to the terminal and to --markdown.
 """
 
 from __future__ import annotations
@@ -20,21 +29,139 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS: list[tuple[str, str, str]] = []
+GPU_CONFIG = REPO / "accelerate_configs" / "fsdp_2gpu.yaml"
+"""The GPU config every check runs (num_processes set to the ranks); on CPU ranks through `recipe run --cpu`."""
 
 
-def say(check: str, status: str, figures: str) -> None:
-    RESULTS.append((check, status, figures))
-    print(f"{status:<5} {check:<34} {figures}", flush=True)
+# ------------------------------------------------------------------------------------------- the report
+
+
+@dataclass
+class Result:
+    check: str
+    status: str
+    """PASS, FAIL, SKIP (with why) or INFO (figures only)."""
+    figures: str
+
+
+@dataclass
+class Section:
+    """One table of the report."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+
+    def markdown(self) -> str:
+        lines = [f"### {self.title}", "", "| " + " | ".join(self.columns) + " |",
+                 "|" + "|".join("---" for _ in self.columns) + "|"]
+        lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in self.rows]
+        return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------- where checks run
+
+
+@dataclass
+class Ran:
+    """One `recipe run` of a check."""
+
+    proc: subprocess.CompletedProcess
+    folder: Path
+
+    @property
+    def ok(self) -> bool:
+        return self.proc.returncode == 0
+
+    def failure(self) -> str:
+        text = (self.proc.stderr or self.proc.stdout).strip().splitlines()
+        return f"exit {self.proc.returncode}: " + (text[-1][:200] if text else "no output")
+
+    def metrics(self) -> list[dict]:
+        return [json.loads(line) for line in (self.folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+    def sharding(self) -> dict:
+        return json.loads((self.folder / "sharding.json").read_text())
+
+
+@dataclass
+class Machine:
+    """Where the checks run: the ranks (GPUs, or CPU ranks with --cpu), a working folder, the models' sizes."""
+
+    work: Path
+    ranks: int
+    cpu: bool
+    device: str
+    runs: dict[str, Ran] = field(default_factory=dict)
+    """The runs made so far, by name: a check that reads another's run reuses it."""
+
+    @property
+    def sizes(self) -> dict[str, tuple[int, int]]:
+        """(layers, width) of GPT-2 models: "tiny" for mechanisms, "big" where memory is measured (1.4 GB on GPUs;
+        100 MB on CPU ranks, where both ranks' shards live in host memory too)."""
+        return {"tiny": (2, 64), "big": (8, 512)} if self.cpu else {"tiny": (2, 256), "big": (24, 1024)}
+
+    def config(self, name: str, **fsdp) -> Path:
+        data = yaml.safe_load(GPU_CONFIG.read_text())
+        data["num_processes"] = self.ranks
+        data["fsdp_config"].pop("fsdp_transformer_layer_cls_to_wrap", None)  # the model's own block class
+        data["fsdp_config"].update(fsdp)
+        path = self.work / f"{name}.accelerate.yaml"
+        path.write_text(yaml.safe_dump(data))
+        return path
+
+    def model(self, size: str, dropout: float = 0.0) -> Path:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from accel_fsdp.data.synthetic import build_tokenizer
+
+        layers, width = self.sizes[size]
+        folder = self.work / f"model-{size}-{dropout}"
+        if folder.exists():
+            return folder
+        tok = build_tokenizer()
+        cfg = AutoConfig.for_model("gpt2", n_layer=layers, n_embd=width, n_head=max(1, width // 64), n_positions=1024,
+                                   vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                   bos_token_id=tok.eos_token_id, resid_pdrop=dropout, embd_pdrop=dropout,
+                                   attn_pdrop=dropout)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+        tok.save_pretrained(folder)
+        return folder
+
+    def recipe(self, name: str, model_dir: Path, **sections) -> Path:
+        data = {"name": name, "model": {"name_or_path": str(model_dir)},
+                "data": {"path": "builtin:quickstart", "seq_len": 128, "eval_fraction": 0, "max_rows": 4000},
+                "training": {"micro_batch_size": 2, "global_batch_size": 2 * self.ranks * 4, "max_steps": 4,
+                             "lr": 1e-4, "warmup_steps": 0},
+                "checkpoint": {"export_final": False}, "logging": {"every_steps": 1, "sample_prompt": None}}
+        for section, values in sections.items():
+            data.setdefault(section, {}).update(values)
+        path = self.work / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        return path
+
+    def run(self, name: str, recipe: Path, config: Path, *options, env=None) -> Ran:
+        """`recipe run` into <work>/<name> (once per name)."""
+        if name not in self.runs:
+            folder = self.work / name
+            proc = cli("recipe", "run", recipe, "--accelerate-config", config, "--output-dir", folder, "--overwrite",
+                       *(["--cpu"] if self.cpu else []), *options, env=env)
+            self.runs[name] = Ran(proc, folder)
+        return self.runs[name]
 
 
 def cli(*args, env=None, timeout=900) -> subprocess.CompletedProcess:
@@ -42,187 +169,269 @@ def cli(*args, env=None, timeout=900) -> subprocess.CompletedProcess:
                           env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), timeout=timeout)
 
 
-def config(work: Path, name: str, gpus: int, **fsdp) -> Path:
-    data = yaml.safe_load((REPO / "accelerate_configs" / "fsdp_2gpu.yaml").read_text())
-    data["num_processes"] = gpus
-    data["fsdp_config"].pop("fsdp_transformer_layer_cls_to_wrap", None)  # the model's own block class
-    data["fsdp_config"].update(fsdp)
-    path = work / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+# ------------------------------------------------------------------------------------------------ checks
 
 
-def model(work: Path, name: str, layers: int, width: int, dropout: float = 0.0) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from accel_fsdp.data.synthetic import build_tokenizer
-
-    folder = work / name
-    if folder.exists():
-        return folder
-    tok = build_tokenizer()
-    cfg = AutoConfig.for_model("gpt2", n_layer=layers, n_embd=width, n_head=max(1, width // 64), n_positions=1024,
-                               vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                               bos_token_id=tok.eos_token_id, resid_pdrop=dropout, embd_pdrop=dropout,
-                               attn_pdrop=dropout)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+@dataclass(frozen=True)
+class Check:
+    number: int
+    title: str
+    run: Callable[[Machine], list[Result]]
+    gpu_only: str | None = None
+    """Why it cannot run on CPU ranks (None: it runs there too)."""
 
 
-def recipe(work: Path, name: str, model_dir: Path, gpus: int, **sections) -> Path:
-    data = {"name": name, "model": {"name_or_path": str(model_dir)},
-            "data": {"path": "builtin:quickstart", "seq_len": 128, "eval_fraction": 0, "max_rows": 4000},
-            "training": {"micro_batch_size": 2, "global_batch_size": 2 * gpus * 4, "max_steps": 4, "lr": 1e-4,
-                         "warmup_steps": 0},
-            "checkpoint": {"export_final": False}, "logging": {"every_steps": 1, "sample_prompt": None}}
-    for section, values in sections.items():
-        data.setdefault(section, {}).update(values)
-    path = work / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+OFFLOAD_TIMEOUT_MINUTES = 45
+"""Not the default (60): check 7 proves the recipe's value reaches every group."""
 
 
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+def offload_run(m: Machine) -> Ran:
+    """Check 1's run, which check 7 reads too."""
+    return m.run("offload", m.recipe("offload", m.model("tiny"), fsdp={"cpu_offload": True, "collective_timeout_minutes":
+                                                                       OFFLOAD_TIMEOUT_MINUTES},
+                                     checkpoint={"state_dict_type": "FULL_STATE_DICT", "every_steps": 2}),
+                 m.config("full"))
 
 
-def failed(proc) -> str:
-    return (proc.stderr or proc.stdout).strip().splitlines()[-1][:160] if (proc.stderr or proc.stdout) else "no output"
+def check_offload(m: Machine) -> list[Result]:
+    run = offload_run(m)
+    if not run.ok:
+        return [Result("1 offload + FULL_STATE_DICT", "FAIL", run.failure())]
+    saved = sorted(p.name for p in (run.folder / "checkpoints").glob("step-*"))
+    backends = run.sharding().get("process_group", {}).get("backends")
+    return [Result("1 offload + FULL_STATE_DICT", "PASS" if saved else "FAIL",
+                   f"backends {backends}; checkpoints {', '.join(saved) or 'none'}")]
+
+
+def check_process_group(m: Machine) -> list[Result]:
+    run = offload_run(m)
+    if not run.ok:
+        return [Result("7 process group", "FAIL", run.failure())]
+    record = run.sharding().get("process_group", {})
+    # a gloo group says "cpu:gloo,cuda:gloo"; ours on GPUs, NCCL and gloo for CPU tensors (train/accelerator.py)
+    want_backends = {"cpu:gloo", "cuda:gloo"} if m.cpu else {"cuda:nccl", "cpu:gloo"}
+    want = OFFLOAD_TIMEOUT_MINUTES * 60
+    groups = record.get("group_timeouts_s", {})
+    ok = (set(str(record.get("backends")).split(",")) == want_backends and record.get("timeout_s") == want
+          and all(t == want for t in groups.values()))
+    return [Result("7 process group", "PASS" if ok else "FAIL",
+                   f"backends {record.get('backends')} (want {','.join(sorted(want_backends))}); timeout {record.get('timeout_s')} s and "
+                   f"{len(groups)} group(s) at {sorted(set(groups.values()))} s (recipe: {want} s)")]
+
+
+def check_loading(m: Machine) -> list[Result]:
+    """GPUs: the machine holds about one copy while loading (the shards go to GPU memory). CPU ranks hold their
+    shards in host memory too, so there: each other rank grows by its shard plus a parameter in flight (1/ranks of
+    the model plus a few percent), never by a copy of its own."""
+    big = m.model("big")
+    size = sum(f.stat().st_size for f in big.glob("*.safetensors"))
+    growth, out = {}, []
+    for label, efficient in (("rank 0 reads", True), ("every rank reads", False)):
+        run = m.run(f"load-{efficient}", m.recipe(f"load-{efficient}", big, training={"max_steps": 1}),
+                    m.config(f"load-{efficient}", fsdp_cpu_ram_efficient_loading=efficient), "--benchmark",
+                    env={"MALLOC_MMAP_THRESHOLD_": "131072"})  # glibc returns freed broadcast buffers at once
+        if not run.ok:
+            out.append(Result(f"2 loading ({label})", "FAIL", run.failure()))
+            continue
+        growth[efficient] = run.sharding()["loading_peak_rss_growth_bytes"]
+        out.append(Result(f"2 loading ({label})", "INFO", "host RSS growth per rank " + ", ".join(
+            f"{g / size:.2f}x" for g in growth[efficient]) + f" of the {size / 2**20:,.0f} MiB model; machine "
+            f"{sum(growth[efficient]) / size:.2f}x"))
+    if True in growth:
+        if m.cpu:
+            others = max(growth[True][1:], default=0) / size
+            bound = 1 / m.ranks + 0.25
+            out.append(Result("2 loading target", "PASS" if others <= bound else "FAIL",
+                              f"the other ranks grow by {others:.2f}x at most (target <= 1/{m.ranks} shard + 0.25)"))
+        else:
+            total = sum(growth[True]) / size
+            out.append(Result("2 loading target", "PASS" if total <= 1.2 + 0.1 * m.ranks else "FAIL",
+                              f"{total:.2f}x one copy on the machine (target <= 1.2x plus per-process overhead)"))
+    return out
+
+
+def check_packing(m: Machine) -> list[Result]:
+    """Logits of packed documents in one padding-free row, laid out by the trainer's own collate, against each
+    document alone (SDPA). Two computations of one logit that add up in other orders: each of the 2 x layers + 1
+    matmuls on the way (layer norms keep the scale) adds one output rounding and a reordered fp32 sum of its inputs,
+    so the logits agree within (2 L + 1) x (reordered(4 x width) + roundoff) of their scale; a document that sees
+    another's tokens moves them by a large share of it."""
+    from transformers import AutoModelForCausalLM
+
+    from accel_fsdp.data.batches import batch_layout, collate
+    from accel_fsdp.data.store import Sequence
+    from accel_fsdp.tools.verify import ROUNDOFF, reordered
+
+    if m.cpu:
+        sys.path.insert(0, str(REPO / "tests"))
+        from flash_standin import NAME, install
+
+        calls, kernel, device, precision = install(), NAME, "cpu", "fp32"
+    else:
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            return [Result("3 FA2 packing isolation", "SKIP", "flash-attn is not installed (pip install flash-attn)")]
+        calls, kernel, device, precision = None, "flash_attention_2", "cuda", "bf16"
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    tiny = m.model("tiny")
+    model = AutoModelForCausalLM.from_pretrained(tiny, attn_implementation=kernel, dtype=dtype).to(device).eval()
+    alone_model = AutoModelForCausalLM.from_pretrained(tiny, attn_implementation="sdpa", dtype=dtype).to(device).eval()
+    docs = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
+    ids = [t for d in docs for t in d]
+    packed = Sequence(torch.tensor(ids).numpy(), torch.tensor(ids).numpy(),
+                      torch.tensor([i for d in docs for i in range(len(d))]).numpy())
+    batch = collate([packed], 0, True, layout=batch_layout(model.config._attn_implementation, True))
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        logits = model(**batch, use_cache=False).logits[0].float()
+        alone = torch.cat([alone_model(input_ids=torch.tensor([d], device=device)).logits[0] for d in docs]).float()
+    layers, width = m.sizes["tiny"]
+    scale = float(alone.abs().max())
+    tolerance = (2 * layers + 1) * (reordered(4 * width) + ROUNDOFF[precision]) * scale
+    diff = float((logits - alone).abs().max())
+    seen = f"; the kernel got boundaries {calls[0]}" if calls else ""
+    return [Result("3 FA2 packing isolation" + (" (CPU stand-in)" if m.cpu else ""), "PASS" if diff <= tolerance
+                   else "FAIL", f"max logit difference {diff:.2e} ({precision}; tolerance {tolerance:.2e}){seen}")]
+
+
+def check_gradients(m: Machine) -> list[Result]:
+    """Before every forward but a step's first: no unsharded gradient unless the reduction is deferred (what one
+    rank can show: its shard is the whole model), and with several ranks, the shard alone."""
+    held, unsharded = {}, {}
+    model = m.model("tiny" if m.cpu else "big")
+    for deferred in (False, True):
+        run = m.run(f"grads-{deferred}", m.recipe(f"grads-{deferred}", model, training={"max_steps": 2},
+                                                  fsdp={"reduce_every_micro_step": not deferred}),
+                    m.config("full"), "--benchmark", env={"ACCEL_FSDP_PROBE": "grad-bytes"})
+        if not run.ok:
+            return [Result("4 gradients between micro-steps", "FAIL", run.failure())]
+        lines = [json.loads(x) for x in (run.folder / "trace" / "grad-bytes-rank0.jsonl").read_text().splitlines()]
+        between = [x for i, x in enumerate(lines) if i % 4]  # 4 micro-steps an optimizer step
+        held[deferred] = max(x["bytes"] for x in between)
+        unsharded[deferred] = max(x["unsharded"] for x in between)
+    ok = unsharded[False] == 0 and unsharded[True] > 0 and (m.ranks == 1 or held[False] < 0.6 * held[True])
+    return [Result("4 gradients between micro-steps", "PASS" if ok else "FAIL",
+                   f"held per rank {held[False] / 2**20:,.2f} MiB by default, {held[True] / 2**20:,.2f} MiB deferred; "
+                   f"unsharded {unsharded[False] / 2**20:,.2f} vs {unsharded[True] / 2**20:,.2f} MiB")]
+
+
+def check_activation_checkpointing(m: Machine) -> list[Result]:
+    from accel_fsdp.tools.verify import equivalence_tolerance
+
+    drop = m.model("tiny", dropout=0.1)
+    losses = {}
+    for ac in (False, True):
+        run = m.run(f"ac-{ac}", m.recipe(f"ac-{ac}", drop, training={"mixed_precision": "fp32"},
+                                         model={"activation_checkpointing": ac}), m.config("full"), "--benchmark")
+        if not run.ok:
+            return [Result("5 AC with dropout", "FAIL", run.failure())]
+        losses[ac] = [r["loss"] for r in run.metrics() if r["kind"] == "train"]
+    # fp32 kernels need not add up in one order: verify's noise model for this global batch (2 x ranks x 4
+    # sequences of 128 tokens, 4 micro-steps), over the 4 steps
+    tol = equivalence_tolerance("fp32", 2 * m.ranks * 4 * 128, 4, 4)["loss"]
+    ok = len(losses[False]) == len(losses[True]) == 4 and all(
+        abs(a - b) <= tol * abs(a) for a, b in zip(losses[False], losses[True]))
+    return [Result("5 AC with dropout", "PASS" if ok else "FAIL",
+                   f"losses {losses[False]} vs {losses[True]} (relative tolerance {tol:.1e})")]
+
+
+def check_too_many_processes(m: Machine) -> list[Result]:
+    cli("recipe", "validate", "quickstart")  # warms the data cache
+    proc = cli("recipe", "run", "quickstart", "--accelerate-config", m.config("toomany"), "--num-processes",
+               m.ranks + 1, "--output-dir", m.work / "toomany", "--overwrite")
+    ok = proc.returncode == 2 and "GPU(s)" in proc.stderr
+    return [Result("6 processes > GPUs", "PASS" if ok else "FAIL", Ran(proc, m.work).failure())]
+
+
+def check_offloaded_step(m: Machine) -> list[Result]:
+    size = ["--params", "4e6", "--steps", "5"] if m.cpu else []
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(m.ranks),
+                           str(REPO / "benchmarks" / "offload_optimizer_step.py"), *size],
+                          capture_output=True, text=True, timeout=900)
+    figures = " | ".join(line.strip() for line in proc.stdout.splitlines()[1:])
+    return [Result("8 offloaded optimizer step", "INFO" if proc.returncode == 0 and figures else "FAIL",
+                   figures or Ran(proc, m.work).failure())]
+
+
+def check_mfu(m: Machine) -> list[Result]:
+    from accel_fsdp.hardware import peak_flops
+
+    run = m.run("mfu", m.recipe("mfu", m.model("big"), training={"max_steps": 6, "mixed_precision": "bf16"}),
+                m.config("full"), "--benchmark")
+    mfu = [r["mfu"] for r in run.metrics() if r.get("mfu") is not None] if run.ok else []
+    if not mfu:
+        return [Result("9 MFU", "FAIL", run.failure() if not run.ok else "no MFU in the metrics")]
+    return [Result("9 MFU", "INFO", f"{m.device}: bf16 peak {peak_flops(m.device, half=True)}, fp32 peak "
+                                    f"{peak_flops(m.device, half=False)}; MFU of the last step {mfu[-1]:.1%}")]
+
+
+CHECKS = [
+    Check(1, "offload + FULL_STATE_DICT", check_offload),
+    Check(2, "rank-0-only loading", check_loading),
+    Check(3, "FA2 packing isolation", check_packing),
+    Check(4, "gradients between micro-steps", check_gradients),
+    Check(5, "AC with dropout", check_activation_checkpointing),
+    Check(6, "processes > GPUs", check_too_many_processes,
+          gpu_only="it counts visible GPUs, and CPU ranks have none to count (tests/test_gpu_path.py simulates them)"),
+    Check(7, "process group", check_process_group),
+    Check(8, "offloaded optimizer step", check_offloaded_step),
+    Check(9, "MFU", check_mfu, gpu_only="MFU is measured against a GPU's peak FLOP/s; CPU ranks report none"),
+]
+
+
+def run_checks(m: Machine, only: set[int] | None = None) -> Section:
+    section = Section(f"GPU-path checks: {m.ranks} x {m.device}", ["check", "result", "figures"])
+    for check in CHECKS:
+        if only and check.number not in only:
+            continue
+        started = time.monotonic()
+        if m.cpu and check.gpu_only:
+            results = [Result(f"{check.number} {check.title}", "SKIP", f"on CPU ranks: {check.gpu_only}")]
+        else:
+            try:
+                results = check.run(m)
+            except Exception as e:  # a check that cannot run says why, and the others still run
+                results = [Result(f"{check.number} {check.title}", "FAIL", f"{type(e).__name__}: {e}"[:300])]
+        for r in results:
+            print(f"{r.status:<5} {r.check:<34} {r.figures}", flush=True)
+            section.rows.append([r.check, r.status, r.figures])
+        print(f"      ({time.monotonic() - started:.0f} s)", flush=True)
+    return section
+
+
+# ------------------------------------------------------------------------------------------------ main
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gpus", type=int, default=torch.cuda.device_count(), help="ranks (default: visible GPUs)")
+    parser.add_argument("--cpu", action="store_true", help="run on CPU ranks the checks whose mechanism runs there "
+                        "(the GPU config through `recipe run --cpu`); the others are named as skipped")
+    parser.add_argument("--ranks", type=int, default=None, help="ranks (default: the visible GPUs; 2 with --cpu)")
+    parser.add_argument("--only", type=int, action="append", help="only this check (repeatable)")
     parser.add_argument("--work", type=Path, default=None, help="working folder (default: a temporary one)")
+    parser.add_argument("--markdown", type=Path, default=None, help="also write the report as markdown here")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("gpu_check: no CUDA device visible (tests/test_gpu_path.py holds these properties on CPU ranks)")
-    gpus = args.gpus
+    from accel_fsdp.quiet import quiet_libraries
+
+    quiet_libraries()  # transformers' progress bars while the models are written and read
+    if not args.cpu and not torch.cuda.is_available():
+        sys.exit("gpu_check: no CUDA device visible; --cpu runs the checks whose mechanism runs on CPU ranks")
+    ranks = args.ranks or (2 if args.cpu else torch.cuda.device_count())
     work = args.work or Path(tempfile.mkdtemp(prefix="accel-fsdp-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
-    name = torch.cuda.get_device_name(0)
-    print(f"accel-fsdp GPU check: {gpus} x {name}, torch {torch.__version__}, work folder {work}")
-    tiny = model(work, "tiny", 2, 256)
-    full = config(work, "full", gpus)
-
-    # 1: offload and a full state dict from the recipe, on NCCL
-    run = work / "offload"
-    proc = cli("recipe", "run", recipe(work, "offload", tiny, gpus, fsdp={"cpu_offload": True},
-                                       checkpoint={"state_dict_type": "FULL_STATE_DICT", "every_steps": 2}),
-               "--accelerate-config", full, "--output-dir", run, "--overwrite")
-    record = json.loads((run / "sharding.json").read_text()).get("process_group", {}) if proc.returncode == 0 else {}
-    say("1 offload + FULL_STATE_DICT", "PASS" if proc.returncode == 0 else "FAIL",
-        f"backends {record.get('backends')}" if proc.returncode == 0 else failed(proc))
-    say("7 process group", "PASS" if record.get("timeout_s") == 3600 and "gloo" in str(record.get("backends")) else
-        "FAIL", f"backends {record.get('backends')}, timeout {record.get('timeout_s')} s (recipe: 60 min)")
-
-    # 2: loading memory
-    big = model(work, "big", 24, 1024)
-    size = sum(f.stat().st_size for f in big.glob("*.safetensors"))
-    growth = {}
-    for label, efficient in (("rank 0 reads", True), ("every rank reads", False)):
-        run = work / f"load-{efficient}"
-        proc = cli("recipe", "run", recipe(work, f"load{efficient}", big, gpus, training={"max_steps": 1}),
-                   "--accelerate-config", config(work, f"load{efficient}", gpus,
-                                                 fsdp_cpu_ram_efficient_loading=efficient),
-                   "--output-dir", run, "--overwrite", "--benchmark")
-        if proc.returncode:
-            say(f"2 loading ({label})", "FAIL", failed(proc))
-            continue
-        growth[efficient] = json.loads((run / "sharding.json").read_text())["loading_peak_rss_growth_bytes"]
-        say(f"2 loading ({label})", "INFO", "host RSS growth per rank " +
-            ", ".join(f"{g / size:.2f}x" for g in growth[efficient]) + f" of the {size / 2**30:.2f} GiB model; "
-            f"machine {sum(growth[efficient]) / size:.2f}x")
-    if True in growth:
-        total = sum(growth[True]) / size
-        say("2 loading target", "PASS" if total <= 1.2 + 0.1 * gpus else "FAIL",
-            f"{total:.2f}x one copy on the machine (target <= 1.2x plus per-process overhead)")
-
-    # 3: flash attention with packing
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        say("3 FA2 packing isolation", "SKIP", "flash-attn is not installed (pip install flash-attn)")
-    else:
-        from transformers import AutoModelForCausalLM
-
-        from accel_fsdp.data.batches import PADDING_FREE, collate
-
-        m = AutoModelForCausalLM.from_pretrained(tiny, attn_implementation="flash_attention_2",
-                                                 dtype=torch.bfloat16).cuda().eval()
-        docs = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
-        rows = {"input_ids": [docs[0] + docs[1], docs[2]], "labels": [docs[0] + docs[1], docs[2]],
-                "position_ids": [list(range(5)) + list(range(3)), list(range(7))], "length": [8, 7]}
-        batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in collate(rows, 0, True,
-                                                                                         layout=PADDING_FREE).items()}
-        batch.pop("labels")
-        with torch.no_grad():
-            packed = m(**batch, use_cache=False).logits[0]
-            alone = torch.cat([m(input_ids=torch.tensor([d]).cuda()).logits[0] for d in docs])
-        diff = (packed.float() - alone.float()).abs().max().item()
-        say("3 FA2 packing isolation", "PASS" if diff < 5e-2 else "FAIL", f"max logit difference {diff:.2e} (bf16)")
-
-    # 4: gradients between micro-steps
-    held = {}
-    for deferred in (False, True):
-        run = work / f"grads-{deferred}"
-        proc = cli("recipe", "run", recipe(work, f"grads{deferred}", big, gpus, training={"max_steps": 2},
-                                           fsdp={"reduce_every_micro_step": not deferred}),
-                   "--accelerate-config", full, "--output-dir", run, "--overwrite", "--benchmark",
-                   env={"ACCEL_FSDP_PROBE": "grad-bytes"})
-        if proc.returncode:
-            say("4 gradients between micro-steps", "FAIL", failed(proc))
-            break
-        lines = (run / "trace" / "grad-bytes-rank0.jsonl").read_text().splitlines()
-        held[deferred] = max(json.loads(line)["bytes"] for i, line in enumerate(lines) if i % 4)
-    if len(held) == 2:
-        say("4 gradients between micro-steps", "PASS" if gpus == 1 or held[False] < 0.6 * held[True] else "FAIL",
-            f"{held[False] / 2**20:,.0f} MiB per rank by default, {held[True] / 2**20:,.0f} MiB deferred")
-
-    # 5: activation checkpointing with dropout
-    drop = model(work, "dropout", 2, 256, dropout=0.1)
-    losses = {}
-    for ac in (False, True):
-        run = work / f"ac-{ac}"
-        proc = cli("recipe", "run", recipe(work, f"ac{ac}", drop, gpus, training={"mixed_precision": "fp32"},
-                                           model={"activation_checkpointing": ac}),
-                   "--accelerate-config", full, "--output-dir", run, "--overwrite", "--benchmark")
-        losses[ac] = [r["loss"] for r in metrics(run) if r["kind"] == "train"] if proc.returncode == 0 else None
-    from accel_fsdp.tools.verify import equivalence_tolerance
-
-    # fp32 GPU kernels need not add up in one order: verify's noise model for this global batch (2 x gpus x 4
-    # sequences of 128 tokens, 4 micro-steps), over the 4 steps
-    tol = equivalence_tolerance("fp32", 2 * gpus * 4 * 128, 4, 4)["loss"]
-    ok = losses[False] and losses[True] and all(abs(a - b) <= tol * abs(a) for a, b in zip(*losses.values()))
-    say("5 AC with dropout", "PASS" if ok else "FAIL", f"losses {losses[False]} vs {losses[True]}")
-
-    # 6: more processes than GPUs
-    proc = cli("recipe", "validate", "quickstart")  # warms the data cache
-    proc = cli("recipe", "run", "quickstart", "--accelerate-config", config(work, "toomany", gpus + 1),
-               "--output-dir", work / "toomany", "--overwrite")
-    say("6 processes > GPUs", "PASS" if proc.returncode == 2 and "GPU(s)" in proc.stderr else "FAIL",
-        failed(proc))
-
-    # 8: the offloaded optimizer step
-    proc = subprocess.run(["torchrun", "--nproc_per_node", str(gpus), str(REPO / "benchmarks" /
-                                                                          "offload_optimizer_step.py")],
-                          capture_output=True, text=True)
-    say("8 offloaded optimizer step", "INFO" if proc.returncode == 0 else "FAIL",
-        " | ".join(line.strip() for line in proc.stdout.splitlines()[1:]) or failed(proc))
-
-    # 9: MFU
-    from accel_fsdp.hardware import peak_flops
-
-    run = work / "mfu"
-    proc = cli("recipe", "run", recipe(work, "mfu", big, gpus, training={"max_steps": 6, "mixed_precision": "bf16"}),
-               "--accelerate-config", full, "--output-dir", run, "--overwrite", "--benchmark")
-    mfu = [r["mfu"] for r in metrics(run) if "mfu" in r] if proc.returncode == 0 else []
-    say("9 MFU", "INFO" if mfu else "FAIL", f"{name}: bf16 peak {peak_flops(name, half=True)}, fp32 peak "
-        f"{peak_flops(name, half=False)}; MFU of the last step {mfu[-1]:.1%}" if mfu else failed(proc))
-    print(f"{sum(s == 'PASS' for _, s, _ in RESULTS)} passed, {sum(s == 'FAIL' for _, s, _ in RESULTS)} failed")
-    sys.exit(1 if any(s == "FAIL" for _, s, _ in RESULTS) else 0)
+    device = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)" if args.cpu else \
+        torch.cuda.get_device_name(0)
+    machine = Machine(work=work, ranks=ranks, cpu=args.cpu, device=device)
+    print(f"accel-fsdp GPU check: {ranks} x {device}, torch {torch.__version__}, work folder {work}", flush=True)
+    sections = [run_checks(machine, set(args.only or ()))]
+    rows = [row for s in sections for row in s.rows]
+    print(f"{sum(r[1] == 'PASS' for r in rows)} passed, {sum(r[1] == 'FAIL' for r in rows)} failed, "
+          f"{sum(r[1] == 'SKIP' for r in rows)} skipped")
+    if args.markdown:
+        args.markdown.write_text("\n".join(s.markdown() for s in sections))
+        print(f"markdown: {args.markdown}")
+    sys.exit(1 if any(r[1] == "FAIL" for r in rows) else 0)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import torch
 import yaml
 from click.testing import CliRunner
 from conftest import REPO, read_metrics, run_cli, save_tiny_model, tiny_recipe
+from flash_standin import NAME as FLASH_STANDIN
+from flash_standin import install as install_flash_standin
 
 from accel_fsdp.cli import main
 from accel_fsdp.config.accelerate import load_accelerate_config
@@ -370,40 +372,10 @@ def test_flash_attention_in_fp32_is_refused_before_launch():
     assert check_settings(settings, recipe) == []
 
 
-FLASH_STANDIN = "cpu_flash_standin"
-
-
 @pytest.fixture
 def flash_standin(monkeypatch):
-    """A CPU kernel registered under a name with "flash" in it: transformers routes it as a flash kernel (no mask;
-    utils/generic.py, is_flash_attention_requested), the trainer lays batches out padding-free for it."""
-    import torch.nn.functional as F
-    import transformers.modeling_flash_attention_utils as fa
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
-
-    calls = []
-
-    def standin(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        assert attention_mask is None, "a flash kernel gets no mask"
-        for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
-            assert kwargs.get(name) is not None, name
-        calls.append(kwargs["cu_seq_lens_q"].tolist())
-        cu = kwargs["cu_seq_lens_q"].tolist()
-        if key.shape[1] != query.shape[1]:  # grouped keys and values
-            key = key.repeat_interleave(query.shape[1] // key.shape[1], 1)
-            value = value.repeat_interleave(query.shape[1] // value.shape[1], 1)
-        out = torch.cat([F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
-                                                         is_causal=True, scale=scaling)
-                         for a, b in zip(cu[:-1], cu[1:])], 2)
-        return out.transpose(1, 2).contiguous(), None
-
-    monkeypatch.setitem(AttentionInterface._global_mapping, FLASH_STANDIN, standin)
-    monkeypatch.setitem(AttentionMaskInterface._global_mapping, FLASH_STANDIN, flash_attention_mask)
-    # transformers loads a flash implementation by name unless it is the one loaded already
-    # (modeling_flash_attention_utils.py, lazy_import_flash_attention; 5.24.0)
-    monkeypatch.setattr(fa, "_loaded_implementation", FLASH_STANDIN)
-    return calls
+    """The CPU stand-in for flash_attention_2 (tests/flash_standin.py), undone after the test; the calls' boundaries."""
+    return install_flash_standin(monkeypatch.setitem, monkeypatch.setattr)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
