@@ -1,6 +1,7 @@
 """What the machine is: CUDA devices, the CPU's native bf16, the cores this process may use, accelerators' peak
-FLOP/s, this process's memory, and the network interface gloo binds. The ground floor: it imports nothing of the package above errors.py, and torch
-only inside the functions that need it, so the fast commands (`recipe list`, `validate`) never pay its import.
+FLOP/s, this process's memory, and the network interface gloo binds. The ground floor: it imports nothing of the
+package above errors.py, and torch only inside the functions that need it, so the fast commands (`recipe list`,
+`validate`) never pay its import.
 """
 
 from __future__ import annotations

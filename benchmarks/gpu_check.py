@@ -187,10 +187,9 @@ OFFLOAD_TIMEOUT_MINUTES = 45
 
 def offload_run(m: Machine) -> Ran:
     """Check 1's run, which check 7 reads too."""
-    return m.run("offload", m.recipe("offload", m.model("tiny"), fsdp={"cpu_offload": True, "collective_timeout_minutes":
-                                                                       OFFLOAD_TIMEOUT_MINUTES},
-                                     checkpoint={"state_dict_type": "FULL_STATE_DICT", "every_steps": 2}),
-                 m.config("full"))
+    fsdp = {"cpu_offload": True, "collective_timeout_minutes": OFFLOAD_TIMEOUT_MINUTES}
+    checkpoint = {"state_dict_type": "FULL_STATE_DICT", "every_steps": 2}
+    return m.run("offload", m.recipe("offload", m.model("tiny"), fsdp=fsdp, checkpoint=checkpoint), m.config("full"))
 
 
 def check_offload(m: Machine) -> list[Result]:
@@ -215,7 +214,8 @@ def check_process_group(m: Machine) -> list[Result]:
     ok = (set(str(record.get("backends")).split(",")) == want_backends and record.get("timeout_s") == want
           and all(t == want for t in groups.values()))
     return [Result("7 process group", "PASS" if ok else "FAIL",
-                   f"backends {record.get('backends')} (want {','.join(sorted(want_backends))}); timeout {record.get('timeout_s')} s and "
+                   f"backends {record.get('backends')} (want {','.join(sorted(want_backends))}); timeout "
+                   f"{record.get('timeout_s')} s and "
                    f"{len(groups)} group(s) at {sorted(set(groups.values()))} s (recipe: {want} s)")]
 
 

@@ -54,8 +54,8 @@ class Faults:
             while True:
                 time.sleep(3600)
         elif self.kind == "user-error":
-            raise UserError(Problem("(injected fault)", f"a mistake found by one rank alone after optimizer step {step}",
-                                    "nothing to fix: a test fault"))
+            raise UserError(Problem("(injected fault)", "a mistake found by one rank alone after optimizer step "
+                                    f"{step}", "nothing to fix: a test fault"))
 
     def in_save(self, step: int) -> None:
         if step != self.step:
