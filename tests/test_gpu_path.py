@@ -89,8 +89,8 @@ def test_accelerate_keeps_the_two_backend_group_on_cuda(monkeypatch):
 
 
 def test_collective_timeout_is_checked():
-    with pytest.raises(UserError, match=r"fsdp.collective_timeout_minutes: 0 is outside \[0.1, 10080\] \(6 seconds to a "
-                                         r"week\)"):
+    with pytest.raises(UserError, match=r"fsdp.collective_timeout_minutes: 0 is outside \[0.1, 10080\]: 6 seconds to "
+                                         r"a week"):
         recipe_from_text(TINY, source="r.yaml", overrides=["fsdp.collective_timeout_minutes=0"])
 
 

@@ -684,8 +684,10 @@ def check_recipe(r: Recipe) -> list[Problem]:
     need(pref.gamma >= 0, "preference.gamma", f"{pref.gamma} must be 0 or more", "SimPO: about 0.5 x beta")
     need(pref.lambda_ >= 0, "preference.lambda", f"{pref.lambda_} must be 0 or more", "ORPO: 0.05 to 1 (default 0.1)")
     p += method_problems(r)
-    need(0.1 <= r.fsdp.collective_timeout_minutes <= 7 * 24 * 60, "fsdp.collective_timeout_minutes",
-         f"{r.fsdp.collective_timeout_minutes} is outside [0.1, 10080] (6 seconds to a week)", "e.g. 60")
+    minutes = r.fsdp.collective_timeout_minutes
+    need(0.1 <= minutes <= 7 * 24 * 60, "fsdp.collective_timeout_minutes",
+         f"{int(minutes) if float(minutes).is_integer() else minutes} is outside [0.1, 10080]: 6 seconds to a "
+         "week", "e.g. 60")
     need(lg.every_steps >= 1, "logging.every_steps", f"{lg.every_steps} must be at least 1", "e.g. 10")
     need(1 <= lg.sample_max_new_tokens <= 4096, "logging.sample_max_new_tokens",
          f"{lg.sample_max_new_tokens} is outside [1, 4096]", "e.g. 24")
