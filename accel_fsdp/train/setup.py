@@ -26,8 +26,8 @@ from accel_fsdp.config.accelerate import (
     config_from_environment,
     load_accelerate_config,
 )
+from accel_fsdp.config.binder import flatten
 from accel_fsdp.config.precision import compute_dtype
-from accel_fsdp.config.recipe import flatten
 from accel_fsdp.config.settings import FsdpSettings, Source, cpu_guess_note
 from accel_fsdp.data import batches
 from accel_fsdp.data import prepare as data_lib
