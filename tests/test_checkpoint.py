@@ -323,7 +323,9 @@ def test_inspect_describes_every_checkpoint(reference):
 
 
 def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path):
-    from accel_fsdp.checkpoint.store import FORMAT, latest_complete, list_checkpoints, rotate
+    from accel_fsdp.checkpoint.index import latest_complete, list_checkpoints
+    from accel_fsdp.checkpoint.records import FORMAT
+    from accel_fsdp.checkpoint.store import rotate
 
     for step in (3, 6, 9, 12):
         folder = tmp_path / f"step-{step:06d}"

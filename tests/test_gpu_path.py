@@ -94,7 +94,9 @@ def test_collective_timeout_is_checked():
 
 
 def test_rotation_renames_before_deleting_and_never_blocks(tmp_path):
-    from accel_fsdp.checkpoint.store import FORMAT, list_checkpoints, rotate, wait_for_rotations
+    from accel_fsdp.checkpoint.index import list_checkpoints
+    from accel_fsdp.checkpoint.records import FORMAT
+    from accel_fsdp.checkpoint.store import rotate, wait_for_rotations
 
     for step in (1, 2, 3):
         folder = tmp_path / f"step-{step:06d}"

@@ -55,8 +55,9 @@ def job_start_log(script: Path, tmp_path: Path) -> str:
 
 def fabricate_checkpoint(folder: Path, step: int, run_id: str | None) -> Path:
     """A complete checkpoint as far as the manifest can tell (one file, its size and CRC-32)."""
+    from accel_fsdp.checkpoint.index import crc32_of
     from accel_fsdp.checkpoint.records import Manifest
-    from accel_fsdp.checkpoint.store import checkpoint_name, crc32_of
+    from accel_fsdp.layout import checkpoint_name
 
     step_dir = folder / checkpoint_name(step)
     step_dir.mkdir(parents=True)
@@ -69,7 +70,7 @@ def fabricate_checkpoint(folder: Path, step: int, run_id: str | None) -> Path:
 
 @pytest.mark.parametrize("where", ["default", "outside the run folder"])
 def test_slurm_script_checkpoint_code_and_cli_agree_on_where_checkpoints_are(tmp_path, where):
-    from accel_fsdp.checkpoint.store import checkpoint_to_resume, list_checkpoints
+    from accel_fsdp.checkpoint.index import checkpoint_to_resume, list_checkpoints
     from accel_fsdp.config.recipe import load_recipe
     from accel_fsdp.layout import RunLayout
     from accel_fsdp.run.folder import Decision, decide, prepare

@@ -35,7 +35,7 @@ def snapshot(folder: Path) -> dict[str, str]:
 def fake_run(folder: Path, run_id: str, *, recipe="quickstart", overrides=(), checkpoint_dir: Path | None = None,
              checkpoint_steps=(3,)) -> Path:
     """A run folder as accel-fsdp leaves it (identity, resolved recipe, owned checkpoint folder), without training."""
-    from accel_fsdp.checkpoint.store import FORMAT
+    from accel_fsdp.checkpoint.records import FORMAT
     from accel_fsdp.config.recipe import load_recipe
 
     r = load_recipe(shipped_recipes()[recipe], list(overrides))
@@ -545,7 +545,7 @@ def test_a_moved_run_folder_uses_its_own_checkpoints(tmp_path):
 def test_a_newer_damaged_checkpoint_passed_over_is_named(tmp_path):
     """Given a run folder, consolidate and --resume take the newest complete checkpoint; a newer one that is damaged
     is said, not skipped in silence."""
-    from accel_fsdp.checkpoint.store import resolve_checkpoint, skipped_newer
+    from accel_fsdp.checkpoint.index import resolve_checkpoint, skipped_newer
 
     run = fake_run(tmp_path / "run", "hhhh", checkpoint_steps=(3, 6))
     manifest = run / "checkpoints" / "step-000006" / "manifest.json"

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from accel_fsdp.checkpoint.store import CheckpointInfo
+from accel_fsdp.checkpoint.index import CheckpointInfo
 from accel_fsdp.config.precision import PRECISIONS, TRANSFORMERS, compute_dtype
 from accel_fsdp.errors import Problem, UserError, read_json_object
 from accel_fsdp.hardware import PeakMemory

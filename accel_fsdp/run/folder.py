@@ -20,6 +20,7 @@ import time
 from enum import Enum
 from pathlib import Path
 
+from accel_fsdp.checkpoint.index import latest_complete
 from accel_fsdp.checkpoint.records import Manifest
 from accel_fsdp.config.recipe import incompatible_keys, read_saved_recipe
 from accel_fsdp.errors import Problem, UserError
@@ -98,8 +99,6 @@ def decide(layout: RunLayout, recipe, *, resume: str | None = None, resume_from:
                                     "give another --output-dir, or resume it with the recipe that made it "
                                     "(its copy is in recipe.yaml) (nothing was changed)"))
         check_checkpoint_folder(layout, owner=identity)
-        from accel_fsdp.checkpoint.store import latest_complete
-
         return Decision.RESUME if latest_complete(layout.checkpoints) else Decision.RESTART
     same = identity.recipe_fingerprint == recipe.fingerprint()
     what = "a run of this same recipe" if same else \

@@ -40,7 +40,7 @@ from pathlib import Path
 from accel_fsdp.checkpoint.records import Manifest
 from accel_fsdp.config import precision
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.layout import CHECKPOINTS_DIR, MANIFEST, STEP_PREFIX, RunLayout
+from accel_fsdp.layout import CHECKPOINTS_DIR, MANIFEST, STEP_PREFIX, RunLayout, checkpoint_name
 from accel_fsdp.model.facts import base_values, facts_for
 from accel_fsdp.planning.memory import MemoryInputs, estimate
 from accel_fsdp.preflight import preflight
@@ -549,8 +549,6 @@ def verify(recipe, config, num_processes: int | None, overrides: list[str], *, o
     if not quick and v.world > 1 and t.splits_evenly(1) and wanted & {"equivalence", "data"}:
         run_probe(v, "fewer-ranks", sets + ["training.max_steps=2"], extra_args=["--num-processes", "1"], env=traced)
     if "resume" in wanted and steps >= 3:
-        from accel_fsdp.checkpoint.store import checkpoint_name
-
         step_dir = v.probes["reference"].layout.checkpoints / checkpoint_name(2)  # resume needs the reference
         run_probe(v, "resume", sets, extra_args=[*extra, "--resume-from", str(step_dir)])
     if "activation-checkpointing" in wanted:

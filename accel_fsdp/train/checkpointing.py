@@ -1,17 +1,18 @@
 """When the loop's state is saved, and how a run continues from it. The checkpointer decides its own cadence
 (`checkpoint.every_steps`, the end of the run, and a preemption every rank agreed on); checkpoint/store.py
-writes and reads the files."""
+writes and reads the files, checkpoint/index.py finds and judges them."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from accel_fsdp.checkpoint import index as checkpoint_index
 from accel_fsdp.checkpoint import store as ckpt
 from accel_fsdp.checkpoint.consolidate import consolidate
 from accel_fsdp.checkpoint.records import TrainerState
 from accel_fsdp.errors import UserError
-from accel_fsdp.layout import RunIdentity
+from accel_fsdp.layout import RunIdentity, checkpoint_name
 from accel_fsdp.train.faults import Faults
 from accel_fsdp.train.lifetime import Preempted
 from accel_fsdp.train.state import TrainingState
@@ -57,12 +58,12 @@ class Checkpointer:
         return the training state it saved."""
         run = self.run
         request, recipe, acc = run.request, run.recipe, run.accelerator
-        info = ckpt.checkpoint_to_resume(run.layout.checkpoints, request.resume_from)
-        ckpt.verify_files(info, acc)  # a file damaged since it was saved is named before anything reads it
+        info = checkpoint_index.checkpoint_to_resume(run.layout.checkpoints, request.resume_from)
+        checkpoint_index.verify_files(info, acc)  # a file damaged since it was saved is named before anything reads it
         if not request.resume_from:
-            for newer in ckpt.skipped_newer(info):
+            for newer in checkpoint_index.skipped_newer(info):
                 run.say(f"resume: {newer.name} is newer but not usable ({newer.reason})")
-        for note in ckpt.check_resume(info, recipe, run.settings, run.total_steps):
+        for note in checkpoint_index.check_resume(info, recipe, run.settings, run.total_steps):
             run.say(f"resume: {note}")
         state = ckpt.load_checkpoint(acc, run.model, run.optimizer, run.scheduler, info,
                                      lora=recipe.model.lora.enabled)
@@ -79,7 +80,7 @@ class Checkpointer:
         resumable."""
         run, step = self.run, state.step
         run.terminal.close_bar()
-        path = run.layout.checkpoints / ckpt.checkpoint_name(step) if self.last_saved_step == step else self.save(state)
+        path = run.layout.checkpoints / checkpoint_name(step) if self.last_saved_step == step else self.save(state)
         run.preemption.finish()
         if run.accelerator.is_main_process:
             run.layout.preempted_file.write_text(json.dumps({"step": step, "checkpoint": str(path),
@@ -95,7 +96,7 @@ class Checkpointer:
     def export_final(self) -> None:
         """The main process alone, after the other ranks have left: the last checkpoint as a Hugging Face folder."""
         run = self.run
-        info = ckpt.latest_complete(run.layout.checkpoints)
+        info = checkpoint_index.latest_complete(run.layout.checkpoints)
         report = consolidate(info, run.layout.final, dtype=run.recipe.checkpoint.export_dtype)
         print(f"export: {report.summary()}")
 
