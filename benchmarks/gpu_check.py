@@ -190,7 +190,7 @@ def main() -> None:
                                            model={"activation_checkpointing": ac}),
                    "--accelerate-config", full, "--output-dir", run, "--overwrite", "--benchmark")
         losses[ac] = [r["loss"] for r in metrics(run) if r["kind"] == "train"] if proc.returncode == 0 else None
-    from accel_fsdp.tools.verify import equivalence_tolerance
+    from accel_fsdp.tools.noise import equivalence_tolerance
 
     # fp32 GPU kernels need not add up in one order: verify's noise model for this global batch (2 x gpus x 4
     # sequences of 128 tokens, 4 micro-steps), over the 4 steps

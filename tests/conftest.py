@@ -134,7 +134,7 @@ def load_weights(folder: Path) -> dict:
 
 
 # ---------------------------------------------------------------------- noise models of float comparisons
-# A float tolerance in a test follows from one of these or from the noise model of accel_fsdp/tools/verify.py (ROUNDOFF,
+# A float tolerance in a test follows from one of these or from the noise model of accel_fsdp/tools/noise.py (ROUNDOFF,
 # SIGMAS, reordered, adam_step_bound), with the reason it applies where it is used; never from one machine's run:
 # AVX2-only, AVX512-BF16 and AMX CPUs pick other kernels, so add numbers up in other orders.
 
@@ -153,7 +153,7 @@ def assert_adam_runs_agree(weights: dict, reference: dict, lrs: list[float], gra
     import torch
 
     from accel_fsdp.config.recipe import TrainingConfig
-    from accel_fsdp.tools.verify import adam_step_bound
+    from accel_fsdp.tools.noise import adam_step_bound
 
     t = TrainingConfig()
     largest = 2 * adam_step_bound(t.adam_beta1, t.adam_beta2, len(lrs)) * sum(lrs)

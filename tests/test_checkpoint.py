@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import LOGIT_PATH, load_weights, read_metrics, run_cli, tiny_recipe
 
-from accel_fsdp.tools.verify import SIGMAS, reordered
+from accel_fsdp.tools.noise import SIGMAS, reordered
 
 pytestmark = pytest.mark.multiprocess
 STEPS = 12

@@ -30,7 +30,7 @@ from accel_fsdp.config.recipe import load_recipe, recipe_from_text
 from accel_fsdp.config.settings import Source, check_settings, resolve_settings
 from accel_fsdp.config.shipped import shipped_recipes
 from accel_fsdp.errors import UserError
-from accel_fsdp.tools.verify import reordered
+from accel_fsdp.tools.noise import reordered
 
 TINY = """
 model: {architecture: gpt2, tokenizer: "builtin:quickstart", config_overrides: {n_layer: 2, n_embd: 64, n_head: 4}}

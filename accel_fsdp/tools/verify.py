@@ -44,27 +44,12 @@ from accel_fsdp.layout import CHECKPOINTS_DIR, MANIFEST, STEP_PREFIX, RunLayout,
 from accel_fsdp.model.facts import base_values, facts_for
 from accel_fsdp.planning.memory import MemoryInputs, estimate
 from accel_fsdp.preflight import preflight
+from accel_fsdp.tools.noise import ROUNDOFF, adam_step_bound, equivalence_tolerance, reordered
 from accel_fsdp.train.metrics import read_metrics
 
 MARKER = "verify.json"
 CHECKS = ("sharding", "precision", "equivalence", "resume", "packing", "data", "activation-checkpointing", "memory",
           "throughput")
-ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}
-"""Unit roundoff of each compute precision (24, 8, 11 significant bits): one rounding moves a value by at most this
-fraction of it. The numeric checks' tolerances follow from it, never from one machine's run: machines differ in
-kernels, so in the order they add numbers up."""
-SIGMAS = 7.0
-"""Rounding errors add up like independent zero-mean draws (Higham and Mary, SIAM J. Sci. Comput. 41(5), 2019): n of
-them stay within SIGMAS x sqrt(n) roundoffs, except with probability below 2n exp(-SIGMAS^2 / 2), about 5e-11 n."""
-
-
-def reordered(terms: int, precision: str = "fp32") -> float:
-    """Largest relative difference of two computations of one sum of `terms` terms added in different orders (relative
-    to the sum where the terms share a sign, as the token losses of a batch, or do not cancel, as a gradient's large
-    elements): each is within SIGMAS x sqrt(terms) roundoffs of the exact sum."""
-    return 2 * SIGMAS * math.sqrt(terms) * ROUNDOFF[precision]
-
-
 SHARE_TOLERANCE = 0.01
 """A source's share of the loss-carrying tokens (or sequences) over any 100 consecutive steps, against its weight."""
 PACKING_LIMIT = {"fp32": reordered(2**23), "bf16": 8 * ROUNDOFF["bf16"], "fp16": 8 * ROUNDOFF["fp16"]}
@@ -255,34 +240,6 @@ def check_precision(v: Verification) -> Check:
                  f"layers multiply with {', '.join(map(str, compute))} weights; gradients reduced in "
                  f"{', '.join(reduce) or 'nothing recorded'}", f"compute {want}, reduce torch.float32",
                  {"compute": compute, "reduce": reduce})
-
-
-def adam_step_bound(beta1: float, beta2: float, steps: int) -> float:
-    """The farthest bias-corrected Adam can move an element in one of its first `steps` steps, in units of lr, whatever
-    the gradients: |m| / sqrt(v) <= sqrt(sum a_i^2 / b_i) over the moments' weights a and b (Cauchy-Schwarz); 1.0 for
-    the first 3 steps with betas (0.9, 0.95). A gradient at the rounding floor can get this step either way."""
-    worst = 0.0
-    for t in range(1, steps + 1):
-        a = [(1 - beta1) * beta1 ** (t - i) / (1 - beta1**t) for i in range(1, t + 1)]
-        b = [(1 - beta2) * beta2 ** (t - i) / (1 - beta2**t) for i in range(1, t + 1)]
-        if any(y == 0 for x, y in zip(a, b) if x):
-            return math.inf
-        worst = max(worst, math.sqrt(sum(x * x / y for x, y in zip(a, b) if x)))
-    return worst
-
-
-def equivalence_tolerance(precision: str, tokens: int, micro_steps: int, steps: int) -> dict[str, float]:
-    """Relative tolerance of the losses and gradient norms of two runs that add up the same global batches differently
-    (another split into micro-steps, fewer ranks, recomputed activations, nondeterministic GPU kernels) over `steps`
-    optimizer steps; a step's difference carries into the next one's weights, so they add up. fp32: each step sums
-    `tokens` token losses, and as many products in each gradient element, in other orders. bf16, fp16: products still
-    add in fp32, but every matmul's output is rounded to the format, a unit apart at most in the two runs: a token's
-    loss once, a gradient element once per micro-step it accumulates over (independent, so sqrt(micro_steps) units)."""
-    if precision == "fp32":
-        loss = norm = reordered(tokens)
-    else:
-        loss, norm = 2 * ROUNDOFF[precision], 2 * math.sqrt(micro_steps) * ROUNDOFF[precision]
-    return {"loss": steps * loss, "grad_norm": steps * norm}
 
 
 def compare_rows(a: list, b: list, tol: dict, steps: int) -> tuple[bool, float, float]:
