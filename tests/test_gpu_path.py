@@ -140,7 +140,7 @@ def test_fewer_processes_than_gpus_is_said(monkeypatch):
 
 
 def test_offloaded_optimizer_step_is_fused_and_gets_the_cores():
-    from accel_fsdp.train.setup import fused_optimizer, offload_threads
+    from accel_fsdp.train.optimizer import fused_optimizer, offload_threads
 
     _, gpu = settings_for("fsdp_2gpu")
     _, offload = settings_for("fsdp_2gpu_offload")
