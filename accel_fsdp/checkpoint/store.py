@@ -38,7 +38,7 @@ import torch
 from accel_fsdp import __version__
 from accel_fsdp.checkpoint.index import CheckpointInfo, crc32_of, latest_complete, list_checkpoints
 from accel_fsdp.checkpoint.records import FORMAT, DamagedRecord, Manifest, TrainerState
-from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.errors import Problem, UserError, first_line
 
 # A checkpoint's file names live with every other path of a run, in layout.py.
 from accel_fsdp.layout import (
@@ -176,7 +176,7 @@ def _save_error_cause(error: BaseException, root: Path) -> tuple[str, str]:
             return f"{error.strerror} ({error.filename})", ("make checkpoint.dir writable again (or set it to a "
                                                              "writable folder) and restart with --resume")
         return error.strerror, _FULL_DISK_FIX
-    cause = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+    cause = first_line(error)
     free = _free_bytes(root)
     if free < LOW_DISK:
         cause = f"the disk is full ({free / 2**20:.1f} MiB free there; {cause})"

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.errors import Problem, UserError, first_line
 from accel_fsdp.model import architectures
 from accel_fsdp.model.checks import ModelView, lora_target_problems, override_problems, raise_problems
 from accel_fsdp.model.tokenizer import is_local
@@ -79,7 +79,7 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
             config = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code)
         except (OSError, ValueError, KeyError, TypeError, StrictDataclassError) as e:  # unreadable, untyped, unknown
             raise UserError(Problem(recipe.where("model.name_or_path"), f"transformers cannot read the config of "
-                                    f"{name!r}: {str(e).strip().splitlines()[0][:200]}",
+                                    f"{name!r}: {first_line(e)}",
                                     "restore its config.json (save_pretrained writes it), or update transformers for "
                                     "a newer model type")) from None
     else:
@@ -99,7 +99,7 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
                 config = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code)
             except OSError as e:
                 raise UserError(Problem(recipe.where("model.name_or_path"),
-                                        f"cannot load {name!r}: {str(e).splitlines()[0]}",
+                                        f"cannot load {name!r}: {first_line(e)}",
                                         "check the hub id and your network or HF_TOKEN (gated models such as Llama "
                                         "need an accepted licence), or give a local folder")) from None
             except ValueError as e:
@@ -116,7 +116,7 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
             setattr(config, key, value)  # transformers 5 type-checks the fields of its config classes
         except (TypeError, ValueError, StrictDataclassError) as e:
             problems.append(Problem(recipe.where(f"model.config_overrides.{key}"), f"{value!r} is rejected by "
-                                    f"{type(config).__name__}: {str(e).strip().splitlines()[0][:160]}",
+                                    f"{type(config).__name__}: {first_line(e, 160)}",
                                     f"give {key} a value of the right type"))
     raise_problems(problems)
     if tokenizer is not None and 0 < getattr(config, "vocab_size", 0) < len(tokenizer):
