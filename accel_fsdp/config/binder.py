@@ -28,12 +28,14 @@ import yaml
 from accel_fsdp.errors import Problem
 
 
-def apply_override(raw: dict, item: str, problems: list[Problem], root) -> str | None:
+def apply_override(raw: dict, item: str, problems: list[Problem], root) -> list[str]:
     """Set `dotted.key=value` (a YAML scalar) in the raw YAML data of the dataclass `root`; the key must name a field
-    of its schema. Returns the key, or None with the problem added."""
+    of its schema. Returns the dotted keys whose values now come from the override: the key (with everything under
+    it, a list of sections included), or, for a mapping laid over a section, the keys the mapping names. Nothing,
+    with the problem added, when the key names no field."""
     if "=" not in item:
         problems.append(Problem(f"--set {item}", "expected dotted.key=value", "e.g. --set training.lr=3e-4"))
-        return None
+        return []
     key, _, value_text = item.partition("=")
     key = key.strip()
     try:
@@ -52,7 +54,7 @@ def apply_override(raw: dict, item: str, problems: list[Problem], root) -> str |
                                         f"({count} entr{'y' if count == 1 else 'ies'}, numbered from 0)",
                                         f"use an index below {count}, or set the whole list" if count else
                                         f"set the whole list: --set {'.'.join(parts[:i])}=[...]"))
-                return None
+                return []
             cls = _section_list(cls)
             continue
         hints = _hints(cls) if _is_dataclass_type(cls) else None
@@ -65,11 +67,11 @@ def apply_override(raw: dict, item: str, problems: list[Problem], root) -> str |
             if not known:
                 problems.append(Problem(f"--set {key}", f"{prefix} is a value, not a section with keys",
                                         f"--set {prefix}=VALUE"))
-                return None
+                return []
             fix = f"did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else \
                 f"known keys{' of ' + prefix if prefix else ''}: {', '.join(known)}"
             problems.append(Problem(f"--set {key}", "unknown key", fix))
-            return None
+            return []
         cls = _strip_optional(hints[part])
     node = raw
     for part in parts[:-1]:
@@ -82,10 +84,12 @@ def apply_override(raw: dict, item: str, problems: list[Problem], root) -> str |
     if isinstance(node, list):
         node[int(parts[-1])] = value
     elif isinstance(value, dict) and isinstance(node.get(parts[-1]), dict) and _is_dataclass_type(cls):
+        replaced = _replaced_keys(node[parts[-1]], value, f"{key}.")
         node[parts[-1]] = _merged(node[parts[-1]], value)  # --set training={lr: 1e-5} sets lr, keeps the rest
+        return replaced
     else:
         node[parts[-1]] = value
-    return key
+    return [key]
 
 
 def _merged(base: dict, update: dict) -> dict:
@@ -93,6 +97,17 @@ def _merged(base: dict, update: dict) -> dict:
     out = dict(base)
     for k, v in update.items():
         out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _replaced_keys(base: dict, update: dict, prefix: str) -> list[str]:
+    """The dotted keys whose values `_merged(base, update)` takes from `update`."""
+    out = []
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            out += _replaced_keys(base[k], v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}")
     return out
 
 

@@ -374,9 +374,14 @@ class Recipe:
         blob = json.dumps(flatten(self.to_dict()), sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
+    def is_overridden(self, key: str) -> bool:
+        """The value of `key` came from `--set`: the key, or a key above it (`--set data.sources=[...]` sets
+        data.sources.0.path), was set on the command line."""
+        return any(key == set_key or key.startswith(set_key + ".") for set_key in self.overridden)
+
     def where(self, key: str) -> str:
         """`file:line: key` (or `--set key`) for messages about one key."""
-        if key in self.overridden:
+        if self.is_overridden(key):
             return f"--set {key}"
         if not self.source:
             return key
@@ -451,10 +456,7 @@ def recipe_from_text(text: str, *, source: str, overrides=(), default_name: str 
     problems: list[Problem] = list(duplicates)
     overridden = []
     for item in overrides:
-        key = apply_override(raw, item, problems, Recipe)
-        if key:
-            overridden.append(key)
-            lines.pop(key, None)
+        overridden += apply_override(raw, item, problems, Recipe)
 
     located = Recipe(source=source, overridden=tuple(overridden), lines=lines)
     recipe = bind(Recipe, raw, "", located.where, problems)

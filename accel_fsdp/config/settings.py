@@ -147,7 +147,7 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
     cfg = config.label
 
     def from_recipe(key: str, value) -> Setting:
-        if key in recipe.overridden:
+        if recipe.is_overridden(key):
             return Setting(value, Source.OVERRIDE)
         return Setting(value, Source.RECIPE, recipe.source or recipe.name)
 
@@ -156,7 +156,7 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
 
     def recipe_or_default(key: str, value) -> Setting:
         """Settings only the recipe has: from the recipe when it (or --set) wrote the key, else its default."""
-        return from_recipe(key, value) if key in recipe.overridden or key in recipe.lines else \
+        return from_recipe(key, value) if recipe.is_overridden(key) or key in recipe.lines else \
             Setting(value, Source.DEFAULT)
 
     def pick(recipe_key: str | None, recipe_value, config_key: str | None, convert, default) -> Setting:
