@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from accel_fsdp import hardware
-from accel_fsdp.checkpoint.index import check_resume, checkpoint_to_resume, verify_files
+from accel_fsdp.checkpoint.index import check_resume, checkpoint_to_resume
 from accel_fsdp.config.accelerate import AccelerateConfig, load_accelerate_config
 from accel_fsdp.config.settings import (
     MODEL_DEFAULT,
@@ -172,10 +172,11 @@ def _tracker_problems(recipe) -> list[Problem]:
 
 def _check_resume(recipe, settings, layout, resume_from: str | None) -> list[str]:
     """The checkpoint to resume exists, is complete, and was made by a compatible recipe."""
-    info = checkpoint_to_resume(layout.checkpoints, resume_from)
-    if info.manifest.total_bytes <= VERIFY_BEFORE_LAUNCH_BYTES:
-        verify_files(info)  # small: read it all here; larger ones are checked by the ranks, in parallel
-    return [f"resuming from {info.path}"] + check_resume(info, recipe, settings, recipe.training.max_steps)
+    # Small checkpoints are read through here; larger ones are checked by the ranks, in parallel.
+    point = checkpoint_to_resume(layout.checkpoints, resume_from, verify_up_to=VERIFY_BEFORE_LAUNCH_BYTES)
+    info = point.checkpoint
+    return ([f"resume: {note}" for note in point.notes()] + [f"resuming from {info.path}"]
+            + check_resume(info, recipe, settings, recipe.training.max_steps))
 
 
 def model_view(recipe):

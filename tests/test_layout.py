@@ -100,7 +100,7 @@ def test_slurm_script_checkpoint_code_and_cli_agree_on_where_checkpoints_are(tmp
     assert [c.path for c in list_checkpoints(RunLayout.at(run_dir).checkpoints)] == [step_dir]
     # --resume auto (what the requeued job runs) resumes from it ...
     assert decide(RunLayout.of(recipe, run_dir), recipe, resume="auto") == Decision.RESUME
-    assert checkpoint_to_resume(layout.checkpoints, None).path == step_dir
+    assert checkpoint_to_resume(layout.checkpoints, None).checkpoint.path == step_dir
     # ... and `checkpoint inspect RUN_DIR` finds it at the same place.
     result = CliRunner().invoke(main, ["checkpoint", "inspect", str(run_dir), "--json"])
     assert result.exit_code == 0, result.output

@@ -9,6 +9,7 @@ inspect` answers at once).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,9 +38,9 @@ def crc32_of(path: Path, chunk: int = 1 << 22) -> str:
     return f"{crc:08x}"
 
 
-def verify_files(info: CheckpointInfo, accelerator=None) -> None:
-    """Compare every file of a checkpoint with the CRC-32 its manifest recorded; raise a UserError naming the damaged
-    file(s) before anything reads them. With an `accelerator` (collective), the ranks share the reading."""
+def damaged_files(info: CheckpointInfo, accelerator=None) -> list[str]:
+    """The files of a checkpoint whose CRC-32 differs from the one its manifest recorded. With an `accelerator`
+    (collective), the ranks share the reading and all get the answer."""
     sums = info.manifest.crc32
     names = sorted(sums)
     world = accelerator.num_processes if accelerator is not None else 1
@@ -49,12 +50,24 @@ def verify_files(info: CheckpointInfo, accelerator=None) -> None:
         from accelerate.utils import gather_object
 
         bad = sorted(n for part in gather_object([bad]) for n in part)
+    return bad
+
+
+def damage_reason(files: list[str]) -> str:
+    """Why a checkpoint whose `files` fail their CRC-32 is not usable, as inspect and resume say it."""
+    return (f"{', '.join(files[:5])}{' and more' if len(files) > 5 else ''} changed since it was saved (CRC-32 "
+            "differs from the manifest's)")
+
+
+def verify_files(info: CheckpointInfo, accelerator=None) -> None:
+    """Compare every file of a checkpoint with the CRC-32 its manifest recorded; raise a UserError naming the damaged
+    file(s) before anything reads them. With an `accelerator` (collective), the ranks share the reading."""
+    bad = damaged_files(info, accelerator)
     if bad:
         earlier = [c for c in list_checkpoints(info.path.parent) if c.complete and (c.step or 0) < (info.step or 0)]
         fix = (f"use the previous complete checkpoint, {earlier[-1].path}" if earlier else
                "no earlier checkpoint is complete: restore the file, or start again")
-        raise UserError(Problem(str(info.path), f"{', '.join(bad[:5])}{' and more' if len(bad) > 5 else ''} "
-                                f"changed since it was saved (CRC-32 differs from the manifest's)", fix))
+        raise UserError(Problem(str(info.path), damage_reason(bad), fix))
 
 
 @dataclass
@@ -96,9 +109,7 @@ def inspect_checkpoint(path: Path, *, verify: bool = False) -> CheckpointInfo:
     if verify:
         for rel, crc in manifest.crc32.items():
             if crc32_of(path / rel) != crc:
-                return CheckpointInfo(path, manifest.step, False,
-                                      f"{rel} changed since it was saved (CRC-32 differs from the manifest's)",
-                                      manifest)
+                return CheckpointInfo(path, manifest.step, False, damage_reason([rel]), manifest)
     return CheckpointInfo(path, manifest.step, True, "", manifest)
 
 
@@ -151,17 +162,47 @@ def checkpoint_folders_of(path: Path) -> list[Path]:
     return list(dict.fromkeys(p.resolve() for p in (RunLayout.at(path).checkpoints, Path(path))))
 
 
-def checkpoint_to_resume(root: Path, resume_from: str | None) -> CheckpointInfo:
-    """--resume-from PATH, or --resume: the newest complete checkpoint under the run's checkpoint folder."""
+@dataclass
+class ResumePoint:
+    """The checkpoint a resume reads, and the newer ones it passed over, each with why it is not usable."""
+
+    checkpoint: CheckpointInfo
+    passed_over: list[CheckpointInfo]
+
+    def notes(self) -> list[str]:
+        """What the person resuming is told: which checkpoints were passed over and why, and which is read."""
+        return [f"{c.name} is newer but not usable ({c.reason}): continuing from {self.checkpoint.name}"
+                for c in self.passed_over]
+
+
+def checkpoint_to_resume(root: Path, resume_from: str | None, *, accelerator=None,
+                         verify_up_to: float = float("inf")) -> ResumePoint:
+    """--resume-from PATH (a damaged one is refused: it was asked for), or --resume / --resume auto: the newest
+    checkpoint under the run's checkpoint folder that is complete and whose files match their CRC-32s. A newer one
+    that is not is passed over and said, whether a save never finished (a file missing or short) or a file changed
+    since (same size, other bytes): both are damage the run survives by going back to the previous checkpoint.
+
+    The files of a checkpoint larger than `verify_up_to` bytes are not read here (the ranks read them, in parallel).
+    With an `accelerator` (collective), the ranks share the reading."""
     if resume_from:
-        return resolve_checkpoint(resume_from)
-    info = latest_complete(root)
-    if info is None:
-        skipped = [f"{c.name} ({c.reason})" for c in list_checkpoints(root)]
-        raise UserError(Problem(str(root), "--resume found no complete checkpoint" +
-                                (f"; incomplete: {', '.join(skipped)}" if skipped else ""),
-                                "drop --resume and add --overwrite to start over"))
-    return info
+        info = resolve_checkpoint(resume_from)
+        if info.manifest.total_bytes <= verify_up_to:
+            verify_files(info, accelerator)
+        return ResumePoint(info, [])
+    checkpoints = list_checkpoints(root)
+    passed_over = []
+    for info in reversed(checkpoints):
+        if info.complete and info.manifest.total_bytes <= verify_up_to:
+            bad = damaged_files(info, accelerator)
+            if bad:
+                info = dataclasses.replace(info, complete=False, reason=damage_reason(bad))
+        if info.complete:
+            return ResumePoint(info, passed_over)
+        passed_over.append(info)
+    skipped = [f"{c.name} ({c.reason})" for c in reversed(passed_over)]
+    raise UserError(Problem(str(root), "--resume found no complete checkpoint" +
+                            (f"; not usable: {', '.join(skipped)}" if skipped else ""),
+                            "restore a damaged checkpoint, or drop --resume and add --overwrite to start over"))
 
 
 def check_resume(info: CheckpointInfo, recipe, settings, total_steps: int | None = None) -> list[str]:

@@ -52,6 +52,7 @@ from accel_fsdp.layout import (
     TRAINER_STATE,
     TRASH_PREFIX,
     checkpoint_name,
+    checkpoint_step,
     rng_file,
 )
 
@@ -209,15 +210,21 @@ _ROTATIONS: list = []
 
 
 def rotate(root: Path, keep_last: int | None, *, background: bool = False) -> list[Path]:
-    """Delete all but the newest `keep_last` complete checkpoints. Returns what was removed.
+    """Delete all but the newest `keep_last` complete checkpoints, and the step folders older than the oldest one
+    kept that are not complete (damaged, or a save that lost its manifest: never resumable, so kept forever
+    otherwise). A step folder newer than that is left alone. Returns what was removed.
 
     Each one is first renamed to `.trash-step-N` (atomic: never again seen as a checkpoint), then deleted; with
     `background`, the deletion runs in a thread (`wait_for_rotations` joins it before the process ends)."""
     if not keep_last:
         return []
-    complete = [c for c in list_checkpoints(root) if c.complete]
+    checkpoints = list_checkpoints(root)
+    kept = {c.name for c in [c for c in checkpoints if c.complete][-keep_last:]}
+    oldest_kept = min((checkpoint_step(name) for name in kept), default=-1)
     trashed = []
-    for c in complete[:-keep_last]:
+    for c in checkpoints:
+        if c.name in kept or checkpoint_step(c.name) >= oldest_kept:
+            continue
         trash = c.path.with_name(TRASH_PREFIX + c.path.name)
         try:
             os.rename(c.path, trash)

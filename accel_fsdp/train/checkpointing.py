@@ -15,12 +15,15 @@ from accel_fsdp.errors import UserError
 from accel_fsdp.layout import RunIdentity, checkpoint_name
 from accel_fsdp.train.faults import Faults
 from accel_fsdp.train.lifetime import Preempted
+from accel_fsdp.train.observe import TrainLogger
 from accel_fsdp.train.state import TrainingState
 
 
 class Checkpointer:
-    def __init__(self, run, faults: Faults | None = None, skip_steps_on_resume: int = 0):
+    def __init__(self, run, logger: TrainLogger, faults: Faults | None = None, skip_steps_on_resume: int = 0):
         self.run = run
+        self.logger = logger
+        """Its logging window is saved with the training state, and restored on resume."""
         self.every = run.recipe.checkpoint.every_steps
         self.last_saved_step: int | None = None
         self.faults = faults  # crash injection inside a save (tests), from train/hooks.py
@@ -44,7 +47,8 @@ class Checkpointer:
         step = training.step
         state = TrainerState(step=step, **run.sampler.position(step), tokens_seen=training.tokens_seen,
                              total_steps=run.total_steps, parameters=run.parameters,
-                             trainable_parameters=run.trainable_parameters, data=run.sampler.state_dict(step))
+                             trainable_parameters=run.trainable_parameters, data=run.sampler.state_dict(step),
+                             log_window=self.logger.state_dict())  # collective, like the save
         path = ckpt.save_checkpoint(run.accelerator, run.model, run.optimizer, run.scheduler,
                                     root=run.layout.checkpoints, step=step, trainer_state=state, recipe=recipe,
                                     settings=run.settings, tokenizer=run.tokenizer, lora=recipe.model.lora.enabled,
@@ -58,17 +62,18 @@ class Checkpointer:
         return the training state it saved."""
         run = self.run
         request, recipe, acc = run.request, run.recipe, run.accelerator
-        info = checkpoint_index.checkpoint_to_resume(run.layout.checkpoints, request.resume_from)
-        checkpoint_index.verify_files(info, acc)  # a file damaged since it was saved is named before anything reads it
-        if not request.resume_from:
-            for newer in checkpoint_index.skipped_newer(info):
-                run.say(f"resume: {newer.name} is newer but not usable ({newer.reason})")
+        # Every file is checked against its CRC-32 before anything reads it, the ranks sharing the reading.
+        point = checkpoint_index.checkpoint_to_resume(run.layout.checkpoints, request.resume_from, accelerator=acc)
+        info = point.checkpoint
+        for note in point.notes():
+            run.say(f"resume: {note}")
         for note in checkpoint_index.check_resume(info, recipe, run.settings, run.total_steps):
             run.say(f"resume: {note}")
         state = ckpt.load_checkpoint(acc, run.model, run.optimizer, run.scheduler, info,
                                      lora=recipe.model.lora.enabled)
         if state.data is not None:  # where each source stands; without it (never written so), replayed from step 0
             run.sampler.load_state_dict(state.data)
+        self.logger.load_state_dict(state.log_window)
         training = TrainingState(step=state.step + self.skip_steps_on_resume, tokens_seen=state.tokens_seen or 0)
         self.last_saved_step = training.step
         run.say(f"resume: continuing from {info.path} at step {training.step} of {run.total_steps} "

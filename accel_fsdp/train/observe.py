@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from accel_fsdp.checkpoint.records import LogWindow
 from accel_fsdp.config.precision import is_half
 from accel_fsdp.hardware import device_peak_flops, peak_memory_bytes, reset_peak_memory
 from accel_fsdp.train.metrics import MetricsWriter, StartupRow, TrainRow
@@ -64,6 +65,8 @@ class TrainLogger:
         self.norm = torch.zeros((), device=acc.device)
         self.pairs: dict[str, torch.Tensor] = {}
         """A preference run's window: sums over its pairs of the objective's statistics (rewards, log-probs)."""
+        self.carried = LogWindow()
+        """The part of the window before a resume (its steps ran in the interrupted attempt), from the checkpoint."""
         # No reset here: the first window's peak includes setup (loading and sharding).
         self.tokens, self.steps, self.window_start = 0, 0, time.perf_counter()
         self.first_step: int | None = None
@@ -72,6 +75,7 @@ class TrainLogger:
         self.loss.zero_()
         self.norm.zero_()
         self.pairs = {}
+        self.carried = LogWindow()
         reset_peak_memory(self.run.accelerator.device)
         self.tokens, self.steps, self.window_start = 0, 0, time.perf_counter()
 
@@ -102,24 +106,46 @@ class TrainLogger:
                            **({"mfu": f"{row.mfu:.1%}"} if row.mfu is not None else {}))
         run.terminal.advance(**postfix)
 
-    def _log(self, state: TrainingState, lr: float, units: list[int]) -> TrainRow:
-        """The only synchronizing point of a logging window: reduce the window's sums over ranks."""
+    def window(self) -> LogWindow:
+        """The open window's sums over all ranks, the part before a resume included. Collective: the only
+        synchronizing point of a logging window (one all-reduce)."""
         run, acc = self.run, self.run.accelerator
         world, k = acc.num_processes, run.sampler.accumulation_steps
         names = sorted(self.pairs)
         sums = acc.reduce(torch.stack([self.loss] + [self.pairs[n].float() for n in names]), reduction="sum").tolist()
-        loss_sum, pairs = sums[0], dict(zip(names, sums[1:]))
+        # Each micro-step's loss is its share of the step's mean (train/loop.py): a step's world x k shares add up
+        # to its loss.
+        pairs = dict(self.carried.pairs)
+        for name, value in zip(names, sums[1:]):
+            pairs[name] = pairs.get(name, 0.0) + value
+        return LogWindow(steps=self.carried.steps + self.steps, loss=self.carried.loss + sums[0] / (world * k),
+                         grad_norm=self.carried.grad_norm + self.norm.item(), pairs=pairs)
+
+    def state_dict(self) -> LogWindow | None:
+        """The open window, for a checkpoint (collective: every rank saves); None when none is open."""
+        window = self.window()
+        return window if window.steps else None
+
+    def load_state_dict(self, window: LogWindow | None) -> None:
+        """A resumed run's window goes on from the checkpoint's: its first row averages the steps an uninterrupted
+        run's row does (the steps' throughput is this attempt's alone)."""
+        self.carried = window or LogWindow()
+
+    def _log(self, state: TrainingState, lr: float, units: list[int]) -> TrainRow:
+        run, acc = self.run, self.run.accelerator
+        world = acc.num_processes
+        window = self.window()
         elapsed = time.perf_counter() - self.window_start
         window_peak = gather_ints(acc, [peak_memory_bytes(acc.device)])
         self.peak_memory = [max(a, b) for a, b in zip(self.peak_memory or window_peak, window_peak)]
         per_rank = self.tokens / elapsed / world
-        row = TrainRow(step=state.step, loss=loss_sum / (world * k * self.steps), lr=lr,
-                       grad_norm=self.norm.item() / self.steps, tokens_per_s=self.tokens / elapsed,
+        row = TrainRow(step=state.step, loss=window.loss / window.steps, lr=lr,
+                       grad_norm=window.grad_norm / window.steps, tokens_per_s=self.tokens / elapsed,
                        tokens_per_s_per_rank=per_rank, step_time_s=elapsed / self.steps,
                        tokens_seen=state.tokens_seen, peak_memory_bytes=window_peak,
                        peak_memory_bytes_run=self.peak_memory,
                        mfu=run.flops_per_token * per_rank / self.peak_flops if self.peak_flops else None,
-                       source_tokens=run.data.tokens_by_source(units), **preference_means(pairs))
+                       source_tokens=run.data.tokens_by_source(units), **preference_means(window.pairs))
         self.metrics.write(row)
         self._new_window()
         return row

@@ -336,13 +336,15 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
     # Dropout and any other randomness of the loop: seeded, different on each rank, and saved in checkpoints.
     set_seed(t.seed, device_specific=True)
     hooks = TestHooks(run, switches)
-    checkpointer = Checkpointer(run, faults=hooks.faults, skip_steps_on_resume=int(switches.broken("skip-batch")))
+    metrics = MetricsWriter(accelerator, layout.metrics_file)
+    logger = TrainLogger(run, metrics)
+    checkpointer = Checkpointer(run, logger, faults=hooks.faults,
+                                skip_steps_on_resume=int(switches.broken("skip-batch")))
     state = TrainingState()
     if decision == Decision.RESUME or request.resume_from:
         state = checkpointer.resume()
-    metrics = MetricsWriter(accelerator, layout.metrics_file, state.step)
-    parts = Components(logger=TrainLogger(run, metrics), evaluator=Evaluator(run, metrics), checkpointer=checkpointer,
-                       hooks=hooks)
+    metrics.start_at(state.step)
+    parts = Components(logger=logger, evaluator=Evaluator(run, metrics), checkpointer=checkpointer, hooks=hooks)
     if recipe.logging.trackers:
         accelerator.init_trackers(recipe.logging.project or recipe.name,
                                   config={k: v for k, v in flatten(recipe.to_dict()).items()
