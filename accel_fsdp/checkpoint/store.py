@@ -3,7 +3,7 @@
 Layout of `<run>/checkpoints/step-000200/`:
     manifest.json          step, world size, state-dict type, recipe hash, run id, every file with its size and
                            CRC-32 (computed at save time, split over the ranks; checked before a resume reads it)
-    trainer_state.json     step, epoch and position in the data, LR scheduler, tokens seen
+    trainer_state.json     step, epoch and position in the data, LR scheduler, tokens seen, the open logging window
     recipe.yaml            the resolved recipe; fsdp_settings.json the effective FSDP settings
     pytorch_model_fsdp_0/  model: torch.distributed.checkpoint shards (SHARDED_STATE_DICT; also readable by
                            `accelerate merge-weights`), or pytorch_model_fsdp.bin (FULL_STATE_DICT)
