@@ -97,6 +97,21 @@ def stories(tmp_path_factory) -> Path:
     return write_jsonl(tmp_path_factory.mktemp("data") / "stories.jsonl", rows)
 
 
+def fabricate_checkpoint(folder: Path, step: int, run_id: str | None = None) -> Path:
+    """A checkpoint complete as far as its manifest can tell, without training: one file, its size and CRC-32."""
+    from accel_fsdp.checkpoint.index import crc32_of
+    from accel_fsdp.checkpoint.records import Manifest
+    from accel_fsdp.layout import checkpoint_name
+
+    step_dir = folder / checkpoint_name(step)
+    step_dir.mkdir(parents=True)
+    (step_dir / "weights").write_bytes(bytes(range(16)) * step)
+    manifest = Manifest(step=step, world_size=2, run_id=run_id, files={"weights": 16 * step},
+                        crc32={"weights": crc32_of(step_dir / "weights")})
+    (step_dir / "manifest.json").write_text(manifest.to_json())
+    return step_dir
+
+
 def tiny_recipe(path: Path, model_path: Path, data_path: Path, **sections) -> Path:
     """A small recipe file for tests: a few steps of a tiny model, overridable per section."""
     import yaml

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from conftest import fabricate_checkpoint
 
 from accel_fsdp.cli import main
 from accel_fsdp.config.shipped import shipped_recipes
@@ -51,21 +52,6 @@ def job_start_log(script: Path, tmp_path: Path) -> str:
     proc = subprocess.run(["bash", str(tmp_path / "head.sh")], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
-
-
-def fabricate_checkpoint(folder: Path, step: int, run_id: str | None) -> Path:
-    """A complete checkpoint as far as the manifest can tell (one file, its size and CRC-32)."""
-    from accel_fsdp.checkpoint.index import crc32_of
-    from accel_fsdp.checkpoint.records import Manifest
-    from accel_fsdp.layout import checkpoint_name
-
-    step_dir = folder / checkpoint_name(step)
-    step_dir.mkdir(parents=True)
-    (step_dir / "weights").write_bytes(b"w" * 10)
-    manifest = Manifest(step=step, world_size=2, run_id=run_id, files={"weights": 10},
-                        crc32={"weights": crc32_of(step_dir / "weights")})
-    (step_dir / "manifest.json").write_text(manifest.to_json())
-    return step_dir
 
 
 @pytest.mark.parametrize("where", ["default", "outside the run folder"])

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import load_weights, read_metrics, run_cli, tiny_recipe
+from conftest import fabricate_checkpoint, load_weights, read_metrics, run_cli, tiny_recipe
 
 from accel_fsdp.tools.noise import reordered
 
@@ -96,27 +96,12 @@ def test_resume_auto_goes_back_past_a_damaged_newest_checkpoint_and_says_why(tmp
 # ---------------------------------------------------------------------------------------- no ranks needed
 
 
-def fabricate(folder: Path, step: int) -> Path:
-    """A checkpoint complete as far as its manifest can tell: one file with its size and CRC-32."""
-    from accel_fsdp.checkpoint.index import crc32_of
-    from accel_fsdp.checkpoint.records import Manifest
-    from accel_fsdp.layout import checkpoint_name
-
-    step_dir = folder / checkpoint_name(step)
-    step_dir.mkdir(parents=True)
-    (step_dir / "weights").write_bytes(bytes(range(16)) * step)
-    manifest = Manifest(step=step, world_size=2, files={"weights": 16 * step},
-                        crc32={"weights": crc32_of(step_dir / "weights")})
-    (step_dir / "manifest.json").write_text(manifest.to_json())
-    return step_dir
-
-
 @pytest.mark.parametrize("how", ["changed", "truncated"])
 def test_the_checkpoint_to_resume_is_the_newest_intact_one(tmp_path, how):
     from accel_fsdp.checkpoint.index import checkpoint_to_resume
 
     for step in (3, 6, 9):
-        fabricate(tmp_path, step)
+        fabricate_checkpoint(tmp_path, step)
     weights = tmp_path / "step-000009" / "weights"
     data = weights.read_bytes()
     weights.write_bytes(data[:-1] + b"\xff" if how == "changed" else data[:-1])
@@ -133,7 +118,7 @@ def test_rotation_removes_damaged_step_folders_older_than_the_checkpoints_it_kee
     from accel_fsdp.checkpoint.store import rotate
 
     for step in (2, 4, 6, 8, 10):
-        fabricate(tmp_path, step)
+        fabricate_checkpoint(tmp_path, step)
     (tmp_path / "step-000002" / "manifest.json").unlink()  # a save that lost its manifest
     (tmp_path / "step-000006" / "weights").write_bytes(b"short")  # cut short
     (tmp_path / "step-000012").mkdir()  # newer than every checkpoint kept: left alone

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from accel_fsdp.checkpoint.records import FORMAT, DamagedRecord, Manifest
-from accel_fsdp.config.recipe import incompatible_keys, read_saved_recipe
+from accel_fsdp.config.binder import bind
+from accel_fsdp.config.recipe import DataConfig, incompatible_keys, read_saved_recipe
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.layout import (
     MANIFEST,
@@ -238,29 +239,90 @@ def check_resume(info: CheckpointInfo, recipe, settings, total_steps: int | None
     return notes
 
 
-def describe(info: CheckpointInfo) -> dict[str, Any]:
-    """What `accel-fsdp checkpoint inspect` prints."""
+@dataclass
+class SourceSummary:
+    """One data source of the recipe that made a checkpoint."""
+
+    name: str
+    path: str
+    share: float
+    """Its weight over the sum of the weights."""
+
+
+@dataclass
+class RecipeSummary:
+    """The recipe that made a checkpoint, in brief (its recipe.yaml has all of it)."""
+
+    name: str | None
+    model: str | None
+    data: str | None
+    """The data path of a single source; None for a mixture (see `sources`)."""
+    sources: list[SourceSummary]
+    global_batch_size: int | None
+    max_steps: int | None
+    lr: float | None
+
+
+@dataclass
+class CheckpointDescription:
+    """What `accel-fsdp checkpoint inspect` reports of a checkpoint (the CLI words it; --json prints `to_dict`)."""
+
+    path: str
+    complete: bool
+    problem: str
+    """Why it is not complete ('' when it is)."""
+    step: int | None
+    epoch: int | None
+    world_size: int | None
+    state_dict_type: str | None
+    fsdp_version: int | None
+    lora: bool | None
+    parameters: int | None
+    trainable_parameters: int | None
+    bytes: int
+    files: int
+    created: str | None
+    recipe_fingerprint: str | None
+    recipe: RecipeSummary | None
+    """None where the checkpoint holds no recipe.yaml; a name saying so where it is unreadable."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        if self.complete:
+            del out["problem"]
+        if self.recipe is None:
+            del out["recipe"]
+        return out
+
+
+def describe(info: CheckpointInfo) -> CheckpointDescription:
+    """What `accel-fsdp checkpoint inspect` reports: its manifest, and the recipe that made it."""
     m = info.manifest or Manifest(step=info.step, format=None)  # no (readable) manifest: only the folder's step
-    out = {"path": str(info.path), "complete": info.complete}
-    if not info.complete:
-        out["problem"] = info.reason
-    out.update({
-        "step": m.step, "epoch": m.epoch, "world_size": m.world_size, "state_dict_type": m.state_dict_type,
-        "fsdp_version": m.fsdp_version, "lora": m.lora, "parameters": m.parameters,
-        "trainable_parameters": m.trainable_parameters, "bytes": m.total_bytes, "files": len(m.files),
-        "created": m.created, "recipe_fingerprint": m.recipe_fingerprint,
-    })
-    recipe_file = info.path / RECIPE_FILE
-    if recipe_file.exists():
-        try:
-            r = read_saved_recipe(recipe_file)
-        except UserError:
-            out["recipe"] = {"name": f"({RECIPE_FILE} unreadable)", "model": None, "data": None,
-                             "global_batch_size": None, "max_steps": None, "lr": None}
-            return out
-        model = r.get("model", {})
-        t = r.get("training", {})
-        out["recipe"] = {"name": r.get("name"), "model": model.get("name_or_path") or model.get("architecture"),
-                         "data": r.get("data", {}).get("path"), "global_batch_size": t.get("global_batch_size"),
-                         "max_steps": t.get("max_steps"), "lr": t.get("lr")}
-    return out
+    return CheckpointDescription(
+        path=str(info.path), complete=info.complete, problem="" if info.complete else info.reason, step=m.step,
+        epoch=m.epoch, world_size=m.world_size, state_dict_type=m.state_dict_type, fsdp_version=m.fsdp_version,
+        lora=m.lora, parameters=m.parameters, trainable_parameters=m.trainable_parameters, bytes=m.total_bytes,
+        files=len(m.files), created=m.created, recipe_fingerprint=m.recipe_fingerprint,
+        recipe=_recipe_summary(info.path / RECIPE_FILE))
+
+
+def _recipe_summary(recipe_file: Path) -> RecipeSummary | None:
+    if not recipe_file.exists():
+        return None
+    problems: list[Problem] = []
+    try:
+        saved = read_saved_recipe(recipe_file)
+        data = bind(DataConfig, saved.get("data", {}), "data.", str, problems)
+    except UserError:
+        problems.append(Problem(str(recipe_file), "unreadable"))
+    if problems:
+        return RecipeSummary(name=f"({RECIPE_FILE} unreadable)", model=None, data=None, sources=[],
+                             global_batch_size=None, max_steps=None, lr=None)
+    sources = data.resolved_sources()
+    total = sum(s.weight for s in sources) or 1.0
+    model, training = saved.get("model", {}), saved.get("training", {})
+    return RecipeSummary(name=saved.get("name"), model=model.get("name_or_path") or model.get("architecture"),
+                         data=data.path or None, sources=[SourceSummary(s.name, s.path, s.weight / total)
+                                                          for s in sources],
+                         global_batch_size=training.get("global_batch_size"), max_steps=training.get("max_steps"),
+                         lr=training.get("lr"))

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import click
 
 from accel_fsdp.checkpoint.index import (
+    CheckpointDescription,
     checkpoint_folders_of,
     describe,
     inspect_checkpoint,
@@ -99,25 +99,31 @@ def checkpoint_inspect(path: Path, as_json: bool) -> None:
         raise UserError(Problem(str(path), "holds no checkpoints", "give a run folder or a step-NNNNNN folder"))
     described = [describe(i) for i in infos]
     if as_json:
-        click.echo(json.dumps(described if len(described) > 1 else described[0], indent=1))
+        records = [d.to_dict() for d in described]
+        click.echo(json.dumps(records if len(records) > 1 else records[0], indent=1))
         return
     click.echo("\n".join(format_description(d) for d in described))
 
 
-def format_description(d: dict[str, Any]) -> str:
-    """The text `checkpoint inspect` prints for one checkpoint (`describe`'s record; --json prints the record)."""
-    status = "complete" if d["complete"] else f"INCOMPLETE: {d['problem']}"
-    lines = [f"{d['path']}: {status}"]
-    if d.get("step") is None or d.get("world_size") is None:  # no (readable) manifest: nothing more is known
+def format_description(d: CheckpointDescription) -> str:
+    """The text `checkpoint inspect` prints for one checkpoint."""
+    status = "complete" if d.complete else f"INCOMPLETE: {d.problem}"
+    lines = [f"{d.path}: {status}"]
+    if d.step is None or d.world_size is None:  # no (readable) manifest: nothing more is known
         return lines[0]
-    params = f"{d['parameters']:,}" if d.get("parameters") else "?"
-    lora = ", LoRA adapter" if d.get("lora") else ""
-    lines.append(f"  step {d['step']} (epoch {d.get('epoch')}), world size {d.get('world_size')}, "
-                 f"{d.get('state_dict_type')}, FSDP{d.get('fsdp_version')}{lora}")
-    lines.append(f"  parameters {params}, {d['bytes'] / (1 << 20):,.1f} MB in {d['files']} files, "
-                 f"created {d.get('created')}")
-    if "recipe" in d:
-        r = d["recipe"]
-        lines.append(f"  recipe {r['name']}: model {r['model']}, data {r['data']}, global batch "
-                     f"{r['global_batch_size']}, lr {r['lr']}, max_steps {r['max_steps']}")
+    params = f"{d.parameters:,}" if d.parameters else "?"
+    lora = ", LoRA adapter" if d.lora else ""
+    lines.append(f"  step {d.step} (epoch {d.epoch}), world size {d.world_size}, {d.state_dict_type}, "
+                 f"FSDP{d.fsdp_version}{lora}")
+    lines.append(f"  parameters {params}, {d.bytes / (1 << 20):,.1f} MB in {d.files} files, created {d.created}")
+    r = d.recipe
+    if r is not None:
+        if len(r.sources) > 1:
+            data = f"a mixture of {len(r.sources)} sources"
+        else:
+            data = r.sources[0].path if r.sources else None
+        lines.append(f"  recipe {r.name}: model {r.model}, data {data}, global batch {r.global_batch_size}, "
+                     f"lr {r.lr}, max_steps {r.max_steps}")
+        if len(r.sources) > 1:
+            lines += [f"    {s.name:<16} {s.share:.2f} of the mixture: {s.path}" for s in r.sources]
     return "\n".join(lines)
