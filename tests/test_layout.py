@@ -59,7 +59,7 @@ def test_slurm_script_checkpoint_code_and_cli_agree_on_where_checkpoints_are(tmp
     from accel_fsdp.checkpoint.index import checkpoint_to_resume, list_checkpoints
     from accel_fsdp.config.recipe import load_recipe
     from accel_fsdp.layout import RunLayout
-    from accel_fsdp.run.folder import Decision, decide, prepare
+    from accel_fsdp.run.folder import Decision, apply_decision, decide
 
     scratch = tmp_path / "scratch" / "ckpts"
     overrides = [f"checkpoint.dir={scratch}"] if where != "default" else []
@@ -79,7 +79,7 @@ def test_slurm_script_checkpoint_code_and_cli_agree_on_where_checkpoints_are(tmp
         def to_dict(self):
             return {}
 
-    identity = prepare(layout, recipe, Settings(), Decision.NEW)
+    identity = apply_decision(layout, recipe, Settings(), Decision.NEW)
     step_dir = fabricate_checkpoint(layout.checkpoints, 3, identity.run_id)
 
     assert RunLayout.at(run_dir).checkpoints == expected  # what readers build from run.json

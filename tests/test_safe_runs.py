@@ -100,7 +100,7 @@ def test_resume_auto_refuses_a_folder_of_another_run(tmp_path):
 def test_overwrite_never_deletes_a_checkpoint_folder_it_cannot_prove_is_the_replaced_runs(tmp_path):
     from accel_fsdp.config.recipe import load_recipe
     from accel_fsdp.layout import RunLayout
-    from accel_fsdp.run.folder import Decision, prepare
+    from accel_fsdp.run.folder import Decision, apply_decision
 
     recipe = load_recipe(shipped_recipes()["quickstart"], [f"checkpoint.dir={tmp_path / 'scratch'}"])
     run = fake_run(tmp_path / "run", "eeee", checkpoint_dir=tmp_path / "scratch")
@@ -119,7 +119,7 @@ def test_overwrite_never_deletes_a_checkpoint_folder_it_cannot_prove_is_the_repl
         def to_dict(self):
             return {}
 
-    identity = prepare(layout, recipe, Settings(), Decision.OVERWRITE)
+    identity = apply_decision(layout, recipe, Settings(), Decision.OVERWRITE)
     assert identity.run_id != "eeee"
     assert sorted(p.name for p in (tmp_path / "scratch").iterdir()) == [".accel-fsdp-run", "notes.txt"]
     assert json.loads((tmp_path / "scratch" / ".accel-fsdp-run").read_text())["run_id"] == identity.run_id

@@ -163,12 +163,14 @@ def _foreign_entries(folder: Path) -> list[str]:
     return [p.name for p in folder.iterdir() if p.name not in (LOCK_FILE, OWNER_FILE)]
 
 
-# ------------------------------------------------------------------------------------------------ prepare
+# ------------------------------------------------------------------------------------- carrying it out
 
 
-def prepare(layout: RunLayout, recipe, settings, decision: Decision, *, resumed_from: str | None = None) -> RunIdentity:
-    """Main process only, holding the locks: clear what an overwrite or a restart replaces (only files this run
-    or the replaced one provably owns), record the identity, claim the checkpoint folder."""
+def apply_decision(layout: RunLayout, recipe, settings, decision: Decision, *,
+                   resumed_from: str | None = None) -> RunIdentity:
+    """Main process only, holding the locks: carry out the start's decision. Clear what an overwrite or a restart
+    replaces (only files this run or the replaced one provably owns), record the identity, claim the checkpoint
+    folder."""
     root = layout.root
     old = RunIdentity.read(layout.run_file) if layout.run_file.is_file() else None
     if decision in (Decision.OVERWRITE, Decision.RESTART) and old is not None:

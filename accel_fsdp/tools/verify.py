@@ -482,7 +482,7 @@ def verify(recipe, config, num_processes: int | None, overrides: list[str], *, o
     s = report.settings
     v = Verification(recipe=recipe, config=config, world=s.num_processes.value, precision=s.mixed_precision.value,
                      device=s.device.value, steps=steps, out_dir=out_dir, overrides=list(overrides), layers=layers)
-    prepare_folder(out_dir)
+    claim_folder(out_dir)
     wanted = set(only or CHECKS)
     sets = base_sets(v, steps)
     extra = ["--num-processes", str(num_processes)] if num_processes else []
@@ -544,7 +544,7 @@ def record_counts(probe: Probe) -> None:
             {"parameters": m.parameters, "trainable": m.trainable_parameters}))
 
 
-def prepare_folder(out_dir: Path) -> None:
+def claim_folder(out_dir: Path) -> None:
     """The verify folder is ours alone: created, or an earlier verify's replaced; anything else is refused."""
     if out_dir.exists():
         if not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / MARKER).exists()):

@@ -11,7 +11,9 @@ of the loop (metrics logger, evaluator, checkpointer, test hooks) and the traini
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,7 @@ from accel_fsdp.model.build import build_model, count_parameters, meta_model, mo
 from accel_fsdp.model.checks import human_count
 from accel_fsdp.model.tokenizer import build_tokenizer
 from accel_fsdp.preflight import model_problems, settings_for_launch
-from accel_fsdp.run.folder import Decision, FolderLock, decide, prepare
+from accel_fsdp.run.folder import Decision, FolderLock, apply_decision, decide
 from accel_fsdp.train.accelerator import (
     apply_activation_checkpointing,
     build_accelerator,
@@ -50,7 +52,8 @@ from accel_fsdp.train.accelerator import (
 from accel_fsdp.train.checkpointing import Checkpointer
 from accel_fsdp.train.cpu_fsdp import check_sharded
 from accel_fsdp.train.evaluate import Evaluator
-from accel_fsdp.train.hooks import NO_SWITCHES, TestHooks, TestSwitches
+from accel_fsdp.train import probes
+from accel_fsdp.train.hooks import NO_SWITCHES, TestHooks, TestSwitches, substituted
 from accel_fsdp.train.lifetime import Preemption
 from accel_fsdp.train.metrics import MetricsWriter, StartupClock, flops_per_token
 from accel_fsdp.train.objective import build_objective
@@ -130,12 +133,10 @@ class Run:
     flops_per_token: float
     clock: StartupClock
     sharding: ShardingRecord
+    collator: Callable[[list[Sequence]], dict]
+    """Sequences -> the batch's tensors on the CPU, in the layout the attention kernel needs (data/batches.py)."""
     objective: Any = None
     """What a micro-step's loss is (train/objective.py): next-token prediction, or a preference loss."""
-    global_loss_normalization: bool = True
-    """False only in `verify`'s proof that its equivalence check can fail: each micro-step takes its own mean."""
-    restart_positions: bool = True
-    """False only in `verify`'s proof that its packing check can fail: packed documents see each other."""
 
     @property
     def recipe(self):
@@ -157,8 +158,7 @@ class Run:
 
     def collate(self, sequences: list[Sequence]) -> dict:
         """Sequences as tensors on this rank's device, in the layout the attention kernel needs."""
-        batch = batches.collate(sequences, self.tokenizer.pad_token_id, self.use_position_ids,
-                                layout=self.batch_layout, restart_positions=self.restart_positions)
+        batch = self.collator(sequences)
         return {k: v.to(self.accelerator.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                 for k, v in batch.items()}
 
@@ -167,7 +167,7 @@ class Run:
         global batch's counts / (ranks x accumulation steps), from the per-sequence counts the data stores, so no
         communication is needed (see train/loop.py and train/objective.py)."""
         return self.objective.norm(self.data, units, self.accelerator.num_processes,
-                                   self.sampler.accumulation_steps, global_mean=self.global_loss_normalization)
+                                   self.sampler.accumulation_steps)
 
     def step_tokens(self, units: list[int]) -> int:
         return sum(self.data.length(u) for u in units)
@@ -267,89 +267,121 @@ def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | No
 
 
 def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
+    """Everything a rank builds before its first optimizer step, in the order of the module docstring."""
     clock = StartupClock()
     clock.mark("imports")
-    # The one read of the test switches (fault injection, `verify`'s broken properties): below, plain parameters.
+    # The one read of the test switches (fault injection, `verify`'s broken properties): below, plain parameters or
+    # substituted parts (train/hooks.py).
     switches = TestSwitches.from_env()
-    recipe, run_dir = request.recipe, request.run_dir
-    t = recipe.training
-    engine = start_engine(recipe, run_dir=run_dir, trackers=recipe.logging.trackers, switches=switches,
+    recipe = request.recipe
+    engine = start_engine(recipe, run_dir=request.run_dir, trackers=recipe.logging.trackers, switches=switches,
                           cpu=request.cpu)
-    settings, accelerator = engine.settings, engine.accelerator
-    layout = RunLayout.of(recipe, run_dir)
-    decision = claim_run_folder(accelerator, layout, request)
+    layout = RunLayout.of(recipe, request.run_dir)
+    decision = claim_run_folder(engine.accelerator, layout, request)
     preemption = Preemption().install()
-    preemption.join_group(timeout=process_group_kwargs(settings)["timeout"])
+    preemption.join_group(timeout=process_group_kwargs(engine.settings)["timeout"])
     tokenizer, config = describe_model(recipe, engine)
-
-    if accelerator.is_main_process:
-        prepare(layout, recipe, settings, decision, resumed_from=request.resume_from)
-    accelerator.wait_for_everyone()
-    terminal = Terminal(accelerator)
-    what = {Decision.NEW: "new run", Decision.OVERWRITE: "replacing the run there", Decision.RESUME: "resuming",
-            Decision.RESTART: "starting it again: no complete checkpoint"}[decision]
-    terminal.say(f"accel-fsdp: {recipe.name} ({recipe.source}) -> {run_dir} ({what})")
-    for note in engine.notes:
-        terminal.say(note)
-    if request.verbose:
-        terminal.say(f"--- resolved recipe ---\n{recipe.to_yaml().rstrip()}\n--- FSDP settings (value, source) ---\n"
-                     f"{settings.format()}")
-
-    data = data_lib.prepare_data(recipe, tokenizer, accelerator)
+    terminal = open_run_folder(request, engine, layout, decision)
+    data = data_lib.prepare_data(recipe, tokenizer, engine.accelerator)
     clock.mark("data")
     for warning in data.stats.warnings(recipe):
         terminal.say(f"warning: {warning}")
     built = build_sharded_model(recipe, engine, config, clock, switches)
-    sharding = ShardingRecord.measure(accelerator, built, settings)  # collective
-    if accelerator.is_main_process:
+    sharding = ShardingRecord.measure(engine.accelerator, built, engine.settings)  # collective
+    if engine.accelerator.is_main_process:
         sharding.write(layout.sharding_file)  # a resumed or overwritten run starts it afresh
+    run = build_run(request, engine, config, tokenizer, data, built, layout=layout, preemption=preemption,
+                    terminal=terminal, clock=clock, sharding=sharding)
+    run = substituted(with_objective(run), switches)
+    terminal.say(startup_summary(recipe, engine.settings, layout, data, built, sharding.local_parameters,
+                                 run.total_steps, run.sampler, run.objective))
+    # Dropout and any other randomness of the loop: seeded, different on each rank, and saved in checkpoints.
+    set_seed(recipe.training.seed, device_specific=True)
+    parts = build_components(run, switches)
+    state = TrainingState()
+    if decision == Decision.RESUME or request.resume_from:
+        state = parts.checkpointer.resume(request.resume_from)
+        parts.hooks.after_resume(state)
+    parts.logger.metrics.start_at(state.step)
+    if recipe.logging.trackers:
+        engine.accelerator.init_trackers(recipe.logging.project or recipe.name,
+                                         config={k: v for k, v in flatten(recipe.to_dict()).items()
+                                                 if isinstance(v, (int, float, str, bool))})
+    return run, parts, state
 
-    sampler = data.sampler(t, world_size=engine.world, rank=accelerator.process_index,
-                           equal_shares=switches.broken("mix-weights"))
+
+def open_run_folder(request: RunRequest, engine: Engine, layout: RunLayout, decision: Decision) -> Terminal:
+    """The main process writes the run folder's records for this start; the terminal says what the start does."""
+    recipe, accelerator = request.recipe, engine.accelerator
+    if accelerator.is_main_process:
+        apply_decision(layout, recipe, engine.settings, decision, resumed_from=request.resume_from)
+    accelerator.wait_for_everyone()
+    terminal = Terminal(accelerator)
+    what = {Decision.NEW: "new run", Decision.OVERWRITE: "replacing the run there", Decision.RESUME: "resuming",
+            Decision.RESTART: "starting it again: no complete checkpoint"}[decision]
+    terminal.say(f"accel-fsdp: {recipe.name} ({recipe.source}) -> {request.run_dir} ({what})")
+    for note in engine.notes:
+        terminal.say(note)
+    if request.verbose:
+        terminal.say(f"--- resolved recipe ---\n{recipe.to_yaml().rstrip()}\n--- FSDP settings (value, source) ---\n"
+                     f"{engine.settings.format()}")
+    return terminal
+
+
+def build_run(request: RunRequest, engine: Engine, config, tokenizer, data, built: ShardedModel, **parts) -> Run:
+    """The run of this rank: the batch order and the schedule over the data, and what was built before (`parts`:
+    layout, preemption, terminal, clock, sharding). Its objective comes next (`with_objective`)."""
+    recipe, accelerator = request.recipe, engine.accelerator
+    sampler = data.sampler(recipe.training, world_size=engine.world, rank=accelerator.process_index)
     little = data_lib.too_little_data(recipe, len(data))
     if little:
         raise UserError(little)
     steps = total_steps(recipe, len(data))
     scheduler = torch.optim.lr_scheduler.LambdaLR(built.optimizer, lr_lambda=lr_schedule(recipe, steps))
     fpt = flops_per_token(config, recipe.data.seq_len, built.trainable_parameters / max(1, built.parameters))
-    if t.method == "dpo" and recipe.model.lora.enabled:
+    if recipe.training.method == "dpo" and recipe.model.lora.enabled:
         fpt += flops_per_token(config, recipe.data.seq_len) / 3  # the reference: one more forward (2N of 6N)
+    collator = functools.partial(batches.collate, pad_id=tokenizer.pad_token_id,
+                                 use_position_ids=built.use_position_ids, layout=built.batch_layout)
+    return Run(request=request, settings=engine.settings, accelerator=accelerator, tokenizer=tokenizer, data=data,
+               model=built.model, optimizer=built.optimizer, scheduler=scheduler, sampler=sampler, total_steps=steps,
+               use_position_ids=built.use_position_ids, batch_layout=built.batch_layout, collator=collator,
+               parameters=built.parameters, trainable_parameters=built.trainable_parameters, flops_per_token=fpt,
+               **parts)
 
-    run = Run(request=request, settings=settings, accelerator=accelerator, tokenizer=tokenizer, data=data,
-              model=built.model, optimizer=built.optimizer, scheduler=scheduler, sampler=sampler,
-              total_steps=steps, layout=layout, preemption=preemption, terminal=terminal,
-              use_position_ids=built.use_position_ids, batch_layout=built.batch_layout,
-              parameters=built.parameters, trainable_parameters=built.trainable_parameters, flops_per_token=fpt,
-              clock=clock, sharding=sharding, global_loss_normalization=not switches.broken("mean-loss"),
-              restart_positions=not switches.broken("mask-leak"))
-    reference = None
-    if t.method == "dpo" and not recipe.model.lora.enabled:
-        # Before any checkpoint is loaded: the model holds the starting weights (a resumed run computes them again
-        # when the cache lost them).
-        terminal.say(f"reference: log-probabilities of the starting weights for {len(data):,} training pairs and "
-                     "the held-out ones (once; cached)")
-        reference = precompute(run, starting_weights_key(recipe, settings))
-        clock.mark("reference")
-    run = dataclasses.replace(run, objective=build_objective(recipe, built.model, reference))
-    terminal.say(startup_summary(recipe, settings, layout, data, built, sharding.local_parameters, steps, sampler,
-                                 run.objective))
-    # Dropout and any other randomness of the loop: seeded, different on each rank, and saved in checkpoints.
-    set_seed(t.seed, device_specific=True)
-    hooks = TestHooks(run, switches)
-    metrics = MetricsWriter(accelerator, layout.metrics_file)
-    logger = TrainLogger(run, metrics)
-    checkpointer = Checkpointer(run, logger, faults=hooks.faults,
-                                skip_steps_on_resume=int(switches.broken("skip-batch")))
-    state = TrainingState()
-    if decision == Decision.RESUME or request.resume_from:
-        state = checkpointer.resume()
-    metrics.start_at(state.step)
-    parts = Components(logger=logger, evaluator=Evaluator(run, metrics), checkpointer=checkpointer, hooks=hooks)
-    if recipe.logging.trackers:
-        accelerator.init_trackers(recipe.logging.project or recipe.name,
-                                  config={k: v for k, v in flatten(recipe.to_dict()).items()
-                                          if isinstance(v, (int, float, str, bool))})
-    return run, parts, state
+
+def with_objective(run: Run) -> Run:
+    """The run with its objective: what a micro-step's loss is (and a DPO run's reference log-probabilities,
+    computed here, before any checkpoint is loaded: the model holds the starting weights; a resumed run computes them
+    again when the cache lost them)."""
+    recipe, reference = run.recipe, None
+    if recipe.training.method == "dpo" and not recipe.model.lora.enabled:
+        run.say(f"reference: log-probabilities of the starting weights for {len(run.data):,} training pairs and the "
+                "held-out ones (once; cached)")
+        reference = precompute(run, starting_weights_key(recipe, run.settings))
+        run.clock.mark("reference")
+    return dataclasses.replace(run, objective=build_objective(recipe, run.model, reference))
+
+
+def build_components(run: Run, switches: TestSwitches) -> Components:
+    """The loop's components, each from what it uses: the test hooks, the logger and its metrics file, the
+    evaluator, the checkpointer (which saves the logger's window with the training state)."""
+    acc, recipe = run.accelerator, run.recipe
+    hooks = TestHooks(switches, accelerator=acc, model=run.model, optimizer=run.optimizer, sampler=run.sampler,
+                      sharding=run.sharding, layout=run.layout,
+                      packing_probe=functools.partial(probes.packing, run.model, acc, run.data, run.collate,
+                                                      run.batch_layout))
+    metrics = MetricsWriter(acc, run.layout.metrics_file)
+    logger = TrainLogger(acc, run.terminal, metrics, run.clock, every_steps=recipe.logging.every_steps,
+                         total_steps=run.total_steps, accumulation_steps=run.sampler.accumulation_steps,
+                         precision=run.settings.mixed_precision.value, flops_per_token=run.flops_per_token,
+                         tokens_by_source=run.data.tokens_by_source)
+    checkpointer = Checkpointer(accelerator=acc, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
+                                sampler=run.sampler, logger=logger, recipe=recipe, settings=run.settings,
+                                tokenizer=run.tokenizer, layout=run.layout, terminal=run.terminal,
+                                preemption=run.preemption, total_steps=run.total_steps, parameters=run.parameters,
+                                trainable_parameters=run.trainable_parameters, faults=hooks.faults)
+    return Components(logger=logger, evaluator=Evaluator(run, metrics), checkpointer=checkpointer, hooks=hooks)
 
 
 def startup_summary(recipe, settings, layout: RunLayout, data, built: ShardedModel, held: list[int],
@@ -368,7 +400,7 @@ def startup_summary(recipe, settings, layout: RunLayout, data, built: ShardedMod
         *data_summary(recipe, data, sampler, total_steps),
         *method_summary(recipe, objective),
         f"  batch     global {t.global_batch_size}{' pairs' if data.pairs else ''} = micro {t.micro_batch_size} x "
-        f"{sampler.W} rank(s) x "
+        f"{s.num_processes.value} rank(s) x "
         f"{sampler.accumulation_steps} accumulation step(s); {total_steps:,} optimizer steps ({epochs:.2f} epochs)",
         f"  sharding  FSDP{s.fsdp_version.value} {s.sharding_strategy.value} on {s.device.value}: ranks hold "
         f"{' / '.join(f'{n:,}' for n in held)} of {parameters:,} parameters; units "
