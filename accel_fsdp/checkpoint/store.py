@@ -62,15 +62,12 @@ from accel_fsdp.layout import (
 
 
 def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, step: int,
-                    trainer_state: TrainerState | dict,
+                    trainer_state: TrainerState,
                     recipe, settings, tokenizer, lora: bool, keep_last: int | None, faults=None,
                     run_id: str | None = None) -> Path:
     """Write the checkpoint of optimizer step `step` atomically; rotate old ones. Collective: all ranks call it.
-    `trainer_state` is a TrainerState (a dict with its keys is accepted too); the scheduler's state is added here."""
+    The scheduler's state is added to `trainer_state` here."""
     from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
-
-    if not isinstance(trainer_state, TrainerState):
-        trainer_state = TrainerState.from_dict(trainer_state)
 
     name = checkpoint_name(step)
     final, tmp = root / name, root / f"{TMP_PREFIX}{name}"

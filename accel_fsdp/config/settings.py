@@ -31,7 +31,7 @@ from accel_fsdp.config.accelerate import (
     as_int,
     fsdp1_strategy,
 )
-from accel_fsdp.errors import Problem
+from accel_fsdp.errors import Problem, read_json_object
 
 MODEL_DEFAULT = "<model default>"
 """wrap_classes before the model is known: its own _no_split_modules."""
@@ -91,6 +91,27 @@ class Setting:
         v = ", ".join(self.value) if isinstance(self.value, (list, tuple)) else self.value
         return f"{v}  ({self.source_text})"
 
+    def to_dict(self) -> dict[str, Any]:
+        """As fsdp_settings.json holds it."""
+        return {"value": self.value, "source": self.source_text, "source_kind": self.source.value}
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> Setting:
+        """The setting `to_dict` saved (its detail recovered from the source text, which it prefixes)."""
+        source = Source(saved.get("source_kind", Source.DEFAULT.value))
+        text = str(saved.get("source", ""))
+        if source == Source.ACCELERATE_CONFIG:
+            detail = text
+        elif source == Source.RECIPE:
+            detail = text.removeprefix("recipe ")
+        elif source == Source.OVERRIDE:
+            detail = ""
+        elif source == Source.TARGET_HARDWARE:
+            detail = text.removeprefix("the config's target hardware (").removesuffix(")")
+        else:
+            detail = text.removeprefix(f"{source.value}: ") if text != source.value else ""
+        return cls(saved.get("value"), source, detail)
+
 
 @dataclass
 class FsdpSettings:
@@ -128,8 +149,20 @@ class FsdpSettings:
         return rows
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {name: {"value": s.value, "source": s.source_text, "source_kind": s.source.value}
-                for name, s in self.rows()}
+        return {name: s.to_dict() for name, s in self.rows()}
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> FsdpSettings:
+        """The settings `to_dict` saved (a run's fsdp_settings.json); one it leaves out (fsdp1_options under FSDP2,
+        min_num_params without size-based wrapping) is None, by default."""
+        return cls(**{f.name: Setting.from_dict(saved[f.name]) if isinstance(saved.get(f.name), dict)
+                      else Setting(None, Source.DEFAULT) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def read(cls, path) -> FsdpSettings:
+        """A run's fsdp_settings.json; a damaged one is one UserError naming it."""
+        return cls.from_dict(read_json_object(path, what="is unreadable or corrupt",
+                                              fix="run again to write it (it is written at the start of a run)"))
 
     def format(self, indent: int = 2) -> str:
         width = max(len(n) for n, _ in self.rows())

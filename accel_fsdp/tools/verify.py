@@ -39,6 +39,7 @@ from pathlib import Path
 
 from accel_fsdp.checkpoint.records import Manifest
 from accel_fsdp.config import precision
+from accel_fsdp.config.settings import FsdpSettings
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.layout import CHECKPOINTS_DIR, MANIFEST, STEP_PREFIX, RunLayout, checkpoint_name
 from accel_fsdp.model.facts import base_values, facts_for
@@ -75,6 +76,25 @@ class Check:
 
 
 @dataclass
+class RunParameters:
+    """A probe run's parameter counts (run_parameters.json), from its checkpoint manifest: the run's own count."""
+
+    parameters: int
+    trainable: int
+
+    @classmethod
+    def read(cls, path: Path) -> RunParameters | None:
+        """None where the probe wrote none (it failed before its first checkpoint)."""
+        if not path.exists():
+            return None
+        saved = json.loads(path.read_text())
+        return cls(parameters=saved["parameters"], trainable=saved["trainable"])
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+
+
+@dataclass
 class Probe:
     name: str
     folder: Path
@@ -98,6 +118,12 @@ class Probe:
         from accel_fsdp.train.sharding import ShardingRecord
 
         return ShardingRecord.read(self.layout.sharding_file)
+
+    def counts(self) -> RunParameters | None:
+        return RunParameters.read(self.layout.run_parameters_file)
+
+    def settings(self) -> FsdpSettings:
+        return FsdpSettings.read(self.layout.settings_file)
 
     def trace(self, name: str) -> list[dict]:
         out = []
@@ -197,8 +223,8 @@ def check_sharding(v: Verification) -> Check:
     measured = f"ranks hold {', '.join(f'{f:.3f}' for f in fractions)} of the parameters"
     problems = []
     state = info.state_bytes or []
-    counts = ref.layout.run_parameters_file
-    trainable = json.loads(counts.read_text())["trainable"] if counts.exists() else None
+    counts = ref.counts()
+    trainable = counts.trainable if counts else None
     if state:
         optimizer = [r["optimizer"] for r in state]
         expected = 8 * (trainable or total) / shards
@@ -418,14 +444,16 @@ def check_memory(v: Verification) -> Check:
     info = ref.sharding()
     if info is None or not info.state_bytes:
         return Check("memory", "FAIL", ref.failure())
-    counts = json.loads((ref.layout.run_parameters_file).read_text())
-    settings = json.loads(ref.layout.settings_file.read_text())
-    strategy = settings["sharding_strategy"]["value"]
-    lora = counts["trainable"] < counts["parameters"]
+    counts = ref.counts()
+    if counts is None:
+        return Check("memory", "FAIL", ref.failure() if not ref.ok else "no checkpoint recorded the parameter counts")
+    settings = ref.settings()
+    lora = counts.trainable < counts.parameters
     predicted = estimate(MemoryInputs(
-        params=counts["parameters"], trainable=counts["trainable"], largest_unit=0, world=v.world,
-        shard_group=info.expected_shards, strategy=strategy, precision=precision.MEMORY[v.precision],
-        offload=settings["cpu_offload"]["value"], frozen_bytes=precision.BYTES[v.precision] if lora else 4))
+        params=counts.parameters, trainable=counts.trainable, largest_unit=0, world=v.world,
+        shard_group=info.expected_shards, strategy=settings.sharding_strategy.value,
+        precision=precision.MEMORY[v.precision], offload=settings.cpu_offload.value,
+        frozen_bytes=precision.BYTES[v.precision] if lora else 4))
     want = predicted.model_state + predicted.host
     measured = info.model_state_bytes()
     ratios = [m / want for m in measured]
@@ -436,7 +464,7 @@ def check_memory(v: Verification) -> Check:
     rows = ref.train_rows()
     if v.device == "cuda" and rows:
         peak = rows[-1].peak_memory_bytes_run or rows[-1].peak_memory_bytes
-        full = estimate(predicted_inputs(v, counts, info, strategy, settings))
+        full = estimate(predicted_inputs(v, counts, info, settings))
         peak_ratio = [p / full.total for p in peak]
         ok &= all(r <= PEAK_MARGIN for r in peak_ratio)
         text += f"; GPU peak {', '.join(f'{r:.2f}' for r in peak_ratio)} x the estimate"
@@ -448,15 +476,15 @@ def check_memory(v: Verification) -> Check:
                  data)
 
 
-def predicted_inputs(v, counts, info, strategy, settings):
-
+def predicted_inputs(v: Verification, counts: RunParameters, info, settings: FsdpSettings) -> MemoryInputs:
+    """The memory model's inputs for the whole of a step (activations included) of the reference probe."""
     facts = facts_for(v.recipe)
-    return MemoryInputs(params=counts["parameters"], trainable=counts["trainable"],
+    return MemoryInputs(params=counts.parameters, trainable=counts.trainable,
                         largest_unit=facts.block_params() if facts else 0, world=v.world,
-                        shard_group=info.expected_shards, strategy=strategy,
+                        shard_group=info.expected_shards, strategy=settings.sharding_strategy.value,
                         precision=precision.MEMORY[v.precision],
-                        offload=settings["cpu_offload"]["value"],
-                        activation_checkpointing=settings["activation_checkpointing"]["value"],
+                        offload=settings.cpu_offload.value,
+                        activation_checkpointing=settings.activation_checkpointing.value,
                         micro_batch=v.recipe.training.micro_batch_size, seq_len=v.recipe.data.seq_len,
                         shape=facts.shape() if facts else None)
 
@@ -540,8 +568,7 @@ def record_counts(probe: Probe) -> None:
     manifests = sorted(probe.layout.checkpoints.glob(f"{STEP_PREFIX}*/{MANIFEST}"))
     if manifests:
         m = Manifest.read(manifests[-1].parent)
-        probe.layout.run_parameters_file.write_text(json.dumps(
-            {"parameters": m.parameters, "trainable": m.trainable_parameters}))
+        RunParameters(parameters=m.parameters, trainable=m.trainable_parameters).write(probe.layout.run_parameters_file)
 
 
 def claim_folder(out_dir: Path) -> None:
