@@ -305,8 +305,8 @@ def test_disk_full_during_a_save_stops_cleanly(tmp_path, tiny_gpt2, stories):
     run = tmp_path / "run"
     proc = run_cli("recipe", "run", recipe, "--output-dir", run, env={"ACCEL_FSDP_FAULT": "enospc-in-save:6"},
                    check=2)
-    assert "saving the checkpoint failed: No space left on device; the previous checkpoint step-000003 is intact" \
-        in proc.stderr
+    assert ("saving the checkpoint failed: No space left on device; the previous checkpoint step-000003 is intact"
+            in proc.stderr)
     assert "free disk space" in proc.stderr and "Traceback" not in proc.stderr
     assert not list((run / "checkpoints").glob(".tmp-*")) and not (run / "checkpoints" / "step-000006").exists()
     assert (run / "checkpoints" / "step-000003" / "manifest.json").exists()
@@ -425,8 +425,8 @@ def test_a_shard_damaged_in_place_is_named_before_anything_reads_it(tmp_path, re
     shard.write_bytes(bytes(data))
     msg = run_cli("checkpoint", "consolidate", broken, tmp_path / "out", check=2).stderr
     assert "pytorch_model_fsdp_0/__1_0.distcp changed since it was saved (CRC-32 differs" in msg
-    assert "INCOMPLETE: pytorch_model_fsdp_0/__1_0.distcp changed since it was saved" in \
-        run_cli("checkpoint", "inspect", broken, check=0).stdout
+    assert ("INCOMPLETE: pytorch_model_fsdp_0/__1_0.distcp changed since it was saved"
+            in run_cli("checkpoint", "inspect", broken, check=0).stdout)
     recipe = reference / "recipe.yaml"
     proc = run_cli("recipe", "run", recipe, "--output-dir", tmp_path / "again", "--resume-from", broken, check=2)
     assert "pytorch_model_fsdp_0/__1_0.distcp changed since it was saved" in proc.stderr

@@ -65,8 +65,8 @@ def test_a_bad_row_of_one_source_names_its_file_line_and_key(tmp_path, tiny_gpt2
     recipe = mix_recipe(tmp_path, tiny_gpt2,
                         data={"sources": MIX["sources"] + [{"path": str(chat), "format": "chat", "weight": 0.1}]})
     msg = user_error("recipe", "validate", recipe)
-    assert "data.messages_field: " in msg and "chat.jsonl line 1: has no field 'messages' (its fields: conversation)" \
-        in msg
+    assert ("data.messages_field: " in msg
+            and "chat.jsonl line 1: has no field 'messages' (its fields: conversation)" in msg)
 
 
 # ------------------------------------------------------------------------------------ prepare and show

@@ -152,8 +152,8 @@ def test_a_second_start_on_a_live_run_names_the_holder(tmp_path):
     fd = hold_lock(run)
     try:
         msg = user_error("recipe", "run", "quickstart", "--output-dir", run, "--resume")
-        assert f"this run folder is in use by a live run (held by PID 4242 on {socket.gethostname()} since " \
-               "2026-11-22 10:00:00)" in msg
+        assert (f"this run folder is in use by a live run (held by PID 4242 on {socket.gethostname()} since "
+                "2026-11-22 10:00:00)" in msg)
         scratch = tmp_path / "scratch"
         fd2 = hold_lock(scratch)
         msg = user_error("recipe", "run", "quickstart", "--output-dir", tmp_path / "new",
@@ -215,8 +215,8 @@ def test_data_that_keeps_no_loss_token_is_refused_before_launch(tmp_path, tiny_g
     recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, data, data={"format": "instruction", "seq_len": 16,
                                                                      "eval_fraction": 0})
     msg = user_error("recipe", "run", recipe, "--output-dir", tmp_path / "run")
-    assert "no training example keeps a token that carries a loss (20 of 20 lost it to truncation at " \
-           "data.seq_len = 16" in msg and "raise data.seq_len" in msg
+    assert ("no training example keeps a token that carries a loss (20 of 20 lost it to truncation at "
+            "data.seq_len = 16" in msg and "raise data.seq_len" in msg)
     assert not (tmp_path / "run").exists()
 
 
@@ -226,8 +226,8 @@ def test_a_large_share_of_truncated_responses_is_warned_about(tmp_path, tiny_gpt
                                                                      "eval_fraction": 0})
     result = CliRunner().invoke(main, ["recipe", "validate", str(recipe)])
     assert result.exit_code == 0, result.output
-    assert "note: 50% of the training examples (10 of 20) lost all their loss-carrying tokens to truncation at " \
-           "data.seq_len = 16" in result.output
+    assert ("note: 50% of the training examples (10 of 20) lost all their loss-carrying tokens to truncation at "
+            "data.seq_len = 16" in result.output)
 
 
 # ----------------------------------------------------------------------------- no traceback, one message
@@ -323,8 +323,8 @@ def test_a_shipped_slurm_config_stays_consistent_with_validate(tmp_path):
     assert "checkpoints/step-" not in text  # no path guessed in bash: the CLI decides
     result = CliRunner().invoke(main, ["recipe", "validate", "gpt2-xl", "--accelerate-config", "fsdp_multinode",
                                        "--num-machines", "2", "--num-processes", "16"])
-    assert result.exit_code == 0 and "batch: global 64 = micro 4 x 16 processes x 1 accumulation steps" in \
-        result.output, result.output
+    assert result.exit_code == 0 and ("batch: global 64 = micro 4 x 16 processes x 1 accumulation steps"
+                                      in result.output), result.output
 
 
 # ------------------------------------------------------------- a corpus of bad inputs, one class per case

@@ -242,8 +242,8 @@ def _write_shards(reader: _TensorSource, keys, folder: Path, prefix: str, dtype:
             used = 0
         groups[-1].append((k, n))
         used += b
-    names = [f"{prefix}.safetensors"] if len(groups) == 1 else \
-        [f"{prefix}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    names = ([f"{prefix}.safetensors"] if len(groups) == 1 else
+             [f"{prefix}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
     weight_map, total, largest = {}, 0, 0
     for group, fname in zip(groups, names):
         tensors = reader.read([k for k, _ in group])

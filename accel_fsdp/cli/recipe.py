@@ -246,8 +246,8 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     # Only the main machine looks at the (shared) run folder: the others would race with its ranks writing there.
     report = preflight(r, config, num_processes=n, run_dir=run_dir if main_machine else None, resume=resume,
                        resume_from=resume_from, overwrite=overwrite, check_hub=True, cpu_option=True)
-    where = f" ({report.num_processes // machines} on this machine, machine_rank {rank} of {machines})" \
-        if machines > 1 else ""
+    where = (f" ({report.num_processes // machines} on this machine, machine_rank {rank} of {machines})"
+             if machines > 1 else "")
     click.echo(f"accel-fsdp: launching {report.num_processes} process(es){where} with {config.label}"
                + ("" if why == "given" else f" ({why})"), err=True)
     for note in report.notes:

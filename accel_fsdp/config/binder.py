@@ -68,8 +68,8 @@ def apply_override(raw: dict, item: str, problems: list[Problem], root) -> list[
                 problems.append(Problem(f"--set {key}", f"{prefix} is a value, not a section with keys",
                                         f"--set {prefix}=VALUE"))
                 return []
-            fix = f"did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else \
-                f"known keys{' of ' + prefix if prefix else ''}: {', '.join(known)}"
+            fix = (f"did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else
+                   f"known keys{' of ' + prefix if prefix else ''}: {', '.join(known)}")
             problems.append(Problem(f"--set {key}", "unknown key", fix))
             return []
         cls = _strip_optional(hints[part])
@@ -139,8 +139,8 @@ def bind(cls, raw: Any, prefix: str, where, problems: list[Problem]):
         dotted = f"{prefix}{key}"
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
-            fix = f"did you mean {prefix}{close[0]}?" if close else \
-                f"known keys{' in ' + prefix.rstrip('.') if prefix else ''}: {', '.join(known)}"
+            fix = (f"did you mean {prefix}{close[0]}?" if close else
+                   f"known keys{' in ' + prefix.rstrip('.') if prefix else ''}: {', '.join(known)}")
             problems.append(Problem(where(dotted), "unknown key", fix))
             continue
         typ = hints[key]
@@ -189,8 +189,8 @@ def field_docs(cls) -> dict[str, str]:
     body = tree.body[0].body
     docs = {}
     for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
-                and isinstance(getattr(nxt, "value", None), ast.Constant) and isinstance(nxt.value.value, str):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(getattr(nxt, "value", None), ast.Constant) and isinstance(nxt.value.value, str)):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 

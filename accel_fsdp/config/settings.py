@@ -189,8 +189,8 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
 
     def recipe_or_default(key: str, value) -> Setting:
         """Settings only the recipe has: from the recipe when it (or --set) wrote the key, else its default."""
-        return from_recipe(key, value) if recipe.is_overridden(key) or key in recipe.lines else \
-            Setting(value, Source.DEFAULT)
+        return (from_recipe(key, value) if recipe.is_overridden(key) or key in recipe.lines else
+                Setting(value, Source.DEFAULT))
 
     def pick(recipe_key: str | None, recipe_value, config_key: str | None, convert, default) -> Setting:
         if recipe_key and recipe_value is not None:
@@ -353,8 +353,8 @@ def check_settings(settings: FsdpSettings, recipe, *, visible_gpus: int | None =
                          "NO_SHARD is an FSDP1 strategy; FSDP2 has no unsharded mode",
                          "use accelerate_configs/fsdp1_2gpu.yaml with fsdp_sharding_strategy: NO_SHARD, "
                          "or SHARD_GRAD_OP (shards gradients and optimizer state only)"))
-    if strategy == HYBRID_SHARD and s.fsdp_version.value == 1 and n > 1 and machines == 1 \
-            and s.device.value == "cpu":
+    if (strategy == HYBRID_SHARD and s.fsdp_version.value == 1 and n > 1 and machines == 1
+            and s.device.value == "cpu"):
         p.append(Problem(s.sharding_strategy.where(recipe, "fsdp.sharding_strategy"),
                          "FSDP1 HYBRID_SHARD needs several machines", "use FSDP2 with a parallelism_config"))
     attn = recipe.model.attn_implementation or ""

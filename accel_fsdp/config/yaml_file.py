@@ -22,8 +22,8 @@ def load_yaml(text: str, source: str) -> tuple[Any, dict[str, int], list[Problem
         problem = getattr(e, "problem", None) or first_line(e)
         context = getattr(e, "context", None)
         msg = f"YAML syntax error: {problem}" + (f" ({context})" if context else "")
-        raise UserError(Problem(where, msg, "fix the YAML at that line (indentation, a missing ':' or quote)")) \
-            from None
+        fix = "fix the YAML at that line (indentation, a missing ':' or quote)"
+        raise UserError(Problem(where, msg, fix)) from None
     except RecursionError:  # an alias that contains itself (&a [*a]): PyYAML recurses forever
         raise UserError(Problem(source, "YAML anchors refer to themselves (an alias inside its own anchor)",
                                 "remove the recursive &anchor / *alias")) from None

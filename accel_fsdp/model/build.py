@@ -59,11 +59,12 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
         unknown_override_problems(recipe, CONFIG_MAPPING[model_type], overrides)
         try:
             config = AutoConfig.for_model(model_type, **kwargs)
-            return config if tokenizer is None or len(tokenizer) <= config.vocab_size else \
+            if tokenizer is not None and len(tokenizer) > config.vocab_size:
                 raise_problems([Problem(recipe.where("model.config_overrides.vocab_size"),
                                         f"vocabulary of {config.vocab_size} is smaller than the tokenizer's "
                                         f"{len(tokenizer)} tokens, so its ids would index past the embedding",
                                         f"use at least {len(tokenizer)} (or leave vocab_size out)")])
+            return config
         except (TypeError, ValueError, StrictDataclassError) as e:
             detail = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:240]
             raise UserError(Problem(recipe.where("model.config_overrides"), f"rejected by transformers: {detail}",

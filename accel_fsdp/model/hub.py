@@ -29,8 +29,8 @@ def hub_ids(recipe) -> list[tuple[str, str, str, tuple[str, ...]]]:
     out = []
     if m.name_or_path and not is_local(m.name_or_path):
         out.append(("model.name_or_path", m.name_or_path, "model", ("config.json",) + WEIGHT_FILES))
-    if m.tokenizer and m.tokenizer != BUILTIN_TOKENIZER and not is_local(m.tokenizer) and \
-            bpe_vocab_size(m.tokenizer) is None:
+    if (m.tokenizer and m.tokenizer != BUILTIN_TOKENIZER and not is_local(m.tokenizer)
+            and bpe_vocab_size(m.tokenizer) is None):
         out.append(("model.tokenizer", m.tokenizer, "model", ("tokenizer_config.json",)))
     for i, source in enumerate(recipe.data.resolved_sources()):
         where = locate(recipe, source, source_key(recipe, i))

@@ -101,8 +101,8 @@ def decide(layout: RunLayout, recipe, *, resume: str | None = None, resume_from:
         check_checkpoint_folder(layout, owner=identity)
         return Decision.RESUME if latest_complete(layout.checkpoints) else Decision.RESTART
     same = identity.recipe_fingerprint == recipe.fingerprint()
-    what = "a run of this same recipe" if same else \
-        f"a different run (recipe {identity.recipe_name!r}, fingerprint {identity.recipe_fingerprint})"
+    what = ("a run of this same recipe" if same else
+            f"a different run (recipe {identity.recipe_name!r}, fingerprint {identity.recipe_fingerprint})")
     raise UserError(Problem(str(root), f"already holds {what}",
                             "add --resume to continue it, --overwrite to replace it, or choose another --output-dir "
                             "(nothing was changed)"))

@@ -416,8 +416,8 @@ def check_data(v: Verification) -> Check:
         many, single = step_rows(ref), step_rows(one)
         steps = sorted(set(many) & set(single))
         differ = [s for s in steps if sorted(many[s]) != sorted(single[s])]
-        measured += f"; steps 1-{len(steps)}: 1 rank and {v.world} ranks read " + \
-            ("the same sequences" if not differ else f"different sequences at step(s) {differ}")
+        measured += (f"; steps 1-{len(steps)}: 1 rank and {v.world} ranks read "
+                     + ("the same sequences" if not differ else f"different sequences at step(s) {differ}"))
         if differ or not steps:
             problems.append("the sequences of a step depend on the number of ranks")
         data["ranks_compared"] = [1, v.world]

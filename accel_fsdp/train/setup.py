@@ -152,8 +152,8 @@ class Run:
         batch = self.collate([s for u in units for s in self.data.sequences(u)])
         reference = getattr(self.objective, "reference", None)
         if getattr(reference, "kind", None) == "precomputed":
-            batch["reference_logps"] = torch.cat([reference.lookup(*self.data.split(u), "train") for u in units]) \
-                .to(self.accelerator.device)
+            logps = [reference.lookup(*self.data.split(u), "train") for u in units]
+            batch["reference_logps"] = torch.cat(logps).to(self.accelerator.device)
         return batch
 
     def collate(self, sequences: list[Sequence]) -> dict:
@@ -390,8 +390,8 @@ def startup_summary(recipe, settings, layout: RunLayout, data, built: ShardedMod
     setting with its source is in fsdp_settings.json (and printed by --verbose)."""
     s, t = settings, recipe.training
     parameters, trainable = built.parameters, built.trainable_parameters
-    source = "from scratch" if recipe.model.architecture else \
-        ("read by rank 0 only, shards sent to the others" if built.rank0_only_loading else "read by every rank")
+    source = ("from scratch" if recipe.model.architecture else
+              "read by rank 0 only, shards sent to the others" if built.rank0_only_loading else "read by every rank")
     trained = "all trainable" if trainable == parameters else f"{trainable:,} trainable (LoRA)"
     epochs = total_steps * t.global_batch_size / max(1, len(data))
     every = recipe.checkpoint.every_steps
