@@ -97,6 +97,22 @@ def stories(tmp_path_factory) -> Path:
     return write_jsonl(tmp_path_factory.mktemp("data") / "stories.jsonl", rows)
 
 
+TRACE_UNITS = {"ACCEL_FSDP_TRACE_UNITS": "1"}
+"""The environment of a run that records, per rank and step, the training units it read (train/hooks.py)."""
+
+
+def units_by_step(run: Path) -> dict[int, list[int]]:
+    """The training units each step read, over all ranks of a run traced with TRACE_UNITS; for a resumed run the last
+    attempt of a step counts (the killed attempt's work past its checkpoint was lost with it)."""
+    per_step: dict[int, dict[int, list[int]]] = {}
+    for f in sorted((run / "trace").glob("units-rank*.jsonl")):
+        rank = int(f.stem.removeprefix("units-rank"))
+        for line in f.read_text().splitlines():
+            record = json.loads(line)
+            per_step.setdefault(record["step"], {})[rank] = record["units"]
+    return {step: sorted(u for units in by_rank.values() for u in units) for step, by_rank in per_step.items()}
+
+
 def fabricate_checkpoint(folder: Path, step: int, run_id: str | None = None) -> Path:
     """A checkpoint complete as far as its manifest can tell, without training: one file, its size and CRC-32."""
     from accel_fsdp.checkpoint.index import crc32_of

@@ -96,8 +96,8 @@ class SourceConfig:
     path: str | None = None
     """Local .jsonl/.json/.csv/.parquet/.txt file, a hub dataset (owner/name or hub:name), or builtin:NAME."""
     weight: float = 1.0
-    """Share of the mixture: of the loss-carrying tokens (data.mix_by: tokens) or of the sequences (rows). Weights
-    are relative: they are divided by their sum."""
+    """Share of the mixture: of the loss-carrying tokens (data.mix_by: tokens) or of the training units (rows:
+    sequences, or preference pairs). Weights are relative: they are divided by their sum."""
     format: Literal[FORMATS] | None = None
     """text, instruction, chat or preference (see data.format)."""
     text_field: str | None = None
@@ -136,7 +136,7 @@ class DataConfig:
     (the keys below serve as their defaults). Exclusive with data.path."""
     mix_by: Literal[MIX_BY] = "tokens"
     """What the weights of data.sources share out: tokens (loss-carrying tokens of each optimizer step) or rows
-    (sequences)."""
+    (training units: sequences, or preference pairs)."""
     format: Literal[FORMATS] = "text"
     """text: language modelling on text_field; instruction: alpaca rows, loss on the response only;
     chat: a list of messages rendered with the tokenizer's chat template, loss on assistant turns only;
@@ -208,7 +208,7 @@ class TrainingConfig:
     micro_batch_size: int = 1
     """Training sequences (preference pairs) per rank per micro-step (forward + backward)."""
     global_batch_size: int = 8
-    """Training sequences (examples, or packed rows of up to seq_len tokens; preference pairs) per optimizer step
+    """Training sequences (examples, or packed sequences of up to seq_len tokens; preference pairs) per optimizer step
     over all ranks. Gradient accumulation steps are derived: global_batch_size / (micro_batch_size x processes),
     which must be a whole number."""
     max_steps: int | None = None
@@ -512,9 +512,9 @@ def check_recipe(r: Recipe) -> list[Problem]:
     need(d.max_rows is None or d.max_rows > 0, "data.max_rows", f"{d.max_rows} must be positive", "or null for all")
     need(d.num_proc is None or d.num_proc >= 1, "data.num_proc", f"{d.num_proc} must be at least 1", "or null")
     need(t.micro_batch_size >= 1, "training.micro_batch_size", f"{t.micro_batch_size} must be at least 1",
-         "rows per rank per micro-step, e.g. 1 to 16")
+         "sequences (preference pairs) per rank per micro-step, e.g. 1 to 16")
     need(t.global_batch_size >= 1, "training.global_batch_size", f"{t.global_batch_size} must be at least 1",
-         "rows per optimizer step over all ranks")
+         "sequences (preference pairs) per optimizer step over all ranks")
     if t.micro_batch_size >= 1 and t.global_batch_size >= 1:
         need(t.splits_evenly(1), "training.global_batch_size",
              f"{t.global_batch_size} is not a multiple of training.micro_batch_size = {t.micro_batch_size}",

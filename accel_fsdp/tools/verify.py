@@ -413,7 +413,7 @@ def check_data(v: Verification) -> Check:
     data = dict(r, max_share_deviation=deviation, weights=weights)
     one = v.probes.get("fewer-ranks")
     if v.world > 1 and one is not None and one.ok and ref.ok:
-        many, single = step_rows(ref), step_rows(one)
+        many, single = step_units(ref), step_units(one)
         steps = sorted(set(many) & set(single))
         differ = [s for s in steps if sorted(many[s]) != sorted(single[s])]
         measured += (f"; steps 1-{len(steps)}: 1 rank and {v.world} ranks read "
@@ -428,13 +428,13 @@ def check_data(v: Verification) -> Check:
                  "any number of ranks", data)
 
 
-def step_rows(probe: Probe) -> dict[int, list[int]]:
-    """The training units each step read, over all ranks of a probe (its row traces, ACCEL_FSDP_TRACE_ROWS)."""
+def step_units(probe: Probe) -> dict[int, list[int]]:
+    """The training units each step read, over all ranks of a probe (its unit traces, ACCEL_FSDP_TRACE_UNITS)."""
     out: dict[int, list[int]] = {}
-    for path in sorted(probe.layout.trace.glob("rows-rank*.jsonl")):
+    for path in sorted(probe.layout.trace.glob("units-rank*.jsonl")):
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            out.setdefault(row["step"], []).extend(row["rows"])
+            out.setdefault(row["step"], []).extend(row["units"])
     return out
 
 

@@ -4,7 +4,7 @@ Switches, set in the environment of a run by tests and by `verify` (never by a u
   ACCEL_FSDP_BREAK=<name>[,<name>]  break one property on purpose (BREAKS), so tests prove each `verify` check can fail
   ACCEL_FSDP_FAULT=<kind>:<step>[@<rank>]  a crash or hang after an optimizer step or inside a save (faults.py)
   ACCEL_FSDP_PROBE=<name>[,<name>]  measurements of internals through model hooks (probes.py)
-  ACCEL_FSDP_TRACE_ROWS=1           per rank and step, the training sequences read, in <run>/trace/ (resume tests)
+  ACCEL_FSDP_TRACE_UNITS=1          per rank and step, the training units read, in <run>/trace/ (resume tests)
 
 They are read once, by `TestSwitches.from_env` in train/setup.py, and reach the code that acts on them as plain
 parameters where a library takes the broken setting (`reduce_dtype`, `preserve_rng_state`, `shard_cpu_ranks`), as a
@@ -38,7 +38,7 @@ from accel_fsdp.train.state import TrainingState
 BREAK_ENV = "ACCEL_FSDP_BREAK"
 FAULT_ENV = "ACCEL_FSDP_FAULT"
 PROBE_ENV = "ACCEL_FSDP_PROBE"
-TRACE_ENV = "ACCEL_FSDP_TRACE_ROWS"
+TRACE_ENV = "ACCEL_FSDP_TRACE_UNITS"
 
 BREAKS = {
     "unsharded": "CPU ranks: leave Accelerate's state as it comes (unsharded replicas), and skip the check that stops "
@@ -68,14 +68,14 @@ class TestSwitches:
     """A fault to inject (faults.py)."""
     probes: frozenset[str] = frozenset()
     """Measurements to record (probes.py)."""
-    trace_rows: bool = False
+    trace_units: bool = False
     """Record the training sequences each rank reads at each step."""
 
     @classmethod
     def from_env(cls, env=None) -> TestSwitches:
         env = os.environ if env is None else env
         switches = cls(breaks=_names(env.get(BREAK_ENV)), fault=env.get(FAULT_ENV) or None,
-                       probes=_names(env.get(PROBE_ENV)), trace_rows=bool(env.get(TRACE_ENV)))
+                       probes=_names(env.get(PROBE_ENV)), trace_units=bool(env.get(TRACE_ENV)))
         for names, known, var in ((switches.breaks, BREAKS, BREAK_ENV), (switches.probes, probes.PROBES, PROBE_ENV)):
             if names - set(known):
                 raise ValueError(f"{var}: unknown {', '.join(sorted(names - set(known)))}; known: {', '.join(known)}")
@@ -105,9 +105,9 @@ class TestHooks:
         rank = accelerator.process_index
         self.faults = Faults(switches.fault, rank)
         self.trace = None
-        if switches.trace_rows:
+        if switches.trace_units:
             layout.trace.mkdir(parents=True, exist_ok=True)
-            self.trace = (layout.trace / f"rows-rank{rank}.jsonl").open("a")
+            self.trace = (layout.trace / f"units-rank{rank}.jsonl").open("a")
         probes.install(model, layout.trace, rank, switches.probes)
         if "packing" in switches.probes:
             packing_probe(layout.trace / f"packing-rank{rank}.json")
@@ -122,7 +122,8 @@ class TestHooks:
 
     def after_step(self, step: int, micro_batches: list[list[int]]) -> None:
         if self.trace:
-            self.trace.write(json.dumps({"step": step, "rows": [r for rows in micro_batches for r in rows]}) + "\n")
+            units = [unit for micro_batch in micro_batches for unit in micro_batch]
+            self.trace.write(json.dumps({"step": step, "units": units}) + "\n")
             self.trace.flush()
         self.faults.after_step(step)
 
