@@ -64,7 +64,8 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
               run_dir: Path | None = None, resume: str | None = None, resume_from: str | None = None,
               overwrite: bool = False, for_target_hardware: bool = False, check_hub: bool = False,
               cpu_option: bool = False) -> PreflightReport:
-    """Check recipe x accelerate config x model x data; raise one UserError listing every problem.
+    """Check recipe x accelerate config x model x data; raise one UserError listing every problem. (Long: the stages
+    in the order they run, each a call; they gather problems into one list.)
 
     `for_target_hardware`: judge the config on the hardware it is written for (GPUs unless it says use_cpu),
     not on this machine: `recipe validate` of a GPU config on a laptop. `cpu_option`: the command has `--cpu`, which

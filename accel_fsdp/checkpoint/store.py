@@ -66,7 +66,10 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, ste
                     recipe, settings, tokenizer, lora: bool, keep_last: int | None, faults=None,
                     run_id: str | None = None) -> Path:
     """Write the checkpoint of optimizer step `step` atomically; rotate old ones. Collective: all ranks call it.
-    The scheduler's state is added to `trainer_state` here."""
+    The scheduler's state is added to `trainer_state` here.
+
+    Long: the save is one protocol every rank walks through (temporary folder, shards, barrier, agreement on
+    failure, checksums, manifest, rename, barrier); split, its barriers would hide in helpers."""
     from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
 
     name = checkpoint_name(step)

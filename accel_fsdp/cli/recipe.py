@@ -192,6 +192,9 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     accelerate launch --config_file accelerate_configs/fsdp_2gpu.yaml -m accel_fsdp recipe run gpt2-xl
     accel-fsdp recipe run quickstart --resume
     accel-fsdp recipe run llama-3.1-8b --dry-run --accelerate-config llama_fsdp_8gpu --gpu-memory 80GB
+    \f
+    Long because it is the one place where a start's branches meet (inside a rank, a dry run, the launch with its
+    machine options and preflight); each branch calls one function.
     """
     os.environ.setdefault(START_ENV, repr(time.time()))  # the ranks measure time to first step from here
 

@@ -43,36 +43,10 @@ def apply_override(raw: dict, item: str, problems: list[Problem], root) -> list[
     except yaml.YAMLError:
         value = value_text
     # The key must name a field of the schema; the value is type-checked with everything else.
-    cls: Any = root
     parts = key.split(".")
-    for i, part in enumerate(parts):
-        if _section_list(cls) is not None:  # data.sources.1.weight: an entry of a list of sections, by index
-            entries = _lookup(raw, parts[:i])
-            count = len(entries) if isinstance(entries, list) else 0
-            if not part.isdigit() or int(part) >= count:
-                problems.append(Problem(f"--set {key}", f"{'.'.join(parts[:i])} has no entry {part!r} "
-                                        f"({count} entr{'y' if count == 1 else 'ies'}, numbered from 0)",
-                                        f"use an index below {count}, or set the whole list" if count else
-                                        f"set the whole list: --set {'.'.join(parts[:i])}=[...]"))
-                return []
-            cls = _section_list(cls)
-            continue
-        hints = _hints(cls) if _is_dataclass_type(cls) else None
-        if hints is None or part not in hints or _is_internal(cls, part):
-            if cls is dict or (hints is None and _origin(cls) is dict):
-                break  # free-form mapping such as model.config_overrides.n_layer
-            known = [k for k in (hints or {}) if not _is_internal(cls, k)] if hints else []
-            close = difflib.get_close_matches(part, known, n=1)
-            prefix = ".".join(parts[:i])
-            if not known:
-                problems.append(Problem(f"--set {key}", f"{prefix} is a value, not a section with keys",
-                                        f"--set {prefix}=VALUE"))
-                return []
-            fix = (f"did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else
-                   f"known keys{' of ' + prefix if prefix else ''}: {', '.join(known)}")
-            problems.append(Problem(f"--set {key}", "unknown key", fix))
-            return []
-        cls = _strip_optional(hints[part])
+    found, cls = _field_of(root, raw, key, parts, problems)
+    if not found:
+        return []
     node = raw
     for part in parts[:-1]:
         if isinstance(node, list):
@@ -90,6 +64,42 @@ def apply_override(raw: dict, item: str, problems: list[Problem], root) -> list[
     else:
         node[parts[-1]] = value
     return [key]
+
+
+def _field_of(root, raw: dict, key: str, parts: list[str], problems: list[Problem]) -> tuple[bool, Any]:
+    """(True, the field's type) when the dotted `key` names a field of `root`'s schema (an entry of a list of
+    sections by an index the raw data has, a key of a free-form mapping below a field); else (False, None) with the
+    problem added."""
+    cls: Any = root
+    for i, part in enumerate(parts):
+        if _section_list(cls) is not None:  # data.sources.1.weight: an entry of a list of sections, by index
+            entries = _lookup(raw, parts[:i])
+            count = len(entries) if isinstance(entries, list) else 0
+            if not part.isdigit() or int(part) >= count:
+                problems.append(Problem(f"--set {key}", f"{'.'.join(parts[:i])} has no entry {part!r} "
+                                        f"({count} entr{'y' if count == 1 else 'ies'}, numbered from 0)",
+                                        f"use an index below {count}, or set the whole list" if count else
+                                        f"set the whole list: --set {'.'.join(parts[:i])}=[...]"))
+                return False, None
+            cls = _section_list(cls)
+            continue
+        hints = _hints(cls) if _is_dataclass_type(cls) else None
+        if hints is None or part not in hints or _is_internal(cls, part):
+            if cls is dict or (hints is None and _origin(cls) is dict):
+                return True, dict  # free-form mapping such as model.config_overrides.n_layer
+            known = [k for k in (hints or {}) if not _is_internal(cls, k)] if hints else []
+            close = difflib.get_close_matches(part, known, n=1)
+            prefix = ".".join(parts[:i])
+            if not known:
+                problems.append(Problem(f"--set {key}", f"{prefix} is a value, not a section with keys",
+                                        f"--set {prefix}=VALUE"))
+                return False, None
+            fix = (f"did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else
+                   f"known keys{' of ' + prefix if prefix else ''}: {', '.join(known)}")
+            problems.append(Problem(f"--set {key}", "unknown key", fix))
+            return False, None
+        cls = _strip_optional(hints[part])
+    return True, cls
 
 
 def _merged(base: dict, update: dict) -> dict:
@@ -293,7 +303,8 @@ def _strip_optional(t):
 
 
 def _check_type(value: Any, typ) -> tuple[bool, Any, str]:
-    """(ok, converted value, what was expected) for a YAML value against a field annotation."""
+    """(ok, converted value, what was expected) for a YAML value against a field annotation. (Long: one branch per
+    kind of annotation, read as a table.)"""
     origin = _origin(typ)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(typ)

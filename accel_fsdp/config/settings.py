@@ -176,6 +176,10 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
     `num_processes` / `num_machines` are what the launch really has (inside a rank: WORLD_SIZE; for the CLI
     without a config: the local GPUs); they win over the config's numbers. With no wrap class named anywhere,
     `wrap_classes` is left as MODEL_DEFAULT until `detect_wrap_classes` sees the model.
+
+    Long: one table, a setting a few lines, in FsdpSettings' order, each by the same precedence (`pick`); the few
+    that depend on others (the shard sizes on the strategy, the precision and FSDP1 options on the device) follow
+    them, so the whole precedence reads top to bottom in one place.
     """
     cfg = config.label
 
@@ -322,7 +326,8 @@ def check_settings(settings: FsdpSettings, recipe, *, visible_gpus: int | None =
     """Problems of the combination (recipe x hardware) that neither file shows alone.
 
     `visible_gpus`: the GPUs this machine shows (CUDA_VISIBLE_DEVICES applied), when the run is about to start
-    here; None when judging a config for other hardware (`recipe validate` on a laptop)."""
+    here; None when judging a config for other hardware (`recipe validate` on a laptop). (Long: a list of
+    independent checks, each a few lines.)"""
     p: list[Problem] = []
     s = settings
     n, machines = s.num_processes.value, s.num_machines.value

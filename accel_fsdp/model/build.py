@@ -29,6 +29,9 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
 
     With `offline=True` the hub is never contacted: a hub id is answered from the known architectures table or
     the local cache, and `None` is returned when neither knows it.
+
+    Long: the three ways to a config (an architecture, a local folder, a hub id, online or not) and what each can
+    raise are kept side by side, so one message per cause is easy to check against the others.
     """
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
