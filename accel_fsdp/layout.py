@@ -52,8 +52,11 @@ REPORT_FILE = "report.json"
 LOSS_CURVE_FILE = "loss_curve.png"
 LOCK_FILE = ".accel-fsdp.lock"
 RUN_PARAMETERS_FILE = "run_parameters.json"
+REFERENCE_DIR = "reference"
+"""A DPO run's reference log-probabilities when the cache cannot hold them (a read-only prepared cache)."""
 RUN_FOLDER_ENTRIES = (RUN_FILE, RECIPE_FILE, SETTINGS_FILE, SHARDING_FILE, METRICS_FILE, CHECKPOINTS_DIR, FINAL_DIR,
-                      LOGS_DIR, TRACE_DIR, LOSS_CURVE_FILE, REPORT_FILE, PREEMPTED_FILE, RUN_PARAMETERS_FILE)
+                      LOGS_DIR, TRACE_DIR, LOSS_CURVE_FILE, REPORT_FILE, PREEMPTED_FILE, RUN_PARAMETERS_FILE,
+                      REFERENCE_DIR)
 """Everything accel-fsdp writes into a run folder: an overwrite removes these and nothing else."""
 
 # The checkpoint folder, and each checkpoint in it (which also carries RECIPE_FILE and SETTINGS_FILE).
@@ -143,6 +146,7 @@ class RunLayout:
     report_file = property(lambda self: self.root / REPORT_FILE)
     loss_curve = property(lambda self: self.root / LOSS_CURVE_FILE)
     run_parameters_file = property(lambda self: self.root / RUN_PARAMETERS_FILE)
+    reference = property(lambda self: self.root / REFERENCE_DIR)
 
     @property
     def external_checkpoints(self) -> bool:

@@ -74,7 +74,8 @@ def test_architecture_names_every_module_of_the_tree():
         elif m:
             folder = ""
             named.add(m.group(1))
-        named |= {folder + name for name in re.findall(r"\b([a-z_]+\.py)\b", line) if not line.startswith(f"  {name}")}
+        named |= {folder + name for name in re.findall(r"\b((?:[a-z_]+/)*[a-z_]+\.py)\b", line)
+                  if not line.startswith(f"  {name}")}  # a module of a subfolder is named with it: methods/dpo.py
     modules = {str(p.relative_to(REPO / "accel_fsdp")) for p in (REPO / "accel_fsdp").rglob("*.py")
                if p.name not in ("__init__.py", "__main__.py")}
     assert modules - named == set(), "modules the architecture drawing leaves out"

@@ -139,6 +139,41 @@ def test_quickstart_mix_trains_both_sources_by_weight_and_evaluates_each(tmp_pat
     assert train[-1]["loss"] < train[0]["loss"] - 1.0
 
 
+@pytest.mark.parametrize("mix_by", ["tokens", "rows"])
+def test_eval_loss_weights_each_source_by_its_share_of_what_the_training_loss_averages(tmp_path, mix_by):
+    """The training loss is a mean over the global batch's loss-carrying tokens: with mix_by tokens a source's share of
+    them is its weight; with rows it is weight x mean tokens per sequence, normalized (its realized token share)."""
+    import numpy as np
+
+    from accel_fsdp.config.recipe import load_recipe
+    from accel_fsdp.data.prepare import prepare_data
+    from accel_fsdp.data.synthetic import build_tokenizer
+    from accel_fsdp.train.evaluate import loss_shares, mixture_loss
+    from accel_fsdp.train.methods.sft import NextToken
+    from accel_fsdp.train.reference import NoReference
+
+    short = write_jsonl(tmp_path / "short.jsonl", [{"text": "alice has a cat ."}] * 40)
+    long = write_jsonl(tmp_path / "long.jsonl", [{"text": "bob has a dog . " * 6}] * 40)
+    recipe = load_recipe(tiny_recipe(tmp_path / "r.yaml", "unused", "unused", model={"architecture": "gpt2",
+                                     "name_or_path": None, "tokenizer": "builtin:quickstart"},
+                                     data={"path": "", "mix_by": mix_by, "packing": False, "sources": [
+                                         {"name": "short", "path": str(short), "weight": 0.75},
+                                         {"name": "long", "path": str(long), "weight": 0.25}]}))
+    data = prepare_data(recipe, build_tokenizer())
+    tokens = {s.name: float(np.mean(s.train.labels)) for s in data.sources}
+    assert tokens["long"] > 4 * tokens["short"]  # what makes rows and tokens differ
+    shares = {name: share["tokens"] for name, share in loss_shares(data, NextToken(NoReference())).items()}
+    if mix_by == "tokens":
+        expected = {"short": 0.75, "long": 0.25}
+    else:
+        total = 0.75 * tokens["short"] + 0.25 * tokens["long"]
+        expected = {"short": 0.75 * tokens["short"] / total, "long": 0.25 * tokens["long"] / total}
+    assert shares == pytest.approx(expected, rel=1e-12)
+    held = {"short": {"loss": 30.0, "tokens": 10.0}, "long": {"loss": 100.0, "tokens": 50.0}}  # 3.0 and 2.0 a token
+    loss = mixture_loss(NextToken.eval_terms, held, loss_shares(data, NextToken(NoReference())))
+    assert loss == pytest.approx(3.0 * expected["short"] + 2.0 * expected["long"], rel=1e-12)
+
+
 @pytest.mark.multiprocess
 def test_a_mixture_resumes_exactly_from_two_ranks_to_one_and_refuses_a_changed_mixture(tmp_path, tiny_gpt2):
     recipe = mix_recipe(tmp_path, tiny_gpt2, training={"max_steps": 8, "micro_batch_size": 2, "global_batch_size": 8,

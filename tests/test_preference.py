@@ -4,6 +4,7 @@ held-out reward accuracy, the same recipe with every method, split invariance an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -22,7 +23,9 @@ from accel_fsdp.data.store import IGNORE_INDEX
 from accel_fsdp.data.synthetic import build_tokenizer
 from accel_fsdp.data.tokenize import Example, fit_pair
 from accel_fsdp.errors import UserError
-from accel_fsdp.train.objective import Norm, PreferenceLoss, answer_logps
+from accel_fsdp.train.methods import Norm, build_objective
+from accel_fsdp.train.methods.logps import sequence_logps
+from accel_fsdp.train.reference import NoReference
 
 PAIRS = [{"prompt": "alice has a red cat . what color is the cat of alice ?", "chosen": "the cat is red .",
           "rejected": "red the . is cat"},
@@ -159,12 +162,13 @@ def test_each_loss_and_its_gradients_equal_the_published_formula(tmp_path, tok, 
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "m", "gpt2"), dtype=torch.float32)
-    data = prepare_data(recipe(write_jsonl(tmp_path / "p.jsonl", PAIRS), method), tok)
+    r = recipe(write_jsonl(tmp_path / "p.jsonl", PAIRS), method)
+    data = prepare_data(r, tok)
     batch = collate([s for u in range(3) for s in data.sequences(u)], tok.pad_token_id, True)
     torch.manual_seed(0)
     reference = -30 + 5 * torch.rand(6, dtype=torch.float64)
     p = PreferenceConfig(beta=0.7, label_smoothing=eps, gamma=0.4, lambda_=0.3)
-    ours = PreferenceLoss(method, p)
+    ours = build_objective(dataclasses.replace(r, preference=p), NoReference())
     chosen_tokens = sum(data.chosen_label_count(u) for u in range(3))
     loss, stats = ours(model, dict(batch, reference_logps=reference.float()), Norm(tokens=chosen_tokens, pairs=3))
     loss.backward()
@@ -184,12 +188,12 @@ def test_dpo_on_equal_policy_and_reference_is_ln2_and_its_rewards_zero(tmp_path,
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "m", "gpt2"))
-    data = prepare_data(recipe(write_jsonl(tmp_path / "p.jsonl", PAIRS)), tok)
+    r = recipe(write_jsonl(tmp_path / "p.jsonl", PAIRS))
+    data = prepare_data(r, tok)
     batch = collate([s for u in range(3) for s in data.sequences(u)], tok.pad_token_id, True)
-    objective = PreferenceLoss("dpo", PreferenceConfig())
+    objective = build_objective(r, NoReference())
     with torch.no_grad():  # the reference as the precomputation makes it: the same weights on the same sequences
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        reference = answer_logps(model(**inputs).logits, batch["labels"])[0]
+        reference = sequence_logps(model, batch)[0]
         loss, stats = objective(model, dict(batch, reference_logps=reference), Norm(pairs=3))
     # z = 0 exactly: -log sigmoid(0) = ln 2, rounded to fp32 (a relative 2**-24)
     assert float(loss) == pytest.approx(math.log(2), rel=2**-23)
@@ -223,6 +227,7 @@ def test_quickstart_dpo_starts_at_ln2_logs_from_step_1_and_prefers_the_chosen_an
                     "training.max_steps=1", "--set", "training.warmup_steps=0", "--set",
                     "training.mixed_precision=fp32", check=0)
     assert "read from the cache" in again.stdout
+    assert "not writable" not in again.stdout + again.stderr  # torch's warning about a read-only array, on every rank
     assert read_metrics(tmp_path / "again")[1]["loss"] == train[0]["loss"]
 
 

@@ -131,11 +131,11 @@ def test_rotation_removes_damaged_step_folders_older_than_the_checkpoints_it_kee
 def test_a_trainer_state_keeps_its_logging_window():
     from accel_fsdp.checkpoint.records import LogWindow, TrainerState
 
-    window = {"steps": 3, "loss": 9.5, "grad_norm": 4.25, "pairs": {"pairs": 24.0, "reward_chosen": -1.5}}
+    window = {"steps": 3, "loss": 9.5, "grad_norm": 4.25, "sums": {"pairs": 24.0, "reward_chosen": -1.5}}
     state = TrainerState.from_dict({"step": 3, "log_window": window, "scheduler": {}})
     assert state.log_window == LogWindow(steps=3, loss=9.5, grad_norm=4.25,
-                                         pairs={"pairs": 24.0, "reward_chosen": -1.5})
+                                         sums={"pairs": 24.0, "reward_chosen": -1.5})
     assert json.loads(json.dumps(state.to_dict()))["log_window"] == window
-    for damaged in ({"steps": "3"}, {"steps": 3, "loss": "x", "grad_norm": 1.0, "pairs": {}}, [3]):
+    for damaged in ({"steps": "3"}, {"steps": 3, "loss": "x", "grad_norm": 1.0, "sums": {}}, [3]):
         assert TrainerState.from_dict({"step": 3, "log_window": damaged}).log_window is None
     assert "log_window" not in TrainerState(step=3).to_dict()

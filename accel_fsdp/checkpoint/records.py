@@ -142,20 +142,21 @@ class LogWindow(_Record):
     """Sum of those steps' losses (each the mean over its global batch)."""
     grad_norm: float = 0.0
     """Sum of their gradient norms (before clipping)."""
-    pairs: dict[str, float] = field(default_factory=dict)
-    """A preference run's sums over the window's pairs (train/objective.py's statistics); empty for sft."""
+    sums: dict[str, float] = field(default_factory=dict)
+    """The window's sums of what the objective logs (a preference run's rewards and log-probs over its pairs; train/
+    methods `Objective.statistics` reads them); empty for sft."""
 
     @classmethod
     def from_dict(cls, data) -> LogWindow | None:
         """The window a trainer state holds; None where it holds none, or one that is not ours (its steps are then
         logged without it: the row averages fewer steps, nothing else changes)."""
-        if not isinstance(data, dict) or not _is_count(data.get("steps")) or not isinstance(data.get("pairs"), dict):
+        if not isinstance(data, dict) or not _is_count(data.get("steps")) or not isinstance(data.get("sums"), dict):
             return None
-        numbers = [data.get("loss"), data.get("grad_norm"), *data["pairs"].values()]
+        numbers = [data.get("loss"), data.get("grad_norm"), *data["sums"].values()]
         if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers):
             return None
         return cls(steps=data["steps"], loss=float(data["loss"]), grad_norm=float(data["grad_norm"]),
-                   pairs={str(k): float(v) for k, v in data["pairs"].items()})
+                   sums={str(k): float(v) for k, v in data["sums"].items()})
 
 
 @dataclass

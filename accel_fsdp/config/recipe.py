@@ -25,6 +25,7 @@ import yaml
 from accel_fsdp.config.accelerate import STRATEGIES
 from accel_fsdp.config.binder import apply_override, bind, flatten, schema_keys, to_plain, yaml_key
 from accel_fsdp.config.recipe_checks import check_recipe
+from accel_fsdp.config.methods import METHODS, NAMES
 from accel_fsdp.config.yaml_file import load_yaml
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.layout import CHECKPOINTS_DIR
@@ -76,8 +77,6 @@ class ModelConfig:
 FORMATS = ("text", "instruction", "chat", "preference")
 """data.format: what a row of a source holds."""
 MIX_BY = ("tokens", "rows")
-METHODS = ("sft", "dpo", "simpo", "orpo")
-"""training.method: next-token prediction, or one of the preference-tuning losses."""
 SOURCE_KEYS = ("path", "format", "text_field", "instruction_field", "input_field", "output_field", "messages_field",
                "prompt_field", "chosen_field", "rejected_field", "hub_config", "split", "max_rows")
 """The keys of `data` that describe one source; an entry of data.sources that leaves one out takes data's value."""
@@ -200,7 +199,7 @@ def default_source_name(path: str) -> str:
 class TrainingConfig:
     """Batch, schedule and precision."""
 
-    method: Literal[METHODS] = "sft"
+    method: Literal[NAMES] = "sft"
     """sft: next-token prediction on the data; dpo (Rafailov et al., 2023), simpo (Meng et al., 2024) or orpo (Hong
     et al., 2024): preference tuning on pairs of answers (data.format: preference), parameters in `preference`."""
     micro_batch_size: int = 1
@@ -256,7 +255,7 @@ class TrainingConfig:
 
     def sequences_per_micro_step(self) -> int:
         """Sequences one rank's micro-step puts through the model: a preference pair is two (chosen, rejected)."""
-        return self.micro_batch_size * (1 if self.method == "sft" else 2)
+        return self.micro_batch_size * METHODS[self.method].sequences_per_unit
 
 
 @dataclass(kw_only=True)
@@ -274,11 +273,14 @@ class PreferenceConfig:
     """SimPO: the target margin between the chosen and the rejected answer's scaled mean log-probabilities."""
     lambda_: float = field(default=0.1, metadata={"key": "lambda"})
     """ORPO: weight of the log odds-ratio term added to the SFT loss of the chosen answer (YAML key: lambda)."""
+    keep_dropout: bool = False
+    """Train with the model's dropout (its config's dropout keys, LoRA's dropout). Off by default for preference
+    tuning: the reference log-probabilities come from the model without dropout, so with it the first step's margin
+    is dropout noise, not 0, and the loss compares noisy log-probabilities throughout."""
 
-    DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0, "orpo": 0.1}
-
-    def beta_for(self, method: str) -> float:
-        return self.beta if self.beta is not None else self.DEFAULT_BETA.get(method, 0.1)
+    def beta_for(self, method: str) -> float | None:
+        """beta, or the method's default when the recipe leaves it null (config/methods.py)."""
+        return self.beta if self.beta is not None else METHODS[method].default_beta
 
 
 @dataclass(kw_only=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+from accel_fsdp.config.methods import METHODS, PAIR_METHODS, method_problems
 from accel_fsdp.errors import Problem
 
 TRACKERS = ("tensorboard", "wandb")
@@ -133,6 +134,7 @@ def _saving_and_logging_problems(r) -> list[Problem]:
          "0 trusts every pair; conservative DPO uses 0.1 to 0.3")
     need(pref.gamma >= 0, "preference.gamma", f"{pref.gamma} must be 0 or more", "SimPO: about 0.5 x beta")
     need(pref.lambda_ >= 0, "preference.lambda", f"{pref.lambda_} must be 0 or more", "ORPO: 0.05 to 1 (default 0.1)")
+    p += method_problems(r)
     need(1 <= r.fsdp.collective_timeout_minutes <= 7 * 24 * 60, "fsdp.collective_timeout_minutes",
          f"{r.fsdp.collective_timeout_minutes} is outside [1, 10080] (a week)", "e.g. 60")
     need(lg.every_steps >= 1, "logging.every_steps", f"{lg.every_steps} must be at least 1", "e.g. 10")
@@ -184,13 +186,14 @@ def source_problems(r) -> list[Problem]:
                              "set data.packing to false (chat sequences are padded)"))
         method = r.training.method
         fmt_key = f"{key}.format" if entry is not None and entry.format is not None else "data.format"
-        if method != "sft" and source.format != "preference":
+        if METHODS[method].pairs and source.format != "preference":
             p.append(Problem(where(fmt_key), f"{source.format}{label}: training.method {method} trains on preference "
                              "pairs", "use data with a prompt, a chosen and a rejected answer (format: preference), "
                              "or training.method: sft"))
-        if method == "sft" and source.format == "preference":
+        if not METHODS[method].pairs and source.format == "preference":
             p.append(Problem(where(fmt_key), f"preference pairs{label} need a preference method, and "
-                             "training.method is sft", "set training.method to dpo, simpo or orpo (or, to fine-tune "
+                             f"training.method is {method}", f"set training.method to {', '.join(PAIR_METHODS[:-1])} "
+                             f"or {PAIR_METHODS[-1]} (or, to fine-tune "
                              "on the chosen answers, make them instruction rows)"))
         if source.format == "preference" and d.packing:
             p.append(Problem(where("data.packing"), f"preference pairs{label} are not packed (a pair's two answers "

@@ -8,6 +8,7 @@ the context?) and the dry run. Loading is the only place that may reach the hub.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -261,6 +262,34 @@ def _unwritten_parameters(model: torch.nn.Module) -> torch.nn.Module:
                                                       requires_grad=param.requires_grad)
             module._parameters[name] = fresh[id(param)]
     return model
+
+
+DROPOUT_KEY = re.compile(r"dropout|pdrop|layerdrop")
+"""How transformers configs spell a dropout probability: GPT-2 resid_pdrop, embd_pdrop, attn_pdrop,
+summary_first_dropout; Llama, Mistral, Qwen2 attention_dropout; OPT dropout, activation_dropout, layerdrop; BERT
+hidden_dropout_prob."""
+
+
+def turn_off_dropout(config) -> dict[str, float]:
+    """Set every dropout probability of a transformers config to 0, before a model is built from it (the layers read
+    them when they are built, or at each forward). Returns those that were above 0, with their values."""
+    off = {}
+    for key, value in config.to_dict().items():
+        if DROPOUT_KEY.search(key) and isinstance(value, float) and value > 0 and hasattr(config, key):
+            setattr(config, key, 0.0)
+            off[key] = value
+    return off
+
+
+def turn_off_dropout_layers(model: torch.nn.Module) -> dict[str, float]:
+    """Set p = 0 on every torch Dropout layer still above 0 once the model is built: LoRA's (model.lora.dropout),
+    and any a config key did not reach. Returns what they were, by what sets them."""
+    off = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            off["model.lora.dropout" if "lora_dropout" in name else f"{type(module).__name__} layers"] = module.p
+            module.p = 0.0
+    return off
 
 
 def apply_lora(model, recipe):

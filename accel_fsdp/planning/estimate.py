@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from accel_fsdp.config import precision
 from accel_fsdp.config.accelerate import FULL_SHARD, HYBRID_SHARD, NO_SHARD, SHARD_GRAD_OP, load_accelerate_config
+from accel_fsdp.config.methods import METHODS
 from accel_fsdp.config.recipe import load_recipe
 from accel_fsdp.config.shipped import display, resolve_recipe, shipped_recipes
 from accel_fsdp.errors import Problem, UserError
@@ -87,7 +88,7 @@ def _recipe_target(path, micro_batch, seq_len) -> Target:
         t = replace(t, micro_batch_size=micro_batch)
     notes = [n for n in ("LoRA: frozen base weights in the compute dtype" if recipe.model.lora.enabled else "",
                          f"{t.method}: 2 sequences per pair, micro batch {t.micro_batch_size} pairs"
-                         if t.method != "sft" else "", reference_cost(recipe) or "") if n]
+                         if METHODS[t.method].pairs else "", reference_cost(recipe) or "") if n]
     if facts is not None:  # arithmetic: no model built (tests/test_model_facts.py holds the facts)
         lora = recipe.model.lora
         adapters = facts.lora_params(lora.target_modules, lora.r) if lora.enabled else 0

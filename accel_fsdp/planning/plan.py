@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import click
 
 from accel_fsdp.config.accelerate import HYBRID_SHARD
+from accel_fsdp.config.methods import METHODS
 from accel_fsdp.config.precision import BYTES, MEMORY
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model.facts import shape_of
@@ -164,7 +165,7 @@ def format_plan(plan: Plan, gpu_memory: float | None) -> str:
     largest = plan.largest_unit
     lines.append(f"largest unit gathered: {largest.kind} with {largest.params:,} params")
     t = r.training
-    pairs = f" pairs ({t.sequences_per_micro_step()} sequences)" if t.method != "sft" else ""
+    pairs = f" pairs ({t.sequences_per_micro_step()} sequences)" if METHODS[t.method].pairs else ""
     lines.append(f"per-rank memory (GiB), micro batch {t.micro_batch_size}{pairs} x seq_len {r.data.seq_len}:")
     lines.append(f"  params {gib(m.params)}   grads {gib(m.grads)}   optimizer {gib(m.optimizer)}   "
                  f"gathered units {gib(m.gathered)}   activations {gib(m.activations)}   total {gib(m.total)}"
@@ -189,14 +190,14 @@ def format_plan(plan: Plan, gpu_memory: float | None) -> str:
 
 
 def reference_cost(recipe) -> str | None:
-    """What a preference run's reference costs (train/reference.py, objective.py), for the dry run and `estimate`."""
-    t = recipe.training
-    if t.method != "dpo":
-        return f"{t.method} needs no reference model" if t.method != "sft" else None
+    """What a preference run's reference costs (train/reference.py), for the dry run and `estimate`."""
+    spec = METHODS[recipe.training.method]
+    if not spec.reference:
+        return f"{spec.name} needs no reference model" if spec.pairs else None
     if recipe.model.lora.enabled:
-        return ("DPO reference: the base model with the LoRA adapters switched off, one more forward per micro-step "
+        return (f"{spec.name.upper()} reference: the base model with the LoRA adapters switched off, one more forward per micro-step "
                 "(no gradients kept; about +50% compute over LoRA's forward and backward), no second model in memory")
-    return ("DPO reference: before the first step, one forward over every training and held-out pair (about a third "
+    return (f"{spec.name.upper()} reference: before the first step, one forward over every training and held-out pair (about a third "
             "of one epoch's compute, in the activations above), cached with the data; no second model in memory")
 
 

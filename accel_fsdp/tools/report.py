@@ -46,11 +46,12 @@ def summarize(run_dir: Path) -> dict:
         best = min(evals, key=lambda r: r.eval_loss)
         out.update(final_eval_loss=evals[-1].eval_loss, final_eval_ppl=evals[-1].eval_ppl,
                    best_eval_loss=best.eval_loss, best_eval_step=best.step)
-    if train[-1].reward_margin is not None:
-        out.update(final_reward_margin=train[-1].reward_margin, final_reward_accuracy=train[-1].reward_accuracy)
-    if evals and evals[-1].eval_reward_accuracy is not None:
-        out.update(final_eval_reward_margin=evals[-1].eval_reward_margin,
-                   final_eval_reward_accuracy=evals[-1].eval_reward_accuracy)
+    if train[-1].preference is not None:
+        out.update(final_reward_margin=train[-1].preference.reward_margin,
+                   final_reward_accuracy=train[-1].preference.reward_accuracy)
+    if evals and evals[-1].preference is not None:
+        out.update(final_eval_reward_margin=evals[-1].preference.reward_margin,
+                   final_eval_reward_accuracy=evals[-1].preference.reward_accuracy)
     return out
 
 
@@ -87,7 +88,7 @@ def plot(run_dir: Path) -> Path | None:
     rows = read_metrics(layout.metrics_file)
     train = [r for r in rows if isinstance(r, TrainRow)]
     evals = [r for r in rows if isinstance(r, EvalRow)]
-    preference = train[-1].reward_margin is not None
+    preference = train[-1].preference is not None
     fig, axes = plt.subplots(1, 3 if preference else 1, figsize=(15 if preference else 7, 4), dpi=120, squeeze=False)
     ax = axes[0, 0]
     ax.plot([r.step for r in train], [r.loss for r in train], label="train loss", linewidth=1.5)
@@ -99,12 +100,13 @@ def plot(run_dir: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend()
     if preference:  # what preference tuning moves: the margin between the answers, and how often it is right
-        held = [r for r in evals if r.eval_reward_margin is not None]
+        held = [r for r in evals if r.preference is not None]
         for ax, key, label in ((axes[0, 1], "reward_margin", "reward margin (chosen - rejected)"),
                                (axes[0, 2], "reward_accuracy", "reward accuracy (chosen above rejected)")):
-            ax.plot([r.step for r in train], [getattr(r, key) for r in train], label="train", linewidth=1.5)
+            ax.plot([r.step for r in train if r.preference], [getattr(r.preference, key) for r in train
+                                                              if r.preference], label="train", linewidth=1.5)
             if held:
-                ax.plot([r.step for r in held], [getattr(r, "eval_" + key) for r in held], "o-", label="held out")
+                ax.plot([r.step for r in held], [getattr(r.preference, key) for r in held], "o-", label="held out")
             ax.set_xlabel("optimizer step")
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)

@@ -1,14 +1,14 @@
-"""Held-out loss and perplexity, and the sample generated at the end. The evaluator decides its own cadence
-(`training.eval_every_steps`, and once at the end)."""
+"""Held-out loss (each source's, and the mixture's: what the training loss estimates) and the objective's statistics,
+and the sample generated at the end. The evaluator decides its own cadence (`training.eval_every_steps`, and once at
+the end)."""
 
 from __future__ import annotations
 
 import torch
 
 from accel_fsdp.data import batches
-from accel_fsdp.data.store import IGNORE_INDEX
+from accel_fsdp.train.methods import eval_loss
 from accel_fsdp.train.metrics import EvalRow, MetricsWriter, perplexity
-from accel_fsdp.train.observe import preference_means
 from accel_fsdp.train.state import TrainingState
 
 
@@ -18,6 +18,7 @@ class Evaluator:
         self.metrics = metrics
         self.every = run.recipe.training.eval_every_steps
         self.last_step: int | None = None
+        self._shares: dict[str, dict[str, float]] | None = None
 
     def after_step(self, state: TrainingState) -> None:
         if self.every and state.step % self.every == 0 and state.step != self.run.total_steps:
@@ -28,89 +29,86 @@ class Evaluator:
             self.evaluate(state.step)
 
     def evaluate(self, step: int) -> EvalRow | None:
-        """Mean token loss of each source's held-out sequences, exact over ranks, and their mixture: the losses
-        weighted by the sources' shares (what the training loss estimates)."""
-        run = self.run
-        if run.data.pairs:
-            return self._evaluate_pairs(step)
-        held = [s for s in run.data.sources if s.eval is not None and len(s.eval)]
-        if not held:
-            return None
-        acc, model, t = run.accelerator, run.model, run.recipe.training
-        totals = torch.zeros(len(held), 2, device=acc.device, dtype=torch.float64)
-        model.eval()
-        with torch.no_grad():
-            for k, source in enumerate(held):  # one source per batch: its loss is its own
-                for rows in batches.iter_eval_batches(len(source.eval), micro_batch=t.micro_batch_size,
-                                                      world_size=acc.num_processes, rank=acc.process_index,
-                                                      max_batches=t.eval_max_batches):
-                    dummy = rows is None  # this rank ran out of sequences but must join the collective forward
-                    batch = run.collate([source.eval.sequence(j) for j in rows or [0]])
-                    if dummy:
-                        batch["labels"].fill_(IGNORE_INDEX)
-                    with acc.autocast():
-                        loss_sum = model(**batch, num_items_in_batch=1, use_cache=False).loss
-                    totals[k, 0] += loss_sum.double()
-                    totals[k, 1] += batches.label_count(batch["labels"])
-        model.train()
-        totals = acc.reduce(totals, reduction="sum").cpu()
-        by_source = {s.name: (totals[k, 0] / totals[k, 1]).item() for k, s in enumerate(held) if totals[k, 1] > 0}
-        weights = {s.name: s.weight for s in held if s.name in by_source}
-        if not by_source:
-            return None
-        loss = sum(weights[n] * v for n, v in by_source.items()) / sum(weights.values())
-        row = EvalRow(step=step, eval_loss=loss, eval_ppl=perplexity(loss), eval_tokens=int(totals[:, 1].sum()),
-                      eval_loss_by_source=by_source)
-        self.metrics.write(row)
-        self.last_step = step
-        each = ", ".join(f"{n} {v:.4f}" for n, v in by_source.items()) if len(by_source) > 1 else ""
-        run.say(f"eval @ step {step}: loss {loss:.4f}, perplexity {row.eval_ppl:.2f} ({row.eval_tokens:,} tokens)"
-                + (f"; by source: {each}" if each else ""))
-        return row
-
-
-    def _evaluate_pairs(self, step: int) -> EvalRow | None:
-        """Held-out preference pairs: each source's mean loss, their mixture by weight, and the rewards and
-        log-probabilities of all pairs pooled, exact over ranks."""
-        run = self.run
+        """Each source's held-out loss, exact over ranks, and their mixture (what the training loss estimates); a
+        preference run's statistics over every held-out pair. One path for every method: the objective says what a
+        batch's sums are and how they make a loss (train/methods/base.py)."""
+        run, objective = self.run, self.run.objective
         held = [(i, s) for i, s in enumerate(run.data.sources) if s.units("eval")]
         if not held:
             return None
+        per_source = self._held_out_sums(held)
+        terms = objective.eval_terms
+        counted = {s.name: sums for (_, s), sums in zip(held, per_source) if sums[terms[0][1]] > 0}
+        if not counted:
+            return None
+        by_source = {name: eval_loss(terms, sums) for name, sums in counted.items()}
+        loss = mixture_loss(terms, counted, self.shares())
+        pooled = {name: sum(sums[name] for sums in per_source) for name in per_source[0]}
+        row = EvalRow(step=step, eval_loss=loss, eval_ppl=perplexity(loss), eval_tokens=int(pooled["tokens"]),
+                      eval_loss_by_source=by_source, preference=objective.statistics(pooled))
+        self.metrics.write(row)
+        self.last_step = step
+        each = ", ".join(f"{n} {v:.4f}" for n, v in by_source.items()) if len(by_source) > 1 else ""
+        run.say(f"eval @ step {step}: loss {loss:.4f}, {objective.eval_summary(pooled, loss)}"
+                + (f"; by source: {each}" if each else ""))
+        return row
+
+    def _held_out_sums(self, held: list) -> list[dict[str, float]]:
+        """Each held-out source's sums of the objective's `evaluate` over all of its units (every rank's share)."""
+        run = self.run
         acc, model, t, objective = run.accelerator, run.model, run.recipe.training, run.objective
-        reference = getattr(objective.reference, "kind", None) == "precomputed" and objective.reference
         names: list[str] = []
         totals = None
         model.eval()
         with torch.no_grad():
-            for k, (i, source) in enumerate(held):
+            for k, (i, source) in enumerate(held):  # one source per batch: its loss is its own
                 for units in batches.iter_eval_batches(source.units("eval"), micro_batch=t.micro_batch_size,
                                                        world_size=acc.num_processes, rank=acc.process_index,
                                                        max_batches=t.eval_max_batches):
-                    batch = run.collate([s for u in units or [0] for s in source.sequences(u, "eval")])
-                    if reference:
-                        batch["reference_logps"] = torch.cat([reference.lookup(i, u, "eval") for u in units or [0]]) \
-                            .to(acc.device)
+                    batch = run.batch_of([(i, u) for u in units or [0]], "eval")
                     with acc.autocast():
                         sums = objective.evaluate(model, batch)
                     if totals is None:
                         names = sorted(sums)
                         totals = torch.zeros(len(held), len(names), device=acc.device, dtype=torch.float64)
-                    if units is not None:  # a rank out of pairs joined the forwards; its dummy counts nothing
+                    if units is not None:  # a rank out of units joined the collective forwards; it counts nothing
                         totals[k] += torch.stack([sums[n] for n in names])
         model.train()
         totals = acc.reduce(totals, reduction="sum").cpu()
-        per_source = [dict(zip(names, row.tolist())) for row in totals]
-        by_source = {s.name: objective.eval_loss(v) for (_, s), v in zip(held, per_source)}
-        weights = {s.name: s.weight for _, s in held}
-        loss = sum(weights[n] * v for n, v in by_source.items()) / sum(weights.values())
-        pooled = {n: float(totals[:, j].sum()) for j, n in enumerate(names)}
-        row = EvalRow(step=step, eval_loss=loss, eval_ppl=perplexity(loss), eval_tokens=int(pooled["chosen_tokens"]),
-                      eval_loss_by_source=by_source, **preference_means(pooled, prefix="eval_"))
-        self.metrics.write(row)
-        self.last_step = step
-        run.say(f"eval @ step {step}: loss {loss:.4f}, reward accuracy {row.eval_reward_accuracy:.3f}, margin "
-                f"{row.eval_reward_margin:.4f} ({int(pooled['pairs']):,} held-out pairs)")
-        return row
+        return [dict(zip(names, row)) for row in totals.tolist()]
+
+    def shares(self) -> dict[str, dict[str, float]]:
+        """Each source's expected share of what the training loss averages over (once: the data does not change)."""
+        if self._shares is None:
+            self._shares = loss_shares(self.run.data, self.run.objective)
+        return self._shares
+
+
+def loss_shares(data, objective) -> dict[str, dict[str, float]]:
+    """Per source, its expected share of each count the training loss is divided by (loss-carrying tokens; pairs;
+    ORPO's chosen tokens) in an optimizer step: the weights held-out losses are mixed by, so that eval_loss estimates
+    what the training loss does. data.mix_by tokens gives source i the share w_i of the loss-carrying tokens, so its
+    units come in proportion to w_i / c_i (c_i: its mean loss-carrying tokens per unit); mix_by rows gives it w_i of
+    the units. A count of n_i per unit then falls to it in proportion to its units x n_i: with tokens and a token loss
+    that is w_i, with rows it is the realized token share w_i c_i / sum_j w_j c_j."""
+    costs = data.mean_costs() or [1.0] * len(data.sources)  # mix_by rows: the weights share out units
+    units = [s.weight / (cost or 1.0) for s, cost in zip(data.sources, costs)]
+    per_unit = [objective.unit_counts(s) for s in data.sources]
+    names = {count for _, count in objective.eval_terms}
+    totals = {name: sum(u * counts[name] for u, counts in zip(units, per_unit)) or 1.0 for name in names}
+    return {s.name: {name: u * counts[name] / totals[name] for name in names}
+            for s, u, counts in zip(data.sources, units, per_unit)}
+
+
+def mixture_loss(terms, sums_by_source: dict[str, dict[str, float]], shares: dict[str, dict[str, float]]) -> float:
+    """The mixture's held-out loss: each term of each source weighted by the source's share of the term's count,
+    among the sources evaluated."""
+    loss = 0.0
+    for total, count in terms:
+        weights = {name: shares[name][count] for name in sums_by_source}
+        loss += sum(weights[name] * sums[total] / max(1.0, sums[count]) for name, sums in sums_by_source.items()) / (
+            sum(weights.values()) or 1.0)
+    return loss
 
 
 def generate_sample(run, prompt: str, max_new_tokens: int) -> str:

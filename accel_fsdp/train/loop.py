@@ -9,7 +9,7 @@ tuning, every pair) of the global batch, however the batch is split over ranks a
 loss is a *sum* divided by (the global batch's count) / (ranks x accumulation steps): FSDP averages gradients over
 ranks and `accelerator.backward` divides by the accumulation steps, which undoes both factors. So k micro-steps of
 batch b give the same update as one step of k x b (tests/test_training.py and tests/test_preference.py check it).
-The objective (train/objective.py) computes the loss; `run.norm` the global counts, from the data, on every rank.
+The objective (train/methods/) computes the loss; `run.norm` the global counts, from the data, on every rank.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ One row per logged optimizer step in `<run>/metrics.jsonl` (written by the main 
     {"kind": "train", "step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_rank", "step_time_s",
      "peak_memory_bytes": [one per rank], "tokens_seen", "mfu" (GPU only), "source_tokens": {source: tokens}}
     {"kind": "eval", "step", "eval_loss", "eval_ppl", "eval_tokens", "eval_loss_by_source": {source: loss}}
-The same numbers go to the trackers (tensorboard, wandb) through `accelerator.log` (per-source values as
-`train/source_tokens/<source>`).
+A preference run's rows also carry the `PairStatistics` (eval rows with an `eval_` prefix). The same numbers go to
+the trackers (tensorboard, wandb) through `accelerator.log` (per-source values as `train/source_tokens/<source>`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from accel_fsdp.errors import Problem, UserError
@@ -32,6 +32,44 @@ def flops_per_token(config, seq_len: int, trainable_fraction: float = 1.0) -> fl
     dense = s.layers * (attn + mlp) + s.vocab * s.hidden  # the output projection counts, the embedding lookup not
     per_param = 6.0 if trainable_fraction >= 0.5 else 4.0
     return per_param * dense + 12.0 * s.layers * s.heads * head_dim * seq_len
+
+
+@dataclass(kw_only=True)
+class PairStatistics:
+    """What a preference run reports besides its loss: means over the pairs of a logging window (train rows) or
+    over the held-out pairs (eval rows, each key with an `eval_` prefix). The one list of them: the pair objective
+    sums each over its pairs (train/methods/pairs.py), the logger and the evaluator turn the sums into these means,
+    rows write them, `report` reads them."""
+
+    reward_chosen: float
+    """Mean reward of the chosen answers (each method defines its reward: docs/PREFERENCE.md)."""
+    reward_rejected: float
+    """Mean reward of the rejected answers."""
+    reward_margin: float
+    """reward_chosen - reward_rejected."""
+    reward_accuracy: float
+    """Share of pairs whose chosen answer has the higher reward."""
+    logps_chosen: float
+    """Mean token log-probability of the chosen answers."""
+    logps_rejected: float
+    """Mean token log-probability of the rejected answers."""
+
+    @classmethod
+    def summed(cls) -> tuple[str, ...]:
+        """The statistics an objective sums over pairs (with a "pairs" count); the margin is derived from them."""
+        return tuple(f.name for f in fields(cls) if f.name != "reward_margin")
+
+    @classmethod
+    def from_sums(cls, sums: dict[str, float]) -> PairStatistics | None:
+        """The means of sums over pairs; None without pairs (an sft run)."""
+        if not sums.get("pairs"):
+            return None
+        means = {name: sums[name] / sums["pairs"] for name in cls.summed()}
+        return cls(reward_margin=means["reward_chosen"] - means["reward_rejected"], **means)
+
+    @classmethod
+    def names(cls, prefix: str = "") -> tuple[str, ...]:
+        return tuple(prefix + f.name for f in fields(cls))
 
 
 @dataclass(kw_only=True)
@@ -57,18 +95,8 @@ class TrainRow:
     """GPU only: model FLOPs utilization against the device's peak for the run's precision."""
     source_tokens: dict[str, int] | None = None
     """Loss-carrying tokens of each data source in this row's step (the last of the window)."""
-    reward_chosen: float | None = None
-    """Preference tuning: mean reward of the chosen answers over the window's pairs (train/objective.py)."""
-    reward_rejected: float | None = None
-    """Mean reward of the rejected answers."""
-    reward_margin: float | None = None
-    """reward_chosen - reward_rejected."""
-    reward_accuracy: float | None = None
-    """Share of pairs whose chosen answer has the higher reward."""
-    logps_chosen: float | None = None
-    """Mean token log-probability of the chosen answers."""
-    logps_rejected: float | None = None
-    """Mean token log-probability of the rejected answers."""
+    preference: PairStatistics | None = None
+    """Preference tuning, over the window's pairs (written as top-level keys: reward_chosen, ...)."""
     kind: str = "train"
 
 
@@ -76,19 +104,16 @@ class TrainRow:
 class EvalRow:
     step: int
     eval_loss: float
-    """The mixture's held-out loss: each source's mean token loss weighted by its share of the mixture (one source:
-    the mean token loss)."""
+    """The mixture's held-out loss, what the training loss estimates: each source's held-out loss weighted by its
+    expected share of what the training loss averages over (loss-carrying tokens; pairs for preference tuning) per
+    optimizer step (train/evaluate.py `loss_shares`). One source: its held-out loss."""
     eval_ppl: float
     eval_tokens: int | None = None
+    """Held-out loss-carrying tokens (preference tuning: of the chosen answers)."""
     eval_loss_by_source: dict[str, float] | None = None
     """Mean token loss (preference: mean pair loss) of each source's held-out sequences."""
-    eval_reward_chosen: float | None = None
-    """Preference tuning, over the held-out pairs: as the train row's reward_chosen."""
-    eval_reward_rejected: float | None = None
-    eval_reward_margin: float | None = None
-    eval_reward_accuracy: float | None = None
-    eval_logps_chosen: float | None = None
-    eval_logps_rejected: float | None = None
+    preference: PairStatistics | None = None
+    """Preference tuning, over the held-out pairs (written as top-level keys: eval_reward_chosen, ...)."""
     kind: str = "eval"
 
 
@@ -104,22 +129,32 @@ MetricsRow = TrainRow | EvalRow | StartupRow
 ROW_TYPES = {"train": TrainRow, "eval": EvalRow, "startup": StartupRow}
 
 
-OPTIONAL = {"mfu"} | {f"{p}{m}" for p in ("", "eval_") for m in ("reward_chosen", "reward_rejected", "reward_margin",
-                                                                 "reward_accuracy", "logps_chosen", "logps_rejected")}
-"""Keys a row leaves out when they do not apply (MFU on CPU; the preference metrics of an sft run)."""
+OPTIONAL = {"mfu"}
+"""Keys a row leaves out when they do not apply (MFU on CPU)."""
+_PREFIX = {"train": "", "eval": "eval_"}
+"""How a row's `preference` statistics are spelled at its top level."""
 
 
 def row_to_dict(row: MetricsRow) -> dict:
-    """The JSON of a row: kind first, as the file has always had it; no null MFU on CPU, no preference keys in sft."""
-    d = {"kind": row.kind, **{k: v for k, v in asdict(row).items() if k != "kind"}}
-    return {k: v for k, v in d.items() if not (k in OPTIONAL and v is None)}
+    """The JSON of a row: kind first, as the file has always had it; no null MFU on CPU; a preference run's statistics
+    as top-level keys (none in sft)."""
+    d = {"kind": row.kind, **{k: v for k, v in asdict(row).items() if k not in ("kind", "preference")}}
+    d = {k: v for k, v in d.items() if not (k in OPTIONAL and v is None)}
+    statistics = getattr(row, "preference", None)
+    if statistics is not None:
+        d.update({_PREFIX[row.kind] + k: v for k, v in asdict(statistics).items()})
+    return d
 
 
 def row_from_dict(d: dict) -> MetricsRow:
     """A row checked by `row_problem`; keys this version does not know are left out."""
     cls = ROW_TYPES[d["kind"]]
-    names = set(cls.__dataclass_fields__)
-    return cls(**{k: v for k, v in d.items() if k in names})
+    names = set(cls.__dataclass_fields__) - {"preference"}
+    row = cls(**{k: v for k, v in d.items() if k in names})
+    prefix = _PREFIX.get(row.kind)
+    if prefix is not None and all(isinstance(d.get(k), (int, float)) for k in PairStatistics.names(prefix)):
+        row.preference = PairStatistics(**{k: d[prefix + k] for k in PairStatistics.names()})
+    return row
 
 
 class MetricsWriter:

@@ -16,7 +16,6 @@ from accel_fsdp.checkpoint.records import LogWindow
 from accel_fsdp.config.precision import is_half
 from accel_fsdp.hardware import device_peak_flops, peak_memory_bytes, reset_peak_memory
 from accel_fsdp.train.metrics import MetricsWriter, StartupClock, StartupRow, TrainRow
-from accel_fsdp.train.objective import PREFERENCE_METRICS
 from accel_fsdp.train.sharding import gather_ints
 from accel_fsdp.train.state import TrainingState
 
@@ -59,20 +58,22 @@ class TrainLogger:
 
     def __init__(self, accelerator, terminal: Terminal, metrics: MetricsWriter, clock: StartupClock, *,
                  every_steps: int, total_steps: int, accumulation_steps: int, precision: str, flops_per_token: float,
-                 tokens_by_source: Callable[[list[int]], dict]):
+                 tokens_by_source: Callable[[list[int]], dict], statistics: Callable[[dict[str, float]], object]):
         self.accelerator, self.terminal, self.metrics, self.clock = accelerator, terminal, metrics, clock
         self.every, self.total_steps, self.accumulation_steps = every_steps, total_steps, accumulation_steps
         self.flops_per_token = flops_per_token
         self.tokens_by_source = tokens_by_source
         """The training tokens of each source in a global batch (its unit ids)."""
+        self.statistics = statistics
+        """The objective's row statistics from the window's sums (train/methods: `Objective.statistics`)."""
         acc = accelerator
         self.peak_flops = device_peak_flops(acc.device, is_half(precision))
         self.peak_memory: list[int] | None = None
         """Highest per-rank peak memory of any logging window so far."""
         self.loss = torch.zeros((), device=acc.device)
         self.norm = torch.zeros((), device=acc.device)
-        self.pairs: dict[str, torch.Tensor] = {}
-        """A preference run's window: sums over its pairs of the objective's statistics (rewards, log-probs)."""
+        self.sums: dict[str, torch.Tensor] = {}
+        """The window's sums of what the objective logs (a preference run's rewards and log-probs over its pairs)."""
         self.carried = LogWindow()
         """The part of the window before a resume (its steps ran in the interrupted attempt), from the checkpoint."""
         # No reset here: the first window's peak includes setup (loading and sharding).
@@ -82,7 +83,7 @@ class TrainLogger:
     def _new_window(self) -> None:
         self.loss.zero_()
         self.norm.zero_()
-        self.pairs = {}
+        self.sums = {}
         self.carried = LogWindow()
         reset_peak_memory(self.accelerator.device)
         self.tokens, self.steps, self.window_start = 0, 0, time.perf_counter()
@@ -97,7 +98,7 @@ class TrainLogger:
         """A micro-step's loss, and what else its objective measured (sums over its pairs; none for sft)."""
         self.loss += loss.detach()
         for name, value in (stats or {}).items():
-            self.pairs[name] = self.pairs[name] + value if name in self.pairs else value.clone()
+            self.sums[name] = self.sums[name] + value if name in self.sums else value.clone()
 
     def after_step(self, state: TrainingState, lr: float, grad_norm, tokens: int, units: list[int]) -> None:
         """`state` has advanced over this step, whose global batch (`units`) held `tokens` tokens."""
@@ -118,15 +119,15 @@ class TrainLogger:
         synchronizing point of a logging window (one all-reduce)."""
         acc = self.accelerator
         world, k = acc.num_processes, self.accumulation_steps
-        names = sorted(self.pairs)
-        sums = acc.reduce(torch.stack([self.loss] + [self.pairs[n].float() for n in names]), reduction="sum").tolist()
+        names = sorted(self.sums)
+        sums = acc.reduce(torch.stack([self.loss] + [self.sums[n].float() for n in names]), reduction="sum").tolist()
         # Each micro-step's loss is its share of the step's mean (train/loop.py): a step's world x k shares add up
         # to its loss.
-        pairs = dict(self.carried.pairs)
+        logged = dict(self.carried.sums)
         for name, value in zip(names, sums[1:]):
-            pairs[name] = pairs.get(name, 0.0) + value
+            logged[name] = logged.get(name, 0.0) + value
         return LogWindow(steps=self.carried.steps + self.steps, loss=self.carried.loss + sums[0] / (world * k),
-                         grad_norm=self.carried.grad_norm + self.norm.item(), pairs=pairs)
+                         grad_norm=self.carried.grad_norm + self.norm.item(), sums=logged)
 
     def state_dict(self) -> LogWindow | None:
         """The open window, for a checkpoint (collective: every rank saves); None when none is open."""
@@ -152,7 +153,7 @@ class TrainLogger:
                        tokens_seen=state.tokens_seen, peak_memory_bytes=window_peak,
                        peak_memory_bytes_run=self.peak_memory,
                        mfu=self.flops_per_token * per_rank / self.peak_flops if self.peak_flops else None,
-                       source_tokens=self.tokens_by_source(units), **preference_means(window.pairs))
+                       source_tokens=self.tokens_by_source(units), preference=self.statistics(window.sums))
         self.metrics.write(row)
         self._new_window()
         return row
@@ -169,17 +170,6 @@ class TrainLogger:
     def close(self) -> None:
         self.terminal.close_bar()
 
-
-def preference_means(sums: dict[str, float], prefix: str = "") -> dict[str, float]:
-    """A preference objective's sums over pairs (objective.py) as the means a row reports: rewards of both answers,
-    their margin, the share of pairs whose chosen answer has the higher reward, the mean token log-probabilities."""
-    if not sums.get("pairs"):
-        return {}
-    n = sums["pairs"]
-    means = {name: sums[name] / n for name in ("reward_chosen", "reward_rejected", "reward_accuracy",
-                                                "logps_chosen", "logps_rejected")}
-    means["reward_margin"] = means["reward_chosen"] - means["reward_rejected"]
-    return {prefix + name: means[name] for name in PREFERENCE_METRICS}
 
 
 def _full(t):

@@ -1,82 +1,163 @@
-"""The reference of a DPO run, at no cost of a second model.
+"""The reference of a preference method that compares the policy with the model it starts from (DPO), as one object
+with one way to give a batch its log-probabilities: `attach(batch, where, split)`, called by the one batch builder
+(train/setup.py `Run.batch_of`) for training and held-out evaluation alike. Three kinds, chosen by `build_reference`:
 
-With LoRA the reference is the base model: the same weights with the adapters switched off (objective.py
-`AdaptersOff`), one extra forward per micro-step under no_grad. For a full fine-tune it is the model as it starts:
-before the first step, the sharded model (every rank takes part in every forward, as in training) computes the
-log-probability of every answer of the training and held-out pairs once; they are stored next to the data cache
-(`<source cache>/reference/<key>/`), keyed by the starting weights, the precision and the attention kernel, and read
-back by later runs. A resumed run reads them, or computes them again from the starting weights: setup builds the
-model from them before it loads a checkpoint.
+- `NoReference`: the method needs none (sft, simpo, orpo).
+- `AdaptersOff` (LoRA): the base model is the same weights with the adapters switched off: one more forward per
+  micro-step under no_grad, no second model.
+- `Precomputed` (a full fine-tune): before the first step, the sharded model (every rank takes part in every forward,
+  as in training) computes the log-probability of every answer of the training and held-out pairs once. They are
+  stored next to the data cache (`<source cache>/reference/<key>/`, or under the run folder's `reference/` when the
+  cache cannot be written, as a read-only prepared cache) and read back by later runs. A resumed run reads them, or
+  computes them again from the starting weights: setup builds the model from them before it loads a checkpoint.
 
-The key of the starting weights: a local folder's weight files (names, sizes, modification times) and config; a hub
-model's snapshot (commit) in the local cache; a model built from scratch, its config, the seed and the torch version
-that initialized it.
+Every rank decides together whether the stored log-probabilities can be read: with a cache per machine (local disk,
+a requeue onto another node) some machines may hold them and others not, and the reference pass is collective.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
+import secrets
+import socket
 import time
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from accel_fsdp.train.objective import answer_logps, sequence_index
+from accel_fsdp.config.methods import METHODS
+from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.train.methods.logps import sequence_logps
+from accel_fsdp.train.sharding import gather_ints
 
 DONE = "done.json"
+CACHE_SUBDIR = "reference"
+"""Inside a source's cache folder: <source cache>/reference/<key>/."""
+
+
+class NoReference:
+    """The method compares with no reference model."""
+
+    kind = "none"
+    extra_forward = False
+
+    def attach(self, batch: dict, where: list[tuple[int, int]], split: str) -> None:
+        pass
+
+    def describe(self) -> str:
+        return "no reference model (the loss needs none)"
+
+
+class AdaptersOff:
+    """The LoRA reference: the same model with every adapter layer switched off. Each LoRA layer's forward returns its
+    base layer's output while its `_disable_adapters` flag is set (peft/tuners/lora/layer.py, Linear.forward checks
+    `self.disable_adapters`; checked with peft 0.21.2). The flag is set directly, not through `enable_adapters(False)`
+    or `PeftModel.disable_adapter()`, which also switch the adapters' requires_grad off and on again (FSDP2 decides
+    at its first forward which parameters carry gradients) and scan every parameter for a status."""
+
+    kind = "adapters-off"
+    extra_forward = True
+
+    def __init__(self, model, autocast):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        self.model = model
+        self.autocast = autocast
+        """The accelerator's autocast: the reference computes in the precision the policy does."""
+        self.layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+    def attach(self, batch: dict, where: list[tuple[int, int]], split: str) -> None:
+        with torch.no_grad(), self.disabled(), self.autocast():
+            batch["reference_logps"] = sequence_logps(self.model, batch)[0]
+
+    @contextlib.contextmanager
+    def disabled(self):
+        for layer in self.layers:
+            layer._disable_adapters = True
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer._disable_adapters = False
+
+    def describe(self) -> str:
+        return "the base model with the LoRA adapters switched off: one more forward per micro-step, no more memory"
 
 
 @dataclass
 class Precomputed:
-    """Reference log-probabilities of every sequence of every source's tables, memory-mapped."""
+    """Reference log-probabilities of every sequence of every source's tables."""
 
     kind = "precomputed"
+    extra_forward = False
     arrays: list[dict[str, np.ndarray]]
     """Per source: {"train": float32 per sequence of its train table, "eval": ... of its eval table}."""
-    folders: list[Path]
+    where: str
+    """Where they were read from or written to, for the start summary."""
     seconds: float
-    """What computing them took in this run (0 when read from the cache)."""
+    """What computing them took in this run (0 when read back)."""
     pairs: int
     """Pairs they cover (train and held out)."""
+    notes: list[str] = field(default_factory=list)
+    """Where they went, when not where they were looked for."""
 
-    @property
-    def cached(self) -> bool:
-        return self.seconds == 0
-
-    def lookup(self, source: int, pair: int, split: str) -> torch.Tensor:
-        """The reference log-probabilities of a pair's chosen and rejected answers."""
-        return torch.from_numpy(np.asarray(self.arrays[source][split][2 * pair:2 * pair + 2], dtype=np.float32))
+    def attach(self, batch: dict, where: list[tuple[int, int]], split: str) -> None:
+        # Copied out of the arrays (read-only when read back from the cache): a tensor over a read-only NumPy array
+        # is what torch warns about.
+        values = np.concatenate([self.arrays[source][split][2 * pair:2 * pair + 2] for source, pair in where])
+        batch["reference_logps"] = torch.from_numpy(values.astype(np.float32)).to(batch["labels"].device)
 
     def describe(self) -> str:
-        where = self.folders[0].parent if len(self.folders) == 1 else "each source's cache folder"
-        if self.cached:
-            return f"precomputed log-probabilities of the starting weights, read from the cache ({where})"
+        if self.seconds == 0:
+            return f"precomputed log-probabilities of the starting weights, read from {self.where}"
         return (f"precomputed log-probabilities of the starting weights: {self.pairs:,} pairs in {self.seconds:.1f}s "
-                f"({1000 * self.seconds / max(1, self.pairs):.2f}s per 1,000 pairs), cached in {where}")
+                f"({1000 * self.seconds / max(1, self.pairs):.2f}s per 1,000 pairs), stored in {self.where}"
+                + "".join(f"; {note}" for note in self.notes))
+
+
+def build_reference(run, settings):
+    """The reference the recipe's method needs. Collective for a precomputed one (every rank calls it)."""
+    recipe = run.recipe
+    if not METHODS[recipe.training.method].reference:
+        return NoReference()
+    if recipe.model.lora.enabled:
+        return AdaptersOff(run.model, run.accelerator.autocast)
+    # Before any checkpoint is loaded: the model holds the starting weights (a resumed run computes them again when
+    # the cache lost them).
+    return precompute(run, starting_weights_key(recipe, settings))
 
 
 def starting_weights_key(recipe, settings) -> str:
-    """What the reference log-probabilities depend on besides the data: the starting weights, how they compute."""
+    """What the reference log-probabilities depend on besides the data: the starting weights, what the config
+    overrides of them, how they compute (precision, attention kernel) and the libraries that run the forward."""
     m = recipe.model
     if m.architecture:
-        import transformers
-
-        identity = {"architecture": m.architecture, "overrides": m.config_overrides, "seed": recipe.training.seed,
-                    "torch": torch.__version__, "transformers": transformers.__version__}
+        identity = {"architecture": m.architecture, "seed": recipe.training.seed}
     elif Path(m.name_or_path).expanduser().is_dir():
         folder = Path(m.name_or_path).expanduser().resolve()
         files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".json"))
         identity = {"folder": str(folder), "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
     else:
         identity = {"hub": m.name_or_path, "snapshot": _hub_snapshot(m.name_or_path)}
-    identity.update(precision=settings.mixed_precision.value, attention=m.attn_implementation,
-                    lora=False, trust_remote_code=m.trust_remote_code)
+    identity.update(overrides=m.config_overrides, precision=settings.mixed_precision.value,
+                    attention=m.attn_implementation, lora=False, trust_remote_code=m.trust_remote_code,
+                    libraries={name: _version(name) for name in ("torch", "transformers", "peft")})
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _hub_snapshot(repo: str) -> str | None:
@@ -91,36 +172,52 @@ def _hub_snapshot(repo: str) -> str | None:
 
 
 def precompute(run, key: str) -> Precomputed:
-    """Collective: the reference log-probability of every sequence of the training and held-out pairs, computed by
-    the model as it is now (the starting weights), or read back from the cache."""
+    """Collective: the reference log-probability of every sequence of the training and held-out pairs, read back
+    where every rank finds them, else computed by the model as it is now (the starting weights) on every rank."""
     acc, data = run.accelerator, run.data
-    folders = [s.folder / "reference" / key for s in data.sources]
-    if all((f / DONE).exists() for f in folders):
-        return Precomputed(_load(data, folders), folders, 0.0, _pairs(data))
+    places = [(s.folder / CACHE_SUBDIR / key, run.layout.reference / s.name / key) for s in data.sources]
+    found = [next((f for f in place if _complete(f, s)), None) for place, s in zip(places, data.sources)]
+    if all(gather_ints(acc, [int(all(found))])):
+        return Precomputed(_load(data, found), _where(found, places), 0.0, _pairs(data))
+    run.say(f"reference: log-probabilities of the starting weights for {len(data):,} training pairs and the held-out "
+            "ones (once; cached)")
     start = time.monotonic()
+    results = _compute(run)
+    seconds = max(1e-3, time.monotonic() - start)
+    written, notes, error = list(found), [], None
+    if acc.is_local_main_process:  # once per machine: a machine that found them has nothing to write
+        try:
+            for i, (folder, place, arrays) in enumerate(zip(found, places, results)):
+                if folder is None:
+                    written[i], note = _store(place, arrays, seconds)
+                    notes += [note] if note else []
+        except UserError as e:
+            e.rank_local = not acc.is_main_process
+            error = e
+    if not all(gather_ints(acc, [int(error is None)])):  # every rank stops, or none
+        raise error or UserError("the reference log-probabilities could not be stored (the message is above)")
+    return Precomputed(results, _where(written, places), seconds, _pairs(data), notes)
+
+
+def _where(folders: list[Path | None], places: list[tuple[Path, Path]]) -> str:
+    """"the cache (<folder>)" or "the run folder (<folder>)"; several sources: where each source's folders are."""
+    kinds = sorted({"the cache" if folder == place[0] else "the run folder"
+                    for folder, place in zip(folders, places) if folder is not None}) or ["the cache"]
+    if len(folders) == 1 and folders[0] is not None:
+        return f"{kinds[0]} ({folders[0].parent})"
+    return f"{' and '.join(kinds)} (each source's folder)"
+
+
+def _compute(run) -> list[dict[str, np.ndarray]]:
     model = run.model
     model.eval()
-    results: list[dict[str, np.ndarray]] = []
+    results = []
     with torch.no_grad():
-        for source in data.sources:
-            arrays = {}
-            for split in ("train", "eval"):
-                if source.units(split) == 0:
-                    continue
-                arrays[split] = _split_logps(run, source, split)
-            results.append(arrays)
+        for source in run.data.sources:
+            results.append({split: _split_logps(run, source, split) for split in ("train", "eval")
+                            if source.units(split)})
     model.train()
-    if acc.is_local_main_process:
-        for arrays, folder in zip(results, folders):
-            folder.mkdir(parents=True, exist_ok=True)
-            for split, values in arrays.items():
-                tmp = folder / f".{split}.{os.getpid()}"
-                values.astype(np.float32).tofile(tmp)
-                os.replace(tmp, folder / f"{split}.bin")
-            (folder / DONE).write_text(json.dumps({"sequences": {k: len(v) for k, v in arrays.items()},
-                                                   "seconds": round(time.monotonic() - start, 3)}))
-    acc.wait_for_everyone()
-    return Precomputed(results, folders, max(1e-3, time.monotonic() - start), _pairs(data))
+    return results
 
 
 def _split_logps(run, source, split: str) -> np.ndarray:
@@ -134,12 +231,9 @@ def _split_logps(run, source, split: str) -> np.ndarray:
     found: dict[int, tuple[float, float]] = {}
     for b in range(rounds):
         chunk = mine[b * micro:(b + 1) * micro]
-        units = chunk or [0]
-        batch = run.collate([s for u in units for s in source.sequences(u, split)])
-        labels = batch.pop("labels")
+        batch = run.collate([s for u in chunk or [0] for s in source.sequences(u, split)])
         with acc.autocast():
-            logits = run.model(**batch, use_cache=False).logits
-        logps = answer_logps(logits, labels, sequence_index(batch, labels))[0].cpu().tolist()
+            logps = sequence_logps(run.model, batch)[0].cpu().tolist()
         for k, u in enumerate(chunk):
             found[u] = (logps[2 * k], logps[2 * k + 1])
     if world > 1:
@@ -155,15 +249,63 @@ def _split_logps(run, source, split: str) -> np.ndarray:
     return out
 
 
+def _store(place: tuple[Path, Path], arrays: dict[str, np.ndarray], seconds: float) -> tuple[Path, str]:
+    """Write one source's reference into the cache, else under the run folder: (where, a note when not the cache)."""
+    cache, run_folder = place
+    try:
+        _write_reference(cache, arrays, seconds)
+        return cache, ""
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+    try:
+        _write_reference(run_folder, arrays, seconds)
+    except OSError as e:
+        raise UserError(Problem(str(cache), f"cannot be written ({why}), and neither can {run_folder} "
+                                f"({e.strerror or type(e).__name__}): the reference log-probabilities have nowhere "
+                                "to go", "make the cache writable, or point ACCEL_FSDP_CACHE at a writable folder "
+                                "(`accel-fsdp data prepare` fills it)")) from None
+    return run_folder, (f"the cache {cache.parent} cannot be written ({why}): kept under the run folder instead (a run "
+                        "in another folder computes them again)")
+
+
+def _write_reference(folder: Path, arrays: dict[str, np.ndarray], seconds: float) -> None:
+    """The one writer of a reference folder: each split's table, then done.json with their CRC-32s, each under a
+    temporary name (host, PID and a random part: machines sharing a cache may run equal PIDs), fsynced, renamed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {f"{split}.bin": values.astype(np.float32).tobytes() for split, values in arrays.items()}
+    done = {"sequences": {split: len(values) for split, values in arrays.items()},
+            "crc32": {split: zlib.crc32(files[f"{split}.bin"]) for split in arrays}, "seconds": round(seconds, 3)}
+    files[DONE] = json.dumps(done).encode()  # last: a folder without it is never read
+    for name, data in files.items():
+        tmp = folder / f".{name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, folder / name)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def _complete(folder: Path, source) -> bool:
+    """The folder holds this source's reference whole: done.json, and each split's table of the right size and
+    CRC-32 (a table damaged or cut short is computed again, not trained on)."""
+    try:
+        done = json.loads((folder / DONE).read_text())
+        for split in ("train", "eval"):
+            if source.units(split):
+                data = (folder / f"{split}.bin").read_bytes()
+                if len(data) != 8 * source.units(split) or zlib.crc32(data) != done["crc32"][split]:
+                    return False
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
 def _load(data, folders: list[Path]) -> list[dict[str, np.ndarray]]:
-    out = []
-    for source, folder in zip(data.sources, folders):
-        arrays = {}
-        for split, table in (("train", source.train), ("eval", source.eval)):
-            if table is not None and (folder / f"{split}.bin").exists():
-                arrays[split] = np.memmap(folder / f"{split}.bin", dtype=np.float32, mode="r", shape=(len(table),))
-        out.append(arrays)
-    return out
+    return [{split: np.fromfile(folder / f"{split}.bin", dtype=np.float32) for split in ("train", "eval")
+             if source.units(split)} for source, folder in zip(data.sources, folders)]
 
 
 def _pairs(data) -> int:

@@ -29,6 +29,7 @@ from accel_fsdp.config.accelerate import (
     load_accelerate_config,
 )
 from accel_fsdp.config.binder import flatten
+from accel_fsdp.config.methods import trains_with_dropout
 from accel_fsdp.config.precision import compute_dtype
 from accel_fsdp.config.settings import FsdpSettings, Source, cpu_guess_note
 from accel_fsdp.data import batches
@@ -38,7 +39,15 @@ from accel_fsdp.data.store import Sequence
 from accel_fsdp.errors import UserError
 from accel_fsdp.hardware import PeakMemory, usable_cores
 from accel_fsdp.layout import RunLayout
-from accel_fsdp.model.build import build_model, count_parameters, meta_model, model_config, view_of
+from accel_fsdp.model.build import (
+    build_model,
+    count_parameters,
+    meta_model,
+    model_config,
+    turn_off_dropout,
+    turn_off_dropout_layers,
+    view_of,
+)
 from accel_fsdp.model.checks import human_count
 from accel_fsdp.model.tokenizer import build_tokenizer
 from accel_fsdp.preflight import model_problems, settings_for_launch
@@ -55,11 +64,11 @@ from accel_fsdp.train.evaluate import Evaluator
 from accel_fsdp.train import probes
 from accel_fsdp.train.hooks import NO_SWITCHES, TestHooks, TestSwitches, substituted
 from accel_fsdp.train.lifetime import Preemption
+from accel_fsdp.train.methods import Objective, build_objective
 from accel_fsdp.train.metrics import MetricsWriter, StartupClock, flops_per_token
-from accel_fsdp.train.objective import build_objective
 from accel_fsdp.train.observe import Terminal, TrainLogger
 from accel_fsdp.train.optimizer import build_optimizer, lr_schedule, offload_threads
-from accel_fsdp.train.reference import precompute, starting_weights_key
+from accel_fsdp.train.reference import build_reference
 from accel_fsdp.train.sharding import ShardingRecord, check_same_layout
 from accel_fsdp.train.state import TrainingState
 
@@ -135,8 +144,8 @@ class Run:
     sharding: ShardingRecord
     collator: Callable[[list[Sequence]], dict]
     """Sequences -> the batch's tensors on the CPU, in the layout the attention kernel needs (data/batches.py)."""
-    objective: Any = None
-    """What a micro-step's loss is (train/objective.py): next-token prediction, or a preference loss."""
+    objective: Objective | None = None
+    """What a micro-step's loss is, what it logs and how it evaluates (train/methods/), with its reference."""
 
     @property
     def recipe(self):
@@ -147,13 +156,15 @@ class Run:
         self.terminal.say(text)
 
     def batch(self, units: list[int]) -> dict:
-        """The tensors of these training units on this rank's device: their sequences (a pair's chosen and rejected
-        side by side), and the reference log-probabilities of a DPO run that precomputed them."""
-        batch = self.collate([s for u in units for s in self.data.sequences(u)])
-        reference = getattr(self.objective, "reference", None)
-        if getattr(reference, "kind", None) == "precomputed":
-            logps = [reference.lookup(*self.data.split(u), "train") for u in units]
-            batch["reference_logps"] = torch.cat(logps).to(self.accelerator.device)
+        """The tensors of these training units (global unit ids) on this rank's device (see `batch_of`)."""
+        return self.batch_of([self.data.split(u) for u in units], "train")
+
+    def batch_of(self, where: list[tuple[int, int]], split: str) -> dict:
+        """The one batch builder, for training and held-out evaluation alike: the units `where` (source index, unit
+        of that source's `split` table) as tensors on this rank's device, their sequences (a pair's chosen and
+        rejected side by side), and the reference log-probabilities the method's reference attaches."""
+        batch = self.collate([s for i, j in where for s in self.data.sources[i].sequences(j, split)])
+        self.objective.reference.attach(batch, where, split)
         return batch
 
     def collate(self, sequences: list[Sequence]) -> dict:
@@ -165,7 +176,7 @@ class Run:
     def norm(self, units: list[int]):
         """What every micro-step of an optimizer step over the global batch `units` divides its loss sums by: the
         global batch's counts / (ranks x accumulation steps), from the per-sequence counts the data stores, so no
-        communication is needed (see train/loop.py and train/objective.py)."""
+        communication is needed (see train/loop.py and train/methods/base.py)."""
         return self.objective.norm(self.data, units, self.accelerator.num_processes,
                                    self.sampler.accumulation_steps)
 
@@ -281,20 +292,24 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
     preemption = Preemption().install()
     preemption.join_group(timeout=process_group_kwargs(engine.settings)["timeout"])
     tokenizer, config = describe_model(recipe, engine)
+    # Before the model is built from the config: dropout of a method that trains without it (config/methods.py).
+    dropout_off = {} if trains_with_dropout(recipe) else turn_off_dropout(config)
     terminal = open_run_folder(request, engine, layout, decision)
     data = data_lib.prepare_data(recipe, tokenizer, engine.accelerator)
     clock.mark("data")
     for warning in data.stats.warnings(recipe):
         terminal.say(f"warning: {warning}")
     built = build_sharded_model(recipe, engine, config, clock, switches)
+    if not trains_with_dropout(recipe):
+        dropout_off.update(turn_off_dropout_layers(built.model))  # LoRA's, and any a config key did not reach
     sharding = ShardingRecord.measure(engine.accelerator, built, engine.settings)  # collective
     if engine.accelerator.is_main_process:
         sharding.write(layout.sharding_file)  # a resumed or overwritten run starts it afresh
     run = build_run(request, engine, config, tokenizer, data, built, layout=layout, preemption=preemption,
                     terminal=terminal, clock=clock, sharding=sharding)
-    run = substituted(with_objective(run), switches)
+    run = substituted(with_objective(run, config), switches)
     terminal.say(startup_summary(recipe, engine.settings, layout, data, built, sharding.local_parameters,
-                                 run.total_steps, run.sampler, run.objective))
+                                 run.total_steps, run.sampler, run.objective, dropout_off))
     # Dropout and any other randomness of the loop: seeded, different on each rank, and saved in checkpoints.
     set_seed(recipe.training.seed, device_specific=True)
     parts = build_components(run, switches)
@@ -339,8 +354,6 @@ def build_run(request: RunRequest, engine: Engine, config, tokenizer, data, buil
     steps = total_steps(recipe, len(data))
     scheduler = torch.optim.lr_scheduler.LambdaLR(built.optimizer, lr_lambda=lr_schedule(recipe, steps))
     fpt = flops_per_token(config, recipe.data.seq_len, built.trainable_parameters / max(1, built.parameters))
-    if recipe.training.method == "dpo" and recipe.model.lora.enabled:
-        fpt += flops_per_token(config, recipe.data.seq_len) / 3  # the reference: one more forward (2N of 6N)
     collator = functools.partial(batches.collate, pad_id=tokenizer.pad_token_id,
                                  use_position_ids=built.use_position_ids, layout=built.batch_layout)
     return Run(request=request, settings=engine.settings, accelerator=accelerator, tokenizer=tokenizer, data=data,
@@ -350,17 +363,17 @@ def build_run(request: RunRequest, engine: Engine, config, tokenizer, data, buil
                **parts)
 
 
-def with_objective(run: Run) -> Run:
-    """The run with its objective: what a micro-step's loss is (and a DPO run's reference log-probabilities,
-    computed here, before any checkpoint is loaded: the model holds the starting weights; a resumed run computes them
-    again when the cache lost them)."""
-    recipe, reference = run.recipe, None
-    if recipe.training.method == "dpo" and not recipe.model.lora.enabled:
-        run.say(f"reference: log-probabilities of the starting weights for {len(run.data):,} training pairs and the "
-                "held-out ones (once; cached)")
-        reference = precompute(run, starting_weights_key(recipe, run.settings))
+def with_objective(run: Run, config) -> Run:
+    """The run with its objective: what a micro-step's loss is, and the reference its batches get (a full DPO run's
+    reference log-probabilities are computed here, before any checkpoint is loaded: the model holds the starting
+    weights; a resumed run reads them, or computes them again when the cache lost them)."""
+    reference = build_reference(run, run.settings)
+    if reference.kind == "precomputed":
         run.clock.mark("reference")
-    return dataclasses.replace(run, objective=build_objective(recipe, run.model, reference))
+    fpt = run.flops_per_token
+    if reference.extra_forward:
+        fpt += flops_per_token(config, run.recipe.data.seq_len) / 3  # one more forward (2N of 6N) per micro-step
+    return dataclasses.replace(run, objective=build_objective(run.recipe, reference), flops_per_token=fpt)
 
 
 def build_components(run: Run, switches: TestSwitches) -> Components:
@@ -375,7 +388,7 @@ def build_components(run: Run, switches: TestSwitches) -> Components:
     logger = TrainLogger(acc, run.terminal, metrics, run.clock, every_steps=recipe.logging.every_steps,
                          total_steps=run.total_steps, accumulation_steps=run.sampler.accumulation_steps,
                          precision=run.settings.mixed_precision.value, flops_per_token=run.flops_per_token,
-                         tokens_by_source=run.data.tokens_by_source)
+                         tokens_by_source=run.data.tokens_by_source, statistics=run.objective.statistics)
     checkpointer = Checkpointer(accelerator=acc, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
                                 sampler=run.sampler, logger=logger, recipe=recipe, settings=run.settings,
                                 tokenizer=run.tokenizer, layout=run.layout, terminal=run.terminal,
@@ -385,7 +398,8 @@ def build_components(run: Run, switches: TestSwitches) -> Components:
 
 
 def startup_summary(recipe, settings, layout: RunLayout, data, built: ShardedModel, held: list[int],
-                    total_steps: int, sampler, objective=None) -> str:
+                    total_steps: int, sampler, objective: Objective | None = None,
+                    dropout_off: dict[str, float] | None = None) -> str:
     """What a person checks before walking away: model, data, batch arithmetic, sharding, where files go. Every
     setting with its source is in fsdp_settings.json (and printed by --verbose)."""
     s, t = settings, recipe.training
@@ -398,7 +412,8 @@ def startup_summary(recipe, settings, layout: RunLayout, data, built: ShardedMod
     lines = [
         f"  model     {built.model_class}, {human_count(parameters)} parameters ({trained}); weights {source}",
         *data_summary(recipe, data, sampler, total_steps),
-        *method_summary(recipe, objective),
+        *([objective.summary()] if objective is not None and objective.summary() else []),
+        *dropout_summary(recipe, dropout_off or {}),
         f"  batch     global {t.global_batch_size}{' pairs' if data.pairs else ''} = micro {t.micro_batch_size} x "
         f"{s.num_processes.value} rank(s) x "
         f"{sampler.accumulation_steps} accumulation step(s); {total_steps:,} optimizer steps ({epochs:.2f} epochs)",
@@ -414,22 +429,12 @@ def startup_summary(recipe, settings, layout: RunLayout, data, built: ShardedMod
     return "\n".join(lines)
 
 
-def method_summary(recipe, objective) -> list[str]:
-    """The line of a preference run: its loss, parameters and how the reference is obtained (and what it cost)."""
-    t, p = recipe.training, recipe.preference
-    if objective is None or t.method == "sft":
+def dropout_summary(recipe, dropout_off: dict[str, float]) -> list[str]:
+    """The line saying which dropout a method that trains without it turned off."""
+    if not dropout_off:
         return []
-    params = {"dpo": f"beta {p.beta_for('dpo')}, label smoothing {p.label_smoothing}",
-              "simpo": f"beta {p.beta_for('simpo')}, gamma {p.gamma}, label smoothing {p.label_smoothing}",
-              "orpo": f"lambda {p.lambda_}"}[t.method]
-    reference = objective.reference
-    if reference is None:
-        how = "no reference model (the loss needs none)"
-    elif reference.kind == "adapters-off":
-        how = "the base model with the LoRA adapters switched off: one more forward per micro-step, no more memory"
-    else:
-        how = reference.describe()
-    return [f"  method    {t.method} ({params}); reference: {how}"]
+    each = ", ".join(f"{key} {p:g}" for key, p in dropout_off.items())
+    return [f"  dropout   off for {recipe.training.method} (preference.keep_dropout: true keeps it): {each} -> 0"]
 
 
 def data_summary(recipe, data, sampler, steps: int) -> list[str]:
