@@ -72,6 +72,17 @@ def show_usage_error(error: click.UsageError, file=None) -> None:
                err=True, file=file)
 
 
+def first_line(error: BaseException, limit: int = 200, *, named: bool = False) -> str:
+    """What an exception says, for a message: the first line of its text that is not blank, at most `limit`
+    characters; its type's name where the text is empty or blank (`str(OSError())` is '', and `splitlines()[0]` of it
+    raises IndexError). `named`: "TypeName: first line" (the name alone where it says nothing)."""
+    line = next((text.strip() for text in str(error).splitlines() if text.strip()), "")[:limit]
+    name = type(error).__name__
+    if not line:
+        return name
+    return f"{name}: {line}" if named else line
+
+
 def raise_if(problems: list[Problem], title: str) -> None:
     """Raise one `UserError` listing every problem gathered, or return when there are none."""
     if problems:
@@ -89,6 +100,6 @@ def read_json_object(path, *, what: str, fix: str, then: str = "") -> dict:
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        why = type(e).__name__ + (": " + str(e).splitlines()[0][:120] if str(e) else "")
+        why = first_line(e, 120, named=True)
         raise UserError(Problem(str(path), f"{what} ({why}){then}", fix)) from None
     return data

@@ -12,6 +12,8 @@ import socket
 import threading
 from pathlib import Path
 
+from accel_fsdp.errors import first_line
+
 # ------------------------------------------------------------------------------------------------- devices
 
 _NVIDIA_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg", "/proc/driver/nvidia")
@@ -40,7 +42,7 @@ def cuda_unavailable_reason() -> str:
     try:
         torch.cuda.init()
     except Exception as e:  # torch raises RuntimeError, AssertionError or AcceleratorError: all say why
-        return f"CUDA failed to initialize: {str(e).strip().splitlines()[0][:200]}"
+        return f"CUDA failed to initialize: {first_line(e)}"
     if torch.cuda.device_count() == 0:
         return f"no CUDA device is visible (CUDA_VISIBLE_DEVICES={visible if visible is not None else 'unset'})"
     return "torch.cuda.is_available() is false"

@@ -86,8 +86,8 @@ def checkpoint_name(step: int) -> str:
 def checkpoint_step(name: str) -> int | None:
     """The step of a checkpoint folder's name (step-000200 -> 200), None for any other name."""
     number = name.removeprefix(STEP_PREFIX)
-    return int(number) if name.startswith(STEP_PREFIX) and len(number) >= 6 and number.isascii() \
-        and number.isdigit() else None
+    well_formed = name.startswith(STEP_PREFIX) and len(number) >= 6 and number.isascii() and number.isdigit()
+    return int(number) if well_formed else None
 
 
 def existing_folder(path: str | Path, *, what: str = "checkpoint") -> Path:
@@ -216,8 +216,8 @@ def record_finished(layout: RunLayout) -> None:
 def finished_since(run_dir: Path, since: float) -> bool:
     """Whether the run in `run_dir` finished its work after `since` (seconds since the epoch)."""
     try:
-        finished = RunIdentity.read(Path(run_dir) / RUN_FILE).finished_at if (Path(run_dir) / RUN_FILE).is_file() \
-            else None
+        run_file = Path(run_dir) / RUN_FILE
+        finished = RunIdentity.read(run_file).finished_at if run_file.is_file() else None
     except UserError:
         return False
     return isinstance(finished, (int, float)) and finished >= since

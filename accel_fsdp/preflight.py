@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from accel_fsdp import hardware
+from accel_fsdp.checkpoint.index import check_resume, checkpoint_to_resume
 from accel_fsdp.config.accelerate import AccelerateConfig, load_accelerate_config
 from accel_fsdp.config.settings import (
     MODEL_DEFAULT,
@@ -63,7 +64,8 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
               run_dir: Path | None = None, resume: str | None = None, resume_from: str | None = None,
               overwrite: bool = False, for_target_hardware: bool = False, check_hub: bool = False,
               cpu_option: bool = False) -> PreflightReport:
-    """Check recipe x accelerate config x model x data; raise one UserError listing every problem.
+    """Check recipe x accelerate config x model x data; raise one UserError listing every problem. (Long: the stages
+    in the order they run, each a call; they gather problems into one list.)
 
     `for_target_hardware`: judge the config on the hardware it is written for (GPUs unless it says use_cpu),
     not on this machine: `recipe validate` of a GPU config on a laptop. `cpu_option`: the command has `--cpu`, which
@@ -171,12 +173,11 @@ def _tracker_problems(recipe) -> list[Problem]:
 
 def _check_resume(recipe, settings, layout, resume_from: str | None) -> list[str]:
     """The checkpoint to resume exists, is complete, and was made by a compatible recipe."""
-    from accel_fsdp.checkpoint import store as ckpt
-
-    info = ckpt.checkpoint_to_resume(layout.checkpoints, resume_from)
-    if info.manifest.total_bytes <= VERIFY_BEFORE_LAUNCH_BYTES:
-        ckpt.verify_files(info)  # small: read it all here; larger ones are checked by the ranks, in parallel
-    return [f"resuming from {info.path}"] + ckpt.check_resume(info, recipe, settings, recipe.training.max_steps)
+    # Small checkpoints are read through here; larger ones are checked by the ranks, in parallel.
+    point = checkpoint_to_resume(layout.checkpoints, resume_from, verify_up_to=VERIFY_BEFORE_LAUNCH_BYTES)
+    info = point.checkpoint
+    return ([f"resume: {note}" for note in point.notes()] + [f"resuming from {info.path}"]
+            + check_resume(info, recipe, settings, recipe.training.max_steps))
 
 
 def model_view(recipe):

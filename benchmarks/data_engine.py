@@ -249,8 +249,8 @@ def main() -> None:
             for r in range(rounds):
                 order = ("ours", "plain") if r % 2 == 0 else ("plain", "ours")
                 for name in order:
-                    result = run_ours(corpus, tokenizer, args.work, args.seq_len) if name == "ours" else \
-                        run_plain(corpus, tokenizer, args.work, args.seq_len, cores, args.baseline)
+                    result = (run_ours(corpus, tokenizer, args.work, args.seq_len) if name == "ours" else
+                              run_plain(corpus, tokenizer, args.work, args.seq_len, cores, args.baseline))
                     runs[name].append(result)
                     print(f"  {kind} {size_text} round {r + 1} {name}: {result['seconds']:.1f}s, "
                           f"{result['tokens'] / result['seconds']:,.0f} tokens/s, "

@@ -260,7 +260,7 @@ def check_packing(m: Machine) -> list[Result]:
 
     from accel_fsdp.data.batches import batch_layout, collate
     from accel_fsdp.data.store import Sequence
-    from accel_fsdp.tools.verify import ROUNDOFF, reordered
+    from accel_fsdp.tools.noise import ROUNDOFF, reordered
 
     if m.cpu:
         sys.path.insert(0, str(REPO / "tests"))
@@ -317,7 +317,7 @@ def check_gradients(m: Machine) -> list[Result]:
 
 
 def check_activation_checkpointing(m: Machine) -> list[Result]:
-    from accel_fsdp.tools.verify import equivalence_tolerance
+    from accel_fsdp.tools.noise import equivalence_tolerance
 
     drop = m.model("tiny", dropout=0.1)
     losses = {}

@@ -97,6 +97,37 @@ def stories(tmp_path_factory) -> Path:
     return write_jsonl(tmp_path_factory.mktemp("data") / "stories.jsonl", rows)
 
 
+TRACE_UNITS = {"ACCEL_FSDP_TRACE_UNITS": "1"}
+"""The environment of a run that records, per rank and step, the training units it read (train/hooks.py)."""
+
+
+def units_by_step(run: Path) -> dict[int, list[int]]:
+    """The training units each step read, over all ranks of a run traced with TRACE_UNITS; for a resumed run the last
+    attempt of a step counts (the killed attempt's work past its checkpoint was lost with it)."""
+    per_step: dict[int, dict[int, list[int]]] = {}
+    for f in sorted((run / "trace").glob("units-rank*.jsonl")):
+        rank = int(f.stem.removeprefix("units-rank"))
+        for line in f.read_text().splitlines():
+            record = json.loads(line)
+            per_step.setdefault(record["step"], {})[rank] = record["units"]
+    return {step: sorted(u for units in by_rank.values() for u in units) for step, by_rank in per_step.items()}
+
+
+def fabricate_checkpoint(folder: Path, step: int, run_id: str | None = None) -> Path:
+    """A checkpoint complete as far as its manifest can tell, without training: one file, its size and CRC-32."""
+    from accel_fsdp.checkpoint.index import crc32_of
+    from accel_fsdp.checkpoint.records import Manifest
+    from accel_fsdp.layout import checkpoint_name
+
+    step_dir = folder / checkpoint_name(step)
+    step_dir.mkdir(parents=True)
+    (step_dir / "weights").write_bytes(bytes(range(16)) * step)
+    manifest = Manifest(step=step, world_size=2, run_id=run_id, files={"weights": 16 * step},
+                        crc32={"weights": crc32_of(step_dir / "weights")})
+    (step_dir / "manifest.json").write_text(manifest.to_json())
+    return step_dir
+
+
 def tiny_recipe(path: Path, model_path: Path, data_path: Path, **sections) -> Path:
     """A small recipe file for tests: a few steps of a tiny model, overridable per section."""
     import yaml
@@ -134,7 +165,7 @@ def load_weights(folder: Path) -> dict:
 
 
 # ---------------------------------------------------------------------- noise models of float comparisons
-# A float tolerance in a test follows from one of these or from the noise model of accel_fsdp/tools/verify.py (ROUNDOFF,
+# A float tolerance in a test follows from one of these or from the noise model of accel_fsdp/tools/noise.py (ROUNDOFF,
 # SIGMAS, reordered, adam_step_bound), with the reason it applies where it is used; never from one machine's run:
 # AVX2-only, AVX512-BF16 and AMX CPUs pick other kernels, so add numbers up in other orders.
 
@@ -153,7 +184,7 @@ def assert_adam_runs_agree(weights: dict, reference: dict, lrs: list[float], gra
     import torch
 
     from accel_fsdp.config.recipe import TrainingConfig
-    from accel_fsdp.tools.verify import adam_step_bound
+    from accel_fsdp.tools.noise import adam_step_bound
 
     t = TrainingConfig()
     largest = 2 * adam_step_bound(t.adam_beta1, t.adam_beta2, len(lrs)) * sum(lrs)

@@ -14,13 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LOGIT_PATH, load_weights, read_metrics, run_cli, tiny_recipe
+from conftest import LOGIT_PATH, TRACE_UNITS, load_weights, read_metrics, run_cli, tiny_recipe, units_by_step
 
-from accel_fsdp.tools.verify import SIGMAS, reordered
+from accel_fsdp.tools.noise import SIGMAS, reordered
 
 pytestmark = pytest.mark.multiprocess
 STEPS = 12
-TRACE = {"ACCEL_FSDP_TRACE_ROWS": "1"}
 
 
 def make_recipe(folder: Path, model: Path, data: Path, **overrides) -> Path:
@@ -33,18 +32,6 @@ def make_recipe(folder: Path, model: Path, data: Path, **overrides) -> Path:
     for section, values in overrides.items():
         sections.setdefault(section, {}).update(values)
     return tiny_recipe(folder / "recipe.yaml", model, data, **sections)
-
-
-def rows_by_step(run: Path) -> dict[int, list[int]]:
-    """Rows read at each step over all ranks; for a resumed run the last attempt of a step counts (the killed
-    attempt's work past its checkpoint was lost with it)."""
-    per_step: dict[int, dict[int, list[int]]] = {}
-    for f in sorted((run / "trace").glob("rows-rank*.jsonl")):
-        rank = int(f.stem.removeprefix("rows-rank"))
-        for line in f.read_text().splitlines():
-            row = json.loads(line)
-            per_step.setdefault(row["step"], {})[rank] = row["rows"]
-    return {step: sorted(r for ranks in by_rank.values() for r in ranks) for step, by_rank in per_step.items()}
 
 
 def dropout_spread(model: Path, data: Path, draws: int = 16) -> float:
@@ -79,7 +66,7 @@ def reference(tmp_path_factory, tiny_gpt2, stories) -> Path:
     """An uninterrupted run: the yardstick of every resume test."""
     folder = tmp_path_factory.mktemp("reference")
     proc = run_cli("recipe", "run", make_recipe(folder, tiny_gpt2, stories), "--output-dir", folder / "run",
-                   env=TRACE, check=0)
+                   env=TRACE_UNITS, check=0)
     (folder / "stdout.txt").write_text(proc.stdout)
     return folder / "run"
 
@@ -99,17 +86,18 @@ def test_sigkill_at_a_random_step_then_resume_equals_uninterrupted(tmp_path, ref
     step = random.randint(4, STEPS - 1)
     recipe = make_recipe(tmp_path, tiny_gpt2, stories)
     run = tmp_path / "run"
-    killed = run_cli("recipe", "run", recipe, "--output-dir", run, env={**TRACE, "ACCEL_FSDP_FAULT": f"kill:{step}"})
+    killed = run_cli("recipe", "run", recipe, "--output-dir", run,
+                     env={**TRACE_UNITS, "ACCEL_FSDP_FAULT": f"kill:{step}"})
     assert killed.returncode == 1, killed.stderr[-3000:]
     assert "rank 0 was killed by SIGKILL" in killed.stderr
     assert not (run / "final").exists()
-    resumed = run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", env=TRACE, check=0)
+    resumed = run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", env=TRACE_UNITS, check=0)
     last_saved = (step - 1) // 3 * 3  # the kill comes before the checkpoint of its own step
     assert f"continuing from {run / 'checkpoints' / f'step-{last_saved:06d}'} at step {last_saved}" in resumed.stdout
     assert_same_weights(run / "final", reference / "final")
     # Every training row in the same order: none repeated, none skipped.
-    assert rows_by_step(run) == rows_by_step(reference), f"killed after step {step}"
-    assert sorted(rows_by_step(run)) == list(range(1, STEPS + 1))
+    assert units_by_step(run) == units_by_step(reference), f"killed after step {step}"
+    assert sorted(units_by_step(run)) == list(range(1, STEPS + 1))
     # The metrics file holds one row per step, the interrupted attempt's extra steps dropped.
     train_steps = [r["step"] for r in read_metrics(run) if r["kind"] == "train"]
     assert train_steps == sorted(set(train_steps)) and train_steps[-1] == STEPS
@@ -137,10 +125,10 @@ def test_resume_on_one_rank_from_a_two_rank_checkpoint(tmp_path, reference, tiny
     recipe = make_recipe(tmp_path, tiny_gpt2, stories, training={"micro_batch_size": 8})  # same global batch
     run = tmp_path / "run"
     proc = run_cli("recipe", "run", recipe, "--output-dir", run, "--accelerate-config", "fsdp_1gpu", "--cpu",
-                   "--resume-from", reference / "checkpoints" / "step-000006", env=TRACE, check=0)
+                   "--resume-from", reference / "checkpoints" / "step-000006", env=TRACE_UNITS, check=0)
     assert "resharding from 2 to 1 ranks" in proc.stdout
-    expected = {s: rows for s, rows in rows_by_step(reference).items() if s > 6}
-    assert rows_by_step(run) == expected
+    expected = {s: units for s, units in units_by_step(reference).items() if s > 6}
+    assert units_by_step(run) == expected
     # Model and optimizer state arrive intact on one rank: training carries on where it was. (Not bitwise: the
     # dropout streams of two ranks cannot be replayed by one.) Two draws of other masks for the same rows differ by
     # at most SIGMAS x sqrt(2) spreads of a batch's loss; the masks move the later weights, and so the evaluation, less.
@@ -161,9 +149,9 @@ def test_resume_on_two_ranks_from_a_one_rank_checkpoint(tmp_path, reference, tin
     assert json.loads((one / "checkpoints" / "step-000006" / "manifest.json").read_text())["world_size"] == 1
     two = tmp_path / "two"
     proc = run_cli("recipe", "run", recipe, "--output-dir", two, "--resume-from", one / "checkpoints" / "step-000006",
-                   "--set", "training.micro_batch_size=4", "--set", "training.max_steps=9", env=TRACE, check=0)
+                   "--set", "training.micro_batch_size=4", "--set", "training.max_steps=9", env=TRACE_UNITS, check=0)
     assert "resharding from 1 to 2 ranks" in proc.stdout
-    assert rows_by_step(two) == {s: rows for s, rows in rows_by_step(reference).items() if 6 < s <= 9}
+    assert units_by_step(two) == {s: units for s, units in units_by_step(reference).items() if 6 < s <= 9}
 
 
 def test_full_and_sharded_checkpoints_hold_the_same_model(tmp_path, reference, tiny_gpt2, stories):
@@ -305,8 +293,8 @@ def test_disk_full_during_a_save_stops_cleanly(tmp_path, tiny_gpt2, stories):
     run = tmp_path / "run"
     proc = run_cli("recipe", "run", recipe, "--output-dir", run, env={"ACCEL_FSDP_FAULT": "enospc-in-save:6"},
                    check=2)
-    assert "saving the checkpoint failed: No space left on device; the previous checkpoint step-000003 is intact" \
-        in proc.stderr
+    assert ("saving the checkpoint failed: No space left on device; the previous checkpoint step-000003 is intact"
+            in proc.stderr)
     assert "free disk space" in proc.stderr and "Traceback" not in proc.stderr
     assert not list((run / "checkpoints").glob(".tmp-*")) and not (run / "checkpoints" / "step-000006").exists()
     assert (run / "checkpoints" / "step-000003" / "manifest.json").exists()
@@ -323,7 +311,9 @@ def test_inspect_describes_every_checkpoint(reference):
 
 
 def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path):
-    from accel_fsdp.checkpoint.store import FORMAT, latest_complete, list_checkpoints, rotate
+    from accel_fsdp.checkpoint.index import latest_complete, list_checkpoints
+    from accel_fsdp.checkpoint.records import FORMAT
+    from accel_fsdp.checkpoint.store import rotate
 
     for step in (3, 6, 9, 12):
         folder = tmp_path / f"step-{step:06d}"
@@ -348,7 +338,7 @@ def test_sigterm_to_one_rank_checkpoints_the_step_it_arrived_in_and_resumes_exac
     run = tmp_path / "run"
     step = random.choice([4, 7, 10])  # between checkpoints (every 3 steps)
     stopped = run_cli("recipe", "run", recipe, "--output-dir", run,
-                      env={**TRACE, "ACCEL_FSDP_FAULT": f"sigterm:{step}@1"})  # rank 1 alone, within step `step`
+                      env={**TRACE_UNITS, "ACCEL_FSDP_FAULT": f"sigterm:{step}@1"})  # rank 1 alone, within step `step`
     assert stopped.returncode == 75, stopped.stderr[-3000:]  # preempted, resumable
     # README's promise: every rank finishes the optimizer step the signal arrived in, and the run stops after it.
     assert f"preempted (SIGTERM to another rank): the ranks stopped after step {step} " in stopped.stderr
@@ -356,9 +346,9 @@ def test_sigterm_to_one_rank_checkpoints_the_step_it_arrived_in_and_resumes_exac
     assert (run / "checkpoints" / f"step-{step:06d}" / "manifest.json").exists()
     assert not (run / "checkpoints" / f"step-{step + 1:06d}").exists()
     assert not (run / "final").exists()
-    run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", env=TRACE, check=0)
+    run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", env=TRACE_UNITS, check=0)
     assert_same_weights(run / "final", reference / "final")
-    assert rows_by_step(run) == rows_by_step(reference)
+    assert units_by_step(run) == units_by_step(reference)
 
 
 def test_sigusr1_to_the_launcher_reaches_the_ranks(tmp_path, tiny_gpt2, stories):
@@ -394,7 +384,7 @@ def test_ranks_die_with_their_launcher_and_a_second_start_is_refused_meanwhile(t
 
     recipe = make_recipe(tmp_path, tiny_gpt2, stories)
     run = tmp_path / "run"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", ACCEL_FSDP_FAULT="hang:7", **TRACE)  # rank 0 stuck after step 7
+    env = dict(os.environ, PYTHONUNBUFFERED="1", ACCEL_FSDP_FAULT="hang:7", **TRACE_UNITS)  # rank 0 stuck after step 7
     launcher = subprocess.Popen([sys.executable, "-m", "accel_fsdp", "recipe", "run", str(recipe), "--output-dir",
                                  str(run)], cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
@@ -410,10 +400,10 @@ def test_ranks_die_with_their_launcher_and_a_second_start_is_refused_meanwhile(t
     while rank_pids(run) and time.monotonic() - killed_at < 10:
         time.sleep(0.1)
     assert not rank_pids(run), "ranks still alive 10 s after their launcher died"
-    proc = run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", env=TRACE, check=0)
+    proc = run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", env=TRACE_UNITS, check=0)
     assert "continuing from" in proc.stdout
     assert_same_weights(run / "final", reference / "final")
-    assert rows_by_step(run) == rows_by_step(reference)
+    assert units_by_step(run) == units_by_step(reference)
 
 
 def test_a_shard_damaged_in_place_is_named_before_anything_reads_it(tmp_path, reference):
@@ -425,8 +415,8 @@ def test_a_shard_damaged_in_place_is_named_before_anything_reads_it(tmp_path, re
     shard.write_bytes(bytes(data))
     msg = run_cli("checkpoint", "consolidate", broken, tmp_path / "out", check=2).stderr
     assert "pytorch_model_fsdp_0/__1_0.distcp changed since it was saved (CRC-32 differs" in msg
-    assert "INCOMPLETE: pytorch_model_fsdp_0/__1_0.distcp changed since it was saved" in \
-        run_cli("checkpoint", "inspect", broken, check=0).stdout
+    assert ("INCOMPLETE: pytorch_model_fsdp_0/__1_0.distcp changed since it was saved"
+            in run_cli("checkpoint", "inspect", broken, check=0).stdout)
     recipe = reference / "recipe.yaml"
     proc = run_cli("recipe", "run", recipe, "--output-dir", tmp_path / "again", "--resume-from", broken, check=2)
     assert "pytorch_model_fsdp_0/__1_0.distcp changed since it was saved" in proc.stderr

@@ -194,8 +194,8 @@ def test_the_held_out_split_is_exact_seeded_and_streamable():
     held = perm.many(np.arange(1000)) < count
     assert count == 50 and held.sum() == 50
     # decided row by row, in any batching: the same rows
-    assert np.concatenate([perm.many(np.arange(a, min(1000, a + 77))) < count for a in range(0, 1000, 77)]).tolist() \
-        == held.tolist()
+    assert (np.concatenate([perm.many(np.arange(a, min(1000, a + 77))) < count for a in range(0, 1000, 77)]).tolist()
+            == held.tolist())
     assert (held_out(1000, 0.05, seed=4)[1].many(np.arange(1000)) < count).tolist() != held.tolist()
     assert held_out(1, 0.5, seed=0) == (0, None) and held_out(10, 0.0, seed=0) == (0, None)
 

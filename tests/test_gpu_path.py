@@ -30,7 +30,7 @@ from accel_fsdp.config.recipe import load_recipe, recipe_from_text
 from accel_fsdp.config.settings import Source, check_settings, resolve_settings
 from accel_fsdp.config.shipped import shipped_recipes
 from accel_fsdp.errors import UserError
-from accel_fsdp.tools.verify import reordered
+from accel_fsdp.tools.noise import reordered
 
 TINY = """
 model: {architecture: gpt2, tokenizer: "builtin:quickstart", config_overrides: {n_layer: 2, n_embd: 64, n_head: 4}}
@@ -95,7 +95,9 @@ def test_collective_timeout_is_checked():
 
 
 def test_rotation_renames_before_deleting_and_never_blocks(tmp_path):
-    from accel_fsdp.checkpoint.store import FORMAT, list_checkpoints, rotate, wait_for_rotations
+    from accel_fsdp.checkpoint.index import list_checkpoints
+    from accel_fsdp.checkpoint.records import FORMAT
+    from accel_fsdp.checkpoint.store import rotate, wait_for_rotations
 
     for step in (1, 2, 3):
         folder = tmp_path / f"step-{step:06d}"
@@ -139,7 +141,7 @@ def test_fewer_processes_than_gpus_is_said(monkeypatch):
 
 
 def test_offloaded_optimizer_step_is_fused_and_gets_the_cores():
-    from accel_fsdp.train.setup import fused_optimizer, offload_threads
+    from accel_fsdp.train.optimizer import fused_optimizer, offload_threads
 
     _, gpu = settings_for("fsdp_2gpu")
     _, offload = settings_for("fsdp_2gpu_offload")

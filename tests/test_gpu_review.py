@@ -293,8 +293,9 @@ def test_a_checkpoint_rank0_reads_differently_from_the_config_is_one_message(tmp
                    cpu_config(tmp_path / "c.yaml", fsdp_cpu_ram_efficient_loading=True),
                    "--output-dir", tmp_path / "run")
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "rank 0 reads the weights and the other ranks build the model from its config, and they differ" \
-        in proc.stderr and "tied parameters" in proc.stderr and "fsdp_cpu_ram_efficient_loading: false" in proc.stderr
+    assert ("rank 0 reads the weights and the other ranks build the model from its config, and they differ"
+            in proc.stderr)
+    assert "tied parameters" in proc.stderr and "fsdp_cpu_ram_efficient_loading: false" in proc.stderr
     assert proc.stderr.count("error:") == 1
 
 
@@ -366,8 +367,8 @@ def test_flash_attention_in_fp32_is_refused_before_launch():
     recipe, settings = settings_for("fsdp_2gpu", ["model.attn_implementation=flash_attention_2",
                                                   "training.mixed_precision=fp32"])
     (problem,) = check_settings(settings, recipe)
-    assert "--set model.attn_implementation: flash_attention_2 runs only in fp16 or bf16, and this run computes in " \
-           "fp32" in str(problem) and "training.mixed_precision: bf16" in str(problem)
+    assert ("--set model.attn_implementation: flash_attention_2 runs only in fp16 or bf16, and this run computes in "
+            "fp32" in str(problem) and "training.mixed_precision: bf16" in str(problem))
     recipe, settings = settings_for("fsdp_2gpu", ["model.attn_implementation=flash_attention_2"])
     assert check_settings(settings, recipe) == []
 
@@ -409,12 +410,12 @@ def test_a_gpu_config_on_a_machine_without_cuda_is_refused_naming_why(tmp_path):
     result = CliRunner().invoke(main, ["recipe", "run", "quickstart", "--accelerate-config", "fsdp_2gpu",
                                        "--output-dir", str(tmp_path / "run")])
     assert result.exit_code == 2, result.output
-    assert "accelerate_configs/fsdp_2gpu.yaml: use_cpu: is a GPU config (use_cpu is false) and this machine cannot " \
-           f"run CUDA: this torch ({torch.__version__}) is built without CUDA" in result.output
+    assert ("accelerate_configs/fsdp_2gpu.yaml: use_cpu: is a GPU config (use_cpu is false) and this machine cannot "
+            f"run CUDA: this torch ({torch.__version__}) is built without CUDA" in result.output)
     assert "--accelerate-config fsdp_cpu" in result.output and not (tmp_path / "run").exists()
     # judged for the hardware it is written for, the same config is fine
-    assert CliRunner().invoke(main, ["recipe", "validate", "quickstart", "--accelerate-config", "fsdp_2gpu"]) \
-        .exit_code == 0
+    validated = CliRunner().invoke(main, ["recipe", "validate", "quickstart", "--accelerate-config", "fsdp_2gpu"])
+    assert validated.exit_code == 0
 
 
 def test_under_stock_accelerate_launch_cpu_ranks_are_said_not_refused(tmp_path):

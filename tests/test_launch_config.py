@@ -120,3 +120,23 @@ def test_the_key_tables_are_accelerates_own():
     from accel_fsdp.config.accelerate import FSDP_KEYS, PARALLELISM_KEYS, TOP_LEVEL_KEYS, accelerate_known_keys
 
     assert (TOP_LEVEL_KEYS, FSDP_KEYS, PARALLELISM_KEYS) == accelerate_known_keys()
+
+
+def test_saved_settings_read_back_as_they_were(tmp_path):
+    """fsdp_settings.json is read as typed settings (verify reads a probe's), each value with its source."""
+    import json
+
+    from accel_fsdp.config.settings import FsdpSettings, Setting
+
+    for name in ("fsdp_2gpu", "fsdp_cpu"):
+        s = resolve_settings(recipe(["fsdp.cpu_offload=true"]), load_accelerate_config(name), cuda_available=True)
+        saved = json.loads(json.dumps(s.to_dict(), default=str))
+        again = FsdpSettings.from_dict(saved)
+        assert again.to_dict() == saved and again.cpu_offload == s.cpu_offload
+        assert again.sharding_strategy.value == s.sharding_strategy.value == "FULL_SHARD"
+    for setting in (Setting(2, Source.OVERRIDE), Setting("cuda", Source.DETECTED, "2 GPUs"), Setting(4, Source.DEFAULT),
+                    Setting("bf16", Source.TARGET_HARDWARE, "no CUDA here")):
+        assert Setting.from_dict(setting.to_dict()) == setting
+    (tmp_path / "fsdp_settings.json").write_text("{")
+    with pytest.raises(UserError, match="fsdp_settings.json: is unreadable or corrupt"):
+        FsdpSettings.read(tmp_path / "fsdp_settings.json")

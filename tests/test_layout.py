@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from conftest import fabricate_checkpoint
 
 from accel_fsdp.cli import main
 from accel_fsdp.config.shipped import shipped_recipes
@@ -53,26 +54,12 @@ def job_start_log(script: Path, tmp_path: Path) -> str:
     return proc.stdout
 
 
-def fabricate_checkpoint(folder: Path, step: int, run_id: str | None) -> Path:
-    """A complete checkpoint as far as the manifest can tell (one file, its size and CRC-32)."""
-    from accel_fsdp.checkpoint.records import Manifest
-    from accel_fsdp.checkpoint.store import checkpoint_name, crc32_of
-
-    step_dir = folder / checkpoint_name(step)
-    step_dir.mkdir(parents=True)
-    (step_dir / "weights").write_bytes(b"w" * 10)
-    manifest = Manifest(step=step, world_size=2, run_id=run_id, files={"weights": 10},
-                        crc32={"weights": crc32_of(step_dir / "weights")})
-    (step_dir / "manifest.json").write_text(manifest.to_json())
-    return step_dir
-
-
 @pytest.mark.parametrize("where", ["default", "outside the run folder"])
 def test_slurm_script_checkpoint_code_and_cli_agree_on_where_checkpoints_are(tmp_path, where):
-    from accel_fsdp.checkpoint.store import checkpoint_to_resume, list_checkpoints
+    from accel_fsdp.checkpoint.index import checkpoint_to_resume, list_checkpoints
     from accel_fsdp.config.recipe import load_recipe
     from accel_fsdp.layout import RunLayout
-    from accel_fsdp.run.folder import Decision, decide, prepare
+    from accel_fsdp.run.folder import Decision, apply_decision, decide
 
     scratch = tmp_path / "scratch" / "ckpts"
     overrides = [f"checkpoint.dir={scratch}"] if where != "default" else []
@@ -92,14 +79,14 @@ def test_slurm_script_checkpoint_code_and_cli_agree_on_where_checkpoints_are(tmp
         def to_dict(self):
             return {}
 
-    identity = prepare(layout, recipe, Settings(), Decision.NEW)
+    identity = apply_decision(layout, recipe, Settings(), Decision.NEW)
     step_dir = fabricate_checkpoint(layout.checkpoints, 3, identity.run_id)
 
     assert RunLayout.at(run_dir).checkpoints == expected  # what readers build from run.json
     assert [c.path for c in list_checkpoints(RunLayout.at(run_dir).checkpoints)] == [step_dir]
     # --resume auto (what the requeued job runs) resumes from it ...
     assert decide(RunLayout.of(recipe, run_dir), recipe, resume="auto") == Decision.RESUME
-    assert checkpoint_to_resume(layout.checkpoints, None).path == step_dir
+    assert checkpoint_to_resume(layout.checkpoints, None).checkpoint.path == step_dir
     # ... and `checkpoint inspect RUN_DIR` finds it at the same place.
     result = CliRunner().invoke(main, ["checkpoint", "inspect", str(run_dir), "--json"])
     assert result.exit_code == 0, result.output

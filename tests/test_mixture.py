@@ -11,12 +11,11 @@ import sys
 import pytest
 import yaml
 from click.testing import CliRunner
-from conftest import REPO, read_metrics, run_cli, tiny_recipe, write_jsonl
+from conftest import REPO, TRACE_UNITS, read_metrics, run_cli, tiny_recipe, units_by_step, write_jsonl
 
 from accel_fsdp.cli import main
 from accel_fsdp.config.shipped import shipped_recipes
 
-TRACE = {"ACCEL_FSDP_TRACE_ROWS": "1"}
 MIX = {"sources": [{"name": "stories", "path": "builtin:quickstart", "weight": 0.7},
                    {"name": "questions", "path": "builtin:quickstart-instruct", "format": "instruction",
                     "weight": 0.3}],
@@ -65,8 +64,8 @@ def test_a_bad_row_of_one_source_names_its_file_line_and_key(tmp_path, tiny_gpt2
     recipe = mix_recipe(tmp_path, tiny_gpt2,
                         data={"sources": MIX["sources"] + [{"path": str(chat), "format": "chat", "weight": 0.1}]})
     msg = user_error("recipe", "validate", recipe)
-    assert "data.messages_field: " in msg and "chat.jsonl line 1: has no field 'messages' (its fields: conversation)" \
-        in msg
+    assert ("data.messages_field: " in msg
+            and "chat.jsonl line 1: has no field 'messages' (its fields: conversation)" in msg)
 
 
 # ------------------------------------------------------------------------------------ prepare and show
@@ -175,31 +174,22 @@ def test_eval_loss_weights_each_source_by_its_share_of_what_the_training_loss_av
     assert loss == pytest.approx(3.0 * expected["short"] + 2.0 * expected["long"], rel=1e-12)
 
 
-def rows_by_step(run) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for f in sorted((run / "trace").glob("rows-rank*.jsonl")):
-        for line in f.read_text().splitlines():
-            row = json.loads(line)
-            out.setdefault(row["step"], []).extend(row["rows"])
-    return {s: sorted(r) for s, r in out.items()}
-
-
 @pytest.mark.multiprocess
 def test_a_mixture_resumes_exactly_from_two_ranks_to_one_and_refuses_a_changed_mixture(tmp_path, tiny_gpt2):
     recipe = mix_recipe(tmp_path, tiny_gpt2, training={"max_steps": 8, "micro_batch_size": 2, "global_batch_size": 8,
                                                        "mixed_precision": "fp32"},
                         checkpoint={"every_steps": 4, "keep_last": None})
     two = tmp_path / "two"
-    run_cli("recipe", "run", recipe, "--output-dir", two, env=TRACE, check=0)
+    run_cli("recipe", "run", recipe, "--output-dir", two, env=TRACE_UNITS, check=0)
     state = json.loads((two / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
     assert state["data"]["step"] == 4 and len(state["data"]["units"]) == 2 and sum(state["data"]["units"]) == 32
     one = tmp_path / "one"
     proc = run_cli("recipe", "run", recipe, "--output-dir", one, "--resume-from", two / "checkpoints" / "step-000004",
-                   "--accelerate-config", "fsdp_1gpu", "--cpu", "--set", "training.micro_batch_size=8", env=TRACE,
+                   "--accelerate-config", "fsdp_1gpu", "--cpu", "--set", "training.micro_batch_size=8", env=TRACE_UNITS,
                    check=0)
     assert "at step 4" in proc.stdout
-    expected = {s: rows for s, rows in rows_by_step(two).items() if s > 4}
-    assert rows_by_step(one) == expected and sorted(expected) == [5, 6, 7, 8]
+    expected = {s: units for s, units in units_by_step(two).items() if s > 4}
+    assert units_by_step(one) == expected and sorted(expected) == [5, 6, 7, 8]
     tokens = {r["step"]: r["source_tokens"] for r in read_metrics(two) if r["kind"] == "train"}
     assert all(tokens[r["step"]] == r["source_tokens"] for r in read_metrics(one) if r["kind"] == "train")
     changed = run_cli("recipe", "run", recipe, "--output-dir", tmp_path / "changed", "--resume-from",

@@ -198,8 +198,8 @@ def test_slurm_script_runs_and_resumes_when_requeued(tmp_path, tiny_gpt2, storie
     requeued = subprocess.run(["bash", str(script)], env=dict(env, SLURM_RESTART_COUNT="1"), capture_output=True,
                               text=True, timeout=600)
     assert requeued.returncode == 0, requeued.stderr[-3000:]
-    assert "(restart 1)" in requeued.stdout and "continuing from" in requeued.stdout and "at step 3" in \
-        requeued.stdout
+    assert ("(restart 1)" in requeued.stdout and "continuing from" in requeued.stdout
+            and "at step 3" in requeued.stdout)
     assert "sample: 'alice has a' -> " in requeued.stdout
     assert (run / "final" / "model.safetensors").exists() and not requeues.exists()
     assert {p: p.stat().st_mtime_ns for p in kept if p.exists()} == kept  # step 3 untouched (kept by rotation: 2)

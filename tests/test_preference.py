@@ -300,8 +300,8 @@ def test_report_draws_the_margin_and_accuracy_beside_the_loss(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     result = CliRunner().invoke(main, ["report", str(run)])
     assert result.exit_code == 0, result.output
-    assert "reward margin 1.6000, accuracy 1.000 at the end (train); held out: margin 1.5000, accuracy 0.950" \
-        in result.output and "perplexity" not in result.output
+    assert ("reward margin 1.6000, accuracy 1.000 at the end (train); held out: margin 1.5000, accuracy 0.950"
+            in result.output and "perplexity" not in result.output)
     from PIL import Image
 
     assert Image.open(run / "loss_curve.png").size[0] > 2 * Image.open(run / "loss_curve.png").size[1]  # 3 panels

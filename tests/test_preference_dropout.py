@@ -9,7 +9,7 @@ import math
 import pytest
 from conftest import LOGIT_PATH, read_metrics, run_cli
 
-from accel_fsdp.tools.verify import ROUNDOFF, SIGMAS
+from accel_fsdp.tools.noise import ROUNDOFF, SIGMAS
 
 DROPOUT = ["--set", "model.config_overrides.resid_pdrop=0.1", "--set", "model.config_overrides.embd_pdrop=0.1",
            "--set", "model.config_overrides.attn_pdrop=0.1"]

@@ -98,6 +98,33 @@ def test_set_overrides_are_typed_and_checked():
     assert "--set training.lr: expected dotted.key=value" in msg
 
 
+MIXTURE = """
+model: {architecture: gpt2, tokenizer: builtin:quickstart}
+data:
+  sources:
+    - path: builtin:quickstart
+      weight: 1
+training: {micro_batch_size: 2, global_batch_size: 8, max_steps: 10}
+"""
+
+
+def test_a_list_of_sources_set_on_the_command_line_is_named_by_set_not_by_the_file():
+    msg = problems_of(MIXTURE, ["data.sources=[{path: builtin:quickstart, weight: 0}, {weight: 1}]"])
+    assert "--set data.sources.0.weight: 0.0 (source 'quickstart') must be positive" in msg
+    assert "--set data.sources.1: source 1 has no path" in msg
+    assert "r.yaml" not in msg.split("problems:")[1]
+    msg = problems_of(MIXTURE, ["data.sources=[{path: builtin:quickstart, weight: x}]"])
+    assert msg.startswith("--set data.sources.0.weight: expected a finite number, found 'x'")
+    msg = problems_of(MIXTURE, ["data.sources=[{path: builtin:quickstart, wieght: 1}]"])
+    assert msg.startswith("--set data.sources.0.wieght: unknown key")
+
+
+def test_a_section_set_as_a_mapping_names_set_for_the_keys_it_gives_and_the_file_for_the_others():
+    msg = problems_of(GOOD.replace("max_steps: 10", "max_steps: 0"), ["training={lr: -1}"])
+    assert "--set training.lr: -1.0 must be positive" in msg
+    assert "r.yaml:10: training.max_steps: 0 must be at least 1" in msg
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(UserError) as e:
         load_recipe(tmp_path / "nope.yaml")

@@ -35,7 +35,7 @@ def snapshot(folder: Path) -> dict[str, str]:
 def fake_run(folder: Path, run_id: str, *, recipe="quickstart", overrides=(), checkpoint_dir: Path | None = None,
              checkpoint_steps=(3,)) -> Path:
     """A run folder as accel-fsdp leaves it (identity, resolved recipe, owned checkpoint folder), without training."""
-    from accel_fsdp.checkpoint.store import FORMAT
+    from accel_fsdp.checkpoint.records import FORMAT
     from accel_fsdp.config.recipe import load_recipe
 
     r = load_recipe(shipped_recipes()[recipe], list(overrides))
@@ -100,7 +100,7 @@ def test_resume_auto_refuses_a_folder_of_another_run(tmp_path):
 def test_overwrite_never_deletes_a_checkpoint_folder_it_cannot_prove_is_the_replaced_runs(tmp_path):
     from accel_fsdp.config.recipe import load_recipe
     from accel_fsdp.layout import RunLayout
-    from accel_fsdp.run.folder import Decision, prepare
+    from accel_fsdp.run.folder import Decision, apply_decision
 
     recipe = load_recipe(shipped_recipes()["quickstart"], [f"checkpoint.dir={tmp_path / 'scratch'}"])
     run = fake_run(tmp_path / "run", "eeee", checkpoint_dir=tmp_path / "scratch")
@@ -119,7 +119,7 @@ def test_overwrite_never_deletes_a_checkpoint_folder_it_cannot_prove_is_the_repl
         def to_dict(self):
             return {}
 
-    identity = prepare(layout, recipe, Settings(), Decision.OVERWRITE)
+    identity = apply_decision(layout, recipe, Settings(), Decision.OVERWRITE)
     assert identity.run_id != "eeee"
     assert sorted(p.name for p in (tmp_path / "scratch").iterdir()) == [".accel-fsdp-run", "notes.txt"]
     assert json.loads((tmp_path / "scratch" / ".accel-fsdp-run").read_text())["run_id"] == identity.run_id
@@ -152,8 +152,8 @@ def test_a_second_start_on_a_live_run_names_the_holder(tmp_path):
     fd = hold_lock(run)
     try:
         msg = user_error("recipe", "run", "quickstart", "--output-dir", run, "--resume")
-        assert f"this run folder is in use by a live run (held by PID 4242 on {socket.gethostname()} since " \
-               "2026-11-22 10:00:00)" in msg
+        assert (f"this run folder is in use by a live run (held by PID 4242 on {socket.gethostname()} since "
+                "2026-11-22 10:00:00)" in msg)
         scratch = tmp_path / "scratch"
         fd2 = hold_lock(scratch)
         msg = user_error("recipe", "run", "quickstart", "--output-dir", tmp_path / "new",
@@ -215,8 +215,8 @@ def test_data_that_keeps_no_loss_token_is_refused_before_launch(tmp_path, tiny_g
     recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, data, data={"format": "instruction", "seq_len": 16,
                                                                      "eval_fraction": 0})
     msg = user_error("recipe", "run", recipe, "--output-dir", tmp_path / "run")
-    assert "no training example keeps a token that carries a loss (20 of 20 lost it to truncation at " \
-           "data.seq_len = 16" in msg and "raise data.seq_len" in msg
+    assert ("no training example keeps a token that carries a loss (20 of 20 lost it to truncation at "
+            "data.seq_len = 16" in msg and "raise data.seq_len" in msg)
     assert not (tmp_path / "run").exists()
 
 
@@ -226,8 +226,8 @@ def test_a_large_share_of_truncated_responses_is_warned_about(tmp_path, tiny_gpt
                                                                      "eval_fraction": 0})
     result = CliRunner().invoke(main, ["recipe", "validate", str(recipe)])
     assert result.exit_code == 0, result.output
-    assert "note: 50% of the training examples (10 of 20) lost all their loss-carrying tokens to truncation at " \
-           "data.seq_len = 16" in result.output
+    assert ("note: 50% of the training examples (10 of 20) lost all their loss-carrying tokens to truncation at "
+            "data.seq_len = 16" in result.output)
 
 
 # ----------------------------------------------------------------------------- no traceback, one message
@@ -323,8 +323,8 @@ def test_a_shipped_slurm_config_stays_consistent_with_validate(tmp_path):
     assert "checkpoints/step-" not in text  # no path guessed in bash: the CLI decides
     result = CliRunner().invoke(main, ["recipe", "validate", "gpt2-xl", "--accelerate-config", "fsdp_multinode",
                                        "--num-machines", "2", "--num-processes", "16"])
-    assert result.exit_code == 0 and "batch: global 64 = micro 4 x 16 processes x 1 accumulation steps" in \
-        result.output, result.output
+    assert result.exit_code == 0 and ("batch: global 64 = micro 4 x 16 processes x 1 accumulation steps"
+                                      in result.output), result.output
 
 
 # ------------------------------------------------------------- a corpus of bad inputs, one class per case
@@ -546,7 +546,7 @@ def test_a_moved_run_folder_uses_its_own_checkpoints(tmp_path):
 def test_a_newer_damaged_checkpoint_passed_over_is_named(tmp_path):
     """Given a run folder, consolidate and --resume take the newest complete checkpoint; a newer one that is damaged
     is said, not skipped in silence."""
-    from accel_fsdp.checkpoint.store import resolve_checkpoint, skipped_newer
+    from accel_fsdp.checkpoint.index import resolve_checkpoint, skipped_newer
 
     run = fake_run(tmp_path / "run", "hhhh", checkpoint_steps=(3, 6))
     manifest = run / "checkpoints" / "step-000006" / "manifest.json"

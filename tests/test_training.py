@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import REPO, assert_adam_runs_agree, load_weights, read_metrics, run_cli, tiny_recipe, write_jsonl
 
-from accel_fsdp.tools.verify import reordered
+from accel_fsdp.tools.noise import reordered
 
 pytestmark = pytest.mark.multiprocess
 

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from accel_fsdp.checkpoint.store import CheckpointInfo
+from accel_fsdp.checkpoint.index import CheckpointInfo
 from accel_fsdp.config.precision import PRECISIONS, TRANSFORMERS, compute_dtype
-from accel_fsdp.errors import Problem, UserError, read_json_object
+from accel_fsdp.errors import Problem, UserError, first_line, read_json_object
 from accel_fsdp.hardware import PeakMemory
 from accel_fsdp.layout import HF_DIR, MODEL_DIR, MODEL_FILE, RECIPE_FILE
 from accel_fsdp.model.build import meta_model
@@ -69,8 +69,7 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
         reader = _TensorSource(info)
         keys = _output_keys(info, reader, adapter)
     except (ValueError, KeyError, UnicodeDecodeError, OSError, RuntimeError) as e:  # damaged with its CRC updated
-        raise UserError(Problem(str(info.path), f"its metadata cannot be read ({type(e).__name__}: "
-                                f"{str(e).splitlines()[0][:160] if str(e) else ''})",
+        raise UserError(Problem(str(info.path), f"its metadata cannot be read ({first_line(e, 160, named=True)})",
                                 "use an earlier checkpoint (see `accel-fsdp checkpoint inspect` on the run)")) from None
     monitor = PeakMemory()  # from here on: reading and writing weights
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}")
@@ -94,8 +93,8 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
         os.rename(tmp, out_dir)
     except (ValueError, KeyError, UnicodeDecodeError) as e:  # a checkpoint file damaged with its checksum updated
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(Problem(str(info.path), f"a file of this checkpoint cannot be read ({type(e).__name__}: "
-                                f"{str(e).splitlines()[0][:160] if str(e) else ''})",
+        raise UserError(Problem(str(info.path), f"a file of this checkpoint cannot be read "
+                                f"({first_line(e, 160, named=True)})",
                                 "use an earlier checkpoint (see `accel-fsdp checkpoint inspect` on the run)")) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -243,8 +242,8 @@ def _write_shards(reader: _TensorSource, keys, folder: Path, prefix: str, dtype:
             used = 0
         groups[-1].append((k, n))
         used += b
-    names = [f"{prefix}.safetensors"] if len(groups) == 1 else \
-        [f"{prefix}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    names = ([f"{prefix}.safetensors"] if len(groups) == 1 else
+             [f"{prefix}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
     weight_map, total, largest = {}, 0, 0
     for group, fname in zip(groups, names):
         tensors = reader.read([k for k, _ in group])

@@ -131,6 +131,35 @@ class Manifest(_Record):
 
 
 @dataclass
+class LogWindow(_Record):
+    """The logging window that was open when a checkpoint was taken (train/observe.py): the optimizer steps since the
+    last train row and the sums its row will average, over all ranks. A resumed run's first row then averages the
+    same steps as an uninterrupted run's."""
+
+    steps: int = 0
+    """Optimizer steps in the window."""
+    loss: float = 0.0
+    """Sum of those steps' losses (each the mean over its global batch)."""
+    grad_norm: float = 0.0
+    """Sum of their gradient norms (before clipping)."""
+    sums: dict[str, float] = field(default_factory=dict)
+    """The window's sums of what the objective logs (a preference run's rewards and log-probs over its pairs; train/
+    methods `Objective.statistics` reads them); empty for sft."""
+
+    @classmethod
+    def from_dict(cls, data) -> LogWindow | None:
+        """The window a trainer state holds; None where it holds none, or one that is not ours (its steps are then
+        logged without it: the row averages fewer steps, nothing else changes)."""
+        if not isinstance(data, dict) or not _is_count(data.get("steps")) or not isinstance(data.get("sums"), dict):
+            return None
+        numbers = [data.get("loss"), data.get("grad_norm"), *data["sums"].values()]
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers):
+            return None
+        return cls(steps=data["steps"], loss=float(data["loss"]), grad_norm=float(data["grad_norm"]),
+                   sums={str(k): float(v) for k, v in data["sums"].items()})
+
+
+@dataclass
 class TrainerState(_Record):
     """trainer_state.json: where training stood when the checkpoint was taken (the model, optimizer and RNG states
     are in their own files)."""
@@ -155,6 +184,9 @@ class TrainerState(_Record):
     """Parameters the optimizer updates."""
     data: dict | None = None
     """Where each data source stands after `step` (data/sampler.py: units drawn from each, and what they cost)."""
+    log_window: LogWindow | None = None
+    """The logging window open at `step` (None: the checkpoint was taken right after a train row, or by an earlier
+    version)."""
     scheduler: dict | None = None
     """The learning-rate scheduler's state_dict (saved with the checkpoint, consumed by load_checkpoint)."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -169,8 +201,9 @@ class TrainerState(_Record):
             raise DamagedRecord(checkpoint, f"{TRAINER_STATE} is damaged (step {data.get('step')!r} is not a step "
                                 "number)")
         names = [f.name for f in fields(cls) if f.name != "extra"]
-        return cls(**{k: data[k] for k in names if k in data},
-                   extra={k: v for k, v in data.items() if k not in names})
+        known = {k: data[k] for k in names if k in data}
+        known["log_window"] = LogWindow.from_dict(data.get("log_window"))
+        return cls(**known, extra={k: v for k, v in data.items() if k not in names})
 
     @classmethod
     def read(cls, checkpoint: Path) -> TrainerState:
@@ -181,9 +214,12 @@ class TrainerState(_Record):
         return cls.from_dict(data, checkpoint=checkpoint)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON object: the known keys in field order (the scheduler last, as it was always written), then the
-        unknown ones."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("extra", "scheduler")}
+        """The JSON object: the known keys in field order (the log window only where one was open), then the unknown
+        ones, then the scheduler (last, as it was always written)."""
+        written_apart = ("extra", "scheduler", "log_window")
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in written_apart}
+        if self.log_window is not None:
+            out["log_window"] = self.log_window.to_dict()
         out.update(self.extra)
         if self.scheduler is not None:
             out["scheduler"] = self.scheduler

@@ -3,7 +3,7 @@
 Layout of `<run>/checkpoints/step-000200/`:
     manifest.json          step, world size, state-dict type, recipe hash, run id, every file with its size and
                            CRC-32 (computed at save time, split over the ranks; checked before a resume reads it)
-    trainer_state.json     step, epoch and position in the data, LR scheduler, tokens seen
+    trainer_state.json     step, epoch and position in the data, LR scheduler, tokens seen, the open logging window
     recipe.yaml            the resolved recipe; fsdp_settings.json the effective FSDP settings
     pytorch_model_fsdp_0/  model: torch.distributed.checkpoint shards (SHARDED_STATE_DICT; also readable by
                            `accelerate merge-weights`), or pytorch_model_fsdp.bin (FULL_STATE_DICT)
@@ -18,7 +18,8 @@ the temporary folder ignored (and removed by the next save). A folder without a 
 files do not match it, is never resumed from.
 
 The model and optimizer are saved with Accelerate's FSDP helpers (`save_fsdp_model`, `save_fsdp_optimizer`),
-which use torch.distributed.checkpoint; LoRA runs save only the adapter weights and their optimizer state.
+which use torch.distributed.checkpoint; LoRA runs save only the adapter weights and their optimizer state. Finding
+and judging checkpoints (complete or not, the newest complete one, the one to resume) is index.py's, without torch.
 """
 
 from __future__ import annotations
@@ -29,16 +30,15 @@ import os
 import random
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from accel_fsdp import __version__
+from accel_fsdp.checkpoint.index import CheckpointInfo, crc32_of, latest_complete, list_checkpoints
 from accel_fsdp.checkpoint.records import FORMAT, DamagedRecord, Manifest, TrainerState
-from accel_fsdp.config.recipe import incompatible_keys, read_saved_recipe
-from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.errors import Problem, UserError, first_line
 
 # A checkpoint's file names live with every other path of a run, in layout.py.
 from accel_fsdp.layout import (
@@ -51,10 +51,8 @@ from accel_fsdp.layout import (
     TMP_PREFIX,
     TRAINER_STATE,
     TRASH_PREFIX,
-    RunLayout,
     checkpoint_name,
     checkpoint_step,
-    existing_folder,
     rng_file,
 )
 
@@ -64,15 +62,15 @@ from accel_fsdp.layout import (
 
 
 def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, step: int,
-                    trainer_state: TrainerState | dict,
+                    trainer_state: TrainerState,
                     recipe, settings, tokenizer, lora: bool, keep_last: int | None, faults=None,
                     run_id: str | None = None) -> Path:
     """Write the checkpoint of optimizer step `step` atomically; rotate old ones. Collective: all ranks call it.
-    `trainer_state` is a TrainerState (a dict with its keys is accepted too); the scheduler's state is added here."""
-    from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
+    The scheduler's state is added to `trainer_state` here.
 
-    if not isinstance(trainer_state, TrainerState):
-        trainer_state = TrainerState.from_dict(trainer_state)
+    Long: the save is one protocol every rank walks through (temporary folder, shards, barrier, agreement on
+    failure, checksums, manifest, rename, barrier); split, its barriers would hide in helpers."""
+    from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
 
     name = checkpoint_name(step)
     final, tmp = root / name, root / f"{TMP_PREFIX}{name}"
@@ -147,16 +145,6 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, ste
     return final
 
 
-def crc32_of(path: Path, chunk: int = 1 << 22) -> str:
-    import zlib
-
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            crc = zlib.crc32(block, crc)
-    return f"{crc:08x}"
-
-
 def _checksums_over_ranks(accelerator, folder: Path, names: list[str]) -> dict[str, str]:
     """CRC-32 of every file, each rank hashing every world-size-th one (the files were just written: they are read
     back from the page cache). Collective."""
@@ -170,26 +158,6 @@ def _checksums_over_ranks(accelerator, folder: Path, names: list[str]) -> dict[s
     for part in gather_object([mine]):
         out.update(part)
     return out
-
-
-def verify_files(info: CheckpointInfo, accelerator=None) -> None:
-    """Compare every file of a checkpoint with the CRC-32 its manifest recorded; raise a UserError naming the damaged
-    file(s) before anything reads them. With an `accelerator` (collective), the ranks share the reading."""
-    sums = info.manifest.crc32
-    names = sorted(sums)
-    world = accelerator.num_processes if accelerator is not None else 1
-    rank = accelerator.process_index if accelerator is not None else 0
-    bad = [n for i, n in enumerate(names) if i % world == rank and crc32_of(info.path / n) != sums[n]]
-    if world > 1:
-        from accelerate.utils import gather_object
-
-        bad = sorted(n for part in gather_object([bad]) for n in part)
-    if bad:
-        earlier = [c for c in list_checkpoints(info.path.parent) if c.complete and (c.step or 0) < (info.step or 0)]
-        fix = (f"use the previous complete checkpoint, {earlier[-1].path}" if earlier else
-               "no earlier checkpoint is complete: restore the file, or start again")
-        raise UserError(Problem(str(info.path), f"{', '.join(bad[:5])}{' and more' if len(bad) > 5 else ''} "
-                                f"changed since it was saved (CRC-32 differs from the manifest's)", fix))
 
 
 _FULL_DISK_FIX = "free disk space (or set checkpoint.dir to a larger disk) and restart with --resume"
@@ -209,7 +177,7 @@ def _save_error_cause(error: BaseException, root: Path) -> tuple[str, str]:
             return f"{error.strerror} ({error.filename})", ("make checkpoint.dir writable again (or set it to a "
                                                              "writable folder) and restart with --resume")
         return error.strerror, _FULL_DISK_FIX
-    cause = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+    cause = first_line(error)
     free = _free_bytes(root)
     if free < LOW_DISK:
         cause = f"the disk is full ({free / 2**20:.1f} MiB free there; {cause})"
@@ -242,15 +210,21 @@ _ROTATIONS: list = []
 
 
 def rotate(root: Path, keep_last: int | None, *, background: bool = False) -> list[Path]:
-    """Delete all but the newest `keep_last` complete checkpoints. Returns what was removed.
+    """Delete all but the newest `keep_last` complete checkpoints, and the step folders older than the oldest one
+    kept that are not complete (damaged, or a save that lost its manifest: never resumable, so kept forever
+    otherwise). A step folder newer than that is left alone. Returns what was removed.
 
     Each one is first renamed to `.trash-step-N` (atomic: never again seen as a checkpoint), then deleted; with
     `background`, the deletion runs in a thread (`wait_for_rotations` joins it before the process ends)."""
     if not keep_last:
         return []
-    complete = [c for c in list_checkpoints(root) if c.complete]
+    checkpoints = list_checkpoints(root)
+    kept = {c.name for c in [c for c in checkpoints if c.complete][-keep_last:]}
+    oldest_kept = min((checkpoint_step(name) for name in kept), default=-1)
     trashed = []
-    for c in complete[:-keep_last]:
+    for c in checkpoints:
+        if c.name in kept or checkpoint_step(c.name) >= oldest_kept:
+            continue
         trash = c.path.with_name(TRASH_PREFIX + c.path.name)
         try:
             os.rename(c.path, trash)
@@ -342,150 +316,7 @@ def _jsonable(v):
     return str(v)
 
 
-# ---------------------------------------------------------------------------------------------- inspect
-
-
-@dataclass
-class CheckpointInfo:
-    path: Path
-    step: int | None
-    complete: bool
-    reason: str = ""
-    """Why it is not complete."""
-    manifest: Manifest | None = None
-    """Its manifest when one could be read (also for some incomplete ones: another format, a missing file)."""
-    @property
-    def name(self) -> str:
-        return self.path.name
-
-
-def inspect_checkpoint(path: Path, *, verify: bool = False) -> CheckpointInfo:
-    """Read the manifest and check every file it lists is there with its size; with `verify`, also its CRC-32."""
-    path = Path(path)
-    step = checkpoint_step(path.name)
-    manifest_path = path / MANIFEST
-    if path.name.startswith(".tmp-"):
-        return CheckpointInfo(path, step, False, "a save that never finished (temporary folder)")
-    if not manifest_path.is_file():
-        return CheckpointInfo(path, step, False, f"no {MANIFEST} (the save did not finish, or not a checkpoint)")
-    try:
-        manifest = Manifest.read(path)
-    except DamagedRecord as e:
-        return CheckpointInfo(path, step, False, e.reason)
-    if manifest.format != FORMAT:
-        return CheckpointInfo(path, step, False, f"unknown format {manifest.format!r}", manifest)
-    for rel, size in manifest.files.items():
-        f = path / rel
-        if not f.is_file():
-            return CheckpointInfo(path, manifest.step, False, f"{rel} is missing", manifest)
-        if f.stat().st_size != size:
-            return CheckpointInfo(path, manifest.step, False,
-                                  f"{rel} has {f.stat().st_size} bytes, the manifest says {size}", manifest)
-    if verify:
-        for rel, crc in manifest.crc32.items():
-            if crc32_of(path / rel) != crc:
-                return CheckpointInfo(path, manifest.step, False,
-                                      f"{rel} changed since it was saved (CRC-32 differs from the manifest's)",
-                                      manifest)
-    return CheckpointInfo(path, manifest.step, True, "", manifest)
-
-
-def list_checkpoints(root: Path) -> list[CheckpointInfo]:
-    """All step-* folders under `root`, oldest first, each checked."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    infos = [inspect_checkpoint(p) for p in root.iterdir() if p.is_dir() and checkpoint_step(p.name) is not None]
-    return sorted(infos, key=lambda c: c.step or -1)
-
-
-def latest_complete(root: Path) -> CheckpointInfo | None:
-    complete = [c for c in list_checkpoints(root) if c.complete]
-    return complete[-1] if complete else None
-
-
-def skipped_newer(info: CheckpointInfo) -> list[CheckpointInfo]:
-    """Checkpoints next to `info` that are newer but incomplete or damaged: passed over when a run folder was given,
-    which the user should hear about."""
-    return [c for c in list_checkpoints(info.path.parent) if c.name > info.name and not c.complete]
-
-
-def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint", verify: bool = False) -> CheckpointInfo:
-    """A checkpoint folder, or a run folder / checkpoints folder (its newest complete checkpoint)."""
-    p = existing_folder(path, what=what)
-    if checkpoint_step(p.name) is not None or p.name.startswith(TMP_PREFIX + STEP_PREFIX) or (p / MANIFEST).exists():
-        info = inspect_checkpoint(p, verify=verify)
-        if not info.complete:
-            raise UserError(Problem(str(p), f"incomplete or corrupt checkpoint: {info.reason}",
-                                    "use an earlier complete checkpoint (see `accel-fsdp checkpoint inspect` "
-                                    "on the run folder)"))
-        return info
-    for candidate in _checkpoint_folders_of(p):
-        found = latest_complete(candidate)
-        if found:
-            if verify:
-                verify_files(found)
-            return found
-    seen = [c for r in _checkpoint_folders_of(p) for c in list_checkpoints(r)]
-    detail = "; ".join(f"{c.name}: {c.reason}" for c in seen) or "no step-NNNNNN folders"
-    fix = ("every checkpoint here is damaged or incomplete: restore one, or train again" if seen else
-           "give a run folder that has saved checkpoints (checkpoint.every_steps, or a finished run)")
-    raise UserError(Problem(str(p), f"no complete checkpoint found ({detail})", fix))
-
-
-def _checkpoint_folders_of(path: Path) -> list[Path]:
-    """Where a run folder keeps its checkpoints (its run.json knows, also when checkpoint.dir moved them: see
-    RunLayout.at), then the folder itself (a checkpoint folder given directly)."""
-    return list(dict.fromkeys(p.resolve() for p in (RunLayout.at(path).checkpoints, Path(path))))
-
-
 # ------------------------------------------------------------------------------------------------- load
-
-
-def checkpoint_to_resume(root: Path, resume_from: str | None) -> CheckpointInfo:
-    """--resume-from PATH, or --resume: the newest complete checkpoint under the run's checkpoint folder."""
-    if resume_from:
-        return resolve_checkpoint(resume_from)
-    info = latest_complete(root)
-    if info is None:
-        skipped = [f"{c.name} ({c.reason})" for c in list_checkpoints(root)]
-        raise UserError(Problem(str(root), "--resume found no complete checkpoint" +
-                                (f"; incomplete: {', '.join(skipped)}" if skipped else ""),
-                                "drop --resume and add --overwrite to start over"))
-    return info
-
-
-def check_resume(info: CheckpointInfo, recipe, settings, total_steps: int | None = None) -> list[str]:
-    """Refuse a checkpoint of another model or an incompatible recipe, or one past the run's last step
-    (`total_steps`: the recipe's max_steps, or what its epochs come to; None when not known yet); return notes for
-    what changes safely."""
-    saved = read_saved_recipe(info.path / RECIPE_FILE, then=", so the recipe that made this checkpoint is unknown",
-                              fix="use another checkpoint")
-    diff = incompatible_keys(saved, recipe.to_dict())
-    if diff:
-        lines = [f"{k}: checkpoint has {old!r}, this run has {new!r}" for k, old, new in diff]
-        raise UserError(Problem(str(info.path), "was made by an incompatible recipe:\n      " + "\n      ".join(lines),
-                                "resume with the recipe that made it (the checkpoint keeps a copy in recipe.yaml), "
-                                "or start a new run (another --output-dir) and load the consolidated export as "
-                                "model.name_or_path"))
-    m = info.manifest
-    if total_steps is not None and m.step > total_steps:
-        key = "training.max_steps" if recipe.training.max_steps is not None else "training.epochs"
-        raise UserError(Problem(recipe.where(key), f"this run would end at step {total_steps:,}, before its "
-                                f"checkpoint {info.path.name} (step {m.step:,}): resuming cannot go back",
-                                f"set {key} to reach beyond step {m.step:,} to train on, or use the checkpoint as it "
-                                "is (accel-fsdp checkpoint consolidate); nothing was changed"))
-    notes = []
-    if m.fsdp_version != settings.fsdp_version.value:
-        raise UserError(Problem(str(info.path), f"was written with FSDP{m.fsdp_version}, this run uses "
-                                f"FSDP{settings.fsdp_version.value}; their optimizer states are not interchangeable",
-                                f"resume with an FSDP{m.fsdp_version} accelerate config, or consolidate it "
-                                "and start a new run from the export"))
-    if m.world_size != settings.num_processes.value:
-        notes.append(f"resharding from {m.world_size} to {settings.num_processes.value} ranks "
-                     f"({m.state_dict_type} allows it); the data order is unchanged, the dropout RNG of "
-                     "ranks without a saved state restarts from the seed")
-    return notes
 
 
 def load_checkpoint(accelerator, model, optimizer, scheduler, info: CheckpointInfo, *, lora: bool) -> TrainerState:
@@ -513,49 +344,3 @@ def load_checkpoint(accelerator, model, optimizer, scheduler, info: CheckpointIn
         _set_rng_state(torch.load(rng, weights_only=False))
     accelerator.wait_for_everyone()
     return state
-
-
-def describe(info: CheckpointInfo) -> dict[str, Any]:
-    """What `accel-fsdp checkpoint inspect` prints."""
-    m = info.manifest or Manifest(step=info.step, format=None)  # no (readable) manifest: only the folder's step
-    out = {"path": str(info.path), "complete": info.complete}
-    if not info.complete:
-        out["problem"] = info.reason
-    out.update({
-        "step": m.step, "epoch": m.epoch, "world_size": m.world_size, "state_dict_type": m.state_dict_type,
-        "fsdp_version": m.fsdp_version, "lora": m.lora, "parameters": m.parameters,
-        "trainable_parameters": m.trainable_parameters, "bytes": m.total_bytes, "files": len(m.files),
-        "created": m.created, "recipe_fingerprint": m.recipe_fingerprint,
-    })
-    recipe_file = info.path / RECIPE_FILE
-    if recipe_file.exists():
-        try:
-            r = read_saved_recipe(recipe_file)
-        except UserError:
-            out["recipe"] = {"name": f"({RECIPE_FILE} unreadable)", "model": None, "data": None,
-                             "global_batch_size": None, "max_steps": None, "lr": None}
-            return out
-        model = r.get("model", {})
-        t = r.get("training", {})
-        out["recipe"] = {"name": r.get("name"), "model": model.get("name_or_path") or model.get("architecture"),
-                         "data": r.get("data", {}).get("path"), "global_batch_size": t.get("global_batch_size"),
-                         "max_steps": t.get("max_steps"), "lr": t.get("lr")}
-    return out
-
-
-def format_description(d: dict[str, Any]) -> str:
-    status = "complete" if d["complete"] else f"INCOMPLETE: {d['problem']}"
-    lines = [f"{d['path']}: {status}"]
-    if d.get("step") is None or d.get("world_size") is None:  # no (readable) manifest: nothing more is known
-        return lines[0]
-    params = f"{d['parameters']:,}" if d.get("parameters") else "?"
-    lora = ", LoRA adapter" if d.get("lora") else ""
-    lines.append(f"  step {d['step']} (epoch {d.get('epoch')}), world size {d.get('world_size')}, "
-                 f"{d.get('state_dict_type')}, FSDP{d.get('fsdp_version')}{lora}")
-    lines.append(f"  parameters {params}, {d['bytes'] / (1 << 20):,.1f} MB in {d['files']} files, "
-                 f"created {d.get('created')}")
-    if "recipe" in d:
-        r = d["recipe"]
-        lines.append(f"  recipe {r['name']}: model {r['model']}, data {r['data']}, global batch "
-                     f"{r['global_batch_size']}, lr {r['lr']}, max_steps {r['max_steps']}")
-    return "\n".join(lines)

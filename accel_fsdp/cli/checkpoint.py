@@ -7,10 +7,19 @@ from pathlib import Path
 
 import click
 
+from accel_fsdp.checkpoint.index import (
+    CheckpointDescription,
+    checkpoint_folders_of,
+    describe,
+    inspect_checkpoint,
+    list_checkpoints,
+    resolve_checkpoint,
+    skipped_newer,
+)
 from accel_fsdp.config.precision import PRECISIONS
 from accel_fsdp.config.recipe import read_saved_recipe
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.layout import CHECKPOINT_PREFIXES, RECIPE_FILE
+from accel_fsdp.layout import CHECKPOINT_PREFIXES, MANIFEST, RECIPE_FILE
 from accel_fsdp.planning.memory import parse_bytes, size_problem
 
 # ------------------------------------------------------------------------------------------ checkpoint
@@ -39,7 +48,6 @@ def checkpoint_consolidate(checkpoint_or_run, out_dir, dtype, max_shard_size, me
     accel-fsdp checkpoint consolidate runs/x/checkpoints/step-000200 out/x --max-shard-size 500MB
     """
     from accel_fsdp.checkpoint.consolidate import consolidate
-    from accel_fsdp.checkpoint.store import resolve_checkpoint, skipped_newer
 
     if base_model and not merge:
         raise UserError(Problem("--base-model", "only applies to --merge (the base the adapter is merged into)",
@@ -75,15 +83,6 @@ def checkpoint_inspect(path: Path, as_json: bool) -> None:
     \b
     accel-fsdp checkpoint inspect runs/quickstart
     """
-    from accel_fsdp.checkpoint.store import (
-        MANIFEST,
-        _checkpoint_folders_of,
-        describe,
-        format_description,
-        inspect_checkpoint,
-        list_checkpoints,
-    )
-
     if not path.exists():
         raise UserError(Problem(str(path), "does not exist", "give a checkpoint or run folder"))
     if not path.is_dir():
@@ -92,7 +91,7 @@ def checkpoint_inspect(path: Path, as_json: bool) -> None:
     if (path / MANIFEST).exists() or path.name.startswith(CHECKPOINT_PREFIXES[:2]):
         infos = [inspect_checkpoint(path, verify=True)]
     else:
-        folders = _checkpoint_folders_of(path)  # the run's own checkpoint folder first (RunLayout.at)
+        folders = checkpoint_folders_of(path)  # the run's own checkpoint folder first (RunLayout.at)
         folder = next((f for f in folders if list_checkpoints(f)), folders[0])
         infos = [inspect_checkpoint(c.path, verify=True) for c in list_checkpoints(folder)]
         infos += [inspect_checkpoint(p) for p in sorted(folder.glob(f"{CHECKPOINT_PREFIXES[1]}*"))]
@@ -100,6 +99,31 @@ def checkpoint_inspect(path: Path, as_json: bool) -> None:
         raise UserError(Problem(str(path), "holds no checkpoints", "give a run folder or a step-NNNNNN folder"))
     described = [describe(i) for i in infos]
     if as_json:
-        click.echo(json.dumps(described if len(described) > 1 else described[0], indent=1))
+        records = [d.to_dict() for d in described]
+        click.echo(json.dumps(records if len(records) > 1 else records[0], indent=1))
         return
     click.echo("\n".join(format_description(d) for d in described))
+
+
+def format_description(d: CheckpointDescription) -> str:
+    """The text `checkpoint inspect` prints for one checkpoint."""
+    status = "complete" if d.complete else f"INCOMPLETE: {d.problem}"
+    lines = [f"{d.path}: {status}"]
+    if d.step is None or d.world_size is None:  # no (readable) manifest: nothing more is known
+        return lines[0]
+    params = f"{d.parameters:,}" if d.parameters else "?"
+    lora = ", LoRA adapter" if d.lora else ""
+    lines.append(f"  step {d.step} (epoch {d.epoch}), world size {d.world_size}, {d.state_dict_type}, "
+                 f"FSDP{d.fsdp_version}{lora}")
+    lines.append(f"  parameters {params}, {d.bytes / (1 << 20):,.1f} MB in {d.files} files, created {d.created}")
+    r = d.recipe
+    if r is not None:
+        if len(r.sources) > 1:
+            data = f"a mixture of {len(r.sources)} sources"
+        else:
+            data = r.sources[0].path if r.sources else None
+        lines.append(f"  recipe {r.name}: model {r.model}, data {data}, global batch {r.global_batch_size}, "
+                     f"lr {r.lr}, max_steps {r.max_steps}")
+        if len(r.sources) > 1:
+            lines += [f"    {s.name:<16} {s.share:.2f} of the mixture: {s.path}" for s in r.sources]
+    return "\n".join(lines)

@@ -132,9 +132,9 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
 
     script = script or Path(f"{r.name}.sbatch")
     if script.is_dir() or not script.parent.is_dir():
-        where = "is a folder" if script.is_dir() else \
-            (f"is under {script.parent}, which is a file" if script.parent.exists()
-             else "is in a folder that does not exist")
+        where = ("is a folder" if script.is_dir() else
+                 f"is under {script.parent}, which is a file" if script.parent.exists() else
+                 "is in a folder that does not exist")
         raise UserError(Problem(str(script), where, "give the path of the script file to write (-o job.sbatch)"))
     if script.exists():
         try:

@@ -190,6 +190,9 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     accelerate launch --config_file accelerate_configs/fsdp_2gpu.yaml -m accel_fsdp recipe run gpt2-xl
     accel-fsdp recipe run quickstart --resume
     accel-fsdp recipe run llama-3.1-8b --dry-run --accelerate-config llama_fsdp_8gpu --gpu-memory 80GB
+    \f
+    Long because it is the one place where a start's branches meet (inside a rank, a dry run, the launch with its
+    machine options and preflight); each branch calls one function.
     """
     os.environ.setdefault(START_ENV, repr(time.time()))  # the ranks measure time to first step from here
 
@@ -228,8 +231,8 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     # Only the main machine looks at the (shared) run folder: the others would race with its ranks writing there.
     report = preflight(r, config, num_processes=n, run_dir=run_dir if main_machine else None, resume=resume,
                        resume_from=resume_from, overwrite=overwrite, check_hub=True, cpu_option=True)
-    where = f" ({report.num_processes // machines} on this machine, machine_rank {rank} of {machines})" \
-        if machines > 1 else ""
+    where = (f" ({report.num_processes // machines} on this machine, machine_rank {rank} of {machines})"
+             if machines > 1 else "")
     click.echo(f"accel-fsdp: launching {report.num_processes} process(es){where} with {config.label}"
                + ("" if why == "given" else f" ({why})"), err=True)
     for note in report.notes:

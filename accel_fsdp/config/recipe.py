@@ -4,7 +4,8 @@ A recipe has seven sections (`model`, `data`, `training`, `preference`, `fsdp`, 
 metadata keys (`name`, `description`, `output_dir`). Loading rejects unknown keys, checks types and ranges, and reports
 *all* problems at once, each with its file, line, dotted key, value and fix. `--set dotted.key=value`
 overrides are parsed as YAML scalars (so `true`, `3`, `1e-4`, `[q_proj, v_proj]` get their types) and
-checked exactly like the file.
+checked exactly like the file. The schema is here; binding YAML data to it (types, unknown keys, overrides) is
+binder.py's, and the ranges of its keys and their relations recipe_checks.py's.
 
 What depends on the machine (number of processes, the model's context length, the data file) is checked
 later, in `preflight.py`; this module must never touch the hub, the disk beyond the recipe file, or torch.
@@ -12,17 +13,9 @@ later, in `preflight.py`; this module must never touch the hub, the disk beyond 
 
 from __future__ import annotations
 
-import ast
-import copy
 import dataclasses
-import difflib
 import hashlib
-import inspect
 import json
-import math
-import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -30,13 +23,13 @@ from typing import Any, Literal
 import yaml
 
 from accel_fsdp.config.accelerate import STRATEGIES
-from accel_fsdp.config.methods import METHODS, NAMES, PAIR_METHODS, method_problems
+from accel_fsdp.config.binder import apply_override, bind, flatten, schema_keys, to_plain, yaml_key
+from accel_fsdp.config.recipe_checks import check_recipe
+from accel_fsdp.config.methods import METHODS, NAMES
 from accel_fsdp.config.yaml_file import load_yaml
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.layout import CHECKPOINTS_DIR
 
-TRACKERS = ("tensorboard", "wandb")
-ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
 @dataclass(kw_only=True)
@@ -100,8 +93,8 @@ class SourceConfig:
     path: str | None = None
     """Local .jsonl/.json/.csv/.parquet/.txt file, a hub dataset (owner/name or hub:name), or builtin:NAME."""
     weight: float = 1.0
-    """Share of the mixture: of the loss-carrying tokens (data.mix_by: tokens) or of the sequences (rows). Weights
-    are relative: they are divided by their sum."""
+    """Share of the mixture: of the loss-carrying tokens (data.mix_by: tokens) or of the training units (rows:
+    sequences, or preference pairs). Weights are relative: they are divided by their sum."""
     format: Literal[FORMATS] | None = None
     """text, instruction, chat or preference (see data.format)."""
     text_field: str | None = None
@@ -140,7 +133,7 @@ class DataConfig:
     (the keys below serve as their defaults). Exclusive with data.path."""
     mix_by: Literal[MIX_BY] = "tokens"
     """What the weights of data.sources share out: tokens (loss-carrying tokens of each optimizer step) or rows
-    (sequences)."""
+    (training units: sequences, or preference pairs)."""
     format: Literal[FORMATS] = "text"
     """text: language modelling on text_field; instruction: alpaca rows, loss on the response only;
     chat: a list of messages rendered with the tokenizer's chat template, loss on assistant turns only;
@@ -212,7 +205,7 @@ class TrainingConfig:
     micro_batch_size: int = 1
     """Training sequences (preference pairs) per rank per micro-step (forward + backward)."""
     global_batch_size: int = 8
-    """Training sequences (examples, or packed rows of up to seq_len tokens; preference pairs) per optimizer step
+    """Training sequences (examples, or packed sequences of up to seq_len tokens; preference pairs) per optimizer step
     over all ranks. Gradient accumulation steps are derived: global_batch_size / (micro_batch_size x processes),
     which must be a whole number."""
     max_steps: int | None = None
@@ -306,7 +299,7 @@ class FsdpConfig:
     defers the reduction to the last micro-step of an optimizer step: less communication, but between micro-steps
     every rank holds the unsharded fp32 gradients of the whole model (on the GPU even with CPU offload): only for
     models small enough that this fits."""
-    collective_timeout_minutes: float = 60
+    collective_timeout_minutes: float = 60.0
     """How long a collective (all-gather, barrier, broadcast) may wait before the run fails, naming the rank that
     stopped making progress. Generous, because the first run tokenizes the data on one rank while the others wait,
     and large checkpoints take time. Fractions allowed (0.5 is 30 s)."""
@@ -371,7 +364,7 @@ class Recipe:
     lines: dict[str, int] = field(default_factory=dict, repr=False, compare=False, metadata={"internal": True})
 
     def to_dict(self) -> dict[str, Any]:
-        return {_yaml_key(f): _to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)
+        return {yaml_key(f): to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)
                 if not f.metadata.get("internal")}
 
     def to_yaml(self) -> str:
@@ -382,9 +375,14 @@ class Recipe:
         blob = json.dumps(flatten(self.to_dict()), sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
+    def is_overridden(self, key: str) -> bool:
+        """The value of `key` came from `--set`: the key, or a key above it (`--set data.sources=[...]` sets
+        data.sources.0.path), was set on the command line."""
+        return any(key == set_key or key.startswith(set_key + ".") for set_key in self.overridden)
+
     def where(self, key: str) -> str:
         """`file:line: key` (or `--set key`) for messages about one key."""
-        if key in self.overridden:
+        if self.is_overridden(key):
             return f"--set {key}"
         if not self.source:
             return key
@@ -459,13 +457,10 @@ def recipe_from_text(text: str, *, source: str, overrides=(), default_name: str 
     problems: list[Problem] = list(duplicates)
     overridden = []
     for item in overrides:
-        key = _apply_override(raw, item, problems)
-        if key:
-            overridden.append(key)
-            lines.pop(key, None)
+        overridden += apply_override(raw, item, problems, Recipe)
 
     located = Recipe(source=source, overridden=tuple(overridden), lines=lines)
-    recipe = _build(Recipe, raw, "", located.where, problems)
+    recipe = bind(Recipe, raw, "", located.where, problems)
     recipe.source, recipe.overridden, recipe.lines = source, tuple(overridden), lines
     if not recipe.name:
         recipe.name = default_name
@@ -482,473 +477,10 @@ def recipe_from_text(text: str, *, source: str, overrides=(), default_name: str 
     return recipe
 
 
-def _apply_override(raw: dict, item: str, problems: list[Problem]) -> str | None:
-    if "=" not in item:
-        problems.append(Problem(f"--set {item}", "expected dotted.key=value", "e.g. --set training.lr=3e-4"))
-        return None
-    key, _, value_text = item.partition("=")
-    key = key.strip()
-    try:
-        value = yaml.safe_load(value_text) if value_text.strip() else ""
-    except yaml.YAMLError:
-        value = value_text
-    # The key must name a field of the schema; the value is type-checked with everything else.
-    cls: Any = Recipe
-    parts = key.split(".")
-    for i, part in enumerate(parts):
-        if _section_list(cls) is not None:  # data.sources.1.weight: an entry of a list of sections, by index
-            entries = _lookup(raw, parts[:i])
-            count = len(entries) if isinstance(entries, list) else 0
-            if not part.isdigit() or int(part) >= count:
-                problems.append(Problem(f"--set {key}", f"{'.'.join(parts[:i])} has no entry {part!r} "
-                                        f"({count} entr{'y' if count == 1 else 'ies'}, numbered from 0)",
-                                        f"use an index below {count}, or set the whole list" if count else
-                                        f"set the whole list: --set {'.'.join(parts[:i])}=[...]"))
-                return None
-            cls = _section_list(cls)
-            continue
-        hints = _hints(cls) if _is_dataclass_type(cls) else None
-        if hints is None or part not in hints or _is_internal(cls, part):
-            if cls is dict or (hints is None and _origin(cls) is dict):
-                break  # free-form mapping such as model.config_overrides.n_layer
-            known = [k for k in (hints or {}) if not _is_internal(cls, k)] if hints else []
-            close = difflib.get_close_matches(part, known, n=1)
-            prefix = ".".join(parts[:i])
-            if not known:
-                problems.append(Problem(f"--set {key}", f"{prefix} is a value, not a section with keys",
-                                        f"--set {prefix}=VALUE"))
-                return None
-            fix = f"did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else \
-                f"known keys{' of ' + prefix if prefix else ''}: {', '.join(known)}"
-            problems.append(Problem(f"--set {key}", "unknown key", fix))
-            return None
-        cls = _strip_optional(hints[part])
-    node = raw
-    for part in parts[:-1]:
-        if isinstance(node, list):
-            node = node[int(part)]
-            continue
-        if not isinstance(node.get(part), (dict, list)):
-            node[part] = {}
-        node = node[part]
-    if isinstance(node, list):
-        node[int(parts[-1])] = value
-    elif isinstance(value, dict) and isinstance(node.get(parts[-1]), dict) and _is_dataclass_type(cls):
-        node[parts[-1]] = _merged(node[parts[-1]], value)  # --set training={lr: 1e-5} sets lr, keeps the rest
-    else:
-        node[parts[-1]] = value
-    return key
-
-
-def _merged(base: dict, update: dict) -> dict:
-    """`update` laid over `base`, mapping within mapping (a section given as a mapping changes the keys it names)."""
-    out = dict(base)
-    for k, v in update.items():
-        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def _lookup(raw: Any, parts: list[str]) -> Any:
-    """The value at a dotted path of the raw YAML data (list entries by index), or None."""
-    node = raw
-    for part in parts:
-        if isinstance(node, dict):
-            node = node.get(part)
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
-
-
-def _build(cls, raw: Any, prefix: str, where, problems: list[Problem]):
-    if not isinstance(raw, dict):
-        problems.append(Problem(where(prefix.rstrip(".")) if prefix else "recipe",
-                                f"expected a mapping of keys, found {_show(raw)}",
-                                f"write `{prefix.rstrip('.')}:` followed by indented keys"))
-        return cls()
-    hints = _hints(cls)
-    known = [k for k in hints if not _is_internal(cls, k)]
-    kwargs = {}
-    for key, value in raw.items():
-        dotted = f"{prefix}{key}"
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            fix = f"did you mean {prefix}{close[0]}?" if close else \
-                f"known keys{' in ' + prefix.rstrip('.') if prefix else ''}: {', '.join(known)}"
-            problems.append(Problem(where(dotted), "unknown key", fix))
-            continue
-        typ = hints[key]
-        if _is_dataclass_type(_strip_optional(typ)):
-            kwargs[key] = _build(_strip_optional(typ), {} if value is None else value, dotted + ".", where, problems)
-            continue
-        item = _section_list(typ)
-        if item is not None:
-            if not isinstance(value, list):
-                problems.append(Problem(where(dotted), f"expected a list of {item.__name__.removesuffix('Config')} "
-                                        f"entries, found {_show(value)}",
-                                        f"write `{key}:` followed by `- path: ...` entries"))
-                continue
-            kwargs[key] = [_build(item, entry, f"{dotted}.{i}.", where, problems) for i, entry in enumerate(value)]
-            continue
-        ok, converted, expected = _check_type(value, typ)
-        if not ok:
-            problems.append(Problem(where(dotted), f"expected {expected}, found {_show(value)}",
-                                    f"set {dotted} to {expected}"))
-            continue
-        kwargs[key] = converted
-    return _construct(cls, kwargs)
-
-
-MAX_STEPS = 10**9
-"""More optimizer steps than any run takes (a billion steps of a second each are 32 years): a larger max_steps is
-a typo, or an exponent where a count was meant."""
-
-
-def check_recipe(r: Recipe) -> list[Problem]:
-    """Ranges and relations between keys that need no machine to check."""
-    p: list[Problem] = []
-    where = r.where
-
-    def need(cond: bool, key: str, msg: str, fix: str) -> None:
-        if not cond:
-            p.append(Problem(where(key), msg, fix))
-
-    m, d, t, c, lg = r.model, r.data, r.training, r.checkpoint, r.logging
-    need(not r.name or (re.fullmatch(r"[^/\\\x00-\x1f]+", r.name) is not None and not r.name.startswith(".")), "name",
-         f"{r.name!r} cannot be a folder name (runs/<name>): it has a slash, a control character or a leading dot",
-         "use letters, digits, '-', '_' (and '.' after the first character)")
-    need(bool(m.name_or_path) != bool(m.architecture), "model.name_or_path",
-         f"set exactly one of model.name_or_path ({m.name_or_path!r}) and model.architecture ({m.architecture!r})",
-         "name_or_path loads pretrained weights; architecture builds the model from scratch")
-    if m.tokenizer and m.tokenizer.startswith("bpe:"):
-        n = m.tokenizer.removeprefix("bpe:")
-        need(n.isdigit() and 300 <= int(n) <= 1_000_000, "model.tokenizer", f"{m.tokenizer!r}: bpe:N needs a "
-             "vocabulary size N between 300 and 1,000,000", "e.g. bpe:8192 (byte-level BPE trained on data.path)")
-    attn = m.attn_implementation
-    need(attn is None or attn in ATTENTION_KERNELS or "/" in attn, "model.attn_implementation",
-         f"{attn!r} is not an attention kernel", f"use one of {', '.join(ATTENTION_KERNELS)} (or a hub kernel such as "
-         "kernels-community/flash-attn)")
-    p += source_problems(r)
-    need(d.seq_len >= 8, "data.seq_len", f"{d.seq_len} is too short", "use at least 8 (typical: 512 to 4096)")
-    need(0 <= d.eval_fraction < 0.5, "data.eval_fraction", f"{d.eval_fraction} is outside [0, 0.5)",
-         "hold out a small share such as 0.05, or 0 for no evaluation")
-    need(d.max_rows is None or d.max_rows > 0, "data.max_rows", f"{d.max_rows} must be positive", "or null for all")
-    need(d.num_proc is None or d.num_proc >= 1, "data.num_proc", f"{d.num_proc} must be at least 1", "or null")
-    need(t.micro_batch_size >= 1, "training.micro_batch_size", f"{t.micro_batch_size} must be at least 1",
-         "rows per rank per micro-step, e.g. 1 to 16")
-    need(t.global_batch_size >= 1, "training.global_batch_size", f"{t.global_batch_size} must be at least 1",
-         "rows per optimizer step over all ranks")
-    if t.micro_batch_size >= 1 and t.global_batch_size >= 1:
-        need(t.splits_evenly(1), "training.global_batch_size",
-             f"{t.global_batch_size} is not a multiple of training.micro_batch_size = {t.micro_batch_size}",
-             f"use a global batch that is a multiple of micro_batch_size x processes (e.g. "
-             f"{_round_up(t.global_batch_size, t.micro_batch_size)}), or a smaller micro batch")
-    if t.max_steps is not None and t.epochs is not None:
-        p.append(Problem(where("training.max_steps"), f"both max_steps ({t.max_steps}) and epochs ({t.epochs}) are set",
-                         "keep one of them (on the command line: --set training.max_steps=null)"))
-    need(t.max_steps is None or t.max_steps >= 1, "training.max_steps", f"{t.max_steps} must be at least 1", "or null")
-    need(t.max_steps is None or t.max_steps <= MAX_STEPS, "training.max_steps", f"{t.max_steps or 0:,} steps would "
-         f"outlast any machine (at most {MAX_STEPS:,})", "give the number of optimizer steps to run, or use "
-         "training.epochs")
-    need(t.epochs is None or t.epochs > 0, "training.epochs", f"{t.epochs} must be positive", "e.g. 1 or 0.5")
-    need(t.lr > 0, "training.lr", f"{t.lr} must be positive", "typical: 1e-5 to 3e-4 for fine-tuning")
-    need(0 <= t.min_lr_ratio <= 1, "training.min_lr_ratio", f"{t.min_lr_ratio} is outside [0, 1]", "e.g. 0.1")
-    need(t.warmup_steps >= 0, "training.warmup_steps", f"{t.warmup_steps} must be 0 or more", "e.g. 100")
-    if t.max_steps is not None and t.max_steps >= 1 and t.warmup_steps > t.max_steps:
-        p.append(Problem(where("training.warmup_steps"),
-                         f"{t.warmup_steps} warm-up steps exceed training.max_steps = {t.max_steps}",
-                         "use fewer warm-up steps than training steps"))
-    need(t.weight_decay >= 0, "training.weight_decay", f"{t.weight_decay} must be 0 or more", "e.g. 0.1")
-    need(0 <= t.adam_beta1 < 1, "training.adam_beta1", f"{t.adam_beta1} is outside [0, 1)", "e.g. 0.9")
-    need(0 <= t.adam_beta2 < 1, "training.adam_beta2", f"{t.adam_beta2} is outside [0, 1)", "e.g. 0.95")
-    need(t.adam_eps > 0, "training.adam_eps", f"{t.adam_eps} must be positive", "e.g. 1e-8")
-    need(t.max_grad_norm is None or t.max_grad_norm > 0, "training.max_grad_norm",
-         f"{t.max_grad_norm} must be positive", "e.g. 1.0, or null to disable clipping")
-    need(0 <= t.seed <= 2**32 - 1, "training.seed", f"{t.seed} is outside [0, 2**32 - 1]",
-         "use a non-negative integer below 4294967296 (NumPy's seed range)")
-    need(t.eval_every_steps is None or t.eval_every_steps >= 1, "training.eval_every_steps",
-         f"{t.eval_every_steps} must be at least 1", "or null to evaluate at the end only")
-    need(t.eval_max_batches is None or t.eval_max_batches >= 1, "training.eval_max_batches",
-         f"{t.eval_max_batches} must be at least 1", "or null for the whole held-out split")
-    need(c.every_steps is None or c.every_steps >= 1, "checkpoint.every_steps",
-         f"{c.every_steps} must be at least 1", "or null to save at the end only")
-    need(c.keep_last is None or c.keep_last >= 1, "checkpoint.keep_last", f"{c.keep_last} must be at least 1",
-         "or null to keep every checkpoint")
-    need(bool(c.dir), "checkpoint.dir", "is empty", "e.g. checkpoints")
-    pref = r.preference
-    need(pref.beta is None or pref.beta > 0, "preference.beta", f"{pref.beta} must be positive",
-         "DPO: 0.01 to 0.5 (default 0.1); SimPO: 2 to 10 (default 2.0)")
-    need(0 <= pref.label_smoothing < 0.5, "preference.label_smoothing", f"{pref.label_smoothing} is outside [0, 0.5)",
-         "0 trusts every pair; conservative DPO uses 0.1 to 0.3")
-    need(pref.gamma >= 0, "preference.gamma", f"{pref.gamma} must be 0 or more", "SimPO: about 0.5 x beta")
-    need(pref.lambda_ >= 0, "preference.lambda", f"{pref.lambda_} must be 0 or more", "ORPO: 0.05 to 1 (default 0.1)")
-    p += method_problems(r)
-    minutes = r.fsdp.collective_timeout_minutes
-    need(0.1 <= minutes <= 7 * 24 * 60, "fsdp.collective_timeout_minutes",
-         f"{int(minutes) if float(minutes).is_integer() else minutes} is outside [0.1, 10080]: 6 seconds to a "
-         "week", "e.g. 60")
-    need(lg.every_steps >= 1, "logging.every_steps", f"{lg.every_steps} must be at least 1", "e.g. 10")
-    need(1 <= lg.sample_max_new_tokens <= 4096, "logging.sample_max_new_tokens",
-         f"{lg.sample_max_new_tokens} is outside [1, 4096]", "e.g. 24")
-    for tracker in lg.trackers:
-        need(tracker in TRACKERS, "logging.trackers", f"unknown tracker {tracker!r}", f"use {', '.join(TRACKERS)}")
-    lora = m.lora
-    if lora.enabled:
-        need(lora.r >= 1, "model.lora.r", f"{lora.r} must be at least 1", "e.g. 8 or 16")
-        need(lora.alpha >= 1, "model.lora.alpha", f"{lora.alpha} must be at least 1", "commonly 2 x r")
-        need(0 <= lora.dropout < 1, "model.lora.dropout", f"{lora.dropout} is outside [0, 1)", "e.g. 0.05")
-        need(bool(lora.target_modules), "model.lora.target_modules", "is empty", "e.g. [q_proj, v_proj]")
-    return p
-
-
-def source_problems(r: Recipe) -> list[Problem]:
-    """data.path or data.sources, and each source: a path, a positive weight, a name of its own."""
-    d, where = r.data, r.where
-    if d.path and d.sources:
-        return [Problem(where("data.sources"), f"both data.path ({d.path!r}) and data.sources "
-                        f"({len(d.sources)} entries) are set", "keep data.path for one source, or move it into "
-                        "data.sources as an entry of the mixture")]
-    if not d.path and not d.sources:
-        return [Problem(where("data.path"), "no data given", "set data.path to a .jsonl/.json/.csv/.parquet/.txt "
-                        "file, hub:<dataset>, or builtin:quickstart (or data.sources for a mixture)")]
-    p: list[Problem] = []
-    resolved = d.resolved_sources()
-    for i, (entry, source) in enumerate(zip(d.sources or [None], resolved)):
-        key = f"data.sources.{i}" if entry is not None else "data"
-        label = f" (source {source.name!r})" if entry is not None else ""
-        if entry is not None and not entry.path:
-            p.append(Problem(where(key), f"source {i} has no path", "give each entry of data.sources a path"))
-        if not (source.weight > 0):
-            p.append(Problem(where(f"{key}.weight"), f"{source.weight}{label} must be positive",
-                             "weights are relative shares, e.g. 0.7 and 0.3 (a source you do not want: remove it)"))
-        if source.max_rows is not None and source.max_rows <= 0:
-            p.append(Problem(where(f"{key}.max_rows"), f"{source.max_rows}{label} must be positive", "or null for all"))
-        if source.format == "chat" and d.packing:
-            p.append(Problem(where("data.packing"), f"packing is not supported for chat data{label}",
-                             "set data.packing to false (chat sequences are padded)"))
-        method = r.training.method
-        fmt_key = f"{key}.format" if entry is not None and entry.format is not None else "data.format"
-        if METHODS[method].pairs and source.format != "preference":
-            p.append(Problem(where(fmt_key), f"{source.format}{label}: training.method {method} trains on preference "
-                             "pairs", "use data with a prompt, a chosen and a rejected answer (format: preference), "
-                             "or training.method: sft"))
-        if not METHODS[method].pairs and source.format == "preference":
-            p.append(Problem(where(fmt_key), f"preference pairs{label} need a preference method, and "
-                             f"training.method is {method}", f"set training.method to {', '.join(PAIR_METHODS[:-1])} "
-                             f"or {PAIR_METHODS[-1]} (or, to fine-tune "
-                             "on the chosen answers, make them instruction rows)"))
-        if source.format == "preference" and d.packing:
-            p.append(Problem(where("data.packing"), f"preference pairs{label} are not packed (a pair's two answers "
-                             "go through the model side by side)", "set data.packing to false, or leave it out"))
-    names = [s.name for s in resolved]
-    for name in sorted({n for n in names if names.count(n) > 1}):
-        numbers = [i for i, n in enumerate(names) if n == name]
-        p.append(Problem(where(f"data.sources.{numbers[1]}.name"), f"sources {', '.join(map(str, numbers))} are all "
-                         f"named {name!r}", "give each source a name of its own (name: ...)"))
-    return p
-
-
 # ------------------------------------------------------------------------------------------------ helpers
-
-
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Dotted keys of a recipe dict; entries of a list of sections by index (data.sources.1.weight)."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and k != "config_overrides":
-            out.update(flatten(v, key + "."))
-        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
-            out[f"{key}.count"] = len(v)
-            for i, entry in enumerate(v):
-                out.update(flatten(entry, f"{key}.{i}."))
-        else:
-            out[key] = v
-    return out
-
-
-def field_docs(cls) -> dict[str, str]:
-    """Attribute docstrings of a dataclass (the string literal under each field), for help texts."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
-                and isinstance(getattr(nxt, "value", None), ast.Constant) and isinstance(nxt.value.value, str):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
 
 
 def key_reference() -> list[tuple[str, str, str, str]]:
     """(dotted key, type, default, documentation) of every recipe key, in schema order."""
-    out = []
+    return schema_keys(Recipe)
 
-    def walk(cls, prefix):
-        docs = field_docs(cls)
-        defaults = cls()
-        for f in dataclasses.fields(cls):
-            if f.metadata.get("internal"):
-                continue
-            key = _yaml_key(f)
-            typ = _hints(cls)[key]
-            if _is_dataclass_type(_strip_optional(typ)):
-                walk(_strip_optional(typ), f"{prefix}{key}.")
-            elif _section_list(typ) is not None:
-                out.append((f"{prefix}{key}", "list", "[]", docs.get(f.name, "")))
-                walk(_section_list(typ), f"{prefix}{key}[].")
-            else:
-                default = yaml.safe_dump(_to_plain(getattr(defaults, f.name)), default_flow_style=True).strip()
-                default = default.removesuffix("...").strip()
-                out.append((f"{prefix}{key}", _type_name(typ), default, docs.get(f.name, "")))
-
-    walk(Recipe, "")
-    return out
-
-
-def _type_name(typ) -> str:
-    origin = _origin(typ)
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(typ))
-    if origin is Literal:
-        return " | ".join(str(a) for a in typing.get_args(typ))
-    if origin is list:
-        return f"list[{_type_name(typing.get_args(typ)[0])}]"
-    if origin is dict:
-        return "mapping"
-    return "null" if typ is type(None) else getattr(typ, "__name__", str(typ))
-
-
-def _to_plain(v: Any) -> Any:
-    if dataclasses.is_dataclass(v):
-        return {_yaml_key(f): _to_plain(getattr(v, f.name)) for f in dataclasses.fields(v)
-                if not f.metadata.get("internal")}
-    if isinstance(v, (list, tuple)):
-        return [_to_plain(x) for x in v]
-    if isinstance(v, dict):
-        return {k: _to_plain(x) for k, x in v.items()}
-    return copy.deepcopy(v)
-
-
-def _round_up(x: int, m: int) -> int:
-    return ((x + m - 1) // m) * m
-
-
-def _hints(cls) -> dict[str, Any]:
-    """The type of each field of a section, by the key the YAML file uses for it."""
-    types_ = typing.get_type_hints(cls)
-    return {_yaml_key(f): types_[f.name] for f in dataclasses.fields(cls)}
-
-
-def _yaml_key(f: dataclasses.Field) -> str:
-    """A field's key in the YAML file: its name, unless that is a Python keyword (preference.lambda is lambda_)."""
-    return f.metadata.get("key", f.name)
-
-
-def _construct(cls, kwargs: dict[str, Any]):
-    names = {_yaml_key(f): f.name for f in dataclasses.fields(cls)}
-    return cls(**{names[k]: v for k, v in kwargs.items()})
-
-
-def _is_internal(cls, name: str) -> bool:
-    for f in dataclasses.fields(cls):
-        if _yaml_key(f) == name:
-            return bool(f.metadata.get("internal"))
-    return False
-
-
-def _is_dataclass_type(t) -> bool:
-    return isinstance(t, type) and dataclasses.is_dataclass(t)
-
-
-def _section_list(t):
-    """The entry type of a list of sections (list[SourceConfig]), else None."""
-    if _origin(t) is list:
-        (item,) = typing.get_args(t)
-        return item if _is_dataclass_type(item) else None
-    return None
-
-
-def _origin(t):
-    return typing.get_origin(t)
-
-
-def _strip_optional(t):
-    if _origin(t) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(t) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return t
-
-
-def _check_type(value: Any, typ) -> tuple[bool, Any, str]:
-    """(ok, converted value, what was expected) for a YAML value against a field annotation."""
-    origin = _origin(typ)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(typ)
-        if value is None and type(None) in args:
-            return True, None, "null"
-        expected = []
-        for a in args:
-            if a is type(None):
-                continue
-            ok, conv, exp = _check_type(value, a)
-            if ok:
-                return True, conv, exp
-            expected.append(exp)
-        return False, value, " or ".join(expected) + (" or null" if type(None) in args else "")
-    if origin is Literal:
-        choices = typing.get_args(typ)
-        if isinstance(value, str):
-            for c in choices:
-                if value == c or value.upper() == str(c).upper():
-                    return True, c, ""
-        return False, value, "one of " + ", ".join(map(str, choices))
-    if origin is list:
-        (item,) = typing.get_args(typ)
-        if isinstance(value, str) and item is str:
-            value = [s.strip() for s in value.split(",") if s.strip()]
-        if not isinstance(value, list):
-            return False, value, f"a list of {item.__name__}"
-        out = []
-        for x in value:
-            ok, conv, _ = _check_type(x, item)
-            if not ok:
-                return False, value, f"a list of {item.__name__}"
-            out.append(conv)
-        return True, out, ""
-    if origin is dict:
-        return (True, dict(value), "") if isinstance(value, dict) else (False, value, "a mapping")
-    if typ is bool:
-        return (True, value, "") if isinstance(value, bool) else (False, value, "true or false")
-    if typ is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        return (True, value, "") if ok else (False, value, "an integer")
-    if typ is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):  # PyYAML reads 1e-4 (no dot) as a string
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is not None and math.isfinite(number):
-            return True, number, ""
-        return False, value, "a finite number"
-    if typ is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return True, str(value), ""
-        return False, value, "a string"
-    if typ is Any:
-        return True, value, ""
-    raise TypeError(f"unsupported recipe field type {typ}")  # a bug in the schema, not the user's
-
-
-def _show(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, str):
-        return repr(value)
-    text = json.dumps(value, default=str) if isinstance(value, (list, dict)) else str(value)
-    return text if len(text) < 60 else text[:57] + "..."

@@ -31,7 +31,7 @@ from accel_fsdp.config.accelerate import (
     as_int,
     fsdp1_strategy,
 )
-from accel_fsdp.errors import Problem
+from accel_fsdp.errors import Problem, read_json_object
 
 MODEL_DEFAULT = "<model default>"
 """wrap_classes before the model is known: its own _no_split_modules."""
@@ -91,6 +91,27 @@ class Setting:
         v = ", ".join(self.value) if isinstance(self.value, (list, tuple)) else self.value
         return f"{v}  ({self.source_text})"
 
+    def to_dict(self) -> dict[str, Any]:
+        """As fsdp_settings.json holds it."""
+        return {"value": self.value, "source": self.source_text, "source_kind": self.source.value}
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> Setting:
+        """The setting `to_dict` saved (its detail recovered from the source text, which it prefixes)."""
+        source = Source(saved.get("source_kind", Source.DEFAULT.value))
+        text = str(saved.get("source", ""))
+        if source == Source.ACCELERATE_CONFIG:
+            detail = text
+        elif source == Source.RECIPE:
+            detail = text.removeprefix("recipe ")
+        elif source == Source.OVERRIDE:
+            detail = ""
+        elif source == Source.TARGET_HARDWARE:
+            detail = text.removeprefix("the config's target hardware (").removesuffix(")")
+        else:
+            detail = text.removeprefix(f"{source.value}: ") if text != source.value else ""
+        return cls(saved.get("value"), source, detail)
+
 
 @dataclass
 class FsdpSettings:
@@ -128,8 +149,20 @@ class FsdpSettings:
         return rows
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {name: {"value": s.value, "source": s.source_text, "source_kind": s.source.value}
-                for name, s in self.rows()}
+        return {name: s.to_dict() for name, s in self.rows()}
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> FsdpSettings:
+        """The settings `to_dict` saved (a run's fsdp_settings.json); one it leaves out (fsdp1_options under FSDP2,
+        min_num_params without size-based wrapping) is None, by default."""
+        return cls(**{f.name: Setting.from_dict(saved[f.name]) if isinstance(saved.get(f.name), dict)
+                      else Setting(None, Source.DEFAULT) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def read(cls, path) -> FsdpSettings:
+        """A run's fsdp_settings.json; a damaged one is one UserError naming it."""
+        return cls.from_dict(read_json_object(path, what="is unreadable or corrupt",
+                                              fix="run again to write it (it is written at the start of a run)"))
 
     def format(self, indent: int = 2) -> str:
         width = max(len(n) for n, _ in self.rows())
@@ -143,11 +176,15 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
     `num_processes` / `num_machines` are what the launch really has (inside a rank: WORLD_SIZE; for the CLI
     without a config: the local GPUs); they win over the config's numbers. With no wrap class named anywhere,
     `wrap_classes` is left as MODEL_DEFAULT until `detect_wrap_classes` sees the model.
+
+    Long: one table, a setting a few lines, in FsdpSettings' order, each by the same precedence (`pick`); the few
+    that depend on others (the shard sizes on the strategy, the precision and FSDP1 options on the device) follow
+    them, so the whole precedence reads top to bottom in one place.
     """
     cfg = config.label
 
     def from_recipe(key: str, value) -> Setting:
-        if key in recipe.overridden:
+        if recipe.is_overridden(key):
             return Setting(value, Source.OVERRIDE)
         return Setting(value, Source.RECIPE, recipe.source or recipe.name)
 
@@ -156,8 +193,8 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
 
     def recipe_or_default(key: str, value) -> Setting:
         """Settings only the recipe has: from the recipe when it (or --set) wrote the key, else its default."""
-        return from_recipe(key, value) if key in recipe.overridden or key in recipe.lines else \
-            Setting(value, Source.DEFAULT)
+        return (from_recipe(key, value) if recipe.is_overridden(key) or key in recipe.lines else
+                Setting(value, Source.DEFAULT))
 
     def pick(recipe_key: str | None, recipe_value, config_key: str | None, convert, default) -> Setting:
         if recipe_key and recipe_value is not None:
@@ -289,7 +326,8 @@ def check_settings(settings: FsdpSettings, recipe, *, visible_gpus: int | None =
     """Problems of the combination (recipe x hardware) that neither file shows alone.
 
     `visible_gpus`: the GPUs this machine shows (CUDA_VISIBLE_DEVICES applied), when the run is about to start
-    here; None when judging a config for other hardware (`recipe validate` on a laptop)."""
+    here; None when judging a config for other hardware (`recipe validate` on a laptop). (Long: a list of
+    independent checks, each a few lines.)"""
     p: list[Problem] = []
     s = settings
     n, machines = s.num_processes.value, s.num_machines.value
@@ -320,8 +358,8 @@ def check_settings(settings: FsdpSettings, recipe, *, visible_gpus: int | None =
                          "NO_SHARD is an FSDP1 strategy; FSDP2 has no unsharded mode",
                          "use accelerate_configs/fsdp1_2gpu.yaml with fsdp_sharding_strategy: NO_SHARD, "
                          "or SHARD_GRAD_OP (shards gradients and optimizer state only)"))
-    if strategy == HYBRID_SHARD and s.fsdp_version.value == 1 and n > 1 and machines == 1 \
-            and s.device.value == "cpu":
+    if (strategy == HYBRID_SHARD and s.fsdp_version.value == 1 and n > 1 and machines == 1
+            and s.device.value == "cpu"):
         p.append(Problem(s.sharding_strategy.where(recipe, "fsdp.sharding_strategy"),
                          "FSDP1 HYBRID_SHARD needs several machines", "use FSDP2 with a parallelism_config"))
     attn = recipe.model.attn_implementation or ""

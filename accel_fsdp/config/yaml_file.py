@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.errors import Problem, UserError, first_line
 
 
 def load_yaml(text: str, source: str) -> tuple[Any, dict[str, int], list[Problem]]:
@@ -19,11 +19,11 @@ def load_yaml(text: str, source: str) -> tuple[Any, dict[str, int], list[Problem
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        problem = getattr(e, "problem", None) or first_line(e)
         context = getattr(e, "context", None)
         msg = f"YAML syntax error: {problem}" + (f" ({context})" if context else "")
-        raise UserError(Problem(where, msg, "fix the YAML at that line (indentation, a missing ':' or quote)")) \
-            from None
+        fix = "fix the YAML at that line (indentation, a missing ':' or quote)"
+        raise UserError(Problem(where, msg, fix)) from None
     except RecursionError:  # an alias that contains itself (&a [*a]): PyYAML recurses forever
         raise UserError(Problem(source, "YAML anchors refer to themselves (an alias inside its own anchor)",
                                 "remove the recursive &anchor / *alias")) from None

@@ -92,7 +92,7 @@ def lookup(name_or_hub_id: str | None) -> Architecture | None:
     for arch in KNOWN.values():
         hub_owner, _, hub_name = arch.hub_id.lower().partition("/")
         bare = name.removeprefix("meta-")  # Meta-Llama-3.1-8B: the older name of meta-llama/Llama-3.1-8B
-        if (not owner and (name in (arch.name, hub_name) or bare == arch.name)) or \
-                (owner == hub_owner and hub_name in (name, bare)):
+        if ((not owner and (name in (arch.name, hub_name) or bare == arch.name))
+                or (owner == hub_owner and hub_name in (name, bare))):
             return arch
     return None

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.errors import Problem, UserError, first_line
 from accel_fsdp.model import architectures
 from accel_fsdp.model.checks import ModelView, lora_target_problems, override_problems, raise_problems
 from accel_fsdp.model.tokenizer import is_local
@@ -30,6 +30,9 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
 
     With `offline=True` the hub is never contacted: a hub id is answered from the known architectures table or
     the local cache, and `None` is returned when neither knows it.
+
+    Long: the three ways to a config (an architecture, a local folder, a hub id, online or not) and what each can
+    raise are kept side by side, so one message per cause is easy to check against the others.
     """
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -60,11 +63,12 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
         unknown_override_problems(recipe, CONFIG_MAPPING[model_type], overrides)
         try:
             config = AutoConfig.for_model(model_type, **kwargs)
-            return config if tokenizer is None or len(tokenizer) <= config.vocab_size else \
+            if tokenizer is not None and len(tokenizer) > config.vocab_size:
                 raise_problems([Problem(recipe.where("model.config_overrides.vocab_size"),
                                         f"vocabulary of {config.vocab_size} is smaller than the tokenizer's "
                                         f"{len(tokenizer)} tokens, so its ids would index past the embedding",
                                         f"use at least {len(tokenizer)} (or leave vocab_size out)")])
+            return config
         except (TypeError, ValueError, StrictDataclassError) as e:
             detail = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:240]
             raise UserError(Problem(recipe.where("model.config_overrides"), f"rejected by transformers: {detail}",
@@ -80,7 +84,7 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
             config = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code)
         except (OSError, ValueError, KeyError, TypeError, StrictDataclassError) as e:  # unreadable, untyped, unknown
             raise UserError(Problem(recipe.where("model.name_or_path"), f"transformers cannot read the config of "
-                                    f"{name!r}: {str(e).strip().splitlines()[0][:200]}",
+                                    f"{name!r}: {first_line(e)}",
                                     "restore its config.json (save_pretrained writes it), or update transformers for "
                                     "a newer model type")) from None
     else:
@@ -100,7 +104,7 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
                 config = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code)
             except OSError as e:
                 raise UserError(Problem(recipe.where("model.name_or_path"),
-                                        f"cannot load {name!r}: {str(e).splitlines()[0]}",
+                                        f"cannot load {name!r}: {first_line(e)}",
                                         "check the hub id and your network or HF_TOKEN (gated models such as Llama "
                                         "need an accepted licence), or give a local folder")) from None
             except ValueError as e:
@@ -117,7 +121,7 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
             setattr(config, key, value)  # transformers 5 type-checks the fields of its config classes
         except (TypeError, ValueError, StrictDataclassError) as e:
             problems.append(Problem(recipe.where(f"model.config_overrides.{key}"), f"{value!r} is rejected by "
-                                    f"{type(config).__name__}: {str(e).strip().splitlines()[0][:160]}",
+                                    f"{type(config).__name__}: {first_line(e, 160)}",
                                     f"give {key} a value of the right type"))
     raise_problems(problems)
     if tokenizer is not None and 0 < getattr(config, "vocab_size", 0) < len(tokenizer):

@@ -113,8 +113,8 @@ def looks_like_path(name: str) -> bool:
     more than one slash."""
     import re
 
-    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or \
-        bool(re.search(r"\.(bin|json|safetensors|pt|pth|model|txt|yaml)$", name))
+    return (name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
+            or bool(re.search(r"\.(bin|json|safetensors|pt|pth|model|txt|yaml)$", name)))
 
 
 def source_problems(recipe) -> list[Problem]:

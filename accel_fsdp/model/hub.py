@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from accel_fsdp.data.sources import locate, source_key
-from accel_fsdp.errors import Problem
+from accel_fsdp.errors import Problem, first_line
 from accel_fsdp.model.tokenizer import BUILTIN_TOKENIZER, bpe_vocab_size, is_local
 
 TIMEOUT_S = 10
@@ -29,8 +29,8 @@ def hub_ids(recipe) -> list[tuple[str, str, str, tuple[str, ...]]]:
     out = []
     if m.name_or_path and not is_local(m.name_or_path):
         out.append(("model.name_or_path", m.name_or_path, "model", ("config.json",) + WEIGHT_FILES))
-    if m.tokenizer and m.tokenizer != BUILTIN_TOKENIZER and not is_local(m.tokenizer) and \
-            bpe_vocab_size(m.tokenizer) is None:
+    if (m.tokenizer and m.tokenizer != BUILTIN_TOKENIZER and not is_local(m.tokenizer)
+            and bpe_vocab_size(m.tokenizer) is None):
         out.append(("model.tokenizer", m.tokenizer, "model", ("tokenizer_config.json",)))
     for i, source in enumerate(recipe.data.resolved_sources()):
         where = locate(recipe, source, source_key(recipe, i))
@@ -113,11 +113,11 @@ def _ask_hub(repo: str, kind: str) -> tuple[str, str] | None:
         return (f"no {kind} {repo!r} on the hub (or it is private)",
                 "check the id (owner/name), or set HF_TOKEN for a private repository, or give a local folder")
     except HfHubHTTPError as e:
-        return (f"the hub refused {repo!r} ({str(e).splitlines()[0][:120]})", "try again later, or give a local folder")
+        return (f"the hub refused {repo!r} ({first_line(e, 120)})", "try again later, or give a local folder")
     except Exception as e:  # connection refused, DNS, timeouts, proxies: every transport error means "unreachable"
         endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
         return (f"{repo!r} is not in the local cache and the hub ({endpoint}) cannot be reached "
-                f"({type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})",
+                f"({first_line(e, 100, named=True)})",
                 "give a local folder (a save_pretrained copy), or fix the network; with a copy in the cache, "
                 "HF_HUB_OFFLINE=1 skips this check")
     return None

@@ -20,6 +20,7 @@ import time
 from enum import Enum
 from pathlib import Path
 
+from accel_fsdp.checkpoint.index import latest_complete
 from accel_fsdp.checkpoint.records import Manifest
 from accel_fsdp.config.recipe import incompatible_keys, read_saved_recipe
 from accel_fsdp.errors import Problem, UserError
@@ -98,12 +99,10 @@ def decide(layout: RunLayout, recipe, *, resume: str | None = None, resume_from:
                                     "give another --output-dir, or resume it with the recipe that made it "
                                     "(its copy is in recipe.yaml) (nothing was changed)"))
         check_checkpoint_folder(layout, owner=identity)
-        from accel_fsdp.checkpoint.store import latest_complete
-
         return Decision.RESUME if latest_complete(layout.checkpoints) else Decision.RESTART
     same = identity.recipe_fingerprint == recipe.fingerprint()
-    what = "a run of this same recipe" if same else \
-        f"a different run (recipe {identity.recipe_name!r}, fingerprint {identity.recipe_fingerprint})"
+    what = ("a run of this same recipe" if same else
+            f"a different run (recipe {identity.recipe_name!r}, fingerprint {identity.recipe_fingerprint})")
     raise UserError(Problem(str(root), f"already holds {what}",
                             "add --resume to continue it, --overwrite to replace it, or choose another --output-dir "
                             "(nothing was changed)"))
@@ -164,12 +163,14 @@ def _foreign_entries(folder: Path) -> list[str]:
     return [p.name for p in folder.iterdir() if p.name not in (LOCK_FILE, OWNER_FILE)]
 
 
-# ------------------------------------------------------------------------------------------------ prepare
+# ------------------------------------------------------------------------------------- carrying it out
 
 
-def prepare(layout: RunLayout, recipe, settings, decision: Decision, *, resumed_from: str | None = None) -> RunIdentity:
-    """Main process only, holding the locks: clear what an overwrite or a restart replaces (only files this run
-    or the replaced one provably owns), record the identity, claim the checkpoint folder."""
+def apply_decision(layout: RunLayout, recipe, settings, decision: Decision, *,
+                   resumed_from: str | None = None) -> RunIdentity:
+    """Main process only, holding the locks: carry out the start's decision. Clear what an overwrite or a restart
+    replaces (only files this run or the replaced one provably owns), record the identity, claim the checkpoint
+    folder."""
     root = layout.root
     old = RunIdentity.read(layout.run_file) if layout.run_file.is_file() else None
     if decision in (Decision.OVERWRITE, Decision.RESTART) and old is not None:

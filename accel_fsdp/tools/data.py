@@ -55,8 +55,8 @@ def prepare_report(recipe, prepared: list[PreparedSource], data) -> str:
         s = read_stats(p.folder)
         tokens = s.train_tokens + (int(source.eval.meta["tokens"]) if source.eval is not None else 0)
         per_token = p.bytes / max(1, tokens)
-        took = f"tokenized in {s.seconds:.1f}s ({tokens / max(s.seconds, 1e-9):,.0f} tokens/s)" if p.built else \
-            "already in the cache"
+        took = (f"tokenized in {s.seconds:.1f}s ({tokens / max(s.seconds, 1e-9):,.0f} tokens/s)" if p.built else
+                "already in the cache")
         lines.append(f"{source.name} ({source.config.format}, {source.config.path}): {s.summary()}")
         lines.append(f"    {p.bytes / 2**20:,.1f} MiB on disk, {per_token:.2f} bytes per token; {took}; {p.folder}")
         if len(data.sources) > 1:

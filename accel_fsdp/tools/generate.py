@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from accel_fsdp.errors import Problem, UserError, read_json_object
+from accel_fsdp.errors import Problem, UserError, first_line, read_json_object
 from accel_fsdp.layout import FINAL_DIR
 from accel_fsdp.model.checks import tokenizer_files_problem
 
@@ -45,7 +45,7 @@ def load_model(folder: Path, device: str = "auto"):
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as e:  # transformers raises OSError, ValueError, TypeError... for a folder without a tokenizer
-        raise UserError(Problem(str(folder), f"has no usable tokenizer ({_first_line(e)})", fix)) from None
+        raise UserError(Problem(str(folder), f"has no usable tokenizer ({first_line(e)})", fix)) from None
     try:
         if (folder / "adapter_config.json").exists():
             from peft import AutoPeftModelForCausalLM
@@ -54,15 +54,12 @@ def load_model(folder: Path, device: str = "auto"):
         else:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     except Exception as e:  # safetensors' own error type, OSError, ValueError, RuntimeError for shape mismatches
-        raise UserError(Problem(str(folder), f"its weights cannot be loaded ({type(e).__name__}: {_first_line(e)})",
+        raise UserError(Problem(str(folder), f"its weights cannot be loaded ({first_line(e, named=True)})",
                                 "the files are incomplete or damaged: export again with `accel-fsdp checkpoint "
                                 "consolidate RUN OUT`")) from None
     return model.to(device).eval(), tokenizer
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else type(e).__name__)[:200]
 
 
 def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,

@@ -64,8 +64,8 @@ def format_summary(s: dict) -> str:
         lines.append(f"  eval loss {s['final_eval_loss']:.4f}{ppl} at the end; best "
                      f"{s['best_eval_loss']:.4f} at step {s['best_eval_step']}")
     if "final_reward_margin" in s:
-        held = f"; held out: margin {s['final_eval_reward_margin']:.4f}, accuracy " \
-            f"{s['final_eval_reward_accuracy']:.3f}" if "final_eval_reward_margin" in s else ""
+        held = (f"; held out: margin {s['final_eval_reward_margin']:.4f}, accuracy "
+                f"{s['final_eval_reward_accuracy']:.3f}" if "final_eval_reward_margin" in s else "")
         lines.append(f"  reward margin {s['final_reward_margin']:.4f}, accuracy "
                      f"{s['final_reward_accuracy']:.3f} at the end (train){held}")
     lines.append(f"  throughput {s['tokens_per_s_median']:,.0f} tokens/s ({s['tokens_per_s_per_rank_median']:,.0f} per "

@@ -39,32 +39,18 @@ from pathlib import Path
 
 from accel_fsdp.checkpoint.records import Manifest
 from accel_fsdp.config import precision
+from accel_fsdp.config.settings import FsdpSettings
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.layout import CHECKPOINTS_DIR, MANIFEST, STEP_PREFIX, RunLayout
+from accel_fsdp.layout import CHECKPOINTS_DIR, MANIFEST, STEP_PREFIX, RunLayout, checkpoint_name
 from accel_fsdp.model.facts import base_values, facts_for
 from accel_fsdp.planning.memory import MemoryInputs, estimate
 from accel_fsdp.preflight import preflight
+from accel_fsdp.tools.noise import ROUNDOFF, adam_step_bound, equivalence_tolerance, reordered
 from accel_fsdp.train.metrics import read_metrics
 
 MARKER = "verify.json"
 CHECKS = ("sharding", "precision", "equivalence", "resume", "packing", "data", "activation-checkpointing", "memory",
           "throughput")
-ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}
-"""Unit roundoff of each compute precision (24, 8, 11 significant bits): one rounding moves a value by at most this
-fraction of it. The numeric checks' tolerances follow from it, never from one machine's run: machines differ in
-kernels, so in the order they add numbers up."""
-SIGMAS = 7.0
-"""Rounding errors add up like independent zero-mean draws (Higham and Mary, SIAM J. Sci. Comput. 41(5), 2019): n of
-them stay within SIGMAS x sqrt(n) roundoffs, except with probability below 2n exp(-SIGMAS^2 / 2), about 5e-11 n."""
-
-
-def reordered(terms: int, precision: str = "fp32") -> float:
-    """Largest relative difference of two computations of one sum of `terms` terms added in different orders (relative
-    to the sum where the terms share a sign, as the token losses of a batch, or do not cancel, as a gradient's large
-    elements): each is within SIGMAS x sqrt(terms) roundoffs of the exact sum."""
-    return 2 * SIGMAS * math.sqrt(terms) * ROUNDOFF[precision]
-
-
 SHARE_TOLERANCE = 0.01
 """A source's share of the loss-carrying tokens (or sequences) over any 100 consecutive steps, against its weight."""
 PACKING_LIMIT = {"fp32": reordered(2**23), "bf16": 8 * ROUNDOFF["bf16"], "fp16": 8 * ROUNDOFF["fp16"]}
@@ -87,6 +73,25 @@ class Check:
     measured: str
     tolerance: str = ""
     data: dict = field(default_factory=dict)
+
+
+@dataclass
+class RunParameters:
+    """A probe run's parameter counts (run_parameters.json), from its checkpoint manifest: the run's own count."""
+
+    parameters: int
+    trainable: int
+
+    @classmethod
+    def read(cls, path: Path) -> RunParameters | None:
+        """None where the probe wrote none (it failed before its first checkpoint)."""
+        if not path.exists():
+            return None
+        saved = json.loads(path.read_text())
+        return cls(parameters=saved["parameters"], trainable=saved["trainable"])
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
 
 
 @dataclass
@@ -113,6 +118,12 @@ class Probe:
         from accel_fsdp.train.sharding import ShardingRecord
 
         return ShardingRecord.read(self.layout.sharding_file)
+
+    def counts(self) -> RunParameters | None:
+        return RunParameters.read(self.layout.run_parameters_file)
+
+    def settings(self) -> FsdpSettings:
+        return FsdpSettings.read(self.layout.settings_file)
 
     def trace(self, name: str) -> list[dict]:
         out = []
@@ -215,8 +226,8 @@ def check_sharding(v: Verification) -> Check:
     measured = f"ranks hold {', '.join(f'{f:.3f}' for f in fractions)} of the parameters"
     problems = []
     state = info.state_bytes or []
-    counts = ref.layout.run_parameters_file
-    trainable = json.loads(counts.read_text())["trainable"] if counts.exists() else None
+    counts = ref.counts()
+    trainable = counts.trainable if counts else None
     if state:
         optimizer = [r["optimizer"] for r in state]
         expected = 8 * (trainable or total) / shards
@@ -258,34 +269,6 @@ def check_precision(v: Verification) -> Check:
                  f"layers multiply with {', '.join(map(str, compute))} weights; gradients reduced in "
                  f"{', '.join(reduce) or 'nothing recorded'}", f"compute {want}, reduce torch.float32",
                  {"compute": compute, "reduce": reduce})
-
-
-def adam_step_bound(beta1: float, beta2: float, steps: int) -> float:
-    """The farthest bias-corrected Adam can move an element in one of its first `steps` steps, in units of lr, whatever
-    the gradients: |m| / sqrt(v) <= sqrt(sum a_i^2 / b_i) over the moments' weights a and b (Cauchy-Schwarz); 1.0 for
-    the first 3 steps with betas (0.9, 0.95). A gradient at the rounding floor can get this step either way."""
-    worst = 0.0
-    for t in range(1, steps + 1):
-        a = [(1 - beta1) * beta1 ** (t - i) / (1 - beta1**t) for i in range(1, t + 1)]
-        b = [(1 - beta2) * beta2 ** (t - i) / (1 - beta2**t) for i in range(1, t + 1)]
-        if any(y == 0 for x, y in zip(a, b) if x):
-            return math.inf
-        worst = max(worst, math.sqrt(sum(x * x / y for x, y in zip(a, b) if x)))
-    return worst
-
-
-def equivalence_tolerance(precision: str, tokens: int, micro_steps: int, steps: int) -> dict[str, float]:
-    """Relative tolerance of the losses and gradient norms of two runs that add up the same global batches differently
-    (another split into micro-steps, fewer ranks, recomputed activations, nondeterministic GPU kernels) over `steps`
-    optimizer steps; a step's difference carries into the next one's weights, so they add up. fp32: each step sums
-    `tokens` token losses, and as many products in each gradient element, in other orders. bf16, fp16: products still
-    add in fp32, but every matmul's output is rounded to the format, a unit apart at most in the two runs: a token's
-    loss once, a gradient element once per micro-step it accumulates over (independent, so sqrt(micro_steps) units)."""
-    if precision == "fp32":
-        loss = norm = reordered(tokens)
-    else:
-        loss, norm = 2 * ROUNDOFF[precision], 2 * math.sqrt(micro_steps) * ROUNDOFF[precision]
-    return {"loss": steps * loss, "grad_norm": steps * norm}
 
 
 def compare_rows(a: list, b: list, tol: dict, steps: int) -> tuple[bool, float, float]:
@@ -433,11 +416,11 @@ def check_data(v: Verification) -> Check:
     data = dict(r, max_share_deviation=deviation, weights=weights)
     one = v.probes.get("fewer-ranks")
     if v.world > 1 and one is not None and one.ok and ref.ok:
-        many, single = step_rows(ref), step_rows(one)
+        many, single = step_units(ref), step_units(one)
         steps = sorted(set(many) & set(single))
         differ = [s for s in steps if sorted(many[s]) != sorted(single[s])]
-        measured += f"; steps 1-{len(steps)}: 1 rank and {v.world} ranks read " + \
-            ("the same sequences" if not differ else f"different sequences at step(s) {differ}")
+        measured += (f"; steps 1-{len(steps)}: 1 rank and {v.world} ranks read "
+                     + ("the same sequences" if not differ else f"different sequences at step(s) {differ}"))
         if differ or not steps:
             problems.append("the sequences of a step depend on the number of ranks")
         data["ranks_compared"] = [1, v.world]
@@ -448,13 +431,13 @@ def check_data(v: Verification) -> Check:
                  "any number of ranks", data)
 
 
-def step_rows(probe: Probe) -> dict[int, list[int]]:
-    """The training units each step read, over all ranks of a probe (its row traces, ACCEL_FSDP_TRACE_ROWS)."""
+def step_units(probe: Probe) -> dict[int, list[int]]:
+    """The training units each step read, over all ranks of a probe (its unit traces, ACCEL_FSDP_TRACE_UNITS)."""
     out: dict[int, list[int]] = {}
-    for path in sorted(probe.layout.trace.glob("rows-rank*.jsonl")):
+    for path in sorted(probe.layout.trace.glob("units-rank*.jsonl")):
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            out.setdefault(row["step"], []).extend(row["rows"])
+            out.setdefault(row["step"], []).extend(row["units"])
     return out
 
 
@@ -464,14 +447,16 @@ def check_memory(v: Verification) -> Check:
     info = ref.sharding()
     if info is None or not info.state_bytes:
         return Check("memory", "FAIL", ref.failure())
-    counts = json.loads((ref.layout.run_parameters_file).read_text())
-    settings = json.loads(ref.layout.settings_file.read_text())
-    strategy = settings["sharding_strategy"]["value"]
-    lora = counts["trainable"] < counts["parameters"]
+    counts = ref.counts()
+    if counts is None:
+        return Check("memory", "FAIL", ref.failure() if not ref.ok else "no checkpoint recorded the parameter counts")
+    settings = ref.settings()
+    lora = counts.trainable < counts.parameters
     predicted = estimate(MemoryInputs(
-        params=counts["parameters"], trainable=counts["trainable"], largest_unit=0, world=v.world,
-        shard_group=info.expected_shards, strategy=strategy, precision=precision.MEMORY[v.precision],
-        offload=settings["cpu_offload"]["value"], frozen_bytes=precision.BYTES[v.precision] if lora else 4))
+        params=counts.parameters, trainable=counts.trainable, largest_unit=0, world=v.world,
+        shard_group=info.expected_shards, strategy=settings.sharding_strategy.value,
+        precision=precision.MEMORY[v.precision], offload=settings.cpu_offload.value,
+        frozen_bytes=precision.BYTES[v.precision] if lora else 4))
     want = predicted.model_state + predicted.host
     measured = info.model_state_bytes()
     ratios = [m / want for m in measured]
@@ -482,7 +467,7 @@ def check_memory(v: Verification) -> Check:
     rows = ref.train_rows()
     if v.device == "cuda" and rows:
         peak = rows[-1].peak_memory_bytes_run or rows[-1].peak_memory_bytes
-        full = estimate(predicted_inputs(v, counts, info, strategy, settings))
+        full = estimate(predicted_inputs(v, counts, info, settings))
         peak_ratio = [p / full.total for p in peak]
         ok &= all(r <= PEAK_MARGIN for r in peak_ratio)
         text += f"; GPU peak {', '.join(f'{r:.2f}' for r in peak_ratio)} x the estimate"
@@ -494,15 +479,15 @@ def check_memory(v: Verification) -> Check:
                  data)
 
 
-def predicted_inputs(v, counts, info, strategy, settings):
-
+def predicted_inputs(v: Verification, counts: RunParameters, info, settings: FsdpSettings) -> MemoryInputs:
+    """The memory model's inputs for the whole of a step (activations included) of the reference probe."""
     facts = facts_for(v.recipe)
-    return MemoryInputs(params=counts["parameters"], trainable=counts["trainable"],
+    return MemoryInputs(params=counts.parameters, trainable=counts.trainable,
                         largest_unit=facts.block_params() if facts else 0, world=v.world,
-                        shard_group=info.expected_shards, strategy=strategy,
+                        shard_group=info.expected_shards, strategy=settings.sharding_strategy.value,
                         precision=precision.MEMORY[v.precision],
-                        offload=settings["cpu_offload"]["value"],
-                        activation_checkpointing=settings["activation_checkpointing"]["value"],
+                        offload=settings.cpu_offload.value,
+                        activation_checkpointing=settings.activation_checkpointing.value,
                         micro_batch=v.recipe.training.micro_batch_size, seq_len=v.recipe.data.seq_len,
                         shape=facts.shape() if facts else None)
 
@@ -529,7 +514,7 @@ def verify(recipe, config, num_processes: int | None, overrides: list[str], *, o
     v = Verification(recipe=recipe, config=config, world=s.num_processes.value, precision=s.mixed_precision.value,
                      device=s.device.value, steps=steps, out_dir=out_dir, overrides=list(overrides), layers=layers,
                      cpu=cpu)
-    prepare_folder(out_dir)
+    claim_folder(out_dir)
     wanted = set(only or CHECKS)
     sets = base_sets(v, steps)
     extra = ["--num-processes", str(num_processes)] if num_processes else []
@@ -553,8 +538,6 @@ def verify(recipe, config, num_processes: int | None, overrides: list[str], *, o
     if not quick and v.world > 1 and t.splits_evenly(1) and wanted & {"equivalence", "data"}:
         run_probe(v, "fewer-ranks", sets + ["training.max_steps=2"], extra_args=["--num-processes", "1"], env=traced)
     if "resume" in wanted and steps >= 3:
-        from accel_fsdp.checkpoint.store import checkpoint_name
-
         step_dir = v.probes["reference"].layout.checkpoints / checkpoint_name(2)  # resume needs the reference
         run_probe(v, "resume", sets, extra_args=[*extra, "--resume-from", str(step_dir)])
     if "activation-checkpointing" in wanted:
@@ -589,11 +572,10 @@ def record_counts(probe: Probe) -> None:
     manifests = sorted(probe.layout.checkpoints.glob(f"{STEP_PREFIX}*/{MANIFEST}"))
     if manifests:
         m = Manifest.read(manifests[-1].parent)
-        probe.layout.run_parameters_file.write_text(json.dumps(
-            {"parameters": m.parameters, "trainable": m.trainable_parameters}))
+        RunParameters(parameters=m.parameters, trainable=m.trainable_parameters).write(probe.layout.run_parameters_file)
 
 
-def prepare_folder(out_dir: Path) -> None:
+def claim_folder(out_dir: Path) -> None:
     """The verify folder is ours alone: created, or an earlier verify's replaced; anything else is refused."""
     if out_dir.exists():
         if not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / MARKER).exists()):

@@ -1,36 +1,47 @@
 """When the loop's state is saved, and how a run continues from it. The checkpointer decides its own cadence
 (`checkpoint.every_steps`, the end of the run, and a preemption every rank agreed on); checkpoint/store.py
-writes and reads the files."""
+writes and reads the files, checkpoint/index.py finds and judges them."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from accel_fsdp.checkpoint import index as checkpoint_index
 from accel_fsdp.checkpoint import store as ckpt
 from accel_fsdp.checkpoint.consolidate import consolidate
 from accel_fsdp.checkpoint.records import TrainerState
 from accel_fsdp.errors import UserError
-from accel_fsdp.layout import RunIdentity
+from accel_fsdp.layout import RunIdentity, RunLayout, checkpoint_name
 from accel_fsdp.train.faults import Faults
-from accel_fsdp.train.lifetime import Preempted, doing
+from accel_fsdp.train.lifetime import Preempted, Preemption, doing
+from accel_fsdp.train.observe import Terminal, TrainLogger
 from accel_fsdp.train.state import TrainingState
 
 
 class Checkpointer:
-    def __init__(self, run, faults: Faults | None = None, skip_steps_on_resume: int = 0):
-        self.run = run
-        self.every = run.recipe.checkpoint.every_steps
+    """Saves the training state at its cadence (and at a preemption every rank agreed on), resumes a run from it, and
+    exports the last checkpoint. Built from what it saves, what describes it and where it goes."""
+
+    def __init__(self, *, accelerator, model, optimizer, scheduler, sampler, logger: TrainLogger, recipe, settings,
+                 tokenizer, layout: RunLayout, terminal: Terminal, preemption: Preemption, total_steps: int,
+                 parameters: int, trainable_parameters: int, faults: Faults | None = None):
+        self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
+        self.sampler = sampler
+        """Where the data stands is saved with the weights."""
+        self.logger = logger
+        """Its logging window is saved with the training state, and restored on resume."""
+        self.recipe, self.settings, self.tokenizer = recipe, settings, tokenizer
+        self.layout, self.terminal, self.preemption = layout, terminal, preemption
+        self.total_steps, self.parameters, self.trainable_parameters = total_steps, parameters, trainable_parameters
+        self.every = recipe.checkpoint.every_steps
         self.last_saved_step: int | None = None
         self.faults = faults  # crash injection inside a save (tests), from train/hooks.py
-        self.skip_steps_on_resume = skip_steps_on_resume
-        """Above 0 only in `verify`'s proof that its resume check can fail."""
 
     def after_step(self, state: TrainingState) -> None:
-        run = self.run
-        if self.every and state.step % self.every == 0 and state.step != run.total_steps:
+        if self.every and state.step % self.every == 0 and state.step != self.total_steps:
             self.save(state)
-        if run.preemption.agreed():
+        if self.preemption.agreed():
             self.stop_preempted(state)
 
     def at_end(self, state: TrainingState) -> None:
@@ -38,55 +49,52 @@ class Checkpointer:
             self.save(state)
 
     def save(self, training: TrainingState) -> Path:
-        run = self.run
-        recipe = run.recipe
-        step = training.step
+        recipe, sampler, step = self.recipe, self.sampler, training.step
         doing(f"the save of the checkpoint of step {step}")
-        state = TrainerState(step=step, **run.sampler.position(step), tokens_seen=training.tokens_seen,
-                             total_steps=run.total_steps, parameters=run.parameters,
-                             trainable_parameters=run.trainable_parameters, data=run.sampler.state_dict(step))
-        path = ckpt.save_checkpoint(run.accelerator, run.model, run.optimizer, run.scheduler,
-                                    root=run.layout.checkpoints, step=step, trainer_state=state, recipe=recipe,
-                                    settings=run.settings, tokenizer=run.tokenizer, lora=recipe.model.lora.enabled,
+        state = TrainerState(step=step, **sampler.position(step), tokens_seen=training.tokens_seen,
+                             total_steps=self.total_steps, parameters=self.parameters,
+                             trainable_parameters=self.trainable_parameters, data=sampler.state_dict(step),
+                             log_window=self.logger.state_dict())  # collective, like the save
+        path = ckpt.save_checkpoint(self.accelerator, self.model, self.optimizer, self.scheduler,
+                                    root=self.layout.checkpoints, step=step, trainer_state=state, recipe=recipe,
+                                    settings=self.settings, tokenizer=self.tokenizer, lora=recipe.model.lora.enabled,
                                     keep_last=recipe.checkpoint.keep_last, faults=self.faults, run_id=self._run_id())
         self.last_saved_step = step
-        run.say(f"checkpoint: {path}")
+        self.terminal.say(f"checkpoint: {path}")
         return path
 
-    def resume(self) -> TrainingState:
-        """Load the checkpoint the start decision chose (weights, optimizer, schedule, RNG, data position) and
-        return the training state it saved."""
-        run = self.run
-        request, recipe, acc = run.request, run.recipe, run.accelerator
-        info = ckpt.checkpoint_to_resume(run.layout.checkpoints, request.resume_from)
-        ckpt.verify_files(info, acc)  # a file damaged since it was saved is named before anything reads it
-        if not request.resume_from:
-            for newer in ckpt.skipped_newer(info):
-                run.say(f"resume: {newer.name} is newer but not usable ({newer.reason})")
-        for note in ckpt.check_resume(info, recipe, run.settings, run.total_steps):
-            run.say(f"resume: {note}")
-        state = ckpt.load_checkpoint(acc, run.model, run.optimizer, run.scheduler, info,
+    def resume(self, resume_from: str | None = None) -> TrainingState:
+        """Load the checkpoint the start decision chose (`resume_from`, else the newest intact one): weights,
+        optimizer, schedule, RNG, data position, logging window; return the training state it saved."""
+        recipe, acc, say = self.recipe, self.accelerator, self.terminal.say
+        # Every file is checked against its CRC-32 before anything reads it, the ranks sharing the reading.
+        point = checkpoint_index.checkpoint_to_resume(self.layout.checkpoints, resume_from, accelerator=acc)
+        info = point.checkpoint
+        for note in point.notes() + checkpoint_index.check_resume(info, recipe, self.settings, self.total_steps):
+            say(f"resume: {note}")
+        state = ckpt.load_checkpoint(acc, self.model, self.optimizer, self.scheduler, info,
                                      lora=recipe.model.lora.enabled)
         if state.data is not None:  # where each source stands; without it (never written so), replayed from step 0
-            run.sampler.load_state_dict(state.data)
-        training = TrainingState(step=state.step + self.skip_steps_on_resume, tokens_seen=state.tokens_seen or 0)
+            self.sampler.load_state_dict(state.data)
+        self.logger.load_state_dict(state.log_window)
+        training = TrainingState(step=state.step, tokens_seen=state.tokens_seen or 0)
         self.last_saved_step = training.step
-        run.say(f"resume: continuing from {info.path} at step {training.step} of {run.total_steps} "
-                f"(epoch {state.epoch}, {state.rows_consumed or 0:,} rows consumed)")
+        say(f"resume: continuing from {info.path} at step {training.step} of {self.total_steps} "
+            f"(epoch {state.epoch}, {state.rows_consumed or 0:,} units drawn)")
         return training
 
     def stop_preempted(self, state: TrainingState) -> None:
         """Every rank agreed to stop after this step: checkpoint it (unless just saved), say so, and leave
         resumable."""
-        run, step = self.run, state.step
-        run.terminal.close_bar()
-        path = run.layout.checkpoints / ckpt.checkpoint_name(step) if self.last_saved_step == step else self.save(state)
-        if run.accelerator.is_main_process:
-            run.layout.preempted_file.write_text(json.dumps({"step": step, "checkpoint": str(path),
-                                                             "signal": run.preemption.signal_name}))
-        run.accelerator.wait_for_everyone()
+        step, preemption = state.step, self.preemption
+        self.terminal.close_bar()
+        path = self.layout.checkpoints / checkpoint_name(step) if self.last_saved_step == step else self.save(state)
+        if self.accelerator.is_main_process:
+            self.layout.preempted_file.write_text(json.dumps({"step": step, "checkpoint": str(path),
+                                                              "signal": preemption.signal_name}))
+        self.accelerator.wait_for_everyone()
         ckpt.wait_for_rotations()
-        raise Preempted(step, path, run.preemption.signal_name or "a signal")
+        raise Preempted(step, path, preemption.signal_name or "a signal")
 
     def wait(self) -> None:
         """Until the rotation of old checkpoints (in the background) is done."""
@@ -94,13 +102,12 @@ class Checkpointer:
 
     def export_final(self) -> None:
         """The main process alone, after the other ranks have left: the last checkpoint as a Hugging Face folder."""
-        run = self.run
-        info = ckpt.latest_complete(run.layout.checkpoints)
-        report = consolidate(info, run.layout.final, dtype=run.recipe.checkpoint.export_dtype)
+        info = checkpoint_index.latest_complete(self.layout.checkpoints)
+        report = consolidate(info, self.layout.final, dtype=self.recipe.checkpoint.export_dtype)
         print(f"export: {report.summary()}")
 
     def _run_id(self) -> str | None:
         try:
-            return RunIdentity.read(self.run.layout.run_file).run_id
+            return RunIdentity.read(self.layout.run_file).run_id
         except UserError:
             return None

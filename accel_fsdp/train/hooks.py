@@ -4,11 +4,14 @@ Switches, set in the environment of a run by tests and by `verify` (never by a u
   ACCEL_FSDP_BREAK=<name>[,<name>]  break one property on purpose (BREAKS), so tests prove each `verify` check can fail
   ACCEL_FSDP_FAULT=<kind>:<step>[@<rank>]  a crash or hang after an optimizer step or inside a save (faults.py)
   ACCEL_FSDP_PROBE=<name>[,<name>]  measurements of internals through model hooks (probes.py)
-  ACCEL_FSDP_TRACE_ROWS=1           per rank and step, the training sequences read, in <run>/trace/ (resume tests)
+  ACCEL_FSDP_TRACE_UNITS=1          per rank and step, the training units read, in <run>/trace/ (resume tests)
 
 They are read once, by `TestSwitches.from_env` in train/setup.py, and reach the code that acts on them as plain
-parameters (`reduce_dtype`, `preserve_rng_state`, `restart_positions`, a `Faults` object, ...): this module and
-setup.py are the only ones that know the switches exist. Unset, nothing here runs or changes a result.
+parameters where a library takes the broken setting (`reduce_dtype`, `preserve_rng_state`, `shard_cpu_ranks`), as a
+`Faults` object, or by substitution: `substituted` replaces the part of the run a switch breaks (the sampler's
+weights, the objective's normalizer, the collate), and `after_resume` the step a resume starts at, so the code that
+trains has no parameter for them. This module and setup.py are the only ones that know the switches exist. Unset,
+nothing here runs or changes a result.
 
 And one measurement for the sharding record: at the first optimizer step that really runs (gradients and
 optimizer state both exist only inside it), what each rank stores, through an optimizer step hook.
@@ -16,18 +19,26 @@ optimizer state both exist only inside it), what each rank stores, through an op
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
+
+from accel_fsdp.data.store import Sequence
+from accel_fsdp.layout import RunLayout
 from accel_fsdp.train import probes
 from accel_fsdp.train.faults import KINDS, Faults
-from accel_fsdp.train.sharding import gathered_state_bytes
+from accel_fsdp.train.sharding import ShardingRecord, gathered_state_bytes
+from accel_fsdp.train.state import TrainingState
 
 BREAK_ENV = "ACCEL_FSDP_BREAK"
 FAULT_ENV = "ACCEL_FSDP_FAULT"
 PROBE_ENV = "ACCEL_FSDP_PROBE"
-TRACE_ENV = "ACCEL_FSDP_TRACE_ROWS"
+TRACE_ENV = "ACCEL_FSDP_TRACE_UNITS"
 
 BREAKS = {
     "unsharded": "CPU ranks: leave Accelerate's state as it comes (unsharded replicas), and skip the check that stops "
@@ -57,14 +68,14 @@ class TestSwitches:
     """A fault to inject (faults.py)."""
     probes: frozenset[str] = frozenset()
     """Measurements to record (probes.py)."""
-    trace_rows: bool = False
+    trace_units: bool = False
     """Record the training sequences each rank reads at each step."""
 
     @classmethod
     def from_env(cls, env=None) -> TestSwitches:
         env = os.environ if env is None else env
         switches = cls(breaks=_names(env.get(BREAK_ENV)), fault=env.get(FAULT_ENV) or None,
-                       probes=_names(env.get(PROBE_ENV)), trace_rows=bool(env.get(TRACE_ENV)))
+                       probes=_names(env.get(PROBE_ENV)), trace_units=bool(env.get(TRACE_ENV)))
         for names, known, var in ((switches.breaks, BREAKS, BREAK_ENV), (switches.probes, probes.PROBES, PROBE_ENV)):
             if names - set(known):
                 raise ValueError(f"{var}: unknown {', '.join(sorted(names - set(known)))}; known: {', '.join(known)}")
@@ -82,26 +93,37 @@ NO_SWITCHES = TestSwitches()
 
 
 class TestHooks:
+    """What the switches attach to a run: row traces, faults, probes; and the measurement of optimizer state."""
+
     __test__ = False  # not a pytest class
 
-    def __init__(self, run, switches: TestSwitches):
-        self.run = run
-        rank = run.accelerator.process_index
+    def __init__(self, switches: TestSwitches, *, accelerator, model, optimizer, sampler, sharding: ShardingRecord,
+                 layout: RunLayout, packing_probe: Callable[[Path], None]):
+        self.switches = switches
+        self.accelerator, self.model, self.optimizer, self.sharding, self.layout = (accelerator, model, optimizer,
+                                                                                     sharding, layout)
+        rank = accelerator.process_index
         self.faults = Faults(switches.fault, rank)
         self.trace = None
-        if switches.trace_rows:
-            run.layout.trace.mkdir(parents=True, exist_ok=True)
-            self.trace = (run.layout.trace / f"rows-rank{rank}.jsonl").open("a")
-        probes.install(run.model, run.layout.trace, rank, switches.probes)
+        if switches.trace_units:
+            layout.trace.mkdir(parents=True, exist_ok=True)
+            self.trace = (layout.trace / f"units-rank{rank}.jsonl").open("a")
+        probes.install(model, layout.trace, rank, switches.probes)
         if "packing" in switches.probes:
-            probes.packing(run, run.layout.trace / f"packing-rank{rank}.json")
+            packing_probe(layout.trace / f"packing-rank{rank}.json")
         if "data" in switches.probes:
-            probes.data_order(run.sampler, run.layout.trace / f"data-rank{rank}.json")
-        self._state_bytes_hook = _torch_optimizer(run.optimizer).register_step_post_hook(self._record_state_bytes)
+            probes.data_order(sampler, layout.trace / f"data-rank{rank}.json")
+        self._state_bytes_hook = _torch_optimizer(optimizer).register_step_post_hook(self._record_state_bytes)
+
+    def after_resume(self, state: TrainingState) -> None:
+        """`skip-batch`: the resumed run starts one optimizer step later than it stopped (a global batch is lost)."""
+        if self.switches.broken("skip-batch"):
+            state.step += 1
 
     def after_step(self, step: int, micro_batches: list[list[int]]) -> None:
         if self.trace:
-            self.trace.write(json.dumps({"step": step, "rows": [r for rows in micro_batches for r in rows]}) + "\n")
+            units = [unit for micro_batch in micro_batches for unit in micro_batch]
+            self.trace.write(json.dumps({"step": step, "units": units}) + "\n")
             self.trace.flush()
         self.faults.after_step(step)
 
@@ -112,10 +134,40 @@ class TestHooks:
     def _record_state_bytes(self, *_) -> None:
         """Called by the optimizer after its step (before zero_grad): every rank steps at once (collective)."""
         self._state_bytes_hook.remove()
-        run = self.run
-        run.sharding.record_state_bytes(gathered_state_bytes(run.accelerator, run.model, run.optimizer))
-        if run.accelerator.is_main_process:
-            run.sharding.write(run.layout.sharding_file)
+        self.sharding.record_state_bytes(gathered_state_bytes(self.accelerator, self.model, self.optimizer))
+        if self.accelerator.is_main_process:
+            self.sharding.write(self.layout.sharding_file)
+
+
+def substituted(run, switches: TestSwitches):
+    """The run with the parts that the switches break replaced by broken ones, so the code that trains has no switch
+    for them: `mix-weights` draws the sources in equal shares, `mean-loss` lets each micro-step take its own mean,
+    `mask-leak` numbers packed documents' positions straight through. The run as it is without those switches."""
+    if switches.broken("mix-weights"):
+        run.sampler.weights = [1.0 / len(run.sampler.weights)] * len(run.sampler.weights)
+    if switches.broken("mean-loss"):
+        run = dataclasses.replace(run, objective=_PerMicroStepMean(run.objective))
+    if switches.broken("mask-leak"):
+        collate = run.collator
+        run = dataclasses.replace(run, collator=lambda sequences: collate(
+            [Sequence(s.ids, s.labels, np.arange(len(s), dtype=np.int64)) for s in sequences]))
+    return run
+
+
+class _PerMicroStepMean:
+    """An objective whose micro-steps each take their own mean (no global normalizer): `mean-loss`."""
+
+    def __init__(self, objective):
+        self.objective = objective
+
+    def __getattr__(self, name: str):
+        return getattr(self.objective, name)
+
+    def __call__(self, model, batch: dict, norm):
+        return self.objective(model, batch, norm)
+
+    def norm(self, *args, **kwargs):
+        return None
 
 
 def _torch_optimizer(optimizer):

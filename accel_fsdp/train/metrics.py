@@ -159,13 +159,17 @@ def row_from_dict(d: dict) -> MetricsRow:
 
 class MetricsWriter:
     """Appends rows to metrics.jsonl (main process only) and forwards them to the trackers."""
-    def __init__(self, accelerator, path: Path, start_step: int):
+    def __init__(self, accelerator, path: Path):
         self.accelerator = accelerator
         self.path = path
-        if accelerator.is_main_process and path.exists():
-            # A resumed run repeats the steps after its checkpoint: drop their rows from the interrupted attempt.
-            kept = [r for r in read_metrics(path, strict=False) if r.step <= start_step] if start_step else []
-            path.write_text("".join(json.dumps(row_to_dict(r)) + "\n" for r in kept))
+
+    def start_at(self, step: int) -> None:
+        """Before the first row of this attempt, which starts after optimizer step `step` (0: a new run, whose file
+        starts empty). A resumed run repeats the steps after its checkpoint: their rows from the interrupted attempt
+        are dropped."""
+        if self.accelerator.is_main_process and self.path.exists():
+            kept = [r for r in read_metrics(self.path, strict=False) if r.step <= step] if step else []
+            self.path.write_text("".join(json.dumps(row_to_dict(r)) + "\n" for r in kept))
 
     def write(self, record: TrainRow | EvalRow | StartupRow) -> None:
         row, step = row_to_dict(record), record.step

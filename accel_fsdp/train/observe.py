@@ -8,12 +8,14 @@ synchronizes ranks once per logging window (one all-reduce of the window's loss 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
+from accel_fsdp.checkpoint.records import LogWindow
 from accel_fsdp.config.precision import is_half
 from accel_fsdp.hardware import device_peak_flops, peak_memory_bytes, reset_peak_memory
-from accel_fsdp.train.metrics import MetricsWriter, StartupRow, TrainRow
+from accel_fsdp.train.metrics import MetricsWriter, StartupClock, StartupRow, TrainRow
 from accel_fsdp.train.sharding import gather_ints
 from accel_fsdp.train.state import TrainingState
 
@@ -51,18 +53,29 @@ class Terminal:
 
 
 class TrainLogger:
-    def __init__(self, run, metrics: MetricsWriter):
-        self.run = run
-        self.metrics = metrics
-        acc = run.accelerator
-        self.every = run.recipe.logging.every_steps
-        self.peak_flops = device_peak_flops(acc.device, is_half(run.settings.mixed_precision.value))
+    """The train rows of metrics.jsonl and the progress bar's numbers, every `every_steps` optimizer steps and at the
+    last; the time to the first step. Owns the logging window (saved with a checkpoint, see `state_dict`)."""
+
+    def __init__(self, accelerator, terminal: Terminal, metrics: MetricsWriter, clock: StartupClock, *,
+                 every_steps: int, total_steps: int, accumulation_steps: int, precision: str, flops_per_token: float,
+                 tokens_by_source: Callable[[list[int]], dict], statistics: Callable[[dict[str, float]], object]):
+        self.accelerator, self.terminal, self.metrics, self.clock = accelerator, terminal, metrics, clock
+        self.every, self.total_steps, self.accumulation_steps = every_steps, total_steps, accumulation_steps
+        self.flops_per_token = flops_per_token
+        self.tokens_by_source = tokens_by_source
+        """The training tokens of each source in a global batch (its unit ids)."""
+        self.statistics = statistics
+        """The objective's row statistics from the window's sums (train/methods: `Objective.statistics`)."""
+        acc = accelerator
+        self.peak_flops = device_peak_flops(acc.device, is_half(precision))
         self.peak_memory: list[int] | None = None
         """Highest per-rank peak memory of any logging window so far."""
         self.loss = torch.zeros((), device=acc.device)
         self.norm = torch.zeros((), device=acc.device)
         self.sums: dict[str, torch.Tensor] = {}
         """The window's sums of what the objective logs (a preference run's rewards and log-probs over its pairs)."""
+        self.carried = LogWindow()
+        """The part of the window before a resume (its steps ran in the interrupted attempt), from the checkpoint."""
         # No reset here: the first window's peak includes setup (loading and sharding).
         self.tokens, self.steps, self.window_start = 0, 0, time.perf_counter()
         self.first_step: int | None = None
@@ -71,12 +84,13 @@ class TrainLogger:
         self.loss.zero_()
         self.norm.zero_()
         self.sums = {}
-        reset_peak_memory(self.run.accelerator.device)
+        self.carried = LogWindow()
+        reset_peak_memory(self.accelerator.device)
         self.tokens, self.steps, self.window_start = 0, 0, time.perf_counter()
 
     def start(self, state: TrainingState) -> None:
         """Before the first step: the progress bar, and a window that starts now."""
-        self.run.terminal.open_bar(self.run.total_steps, state.step)
+        self.terminal.open_bar(self.total_steps, state.step)
         self.first_step = state.step + 1
         self.tokens, self.steps, self.window_start = 0, 0, time.perf_counter()
 
@@ -88,53 +102,74 @@ class TrainLogger:
 
     def after_step(self, state: TrainingState, lr: float, grad_norm, tokens: int, units: list[int]) -> None:
         """`state` has advanced over this step, whose global batch (`units`) held `tokens` tokens."""
-        run = self.run
         self.norm += _full(grad_norm).detach()
         self.tokens += tokens
         self.steps += 1
         if state.step == self.first_step:
             self._report_startup()
         postfix = {}
-        if state.step % self.every == 0 or state.step == run.total_steps:
+        if state.step % self.every == 0 or state.step == self.total_steps:
             row = self._log(state, lr, units)
             postfix = dict(loss=f"{row.loss:.4f}", tok_s=f"{row.tokens_per_s:,.0f}",
                            **({"mfu": f"{row.mfu:.1%}"} if row.mfu is not None else {}))
-        run.terminal.advance(**postfix)
+        self.terminal.advance(**postfix)
 
-    def _log(self, state: TrainingState, lr: float, units: list[int]) -> TrainRow:
-        """The only synchronizing point of a logging window: reduce the window's sums over ranks."""
-        run, acc = self.run, self.run.accelerator
-        world, k = acc.num_processes, run.sampler.accumulation_steps
+    def window(self) -> LogWindow:
+        """The open window's sums over all ranks, the part before a resume included. Collective: the only
+        synchronizing point of a logging window (one all-reduce)."""
+        acc = self.accelerator
+        world, k = acc.num_processes, self.accumulation_steps
         names = sorted(self.sums)
         sums = acc.reduce(torch.stack([self.loss] + [self.sums[n].float() for n in names]), reduction="sum").tolist()
-        loss_sum, logged = sums[0], dict(zip(names, sums[1:]))
+        # Each micro-step's loss is its share of the step's mean (train/loop.py): a step's world x k shares add up
+        # to its loss.
+        logged = dict(self.carried.sums)
+        for name, value in zip(names, sums[1:]):
+            logged[name] = logged.get(name, 0.0) + value
+        return LogWindow(steps=self.carried.steps + self.steps, loss=self.carried.loss + sums[0] / (world * k),
+                         grad_norm=self.carried.grad_norm + self.norm.item(), sums=logged)
+
+    def state_dict(self) -> LogWindow | None:
+        """The open window, for a checkpoint (collective: every rank saves); None when none is open."""
+        window = self.window()
+        return window if window.steps else None
+
+    def load_state_dict(self, window: LogWindow | None) -> None:
+        """A resumed run's window goes on from the checkpoint's: its first row averages the steps an uninterrupted
+        run's row does (the steps' throughput is this attempt's alone)."""
+        self.carried = window or LogWindow()
+
+    def _log(self, state: TrainingState, lr: float, units: list[int]) -> TrainRow:
+        acc = self.accelerator
+        world = acc.num_processes
+        window = self.window()
         elapsed = time.perf_counter() - self.window_start
         window_peak = gather_ints(acc, [peak_memory_bytes(acc.device)])
         self.peak_memory = [max(a, b) for a, b in zip(self.peak_memory or window_peak, window_peak)]
         per_rank = self.tokens / elapsed / world
-        row = TrainRow(step=state.step, loss=loss_sum / (world * k * self.steps), lr=lr,
-                       grad_norm=self.norm.item() / self.steps, tokens_per_s=self.tokens / elapsed,
+        row = TrainRow(step=state.step, loss=window.loss / window.steps, lr=lr,
+                       grad_norm=window.grad_norm / window.steps, tokens_per_s=self.tokens / elapsed,
                        tokens_per_s_per_rank=per_rank, step_time_s=elapsed / self.steps,
                        tokens_seen=state.tokens_seen, peak_memory_bytes=window_peak,
                        peak_memory_bytes_run=self.peak_memory,
-                       mfu=run.flops_per_token * per_rank / self.peak_flops if self.peak_flops else None,
-                       source_tokens=run.data.tokens_by_source(units), preference=run.objective.statistics(logged))
+                       mfu=self.flops_per_token * per_rank / self.peak_flops if self.peak_flops else None,
+                       source_tokens=self.tokens_by_source(units), preference=self.statistics(window.sums))
         self.metrics.write(row)
         self._new_window()
         return row
 
     def _report_startup(self) -> None:
         """Time to the first optimizer step, by phase (rank 0's clock), in the metrics and on the terminal."""
-        run = self.run
-        run.clock.mark("first step")
-        if run.accelerator.is_main_process:
-            phases = run.clock.phases()
+        self.clock.mark("first step")
+        if self.accelerator.is_main_process:
+            phases = self.clock.phases()
             self.metrics.write(StartupRow(step=self.first_step, time_to_first_step_s=round(sum(phases.values()), 3),
                                           phases_s=phases))
-            run.say(run.clock.summary())
+            self.terminal.say(self.clock.summary())
 
     def close(self) -> None:
-        self.run.terminal.close_bar()
+        self.terminal.close_bar()
+
 
 
 def _full(t):

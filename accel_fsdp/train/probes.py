@@ -36,7 +36,7 @@ SHARE_WINDOW = 100
 
 
 def install(model: torch.nn.Module, folder: Path, rank: int, names: frozenset[str]) -> None:
-    """Attach the probes `names` to the prepared model."""
+    """Attach the probes `names` to the sharded model."""
     if "grad-bytes" in names:
         folder.mkdir(parents=True, exist_ok=True)
         out = (folder / f"grad-bytes-rank{rank}.jsonl").open("a")
@@ -53,23 +53,22 @@ def install(model: torch.nn.Module, folder: Path, rank: int, names: frozenset[st
         _record_dtypes(model, folder / f"dtypes-rank{rank}.json")
 
 
-def packing(run, path: Path, *, documents: int = 8) -> None:
+def packing(model, accelerator, data, collate, batch_layout: str, path: Path, *, documents: int = 8) -> None:
     """Collective: every rank runs the same forwards (FSDP gathers each unit for every one). The documents are cut
     where the data says they start (the table's positions), never where the batch's positions say: a batch that
     does not keep them apart must fail this."""
     sequences, found = [], 0
-    for sequence in (s for unit in range(min(len(run.data), 256)) for s in run.data.sequences(unit)):
+    for sequence in (s for unit in range(min(len(data), 256)) for s in data.sequences(unit)):
         count = int((sequence.positions == 0).sum())
         if count > 1 or len(sequences) < 2:
             sequences.append(sequence)
             found += count
         if found >= documents and len(sequences) >= 2:
             break
-    model = run.model
     model.eval()
     worst, checked = 0.0, 0
-    with torch.no_grad(), run.accelerator.autocast():
-        batch = run.collate(sequences)
+    with torch.no_grad(), accelerator.autocast():
+        batch = collate(sequences)
         batch.pop("labels")
         logits = model(**batch, use_cache=False).logits.float()
         flat = "cu_seq_lens_q" in batch
@@ -78,7 +77,7 @@ def packing(run, path: Path, *, documents: int = 8) -> None:
             starts = [int(i) for i in (sequence.positions == 0).nonzero()[0]] + [len(sequence)]
             for a, b in zip(starts, starts[1:]):
                 ids = sequence.ids[a:b]
-                alone = run.collate([Sequence(ids, ids, np.arange(b - a, dtype=np.int64))])
+                alone = collate([Sequence(ids, ids, np.arange(b - a, dtype=np.int64))])
                 alone.pop("labels")
                 reference = model(**alone, use_cache=False).logits.float()[0, :b - a]
                 packed = logits[0, offset + a:offset + b] if flat else logits[r, a:b]
@@ -88,8 +87,8 @@ def packing(run, path: Path, *, documents: int = 8) -> None:
     model.train()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"documents": checked, "sequences": len(sequences), "relative_difference": worst,
-                                "layout": run.batch_layout,
-                                "attention": getattr(run.accelerator.unwrap_model(model).config,
+                                "layout": batch_layout,
+                                "attention": getattr(accelerator.unwrap_model(model).config,
                                                      "_attn_implementation", None)}))
 
 
@@ -98,9 +97,9 @@ def data_order(sampler, path: Path, *, max_units: int = 200_000) -> None:
     step) and record what a mixture promises: no unit twice in an epoch of its source, every unit of a finished epoch
     read, and the lowest and highest share of the cost (loss-carrying tokens, or units) each source has over any
     window of steps (the caller compares them with the recipe's weights)."""
-    G, sizes = sampler.G, sampler.sizes
-    steps = max(SHARE_WINDOW, math.ceil(2 * max(sizes) / G))
-    steps = min(steps, max(SHARE_WINDOW, max_units // G))
+    global_batch, sizes = len(sampler.global_sequences(0)), sampler.sizes
+    steps = max(SHARE_WINDOW, math.ceil(2 * max(sizes) / global_batch))
+    steps = min(steps, max(SHARE_WINDOW, max_units // global_batch))
     k = len(sizes)
     cost = np.zeros((steps, k), dtype=np.float64)
     seen = [np.zeros(n, bool) for n in sizes]
@@ -123,8 +122,8 @@ def data_order(sampler, path: Path, *, max_units: int = 200_000) -> None:
     totals = sums[window:] - sums[:-window]
     shares = totals / np.maximum(totals.sum(axis=1, keepdims=True), 1e-12)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"steps": steps, "units": steps * G, "epochs_completed": epochs, "repeats": repeats,
-                                "missing": missing, "window": window,
+    path.write_text(json.dumps({"steps": steps, "units": steps * global_batch, "epochs_completed": epochs,
+                                "repeats": repeats, "missing": missing, "window": window,
                                 "share_range": [[float(shares[:, i].min()), float(shares[:, i].max())]
                                                 for i in range(k)],
                                 "by_cost": any(c is not None for c in sampler.costs)}))

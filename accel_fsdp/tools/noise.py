@@ -1,0 +1,55 @@
+"""The numeric noise model: how far two computations of the same numbers may drift apart by rounding alone.
+
+Every float tolerance of `verify`'s checks, of the tests (tests/conftest.py) and of the benchmarks follows from it,
+with the reason it applies where it is used; never from one machine's run: machines differ in kernels, so in the order
+they add numbers up. docs/VERIFY.md says what it rests on.
+
+Plain arithmetic: this module must never import torch or anything of the package.
+"""
+
+from __future__ import annotations
+
+import math
+
+ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}
+"""Unit roundoff of each compute precision (24, 8, 11 significant bits): one rounding moves a value by at most this
+fraction of it. The numeric checks' tolerances follow from it, never from one machine's run: machines differ in
+kernels, so in the order they add numbers up."""
+SIGMAS = 7.0
+"""Rounding errors add up like independent zero-mean draws (Higham and Mary, SIAM J. Sci. Comput. 41(5), 2019): n of
+them stay within SIGMAS x sqrt(n) roundoffs, except with probability below 2n exp(-SIGMAS^2 / 2), about 5e-11 n."""
+
+
+def reordered(terms: int, precision: str = "fp32") -> float:
+    """Largest relative difference of two computations of one sum of `terms` terms added in different orders (relative
+    to the sum where the terms share a sign, as the token losses of a batch, or do not cancel, as a gradient's large
+    elements): each is within SIGMAS x sqrt(terms) roundoffs of the exact sum."""
+    return 2 * SIGMAS * math.sqrt(terms) * ROUNDOFF[precision]
+
+
+def adam_step_bound(beta1: float, beta2: float, steps: int) -> float:
+    """The farthest bias-corrected Adam can move an element in one of its first `steps` steps, in units of lr, whatever
+    the gradients: |m| / sqrt(v) <= sqrt(sum a_i^2 / b_i) over the moments' weights a and b (Cauchy-Schwarz); 1.0 for
+    the first 3 steps with betas (0.9, 0.95). A gradient at the rounding floor can get this step either way."""
+    worst = 0.0
+    for t in range(1, steps + 1):
+        a = [(1 - beta1) * beta1 ** (t - i) / (1 - beta1**t) for i in range(1, t + 1)]
+        b = [(1 - beta2) * beta2 ** (t - i) / (1 - beta2**t) for i in range(1, t + 1)]
+        if any(y == 0 for x, y in zip(a, b) if x):
+            return math.inf
+        worst = max(worst, math.sqrt(sum(x * x / y for x, y in zip(a, b) if x)))
+    return worst
+
+
+def equivalence_tolerance(precision: str, tokens: int, micro_steps: int, steps: int) -> dict[str, float]:
+    """Relative tolerance of the losses and gradient norms of two runs that add up the same global batches differently
+    (another split into micro-steps, fewer ranks, recomputed activations, nondeterministic GPU kernels) over `steps`
+    optimizer steps; a step's difference carries into the next one's weights, so they add up. fp32: each step sums
+    `tokens` token losses, and as many products in each gradient element, in other orders. bf16, fp16: products still
+    add in fp32, but every matmul's output is rounded to the format, a unit apart at most in the two runs: a token's
+    loss once, a gradient element once per micro-step it accumulates over (independent, so sqrt(micro_steps) units)."""
+    if precision == "fp32":
+        loss = norm = reordered(tokens)
+    else:
+        loss, norm = 2 * ROUNDOFF[precision], 2 * math.sqrt(micro_steps) * ROUNDOFF[precision]
+    return {"loss": steps * loss, "grad_norm": steps * norm}
