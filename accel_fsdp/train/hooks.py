@@ -49,6 +49,7 @@ BREAKS = {
     "mask-leak": "let packed documents attend to each other (positions not restarted per document)",
     "ac-rng": "recompute checkpointed activations with new random draws (dropout)",
     "mix-weights": "draw from the data sources in equal shares, whatever their weights",
+    "chunked-loss": "the chunked loss leaves out the last loss-carrying token of every micro-batch",
 }
 
 

@@ -35,7 +35,6 @@ import torch
 
 from accel_fsdp.config.methods import METHODS
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.train.methods.logps import sequence_logps
 from accel_fsdp.train.sharding import gather_ints
 
 DONE = "done.json"
@@ -66,17 +65,19 @@ class AdaptersOff:
     kind = "adapters-off"
     extra_forward = True
 
-    def __init__(self, model, autocast):
+    def __init__(self, model, autocast, loss_path):
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         self.model = model
         self.autocast = autocast
         """The accelerator's autocast: the reference computes in the precision the policy does."""
+        self.loss_path = loss_path
+        """How the policy reads log-probabilities (train/methods/logps.py): the reference reads them the same way."""
         self.layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
 
     def attach(self, batch: dict, where: list[tuple[int, int]], split: str) -> None:
         with torch.no_grad(), self.disabled(), self.autocast():
-            batch["reference_logps"] = sequence_logps(self.model, batch)[0]
+            batch["reference_logps"] = self.loss_path.sequence_logps(self.model, batch)[0]
 
     @contextlib.contextmanager
     def disabled(self):
@@ -129,7 +130,7 @@ def build_reference(run, settings):
     if not METHODS[recipe.training.method].reference:
         return NoReference()
     if recipe.model.lora.enabled:
-        return AdaptersOff(run.model, run.accelerator.autocast)
+        return AdaptersOff(run.model, run.accelerator.autocast, run.loss_path)
     # Before any checkpoint is loaded: the model holds the starting weights (a resumed run computes them again when
     # the cache lost them).
     return precompute(run, starting_weights_key(recipe, settings))
@@ -233,7 +234,7 @@ def _split_logps(run, source, split: str) -> np.ndarray:
         chunk = mine[b * micro:(b + 1) * micro]
         batch = run.collate([s for u in chunk or [0] for s in source.sequences(u, split)])
         with acc.autocast():
-            logps = sequence_logps(run.model, batch)[0].cpu().tolist()
+            logps = run.loss_path.sequence_logps(run.model, batch)[0].cpu().tolist()
         for k, u in enumerate(chunk):
             found[u] = (logps[2 * k], logps[2 * k + 1])
     if world > 1:
