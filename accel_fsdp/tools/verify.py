@@ -16,6 +16,8 @@ accel_fsdp/train/probes.py, the exported weights) and compare:
   data           the mixture as the run draws it: each unit once per epoch of its source, each source's share over
                  any 100 steps within 0.01 of its weight, the same sequences per step on 1 rank and on several
   activation checkpointing   with dropout on, losses and gradient norms with and without it agree
+  chunked-loss   a knob (KNOBS): the recipe with training.chunked_loss on and off gives the same losses and gradient
+                 norms, within the noise model of its arithmetic
   memory         the model state each rank holds against `estimate`'s prediction (and the peak on GPUs)
   throughput     tokens/s per rank (and MFU on GPUs), for the record
 
@@ -49,8 +51,8 @@ from accel_fsdp.tools.noise import ROUNDOFF, adam_step_bound, equivalence_tolera
 from accel_fsdp.train.metrics import read_metrics
 
 MARKER = "verify.json"
-CHECKS = ("sharding", "precision", "equivalence", "resume", "packing", "data", "activation-checkpointing", "memory",
-          "throughput")
+CHECKS = ("sharding", "precision", "equivalence", "resume", "packing", "data", "activation-checkpointing",
+          "chunked-loss", "memory", "throughput")
 SHARE_TOLERANCE = 0.01
 """A source's share of the loss-carrying tokens (or sequences) over any 100 consecutive steps, against its weight."""
 PACKING_LIMIT = {"fp32": reordered(2**23), "bf16": 8 * ROUNDOFF["bf16"], "fp16": 8 * ROUNDOFF["fp16"]}
@@ -374,6 +376,63 @@ def check_activation_checkpointing(v: Verification) -> Check:
                  {"loss_rel": dl, "grad_norm_rel": dg})
 
 
+@dataclass(frozen=True)
+class Knob:
+    """A recipe key that changes how the arithmetic runs, not what it computes: verify runs a short probe of the recipe
+    with it on and one with it off, and compares their losses and gradient norms within `tolerance`."""
+
+    check: str
+    """The check's name (CHECKS); its probes are <check>-on and <check>-off."""
+    key: str
+    """The recipe key (a bool)."""
+    tolerance: object
+    """(Verification) -> ({"loss": relative, "grad_norm": relative}, the tolerance as the table says it)."""
+
+    def enabled(self, recipe) -> bool:
+        section, name = self.key.split(".")
+        return bool(getattr(getattr(recipe, section), name))
+
+
+def chunked_loss_tolerance(v: Verification) -> tuple[dict[str, float], str]:
+    """The same products and sums as the plain path in other orders (fp32: the equivalence tolerance of the global
+    batch's tokens); in 16 bits the hidden states' gradient is summed over the backward's vocabulary blocks, each
+    block's share rounded once: like micro-steps, so the gradient norm's bound counts micro-steps x blocks."""
+    from accel_fsdp.model.facts import loss_chunk_tokens
+
+    t = v.recipe.training
+    facts = facts_for(v.recipe)
+    chunk = t.loss_chunk_tokens or (loss_chunk_tokens(facts.vocab) if facts else 64)
+    blocks = max(1, math.ceil(t.sequences_per_micro_step() * v.recipe.data.seq_len / chunk))
+    micro_steps = t.global_batch_size // t.micro_batch_size * blocks
+    tol = equivalence_tolerance(v.precision, t.global_batch_size * v.recipe.data.seq_len, micro_steps, 2)
+    return tol, f"loss {tol['loss']:g}, grad norm {tol['grad_norm']:g} ({v.precision})"
+
+
+KNOBS = (Knob("chunked-loss", "training.chunked_loss", chunked_loss_tolerance),)
+"""The knobs `verify` proves, each with its own probes and bound."""
+
+
+def run_knob_probes(v: Verification, knob: Knob, sets: list[str], extra: list[str]) -> None:
+    """Two steps of the recipe with the knob on and off (only for a recipe that turns it on)."""
+    if knob.enabled(v.recipe):
+        for value in ("true", "false"):
+            run_probe(v, f"{knob.check}-{'on' if value == 'true' else 'off'}",
+                      sets + [f"{knob.key}={value}", "training.max_steps=2"], extra_args=extra)
+
+
+def check_knob(v: Verification, knob: Knob) -> Check:
+    on, off = v.probes.get(f"{knob.check}-on"), v.probes.get(f"{knob.check}-off")
+    if on is None:
+        return Check(knob.check, "SKIP", f"{knob.key} is off in this recipe: nothing to prove")
+    if not on.ok or not off.ok:
+        return Check(knob.check, "FAIL", (on if not on.ok else off).failure())
+    tol, stated = knob.tolerance(v)
+    same, dl, dg = compare_rows(on.train_rows(), off.train_rows(), tol, 2)
+    return Check(knob.check, "PASS" if same else "FAIL",
+                 f"{knob.key} on vs off over 2 steps: loss {dl:.1e}, grad norm {dg:.1e} relative difference", stated,
+                 {"loss_rel": dl, "grad_norm_rel": dg})
+
+
 def check_packing(v: Verification) -> Check:
     """What the reference probe's `packing` probe measured inside the trainer (accel_fsdp/train/probes.py): packed
     sequences laid out by the run's own collate for its attention kernel, against each document run alone."""
@@ -546,9 +605,13 @@ def verify(recipe, config, num_processes: int | None, overrides: list[str], *, o
             dropout = [f"model.config_overrides.{k}=0.1" for k in keys] + ["training.max_steps=2"]
             for name, on in (("ac-on", "true"), ("ac-off", "false")):
                 run_probe(v, name, sets + dropout + [f"model.activation_checkpointing={on}"], extra_args=extra)
+    for knob in KNOBS:
+        if knob.check in wanted:
+            run_knob_probes(v, knob, sets, extra)
     runners = {"sharding": check_sharding, "precision": check_precision, "equivalence": check_equivalence,
                "resume": check_resume, "packing": check_packing, "data": check_data, "activation-checkpointing":
-               check_activation_checkpointing, "memory": check_memory, "throughput": check_throughput}
+               check_activation_checkpointing, "memory": check_memory, "throughput": check_throughput,
+               **{knob.check: (lambda v, knob=knob: check_knob(v, knob)) for knob in KNOBS}}
     for name in CHECKS:
         if name in wanted:
             try:
