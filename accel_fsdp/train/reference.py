@@ -114,7 +114,11 @@ class Precomputed:
         # Copied out of the arrays (read-only when read back from the cache): a tensor over a read-only NumPy array
         # is what torch warns about.
         values = np.concatenate([self.arrays[source][split][2 * pair:2 * pair + 2] for source, pair in where])
-        batch["reference_logps"] = torch.from_numpy(values.astype(np.float32)).to(batch["labels"].device)
+        values = torch.from_numpy(values.astype(np.float32))
+        device = batch["labels"].device
+        # pinned, as the batch itself (train/setup.py `Run.collate`): the copy does not make the host wait
+        batch["reference_logps"] = (values.pin_memory() if device.type == "cuda" else values).to(device,
+                                                                                                 non_blocking=True)
 
     def describe(self) -> str:
         if self.seconds == 0:
