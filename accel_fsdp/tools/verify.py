@@ -44,7 +44,7 @@ from accel_fsdp.config import precision
 from accel_fsdp.config.settings import FsdpSettings
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.layout import CHECKPOINTS_DIR, MANIFEST, STEP_PREFIX, RunLayout, checkpoint_name
-from accel_fsdp.model.facts import base_values, facts_for
+from accel_fsdp.model.facts import base_values, facts_for, loss_chunk_tokens
 from accel_fsdp.planning.memory import MemoryInputs, estimate
 from accel_fsdp.preflight import preflight
 from accel_fsdp.tools.noise import ROUNDOFF, adam_step_bound, equivalence_tolerance, reordered
@@ -397,8 +397,6 @@ def chunked_loss_tolerance(v: Verification) -> tuple[dict[str, float], str]:
     """The same products and sums as the plain path in other orders (fp32: the equivalence tolerance of the global
     batch's tokens); in 16 bits the hidden states' gradient is summed over the backward's vocabulary blocks, each
     block's share rounded once: like micro-steps, so the gradient norm's bound counts micro-steps x blocks."""
-    from accel_fsdp.model.facts import loss_chunk_tokens
-
     t = v.recipe.training
     facts = facts_for(v.recipe)
     chunk = t.loss_chunk_tokens or (loss_chunk_tokens(facts.vocab) if facts else 64)

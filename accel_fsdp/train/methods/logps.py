@@ -142,23 +142,18 @@ class ChunkedPath:
     name = "chunked"
 
     def __init__(self, head: torch.nn.Module, chunk_tokens: int, *, vocab: int, chosen_by_planner: bool = False,
-                 whole: bool = False, drop_last_token: bool = False):
+                 whole: bool = False):
         self.head = head
         self.chunk_tokens = chunk_tokens
         self.vocab = vocab
         self.chosen_by_planner = chosen_by_planner
         self.whole = whole
         """The chunk holds a whole micro-step's tokens (a small vocabulary): one chunk, still loss positions only."""
-        self.drop_last_token = drop_last_token
-        """Only `verify`'s proof that its chunked-loss check can fail: the last loss token counts for nothing."""
 
     def token_logps(self, model, batch: dict) -> torch.Tensor:
         index = batch["loss_index"]
         with projecting(self.head, index.positions, index.targets, self.chunk_tokens):
-            token_logps = model(**model_inputs(batch), use_cache=False).logits
-        if self.drop_last_token and index.tokens:
-            token_logps = torch.cat([token_logps[:-1], token_logps[-1:] * 0])
-        return token_logps
+            return model(**model_inputs(batch), use_cache=False).logits
 
     def sequence_logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         return per_sequence(self.token_logps(model, batch), batch["loss_index"])
@@ -175,7 +170,7 @@ class ChunkedPath:
         return f"  loss      from the hidden states of the loss-carrying positions only, {size}{adapted}"
 
 
-def build_loss_path(recipe, model, *, drop_last_token: bool = False) -> LossPath:
+def build_loss_path(recipe, model) -> LossPath:
     """The recipe's loss path for the prepared model; the plain one, saying why, where the chunked one cannot run."""
     t = recipe.training
     if not t.chunked_loss:
@@ -187,4 +182,4 @@ def build_loss_path(recipe, model, *, drop_last_token: bool = False) -> LossPath
     micro_step = t.sequences_per_micro_step() * recipe.data.seq_len  # no micro-step has more loss positions
     chunk = min(t.loss_chunk_tokens or loss_chunk_tokens(vocab), micro_step)
     return ChunkedPath(head, chunk, vocab=vocab, chosen_by_planner=t.loss_chunk_tokens is None,
-                       whole=chunk == micro_step, drop_last_token=drop_last_token)
+                       whole=chunk == micro_step)
