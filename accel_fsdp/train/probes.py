@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from accel_fsdp.data.store import Sequence
+from accel_fsdp.train.methods.logps import model_inputs
 
 PROBES = ("grad-bytes", "dtypes", "packing", "data", "all-gathers")
 SHARE_WINDOW = 100
@@ -104,8 +105,7 @@ def packing(model, accelerator, data, collate, batch_layout: str, path: Path, *,
     worst, checked = 0.0, 0
     with torch.no_grad(), accelerator.autocast():
         batch = collate(sequences)
-        batch.pop("labels")
-        logits = model(**batch, use_cache=False).logits.float()
+        logits = model(**model_inputs(batch), use_cache=False).logits.float()
         flat = "cu_seq_lens_q" in batch
         offset = 0
         for r, sequence in enumerate(sequences):
@@ -113,8 +113,7 @@ def packing(model, accelerator, data, collate, batch_layout: str, path: Path, *,
             for a, b in zip(starts, starts[1:]):
                 ids = sequence.ids[a:b]
                 alone = collate([Sequence(ids, ids, np.arange(b - a, dtype=np.int64))])
-                alone.pop("labels")
-                reference = model(**alone, use_cache=False).logits.float()[0, :b - a]
+                reference = model(**model_inputs(alone), use_cache=False).logits.float()[0, :b - a]
                 packed = logits[0, offset + a:offset + b] if flat else logits[r, a:b]
                 worst = max(worst, float((packed - reference).abs().max() / reference.abs().max().clamp(min=1e-6)))
                 checked += 1
