@@ -378,19 +378,24 @@ def check_activation_checkpointing(v: Verification) -> Check:
 
 @dataclass(frozen=True)
 class Knob:
-    """A recipe key that changes how the arithmetic runs, not what it computes: verify runs a short probe of the recipe
-    with it on and one with it off, and compares their losses and gradient norms within `tolerance`."""
+    """A recipe key that changes how the arithmetic runs, not what it computes (or, for an inexact knob, within a
+    bound of its own): verify runs a short probe of the recipe as it is and one with the key at `off`, and compares
+    their losses and gradient norms within `tolerance`. A new knob is one entry of KNOBS and its name in CHECKS."""
 
     check: str
     """The check's name (CHECKS); its probes are <check>-on and <check>-off."""
     key: str
-    """The recipe key (a bool)."""
+    """The recipe key, section.name."""
     tolerance: object
     """(Verification) -> ({"loss": relative, "grad_norm": relative}, the tolerance as the table says it)."""
+    off: str = "false"
+    """The value of the key that turns the knob off, as --set writes it (a bool key: false; a choice: its baseline,
+    e.g. the precision the knob is compared with)."""
 
     def enabled(self, recipe) -> bool:
         section, name = self.key.split(".")
-        return bool(getattr(getattr(recipe, section), name))
+        value = getattr(getattr(recipe, section), name)
+        return value not in (None, False) and str(value).lower() != self.off
 
 
 def chunked_loss_tolerance(v: Verification) -> tuple[dict[str, float], str]:
@@ -411,11 +416,10 @@ KNOBS = (Knob("chunked-loss", "training.chunked_loss", chunked_loss_tolerance),)
 
 
 def run_knob_probes(v: Verification, knob: Knob, sets: list[str], extra: list[str]) -> None:
-    """Two steps of the recipe with the knob on and off (only for a recipe that turns it on)."""
+    """Two steps of the recipe as it is (the knob on) and with the knob off (only for a recipe that turns it on)."""
     if knob.enabled(v.recipe):
-        for value in ("true", "false"):
-            run_probe(v, f"{knob.check}-{'on' if value == 'true' else 'off'}",
-                      sets + [f"{knob.key}={value}", "training.max_steps=2"], extra_args=extra)
+        run_probe(v, f"{knob.check}-on", sets + ["training.max_steps=2"], extra_args=extra)
+        run_probe(v, f"{knob.check}-off", sets + [f"{knob.key}={knob.off}", "training.max_steps=2"], extra_args=extra)
 
 
 def check_knob(v: Verification, knob: Knob) -> Check:
