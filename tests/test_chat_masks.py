@@ -240,3 +240,17 @@ def test_a_preference_prompt_is_encoded_once(monkeypatch):
     examples(tok, "preference", rows)
     for k in range(8):
         assert sum(f"question {k} :" in t for t in encoded) == 1
+
+
+def test_conversation_pairs_without_a_chat_template_are_named_by_line(tmp_path):
+    tok = build_tokenizer()
+    tok.chat_template = None
+    pair = {"chosen": [{"role": "user", "content": "who ?"}, {"role": "assistant", "content": "alice ."}],
+            "rejected": [{"role": "user", "content": "who ?"}, {"role": "assistant", "content": "bob ."}]}
+    path = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "who ?", "chosen": "alice .", "rejected": "bob ."}, pair])
+    r = recipe_from_text(f"model: {{architecture: gpt2, tokenizer: 'builtin:quickstart'}}\n"
+                         f"data: {{path: '{path}', format: preference}}\n"
+                         "training: {method: dpo, micro_batch_size: 1, global_batch_size: 1}\n", source="r.yaml")
+    with pytest.raises(UserError, match="pairs.jsonl line 2: chosen and rejected are conversations, and the "
+                                        "tokenizer has no chat template"):
+        prepare_data(r, tok)

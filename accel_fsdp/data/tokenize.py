@@ -9,10 +9,11 @@
                the tokenizer has one, else prompt and answer concatenated with an EOS after the answer), or
                conversations ending in an assistant turn that share everything before it
 
-Texts are encoded in batches by the tokenizer's own Rust encoder (`encode_batch`, which runs on as many threads as
-the process may use), the same encoder `tokenizer(text)` calls one text at a time, so the ids are identical.
-Checking a row (its fields, their types, a chat's roles) happens here, as the row passes: a bad row is reported
-through the `SourceReader` with its file and line. This module imports no torch.
+Texts are encoded in batches by the tokenizer's own Rust encoder (encoder.py: `encode_batch`, which runs on as many
+threads as the process may use), the same encoder `tokenizer(text)` calls one text at a time, so the ids are
+identical; `ExampleTokenizer.stream` encodes one batch while the next is read, checked and rendered. Checking a row
+(its fields, their types, a chat's roles, what the chat template accepts) happens here, as the row passes: a bad row
+is reported through the `SourceReader` with its file and line. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -261,6 +262,11 @@ class ExampleTokenizer:
             pair = self._pair(n, row)
             if pair is None:
                 continue
+            if isinstance(pair[1], list) and self.tokenizer is not None and self.template is None:
+                self.reader.bad("pair template", n, "chosen and rejected are conversations, and the tokenizer has no "
+                                "chat template to write them with", "use a tokenizer with a chat template "
+                                "(model.tokenizer), or give the prompt and the two answers as strings")
+                continue
             (conversations if isinstance(pair[1], list) else strings).append((n, *pair))
         if self.reader.problems or self.tokenizer is None:
             return no_examples
@@ -290,9 +296,9 @@ class ExampleTokenizer:
         out: dict[int, list[Example]] = {}
         if strings:
             eos = [self.eos] if self.eos is not None else []
-            prompts = encode(self.tokenizer, [p for _, p, _, _ in strings], special=True)
+            prompt_ids = encode(self.tokenizer, [p for _, p, _, _ in strings], special=True)
             answers = encode(self.tokenizer, [a for _, _, c, r in strings for a in (c, r)], special=False)
-            for k, ((n, *_), p) in enumerate(zip(strings, prompts)):
+            for k, ((n, *_), p) in enumerate(zip(strings, prompt_ids)):
                 out[n] = [Example(np.asarray(p + a + eos, dtype=np.int64),
                                   np.concatenate([np.zeros(len(p), bool), np.ones(len(a) + len(eos), bool)]), n)
                           for a in (answers[2 * k], answers[2 * k + 1])]
