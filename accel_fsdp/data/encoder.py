@@ -68,7 +68,9 @@ class ChatTemplate:
     utils/chat_template_utils.py, _compile_jinja_template), with the variables apply_chat_template gives it
     (render_jinja_template: messages, tools, documents, add_generation_prompt and the special tokens' map): half
     of apply_chat_template's time is normalizing and copying the messages, which changes nothing for such messages
-    (checked with transformers 5.24.0), and the sandbox keeps the template from changing them. Anything else (more
+    (checked with transformers 5.24.0), and the sandbox keeps the template from changing them. The template's
+    globals are merged with those variables once, not at every render (what `Template.render` does in jinja 3.1:
+    a context of `dict(globals, **variables)`, then `root_render_func`): half of what is left. Anything else (more
     keys in a message, a template transformers cannot hand us) goes through apply_chat_template itself, and the
     first conversation is rendered both ways: were they ever to differ, every render goes through
     apply_chat_template."""
@@ -80,7 +82,8 @@ class ChatTemplate:
             from transformers.utils.chat_template_utils import _compile_jinja_template
 
             self.compiled = _compile_jinja_template(tokenizer.get_chat_template())
-            self.variables = dict(tokenizer.special_tokens_map)
+            self.variables = {**self.compiled.globals, "tools": None, "documents": None,
+                              **tokenizer.special_tokens_map}
         except Exception:  # noqa: BLE001 - any change in transformers' internals: the public path, as exact
             self.compiled = None
 
@@ -88,8 +91,13 @@ class ChatTemplate:
         if self.compiled is None or not all(len(m) == 2 for m in messages):  # role and content only (checked)
             return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=generation_prompt)
-        text = self.compiled.render(messages=messages, tools=None, documents=None,
-                                    add_generation_prompt=generation_prompt, **self.variables)
+        template = self.compiled
+        context = template.new_context({**self.variables, "messages": messages,
+                                         "add_generation_prompt": generation_prompt}, shared=True)
+        try:
+            text = template.environment.concat(template.root_render_func(context))
+        except Exception:  # noqa: BLE001 - as Template.render: the template's own error, its traceback rewritten
+            template.environment.handle_exception()
         if not self.checked:
             self.checked = True
             if text != self.tokenizer.apply_chat_template(messages, tokenize=False,
