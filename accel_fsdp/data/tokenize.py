@@ -27,6 +27,7 @@ import numpy as np
 from accel_fsdp.config.recipe import SourceConfig
 from accel_fsdp.data.encoder import ChatEncoder, ChatTemplate, encode
 from accel_fsdp.data.sources import CHAT_ROLES, SourceReader, check_messages
+from accel_fsdp.errors import first_line
 
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
@@ -249,7 +250,7 @@ class ExampleTokenizer:
         try:
             return render(*args)
         except TemplateError as e:
-            self.reader.bad("chat template", n, f"the chat template refuses this conversation: {e}",
+            self.reader.bad("chat template", n, f"the chat template refuses this conversation: {first_line(e)}",
                             "fix the row's messages (roles, order), or use a tokenizer whose template accepts them")
             return None
 
