@@ -1,5 +1,5 @@
-"""verify's knob probes (tools/verify.py `Knob`, `KNOBS`): which recipes a knob's probes run for, and what the two
-probes change in the recipe. The probes themselves run in tests/test_verify.py (the chunked loss's PASS, and its
+"""verify's knob probes (tools/knob_probes.py `Knob`, `KNOBS`; tools/verify.py runs them): which recipes a knob's
+probes run for, and what the two probes change in the recipe. The probes themselves run in tests/test_verify.py (the chunked loss's PASS, and its
 FAIL when a chunk drops a token)."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from pathlib import Path
 
 from accel_fsdp.config.recipe import recipe_from_text
 from accel_fsdp.tools import verify
-from accel_fsdp.tools.verify import KNOBS, Knob, Verification, run_knob_probes
+from accel_fsdp.tools.knob_probes import KNOBS, Knob
+from accel_fsdp.tools.verify import Verification, run_knob_probes
 
 SFT = "model: {architecture: llama-3.2-1b}\ndata: {path: builtin:quickstart}\n"
 

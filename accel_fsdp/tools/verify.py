@@ -16,7 +16,7 @@ accel_fsdp/train/probes.py, the exported weights) and compare:
   data           the mixture as the run draws it: each unit once per epoch of its source, each source's share over
                  any 100 steps within 0.01 of its weight, the same sequences per step on 1 rank and on several
   activation checkpointing   with dropout on, losses and gradient norms with and without it agree
-  chunked-loss   a knob (KNOBS): the recipe with training.chunked_loss on and off gives the same losses and gradient
+  chunked-loss   a knob (tools/knob_probes.py): the recipe with training.chunked_loss on and off gives the same losses and gradient
                  norms, within the noise model of its arithmetic
   memory         the model state each rank holds against `estimate`'s prediction (and the peak on GPUs)
   throughput     tokens/s per rank (and MFU on GPUs), for the record
@@ -44,9 +44,10 @@ from accel_fsdp.config import precision
 from accel_fsdp.config.settings import FsdpSettings
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.layout import CHECKPOINTS_DIR, MANIFEST, STEP_PREFIX, RunLayout, checkpoint_name
-from accel_fsdp.model.facts import base_values, facts_for, loss_chunk_tokens
+from accel_fsdp.model.facts import base_values, facts_for
 from accel_fsdp.planning.memory import MemoryInputs, estimate
 from accel_fsdp.preflight import preflight
+from accel_fsdp.tools.knob_probes import KNOBS, Knob
 from accel_fsdp.tools.noise import ROUNDOFF, adam_step_bound, equivalence_tolerance, reordered
 from accel_fsdp.train.metrics import read_metrics
 
@@ -374,45 +375,6 @@ def check_activation_checkpointing(v: Verification) -> Check:
                  f"with dropout 0.1, with vs without: loss {dl:.1e}, grad norm {dg:.1e} relative difference",
                  "identical (CPU)" if exact else f"loss {tol['loss']:g}, grad norm {tol['grad_norm']:g}",
                  {"loss_rel": dl, "grad_norm_rel": dg})
-
-
-@dataclass(frozen=True)
-class Knob:
-    """A recipe key that changes how the arithmetic runs, not what it computes (or, for an inexact knob, within a
-    bound of its own): verify runs a short probe of the recipe as it is and one with the key at `off`, and compares
-    their losses and gradient norms within `tolerance`. A new knob is one entry of KNOBS and its name in CHECKS."""
-
-    check: str
-    """The check's name (CHECKS); its probes are <check>-on and <check>-off."""
-    key: str
-    """The recipe key, section.name."""
-    tolerance: object
-    """(Verification) -> ({"loss": relative, "grad_norm": relative}, the tolerance as the table says it)."""
-    off: str = "false"
-    """The value of the key that turns the knob off, as --set writes it (a bool key: false; a choice: its baseline,
-    e.g. the precision the knob is compared with)."""
-
-    def enabled(self, recipe) -> bool:
-        section, name = self.key.split(".")
-        value = getattr(getattr(recipe, section), name)
-        return value not in (None, False) and str(value).lower() != self.off
-
-
-def chunked_loss_tolerance(v: Verification) -> tuple[dict[str, float], str]:
-    """The same products and sums as the plain path in other orders (fp32: the equivalence tolerance of the global
-    batch's tokens); in 16 bits the hidden states' gradient is summed over the backward's vocabulary blocks, each
-    block's share rounded once: like micro-steps, so the gradient norm's bound counts micro-steps x blocks."""
-    t = v.recipe.training
-    facts = facts_for(v.recipe)
-    chunk = t.loss_chunk_tokens or (loss_chunk_tokens(facts.vocab) if facts else 64)
-    blocks = max(1, math.ceil(t.sequences_per_micro_step() * v.recipe.data.seq_len / chunk))
-    micro_steps = t.global_batch_size // t.micro_batch_size * blocks
-    tol = equivalence_tolerance(v.precision, t.global_batch_size * v.recipe.data.seq_len, micro_steps, 2)
-    return tol, f"loss {tol['loss']:g}, grad norm {tol['grad_norm']:g} ({v.precision})"
-
-
-KNOBS = (Knob("chunked-loss", "training.chunked_loss", chunked_loss_tolerance),)
-"""The knobs `verify` proves, each with its own probes and bound."""
 
 
 def run_knob_probes(v: Verification, knob: Knob, sets: list[str], extra: list[str]) -> None:
