@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -33,9 +34,10 @@ def prepare_command(name_or_path, overrides) -> None:
     """
     r = load_recipe(name_or_path, overrides)
     quiet_libraries()
-    prepared, data = data_tools.prepare(r)
-    click.echo(f"prepared: {r.source}: {len(prepared)} source(s)")
-    click.echo(data_tools.prepare_report(r, prepared, data))
+    with interruptible("data prepare"):
+        data = data_tools.prepare(r)
+    click.echo(f"prepared: {r.source}: {len(data.sources)} source(s)")
+    click.echo(data_tools.prepare_report(r, data))
 
 
 @data.command("show")
@@ -58,4 +60,17 @@ def show_command(name_or_path, sequences, plot, color, overrides) -> None:
     r = load_recipe(name_or_path, overrides)
     quiet_libraries()
     use_color = sys.stdout.isatty() if color is None else color
-    click.echo(data_tools.show(r, sequences=sequences, color=use_color, plot=plot))
+    with interruptible("data show"):
+        text = data_tools.show(r, sequences=sequences, color=use_color, plot=plot)
+    click.echo(text)
+
+
+@contextlib.contextmanager
+def interruptible(command: str):
+    """Ctrl-C: one line and exit status 130 (128 + SIGINT, as a shell reports it), not a traceback; the cache keeps
+    no half-written entry (data/prepare.py builds under a temporary name and removes it on the way out)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        click.echo(f"{command}: interrupted (Ctrl-C); the cache holds no half-written data", err=True)
+        sys.exit(130)
