@@ -295,7 +295,7 @@ def test_ctrl_c_during_data_prepare_exits_130_with_one_line_and_leaves_no_half_w
 
 def test_a_resume_refuses_a_source_that_changed_since_its_checkpoint_unless_told(tmp_path, cache, tok):
     from accel_fsdp.checkpoint.records import Manifest
-    from accel_fsdp.checkpoint.store import CheckpointInfo, check_resume
+    from accel_fsdp.checkpoint.index import CheckpointInfo, check_resume
     from accel_fsdp.data.identity import data_identity
 
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": "alice has a cat ."}] * 30)
