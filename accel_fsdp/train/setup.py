@@ -320,12 +320,8 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
     # Before the model is built from the config: dropout of a method that trains without it (config/methods.py).
     dropout_off = {} if trains_with_dropout(recipe) else turn_off_dropout(config)
     terminal = open_run_folder(request, engine, layout, decision)
-<<<<<<< HEAD
     doing("the data preparation (the first rank of each machine builds it, the others wait)")
-    data = data_lib.prepare_data(recipe, tokenizer, engine.accelerator)
-=======
     data = prepare_run_data(recipe, tokenizer, engine.accelerator, terminal, switches)  # before any weight is read
->>>>>>> 3972182 (The data a run reads is the data that was checked, on ground pieces for files and identities)
     clock.mark("data")
     for warning in data.stats.warnings(recipe):
         terminal.say(f"warning: {warning}")
@@ -346,12 +342,8 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
     parts = build_components(run, switches)
     state = TrainingState()
     if decision == Decision.RESUME or request.resume_from:
-<<<<<<< HEAD
         doing("the resume from a checkpoint")
-        state = parts.checkpointer.resume(request.resume_from)
-=======
         state = parts.checkpointer.resume(request.resume_from, accept_data_change=request.accept_data_change)
->>>>>>> 3972182 (The data a run reads is the data that was checked, on ground pieces for files and identities)
         parts.hooks.after_resume(state)
     parts.logger.metrics.start_at(state.step)
     if recipe.logging.trackers:

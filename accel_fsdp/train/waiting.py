@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.train.lifetime import STOPPED, RankRecords, end_after_collective_failure
 
 WAIT_LIMIT_S = 24 * 3600
 """How long a rank waits for the others to finish a stage: longer than any tokenization of a dataset (a builder that
@@ -26,8 +27,8 @@ def wait_for_every_rank(accelerator, stage: str, what: str, error: UserError | N
                         limit_s: float = WAIT_LIMIT_S, say=print) -> None:
     """Collective in effect: every rank calls it once per `stage` (a key of the store), after its part of the work,
     with the UserError it met or None. Returns when every rank got there and none failed; raises this rank's own
-    error, or one saying another rank failed (the failing rank shows its own message). `what` names the work for
-    the messages ("prepare the data")."""
+    error; when another rank failed, this one ends quietly with PEER_FAILED (lifetime.py: the failing rank, or our
+    launcher, says why). `what` names the work for the messages ("prepare the data")."""
     if accelerator.num_processes == 1:
         if error is not None:
             raise error
@@ -58,5 +59,5 @@ def wait_for_every_rank(accelerator, stage: str, what: str, error: UserError | N
         pause = min(2.0, pause * 1.5)
     if error is not None:
         raise error
-    if store.add(failed, 0):
-        raise UserError(f"another rank could not {what} (its message is above)")
+    if store.add(failed, 0):  # the rank that failed says why (lifetime.py): this one ends quietly, as a peer's
+        end_after_collective_failure(STOPPED, None, RankRecords.from_env())
