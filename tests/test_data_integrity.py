@@ -290,6 +290,21 @@ def test_ctrl_c_during_data_prepare_exits_130_with_one_line_and_leaves_no_half_w
     assert [p.name for p in tokenized.iterdir() if not p.name.endswith(".lock")] == []
 
 
+def test_a_ctrl_c_that_python_dropped_still_stops_the_build_and_exits_130(cache, tok, capsys):
+    from accel_fsdp.cli.data import interruptible
+
+    with pytest.raises(SystemExit) as ended, interruptible("data prepare"):
+        try:  # what a __del__ does with the KeyboardInterrupt the handler raises in it: drops it
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            pass
+        prepare_data(recipe(), tok)
+    assert ended.value.code == 130
+    assert capsys.readouterr().err.strip() == "data prepare: interrupted (Ctrl-C); the cache holds no half-written data"
+    assert [p.name for p in (cache / "tokenized").iterdir() if not p.name.endswith(".lock")] == []
+
+
 # ------------------------------------------------------------------------------------- resume on changed data
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 from pathlib import Path
 
 import click
 
 from accel_fsdp.cli.options import SET_HELP, load_recipe
+from accel_fsdp.data.build import INTERRUPTED
 from accel_fsdp.quiet import quiet_libraries
 from accel_fsdp.tools import data as data_tools
 
@@ -68,9 +70,23 @@ def show_command(name_or_path, sequences, plot, color, overrides) -> None:
 @contextlib.contextmanager
 def interruptible(command: str):
     """Ctrl-C: one line and exit status 130 (128 + SIGINT, as a shell reports it), not a traceback; the cache keeps
-    no half-written entry (data/prepare.py builds under a temporary name and removes it on the way out)."""
+    no half-written entry (data/prepare.py builds under a temporary name and removes it on the way out). The handler
+    also sets data/build.py's INTERRUPTED, so a KeyboardInterrupt that Python dropped (raised inside a `__del__`)
+    still stops the build at its next batch, and the command still ends with 130."""
+
+    def on_ctrl_c(signum, frame):
+        INTERRUPTED.set()
+        raise KeyboardInterrupt
+
+    INTERRUPTED.clear()
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
     try:
         yield
+        if INTERRUPTED.is_set():  # dropped where it landed, after the last batch: the entry is whole, the command ends
+            raise KeyboardInterrupt
     except KeyboardInterrupt:
         click.echo(f"{command}: interrupted (Ctrl-C); the cache holds no half-written data", err=True)
         sys.exit(130)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        INTERRUPTED.clear()

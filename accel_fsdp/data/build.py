@@ -11,6 +11,7 @@ into a temporary folder and publishes it when complete) and imports no torch.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -34,6 +35,10 @@ NO_SIGNAL_REFUSED = 0.5
 """Share of a source's pairs without a preference (answers the same tokens, or differing in whitespace alone) from
 which the source is refused rather than trained on without them: a corpus mostly of such pairs is a mistake (a
 wrong field, answers copied), a few are noise to skip."""
+INTERRUPTED = threading.Event()
+"""Set by the Ctrl-C handler of `accel-fsdp data` (cli/data.py `interruptible`): a build stops at its next batch.
+The KeyboardInterrupt the handler raises lands wherever the interpreter is, a `__del__` included (the tokenizer's
+`regex` has one), where Python prints it and drops it; this event outlives it."""
 
 
 def build_source(recipe, tokenizer, index: int, source: SourceConfig, folder, *, delay: float = 0.0) -> SourceStats:
@@ -52,6 +57,8 @@ def build_source(recipe, tokenizer, index: int, source: SourceConfig, folder, *,
                                 "use an instruct/chat model's tokenizer (model.tokenizer), or format: instruction"))
     build = _Build(recipe, tokenizer, index, source, reader, folder)
     for numbers, batch in reader.batches(BATCH_ROWS, BATCH_BYTES):
+        if INTERRUPTED.is_set():
+            raise KeyboardInterrupt
         build.add(numbers, batch)
     stats = build.finish()
     stats.seconds = round(time.monotonic() - start, 3)
