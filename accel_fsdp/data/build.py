@@ -56,10 +56,11 @@ def build_source(recipe, tokenizer, index: int, source: SourceConfig, folder, *,
                                 f"{recipe.model.tokenizer or recipe.model.name_or_path!r} has none",
                                 "use an instruct/chat model's tokenizer (model.tokenizer), or format: instruction"))
     build = _Build(recipe, tokenizer, index, source, reader, folder)
-    for numbers, batch in reader.batches(BATCH_ROWS, BATCH_BYTES):
+    # The next batch is read and rendered while this one encodes (tokenize.py ExampleTokenizer.stream).
+    for numbers, batch, examples in build.tokenize.stream(reader.batches(BATCH_ROWS, BATCH_BYTES)):
         if INTERRUPTED.is_set():
             raise KeyboardInterrupt
-        build.add(numbers, batch)
+        build.add(numbers, batch, examples)
     stats = build.finish()
     stats.seconds = round(time.monotonic() - start, 3)
     return stats
@@ -109,15 +110,15 @@ class _Build:
         self.seen = 0
         self.first_no_signal: tuple[int, str] | None = None
 
-    def add(self, numbers: list[int], batch: list[dict]) -> None:
-        """One batch of rows: held out or not, tokenized, fitted to seq_len, appended to its table."""
+    def add(self, numbers: list[int], batch: list[dict], examples: list[Example]) -> None:
+        """One batch of rows and their examples (tokenized): held out or not, fitted to seq_len, appended to its
+        table."""
         if self.chooser is not None:
             held = self.chooser.many(np.arange(self.seen, self.seen + len(batch))) < self.n_eval
         else:
             held = np.zeros(len(batch), bool)
         is_eval = dict(zip(numbers, held.tolist()))
         self.seen += len(batch)
-        examples = self.tokenize(numbers, batch)
         self.reader.raise_problems()
         self._count_tokens(examples)
         groups = self._pairs(examples, is_eval) if self.pairs else [[self._fit(ex, is_eval[ex.row])] for ex in examples]
