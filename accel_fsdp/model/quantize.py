@@ -80,6 +80,31 @@ def quantized_bytes(facts: ModelFacts, compute_bytes: int = 2) -> int:
     return facts.layers * sum(nf4_bytes(layer.numel, compute_bytes) for layer in block_layers(facts))
 
 
+@dataclass(frozen=True)
+class QuantizedTerms:
+    """What a 4-bit base adds to the memory plan (planning/memory.py), from the model's facts."""
+    params: int
+    """Weights held in 4 bits, the whole model."""
+    bytes: int
+    """Their codes and scales."""
+    largest_weight: int
+    """Elements of the largest 4-bit weight: dequantized in the compute dtype while its product runs."""
+    block_params: int
+    """All parameters of one decoder block (the FSDP unit)."""
+    block_quantized: int
+    """Of them, held in 4 bits."""
+    block_bytes: int
+    """Bytes of one block's 4-bit weights."""
+
+
+def quantized_terms(facts: ModelFacts, compute_bytes: int = 2) -> QuantizedTerms:
+    layers = block_layers(facts)
+    return QuantizedTerms(quantized_parameters(facts), quantized_bytes(facts, compute_bytes),
+                          max(layer.numel for layer in layers), facts.block_params(),
+                          sum(layer.numel for layer in layers),
+                          sum(nf4_bytes(layer.numel, compute_bytes) for layer in layers))
+
+
 def known_layers(model_type: str | None) -> tuple[str, frozenset[str]] | None:
     """(decoder block class, leaf names of its quantized layers) of a model type model/facts.py knows; else None."""
     facts = facts_from_values(model_type or "", {})
