@@ -387,11 +387,10 @@ def _build(recipe, tokenizer, index: int, source: SourceConfig, folder: Path) ->
     stats = SourceStats(name=source.name, format=source.format, rows_read=rows, packed=packing != "none",
                         pairs=pairs)
     seen = 0
-    for numbers, batch in reader.batches(BATCH_ROWS, BATCH_BYTES):
+    for numbers, batch, examples in tokenize.stream(reader.batches(BATCH_ROWS, BATCH_BYTES)):
         held = chooser.many(np.arange(seen, seen + len(batch))) < n_eval if chooser else np.zeros(len(batch), bool)
         is_eval = dict(zip(numbers, held.tolist()))
         seen += len(batch)
-        examples = tokenize(numbers, batch)
         reader.raise_problems()
         stats.tokens_read += sum(len(ex.ids) for ex in examples)
         if unknown is not None:
