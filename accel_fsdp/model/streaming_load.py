@@ -62,14 +62,19 @@ class SafetensorsFiles:
     def shape(self, name: str) -> list[int]:
         return self.entries[name][2]
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, rows: int | None = None) -> torch.Tensor:
+        """The tensor; with `rows`, read into a buffer of that many rows (zeros after its own): the padding FSDP2's
+        last shards get, without a second copy of the tensor."""
         path, dtype, shape, offset, length = self.entries[name]
-        tensor = torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype])
+        buffer = torch.empty([rows or shape[0], *shape[1:]] if shape else shape, dtype=SAFETENSORS_DTYPES[dtype])
+        tensor = buffer[:shape[0]] if rows else buffer
+        if rows and rows > shape[0]:
+            buffer[shape[0]:].zero_()
         if length:
             with open(path, "rb", buffering=0) as f:
                 f.seek(offset)
-                f.readinto(memoryview(tensor.view(-1).view(torch.uint8).numpy()))
-        return tensor
+                f.readinto(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+        return buffer
 
 
 class ModuleTensors:
@@ -84,8 +89,11 @@ class ModuleTensors:
     def shape(self, name: str) -> list[int]:
         return list(self.tensors[name].shape)
 
-    def read(self, name: str) -> torch.Tensor:
-        return self.tensors[name].detach()
+    def read(self, name: str, rows: int | None = None) -> torch.Tensor:
+        tensor = self.tensors[name].detach()
+        if rows and rows > tensor.shape[0]:
+            tensor = torch.cat([tensor, tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))])
+        return tensor
 
 
 def model_folder(name_or_path: str) -> Path:
@@ -179,24 +187,32 @@ def scatter(received: torch.Tensor, pieces: list[torch.Tensor] | None, index: li
     dist.scatter(received, [pieces[i].contiguous() for i in index] if pieces is not None else None, src=0)
 
 
+def padded_rows(parameter) -> int:
+    """Rows of a parameter with FSDP2's padding: whole chunks for every shard."""
+    shards, _ = shard_rows(parameter)
+    return math.ceil(parameter.shape[0] / shards) * shards if parameter.dim() else 0
+
+
 def send_plain(parameter, full: torch.Tensor | None) -> None:
-    """One parameter in its dtype: each rank's rows into the shard it holds."""
+    """One parameter in its dtype: each rank's rows into the shard it holds. `full` (rank 0) holds whole chunks
+    (`padded_rows`: FSDP2 pads the last shards; each rank keeps its own rows). A shard that is a whole chunk receives
+    in place; a shorter one (the padding's) through a chunk-sized buffer."""
     from torch.distributed.tensor import DTensor
 
     local = parameter._local_tensor if isinstance(parameter, DTensor) else parameter
     shards, index = shard_rows(parameter)
-    rows = parameter.shape[0]
-    chunk = math.ceil(rows / shards)
-    received = torch.empty((chunk, *parameter.shape[1:]), dtype=local.dtype, device=local.device)
+    chunk = math.ceil(parameter.shape[0] / shards) if parameter.dim() else 0
+    in_place = local.dim() == 0 or (local.shape[0] == chunk and local.is_contiguous())
+    received = local if in_place else torch.empty((chunk, *parameter.shape[1:]), dtype=local.dtype,
+                                                  device=local.device)
     pieces = None
     if full is not None:
         full = full.to(device=local.device, dtype=local.dtype)
-        if chunk * shards != rows:  # FSDP2 pads the last shards: send whole chunks, each rank keeps its own rows
-            full = torch.cat([full, full.new_zeros((chunk * shards - rows, *full.shape[1:]))])
-        pieces = list(full.split(chunk))
-    scatter(received, pieces, index)
+        pieces = [full] if not parameter.dim() else list(full.split(chunk))
     with torch.no_grad():
-        local.copy_(received[:local.shape[0]])
+        scatter(received, pieces, index)
+        if not in_place:
+            local.copy_(received[:local.shape[0]])
 
 
 def send_nf4(parameter, full: torch.Tensor | None, name: str) -> bytes | None:
@@ -238,8 +254,10 @@ def stream_weights(model: torch.nn.Module, source, *, where: str) -> dict[str, b
     digests: dict[str, bytes] = {}
     for parameter_name, parameter in base_parameters(model):
         name = file_name(parameter_name)
-        full = source.read(plan[parameter_name]) if reading else None
-        if is_nf4(parameter):
+        plain = not is_nf4(parameter)
+        full = (source.read(plan[parameter_name], padded_rows(parameter) if plain else None) if reading
+                else None)
+        if not plain:
             if full is not None and name in transposed:
                 full = full.t()
             digest = send_nf4(parameter, full, name)
