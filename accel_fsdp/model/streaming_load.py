@@ -5,10 +5,9 @@ Every rank first builds the model without weights (allocated, never written: bui
 lets FSDP2 shard it (`accelerator.prepare`), so each holds its shards and nothing else. Then, collectively, for each
 parameter of the base in the model's order: rank 0 reads the tensor from the safetensors files with plain reads (no
 memory map, whose pages would stay resident), converts it to the parameter's dtype (GPT-2's Conv1D weights transposed
-and quantized to NF4 first where model.quantize says so: model/nf4.py), and scatters it: each rank receives its rows
-(its shard; replicas of a shard under hybrid sharding the same rows), and copies them into the shard FSDP2 holds. A
-rank grows by its shards and one shard in flight; rank 0 by its shards and one whole tensor (the largest: the
-embeddings). LoRA adapters are not read: every rank initialized them alike (build.py `apply_lora`).
+and quantized to NF4 first where model.quantize says so: model/nf4.py), and sends it: each rank receives its rows
+(its shard; replicas of a shard under hybrid sharding the same rows) straight into the shard FSDP2 holds. A rank
+grows by its shards; rank 0 by its shards and one whole tensor at a time (the largest: the embeddings). LoRA adapters are not read: every rank initialized them alike (build.py `apply_lora`).
 
 Accelerate's own rank-0 loading (accelerate/utils/fsdp_utils.py, fsdp2_prepare_model with cpu_ram_efficient_loading,
 checked with 1.15.0) keeps rank 0's whole state dict while it broadcasts every full tensor to every rank, and cannot
@@ -179,12 +178,26 @@ def shard_rows(parameter) -> tuple[int, list[int]]:
     return mesh.shape[dim], index
 
 
-def scatter(received: torch.Tensor, pieces: list[torch.Tensor] | None, index: list[int]) -> None:
-    """Rank 0 sends each rank the piece of its shard (`pieces[index[rank]]`); every rank receives into `received`."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        received.copy_(pieces[0])
+def send_rows(local: torch.Tensor, pieces: list[torch.Tensor] | None, index: list[int], rows: int) -> None:
+    """Rank 0 sends every rank the rows of its shard: chunk `index[rank]` of `pieces` (equal chunks of a tensor of
+    `rows` rows, padded), less the padding (FSDP2's last shards may be shorter, or empty). Each rank receives them
+    straight into `local`, the shard it holds (through a buffer only where `local` is not contiguous). Point to point
+    rather than one scatter: a scatter needs equal buffers, and a chunk-sized one on the rank of a shorter shard is
+    memory its shard does not account for."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        if local.numel():
+            buffer = local if local.is_contiguous() else torch.empty_like(local)
+            dist.recv(buffer, src=0)
+            if buffer is not local:
+                local.copy_(buffer)
         return
-    dist.scatter(received, [pieces[i].contiguous() for i in index] if pieces is not None else None, src=0)
+    chunk = pieces[0].shape[0]
+    for rank in range(dist.get_world_size() if dist.is_initialized() else 1):
+        piece = pieces[index[rank]][:max(0, min(chunk, rows - index[rank] * chunk))]
+        if rank == 0:
+            local.copy_(piece.reshape(local.shape))
+        elif piece.numel():
+            dist.send(piece.contiguous(), dst=rank)
 
 
 def padded_rows(parameter) -> int:
@@ -195,24 +208,19 @@ def padded_rows(parameter) -> int:
 
 def send_plain(parameter, full: torch.Tensor | None) -> None:
     """One parameter in its dtype: each rank's rows into the shard it holds. `full` (rank 0) holds whole chunks
-    (`padded_rows`: FSDP2 pads the last shards; each rank keeps its own rows). A shard that is a whole chunk receives
-    in place; a shorter one (the padding's) through a chunk-sized buffer."""
+    (`padded_rows`: FSDP2 pads the last shards)."""
     from torch.distributed.tensor import DTensor
 
     local = parameter._local_tensor if isinstance(parameter, DTensor) else parameter
     shards, index = shard_rows(parameter)
-    chunk = math.ceil(parameter.shape[0] / shards) if parameter.dim() else 0
-    in_place = local.dim() == 0 or (local.shape[0] == chunk and local.is_contiguous())
-    received = local if in_place else torch.empty((chunk, *parameter.shape[1:]), dtype=local.dtype,
-                                                  device=local.device)
+    rows = parameter.shape[0] if parameter.dim() else 1  # a scalar: one row, whole on every rank
+    chunk = math.ceil(rows / shards)
     pieces = None
     if full is not None:
         full = full.to(device=local.device, dtype=local.dtype)
-        pieces = [full] if not parameter.dim() else list(full.split(chunk))
+        pieces = list((full if parameter.dim() else full.view(1)).split(chunk))
     with torch.no_grad():
-        scatter(received, pieces, index)
-        if not in_place:
-            local.copy_(received[:local.shape[0]])
+        send_rows(local if local.dim() else local.view(1), pieces, index, rows)
 
 
 def send_nf4(parameter, full: torch.Tensor | None, name: str) -> bytes | None:
@@ -223,13 +231,11 @@ def send_nf4(parameter, full: torch.Tensor | None, name: str) -> bytes | None:
     local = parameter._local_tensor if isinstance(parameter, DTensor) else parameter
     shards, index = shard_rows(parameter)
     quantized = to_nf4(full.to(local.dtype)) if full is not None else None
-    for part in NF4_PARTS:
+    for part in NF4_PARTS:  # every rank holds an equal part of each (model/quantize.py layer_problems)
         mine = getattr(local, part)
-        received = torch.empty_like(mine)
         pieces = list(getattr(quantized, part).reshape(-1).split(mine.numel())) if quantized is not None else None
-        scatter(received, pieces, index)
         with torch.no_grad():
-            mine.copy_(received)
+            send_rows(mine.view(-1), pieces, index, shards * mine.numel())
     mean = quantized.scaler_mean.clone() if quantized is not None else torch.empty_like(local.scaler_mean)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast(mean, src=0)
