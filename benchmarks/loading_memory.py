@@ -1,12 +1,13 @@
 """Host memory while a pretrained model is loaded and sharded on CPU ranks: each rank's growth (sharding.json) and the
 whole machine's, sampled every 0.1 s over every rank process, against the size of one copy of the weights.
 
-    python benchmarks/loading_memory.py [--ranks 2 4] [--quantize] [--every-rank] [--workdir DIR]
+    python benchmarks/loading_memory.py [--ranks 2 4] [--quantize | --lora] [--every-rank] [--workdir DIR]
 
 It saves a GPT-2 of gpt2-medium's shape (24 blocks, width 1024, 355M parameters, fp32 safetensors) built from its
 config with random weights (no download), then runs `accel-fsdp recipe run` on it for one step with
 fsdp_cpu_ram_efficient_loading (rank 0 reads) or, with --every-rank, without it, under `--benchmark` (no final
-checkpoint). `--quantize` makes it QLoRA (model.quantize: nf4, LoRA on c_attn): one copy is then the quantized base.
+checkpoint). `--quantize` makes it QLoRA (model.quantize: nf4, LoRA on c_attn): one copy is then the quantized base;
+`--lora` the same LoRA on a bf16 base.
 
 What it prints, per rank count: one copy of the weights as the ranks hold them (the sum of every rank's weight bytes
 from sharding.json: fp32, or NF4 blocks plus bf16 embeddings and norms), each rank's peak growth while loading, the
@@ -88,9 +89,9 @@ def rank_processes(root: int) -> dict[int, int]:
     return out
 
 
-def run(model: Path, work: Path, ranks: int, quantize: bool, rank0: bool) -> dict:
+def run(model: Path, work: Path, ranks: int, quantize: bool, rank0: bool, lora: bool = False) -> dict:
     """One launch; the machine's sampled peak and what sharding.json says."""
-    name = f"{'nf4' if quantize else 'full'}-{ranks}-{'rank0' if rank0 else 'every'}"
+    name = f"{'nf4' if quantize else 'lora' if lora else 'full'}-{ranks}-{'rank0' if rank0 else 'every'}"
     config = yaml.safe_load((REPO / "accelerate_configs" / "fsdp_cpu.yaml").read_text())
     config["num_processes"] = ranks
     config["fsdp_config"]["fsdp_cpu_ram_efficient_loading"] = rank0
@@ -98,10 +99,12 @@ def run(model: Path, work: Path, ranks: int, quantize: bool, rank0: bool) -> dic
     recipe = {"name": name, "model": {"name_or_path": str(model)},
               "data": {"path": "builtin:quickstart", "seq_len": 32, "eval_fraction": 0, "max_rows": 200},
               "training": {"micro_batch_size": 1, "global_batch_size": ranks, "max_steps": 1, "warmup_steps": 0,
-                           "mixed_precision": "bf16" if quantize else "fp32"},
+                           "mixed_precision": "bf16" if quantize or lora else "fp32"},
               "checkpoint": {"keep_last": None}, "logging": {"every_steps": 1, "sample_prompt": None}}
+    if quantize or lora:
+        recipe["model"].update(lora={"enabled": True, "target_modules": ["c_attn"]})
     if quantize:
-        recipe["model"].update(quantize="nf4", lora={"enabled": True, "target_modules": ["c_attn"]})
+        recipe["model"].update(quantize="nf4")
     (work / f"{name}-recipe.yaml").write_text(yaml.safe_dump(recipe))
     out = work / name
     shutil.rmtree(out, ignore_errors=True)  # its sharding.json ends the sampling
@@ -128,6 +131,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--quantize", action="store_true", help="QLoRA: model.quantize nf4 with LoRA")
+    parser.add_argument("--lora", action="store_true", help="LoRA on a bf16 base (what --quantize holds in 4 bits)")
     parser.add_argument("--every-rank", action="store_true", help="every rank reads the weights (no rank-0 loading)")
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
@@ -137,7 +141,7 @@ def main() -> None:
     file_bytes = sum(f.stat().st_size for f in (work / "gpt2-medium-shape").glob("*.safetensors"))
     print(f"model: {parameters:,} parameters, {file_bytes / 2**20:,.0f} MiB of fp32 safetensors")
     for ranks in args.ranks:
-        result = run(work / "gpt2-medium-shape", work, ranks, args.quantize, not args.every_rank)
+        result = run(work / "gpt2-medium-shape", work, ranks, args.quantize, not args.every_rank, args.lora)
         record = result["record"]
         weights = record.get("weight_bytes")
         copy = sum(weights) if weights else file_bytes
