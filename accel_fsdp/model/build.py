@@ -8,15 +8,14 @@ the context?) and the dry run. Loading is the only place that may reach the hub.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from accel_fsdp.errors import Problem, UserError, first_line
+from accel_fsdp.files import atomic_folder
 from accel_fsdp.model import architectures
 from accel_fsdp.model.checks import ModelView, lora_target_problems, override_problems, raise_problems
 from accel_fsdp.model.nf4 import layers_to_quantize, quantize_model
@@ -250,11 +249,9 @@ def write_scratch_base(recipe, config, dtype: torch.dtype, tokenizer, folder: Pa
     fingerprint checked), since no model files exist otherwise. Kept when it is there already (a resumed run)."""
     if (folder / "config.json").exists():
         return folder
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    scratch_model(recipe, config, dtype).save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.rename(tmp, folder)
+    with atomic_folder(folder) as tmp:
+        scratch_model(recipe, config, dtype).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     return folder
 
 
