@@ -14,6 +14,7 @@ from accel_fsdp.config.shipped import display, resolve_recipe, shipped_recipes
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model import architectures
 from accel_fsdp.model.facts import Shape, facts_for, facts_of
+from accel_fsdp.model.quantize import QuantizedTerms, quantized_terms
 from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, describe_logits, estimate, gib, simple_bytes
 from accel_fsdp.planning.plan import build_plan, reference_cost
 from accel_fsdp.preflight import model_view
@@ -41,6 +42,12 @@ class Target:
     loss_chunk_tokens: int | None = None
     pairs: bool = False
     """A preference method: its plain path counts the pairs' log-softmax."""
+    quantized: QuantizedTerms | None = None
+    """model.quantize: the 4-bit base's terms (planning/memory.py)."""
+
+
+QUANTIZED_NOTE = ("QLoRA: decoder-block projections in NF4 (0.5 byte a weight plus scales), the rest of the base in "
+                  "the compute dtype, one 4-bit weight dequantized in flight")
 
 
 def parse_count(text: str) -> int | None:
@@ -91,7 +98,8 @@ def _recipe_target(path, micro_batch, seq_len) -> Target:
     t = recipe.training
     if micro_batch is not None:  # --micro-batch counts what the recipe's micro batch counts (pairs, for preference)
         t = replace(t, micro_batch_size=micro_batch)
-    notes = [n for n in ("LoRA: frozen base weights in the compute dtype" if recipe.model.lora.enabled else "",
+    notes = [n for n in (QUANTIZED_NOTE if recipe.model.quantize else
+                         "LoRA: frozen base weights in the compute dtype" if recipe.model.lora.enabled else "",
                          f"{t.method}: 2 sequences per pair, micro batch {t.micro_batch_size} pairs"
                          if METHODS[t.method].pairs else "", reference_cost(recipe) or "") if n]
     if facts is not None:  # arithmetic: no model built (tests/test_model_facts.py holds the facts)
@@ -104,13 +112,15 @@ def _recipe_target(path, micro_batch, seq_len) -> Target:
                       t.sequences_per_micro_step(), recipe.data.seq_len if seq_len is None else seq_len,
                       compute if lora.enabled else 4, note="; ".join(notes),
                       activation_checkpointing=bool(recipe.model.activation_checkpointing), context=facts.context,
+                      quantized=quantized_terms(facts, compute) if recipe.model.quantize else None,
                       **loss_settings(recipe))
 
     plan = build_plan(recipe, load_accelerate_config("fsdp_1gpu"))
     m = plan.memory_inputs
     return Target(recipe.name, m.params, m.trainable, m.largest_unit, m.shape, t.sequences_per_micro_step(),
                   m.seq_len if seq_len is None else seq_len, m.frozen_bytes, note="; ".join(notes),
-                  activation_checkpointing=m.activation_checkpointing, **loss_settings(recipe))
+                  activation_checkpointing=m.activation_checkpointing, quantized=m.quantized,
+                  **loss_settings(recipe))
 
 
 def loss_settings(recipe) -> dict:
@@ -156,7 +166,7 @@ def inputs_of(target: Target, *, world: int, precision: str, activation_checkpoi
                         world=world, shard_group=world, precision=precision,
                         activation_checkpointing=activation_checkpointing, micro_batch=target.micro_batch,
                         seq_len=target.seq_len, shape=target.shape, frozen_bytes=target.frozen_bytes,
-                        deferred_reduce=deferred_reduce, chunked_loss=target.chunked_loss,
+                        deferred_reduce=deferred_reduce, quantized=target.quantized, chunked_loss=target.chunked_loss,
                         loss_chunk_tokens=target.loss_chunk_tokens, pairs=target.pairs)
 
 

@@ -47,6 +47,7 @@ from accel_fsdp.config.accelerate import FULL_SHARD, NO_SHARD, SHARD_GRAD_OP
 from accel_fsdp.config.precision import MEMORY, is_half
 from accel_fsdp.errors import Problem
 from accel_fsdp.model.facts import Shape, loss_chunk_tokens
+from accel_fsdp.model.quantize import QuantizedTerms
 
 GiB = 1024**3
 PLAIN_LOGIT_BYTES = {("sft", 4): 12.0, ("sft", 2): 12.0, ("pairs", 4): 10.0, ("pairs", 2): 7.0}
@@ -86,6 +87,9 @@ class MemoryInputs:
     """training.loss_chunk_tokens; None: the planner's pick for the vocabulary (model/facts.py)."""
     pairs: bool = False
     """A preference method (the sequences' log-probabilities), not sft (transformers' loss): the plain paths differ."""
+    quantized: QuantizedTerms | None = None
+    """model.quantize: the 4-bit weights (NF4 bytes instead of `frozen_bytes` each, the block gathered in 4 bits, one
+    weight dequantized in flight)."""
 
 
 @dataclass(frozen=True)
@@ -118,9 +122,13 @@ def compute_bytes(precision: str) -> int:
 def estimate(m: MemoryInputs) -> MemoryBreakdown:
     c = compute_bytes(m.precision)
     s = 1 if m.strategy == NO_SHARD else max(1, m.shard_group)
-    weights = 4.0 * m.trainable + m.frozen_bytes * (m.params - m.trainable)
+    q = m.quantized
+    plain = m.params - m.trainable - (q.params if q else 0)
+    weights = 4.0 * m.trainable + m.frozen_bytes * plain + (q.bytes if q else 0)
     params, grads, optimizer = weights / s, 4.0 * m.trainable / s, 8.0 * m.trainable / s
-    if m.strategy == SHARD_GRAD_OP:
+    if q is not None:
+        gathered = quantized_gathered(m, q, c)
+    elif m.strategy == SHARD_GRAD_OP:
         gathered = c * m.params + (c + 4) * m.largest_unit  # the whole model stays gathered until backward
     elif m.strategy == NO_SHARD:
         gathered = float(c * m.largest_unit) if c < 4 else 0.0  # a low-precision copy of the unit in use
@@ -132,6 +140,21 @@ def estimate(m: MemoryInputs) -> MemoryBreakdown:
     if m.deferred_reduce:
         grads = 4.0 * m.trainable  # every unit's unsharded fp32 gradient, on the device (offload or not; 1 GPU too)
     return MemoryBreakdown(params, grads, optimizer, gathered, activation_bytes(m), host, logits_bytes(m))
+
+
+def quantized_gathered(m: MemoryInputs, q: QuantizedTerms, c: int) -> float:
+    """A 4-bit base's transient bytes: two units in flight, a block gathered with its projections in 4 bits (or the
+    largest other unit, the embeddings, in the compute dtype), the largest 4-bit weight dequantized for its product
+    (torchao's linear_nf4 frees it after), and the adapters' unsharded gradients with their fp32 copy (the frozen
+    base has none). SHARD_GRAD_OP keeps every gathered block until the backward."""
+    block = c * (q.block_params - q.block_quantized) + q.block_bytes
+    unit = max(block, c * m.largest_unit if m.largest_unit > q.block_params else 0)
+    if m.strategy == SHARD_GRAD_OP:
+        whole = c * (m.params - q.params) + q.bytes
+        return whole + c * q.largest_weight + (c + 4) * m.trainable
+    if m.strategy == NO_SHARD:
+        return float(c * q.largest_weight)
+    return 2 * unit + c * q.largest_weight + (c + 4) * m.trainable
 
 
 def activation_bytes(m: MemoryInputs) -> float:
