@@ -15,8 +15,8 @@ import yaml
 from click.testing import CliRunner
 from conftest import (
     LOGIT_PATH,
-    REPO,
     assert_adam_runs_agree,
+    cpu_config,
     load_weights,
     read_metrics,
     run_cli,
@@ -264,12 +264,6 @@ def test_a_packed_row_gives_each_document_the_logits_it_has_alone(tmp_path, kind
 # ------------------------------------------- 2, 4, 5: behaviour on 2 CPU ranks through the real CLI
 
 
-def cpu_config(path: Path, **fsdp) -> Path:
-    config = yaml.safe_load((REPO / "accelerate_configs" / "fsdp_cpu.yaml").read_text())
-    config["fsdp_config"].update(fsdp)
-    path.write_text(yaml.safe_dump(config))
-    return path
-
 
 @pytest.mark.multiprocess
 def test_only_rank0_reads_pretrained_weights_and_training_is_unchanged(tmp_path):
@@ -299,7 +293,7 @@ def test_only_rank0_reads_pretrained_weights_and_training_is_unchanged(tmp_path)
     env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
     growth, losses = {}, {}
     for name, efficient in (("rank0", True), ("every", False)):
-        config_path = cpu_config(tmp_path / f"{name}.yaml", fsdp_cpu_ram_efficient_loading=efficient)
+        config_path = cpu_config(tmp_path / f"{name}.yaml", fsdp={"fsdp_cpu_ram_efficient_loading": efficient})
         proc = run_cli("recipe", "run", recipe, "--accelerate-config", config_path, "--output-dir", tmp_path / name,
                        "--benchmark", env=env, check=0)  # --benchmark: no final checkpoint of 300 MB to write
         assert ("read by rank 0 only" in proc.stdout) is efficient

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from conftest import REPO, read_metrics, run_cli, save_tiny_model, tiny_recipe
+from conftest import REPO, cpu_config, read_metrics, run_cli, save_tiny_model, tiny_recipe
 from flash_standin import NAME as FLASH_STANDIN
 from flash_standin import install as install_flash_standin
 
@@ -42,12 +42,6 @@ def settings_for(config: str, overrides=(), cuda: bool = True):
     recipe = recipe_from_text(TINY, source="r.yaml", overrides=overrides)
     return recipe, resolve_settings(recipe, load_accelerate_config(config), cuda_available=cuda)
 
-
-def cpu_config(path, **fsdp):
-    config = yaml.safe_load((REPO / "accelerate_configs" / "fsdp_cpu.yaml").read_text())
-    config["fsdp_config"].update(fsdp)
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 @pytest.fixture
@@ -290,7 +284,7 @@ def test_a_checkpoint_rank0_reads_differently_from_the_config_is_one_message(tmp
     r = tiny_recipe(tmp_path / "r.yaml", folder, "builtin:quickstart", data={"max_rows": 200},
                     training={"max_steps": 1})
     proc = run_cli("recipe", "run", r, "--accelerate-config",
-                   cpu_config(tmp_path / "c.yaml", fsdp_cpu_ram_efficient_loading=True),
+                   cpu_config(tmp_path / "c.yaml", fsdp={"fsdp_cpu_ram_efficient_loading": True}),
                    "--output-dir", tmp_path / "run")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert ("rank 0 reads the weights and the other ranks build the model from its config, and they differ"
@@ -311,7 +305,7 @@ def test_rank0_loading_of_a_lora_llama_with_activation_checkpointing_trains_like
     for efficient in (True, False):
         run = tmp_path / f"run-{efficient}"
         proc = run_cli("recipe", "run", r, "--output-dir", run, "--accelerate-config",
-                       cpu_config(tmp_path / f"c{efficient}.yaml", fsdp_cpu_ram_efficient_loading=efficient), check=0)
+                       cpu_config(tmp_path / f"c{efficient}.yaml", fsdp={"fsdp_cpu_ram_efficient_loading": efficient}), check=0)
         assert ("read by rank 0 only" in proc.stdout) is efficient
         losses[efficient] = [x["loss"] for x in read_metrics(run) if x["kind"] == "train"]
     assert losses[True] == losses[False]  # rank 1 received exactly the weights it would have read

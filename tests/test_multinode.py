@@ -5,42 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 from click.testing import CliRunner
-from conftest import REPO, read_metrics, run_cli, tiny_recipe
+from conftest import cli_process, cpu_config, free_port, read_metrics, run_cli, tiny_recipe
 
 from accel_fsdp.cli import main
 
 pytestmark = pytest.mark.multiprocess
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_config(path: Path, **values) -> Path:
-    config = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "use_cpu": True,
-              "num_machines": 1, "num_processes": 2, "machine_rank": 0, "mixed_precision": "bf16",
-              "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                              "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "SHARDED_STATE_DICT"}}
-    config.update(values)
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def cli_process(*args, env=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "accel_fsdp", *map(str, args)], cwd=REPO,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
 
 
 def two_machines(config: Path, *args) -> list[tuple[int, str, str]]:
