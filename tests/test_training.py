@@ -153,7 +153,7 @@ def test_stock_accelerate_launch_spelling(tmp_path, tiny_gpt2, stories):
     assert proc.returncode == 0, proc.stderr[-4000:]
     import torch
 
-    # the ranks cannot see the file's use_cpu: CPU ranks without CUDA are said, not refused (test_gpu_review.py)
+    # the ranks cannot see the file's use_cpu: CPU ranks are said, not refused (test_gpu_config_on_cpu_ranks.py)
     assert ("note: training on CPU ranks" in proc.stdout) == (not torch.cuda.is_available()), proc.stdout
     settings = json.loads((tmp_path / "run" / "fsdp_settings.json").read_text())
     assert settings["fsdp_version"] == {"value": 2, "source": "accelerate launch environment",
