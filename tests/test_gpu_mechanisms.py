@@ -108,6 +108,7 @@ def one_rank_recipe(tmp_path_factory):
                        checkpoint={"export_final": False}, logging={"every_steps": 1})
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("reduce_every_micro_step", [True, False])
 def test_one_rank_holds_no_unsharded_gradient_between_micro_steps_unless_deferred(tmp_path, one_rank_recipe,
@@ -214,6 +215,7 @@ def test_layout_differences_name_dtypes_missing_tensors_and_ties():
     assert layout_differences(rank0, swapped) == ["the same names in another order"]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_checkpoint_rank0_reads_differently_from_the_config_is_one_message(tmp_path):
     """A checkpoint that stores its output embedding apart from the input one (different values) while its config
@@ -236,6 +238,7 @@ def test_a_checkpoint_rank0_reads_differently_from_the_config_is_one_message(tmp
     assert proc.stderr.count("error:") == 1
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_rank0_loading_of_a_lora_llama_with_activation_checkpointing_trains_like_loading_everywhere(tmp_path,
                                                                                                 tiny_llama):

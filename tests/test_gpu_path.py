@@ -265,6 +265,7 @@ def test_a_packed_row_gives_each_document_the_logits_it_has_alone(tmp_path, kind
 
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_only_rank0_reads_pretrained_weights_and_training_is_unchanged(tmp_path):
     """A 100 MB pretrained folder on 2 CPU ranks: with fsdp_cpu_ram_efficient_loading, rank 1 builds the model
@@ -330,6 +331,7 @@ def train_rows(run: Path) -> list[tuple[float, float]]:
     return [(r["loss"], r["grad_norm"]) for r in read_metrics(run) if r["kind"] == "train"]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_activation_checkpointing_recomputes_the_same_dropout(tmp_path, dropout_recipe, reference_run):
     run = tmp_path / "ac"
@@ -341,6 +343,7 @@ def test_activation_checkpointing_recomputes_the_same_dropout(tmp_path, dropout_
         assert torch.equal(load_weights(run / "final")[key], tensor), key
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_gradients_are_reduced_every_micro_step_unless_deferred(tmp_path, dropout_recipe, reference_run):
     deferred = tmp_path / "deferred"

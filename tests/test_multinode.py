@@ -28,6 +28,7 @@ def two_machines(config: Path, *args) -> list[tuple[int, str, str]]:
     return out
 
 
+@pytest.mark.slow
 def test_two_machines_on_loopback_train_checkpoint_and_resume(tmp_path, tiny_gpt2, stories):
     config = cpu_config(tmp_path / "two.yaml", num_machines=2, num_processes=2, main_process_ip="127.0.0.1",
                         main_process_port=free_port(), rdzv_backend="static", same_network=True)
@@ -51,6 +52,7 @@ def test_two_machines_on_loopback_train_checkpoint_and_resume(tmp_path, tiny_gpt
     assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"][-1] == 9
 
 
+@pytest.mark.slow
 def test_hybrid_sharding_on_4_ranks_replicates_across_and_shards_within(tmp_path, tiny_gpt2, stories):
     config = cpu_config(tmp_path / "hybrid.yaml", num_processes=4,
                         parallelism_config={"parallelism_config_dp_replicate_size": 2,
@@ -90,6 +92,7 @@ def test_unreachable_main_process_fails_fast_naming_address_and_port(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_main_machine_waiting_for_a_missing_machine_times_out_clearly(tmp_path):
     port = free_port()
     config = cpu_config(tmp_path / "two.yaml", num_machines=2, num_processes=2, main_process_ip="127.0.0.1",
@@ -152,6 +155,7 @@ def slurm_stand_ins(tmp_path: Path) -> tuple[dict, Path]:
     return env, requeues
 
 
+@pytest.mark.slow
 def test_slurm_script_runs_and_resumes_when_requeued(tmp_path, tiny_gpt2, stories):
     """The generated sbatch script, run by bash with stand-ins for srun and scontrol (one node, 2 CPU ranks): it
     checks and prints the recipe on the allocation, trains, and when run again after a crash resumes. With the
@@ -180,6 +184,7 @@ def test_slurm_script_runs_and_resumes_when_requeued(tmp_path, tiny_gpt2, storie
     assert {p: p.stat().st_mtime_ns for p in kept if p.exists()} == kept  # step 3 untouched (kept by rotation: 2)
 
 
+@pytest.mark.slow
 def test_slurm_warning_signal_checkpoints_and_requeues(tmp_path, tiny_gpt2, stories):
     """SLURM's SIGUSR1 before the time limit (here sent to the launcher by a rank): the ranks checkpoint, the run
     exits 75, the script requeues the job; the requeued job resumes and finishes."""

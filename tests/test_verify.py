@@ -15,6 +15,7 @@ def report_of(folder) -> dict:
     return json.loads((folder / "report.json").read_text())
 
 
+@pytest.mark.slow
 def test_verify_quickstart_passes_every_check(tmp_path):
     out = tmp_path / "verify"
     proc = run_cli("verify", "quickstart", "--output-dir", out, check=0)
@@ -37,6 +38,7 @@ def test_verify_quickstart_passes_every_check(tmp_path):
     assert "exists and is not an earlier verify folder" in msg
 
 
+@pytest.mark.slow
 def test_verify_quickstart_llama_passes(tmp_path):
     out = tmp_path / "verify"
     run_cli("verify", "quickstart-llama", "--quick", "--output-dir", out, check=0)
@@ -51,13 +53,15 @@ INSTRUCTION = ["--set", "data.path=builtin:quickstart-instruct", "--set", "data.
 
 
 @pytest.mark.parametrize("broken,check,extra,expected", [
-    ("unsharded", "sharding", [], "not sharded over 2 ranks"),
-    ("bf16-reduce", "precision", ["--set", "training.mixed_precision=bf16"], "gradients reduced in torch.bfloat16"),
-    ("mean-loss", "equivalence", INSTRUCTION, "split: loss"),
-    ("skip-batch", "resume", [], "largest weight difference after resuming from step 2"),
-    ("mask-leak", "packing", [], "largest logit difference to each document alone"),
-    ("ac-rng", "activation-checkpointing", [], "with dropout 0.1, with vs without"),
-    ("mix-weights", "data", ["quickstart-mix"], "a source's share is 0.2"),
+    ("unsharded", "sharding", [], "not sharded over 2 ranks"),  # one probe: the fast tier's verify run
+    pytest.param("bf16-reduce", "precision", ["--set", "training.mixed_precision=bf16"],
+                 "gradients reduced in torch.bfloat16", marks=pytest.mark.slow),
+    pytest.param("mean-loss", "equivalence", INSTRUCTION, "split: loss", marks=pytest.mark.slow),
+    pytest.param("skip-batch", "resume", [], "largest weight difference after resuming from step 2",
+                 marks=pytest.mark.slow),
+    pytest.param("mask-leak", "packing", [], "largest logit difference to each document alone", marks=pytest.mark.slow),
+    pytest.param("ac-rng", "activation-checkpointing", [], "with dropout 0.1, with vs without", marks=pytest.mark.slow),
+    pytest.param("mix-weights", "data", ["quickstart-mix"], "a source's share is 0.2", marks=pytest.mark.slow),
 ])
 def test_each_check_fails_when_its_property_is_broken(tmp_path, broken, check, extra, expected):
     out = tmp_path / "verify"
@@ -71,6 +75,7 @@ def test_each_check_fails_when_its_property_is_broken(tmp_path, broken, check, e
     assert "0 passed, 1 failed" in proc.stdout
 
 
+@pytest.mark.slow
 def test_the_data_check_passes_on_a_mixture(tmp_path):
     out = tmp_path / "verify"
     run_cli("verify", "quickstart-mix", "--quick", "--only", "data", "--output-dir", out, check=0)
