@@ -47,6 +47,28 @@ def run_cli(*args, cwd=None, env=None, timeout=600, check=None):
     return proc
 
 
+def run_in_process(*args, env=None, check=None) -> subprocess.CompletedProcess:
+    """A command that runs in one process (checkpoint inspect and consolidate, generate, data prepare, slurm) called
+    in this one through click's CliRunner, answered as run_cli answers: exit status, stdout and stderr. It saves a
+    Python start and its imports per call. An exception the CLI did not turn into a message is written to stderr with
+    its traceback, as Python would, so "no traceback" holds the same."""
+    import traceback
+
+    from click.testing import CliRunner
+
+    from accel_fsdp.cli import main
+
+    result = CliRunner().invoke(main, [str(a) for a in args], env=env)
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(result.exception))
+    proc = subprocess.CompletedProcess(["accel-fsdp", *map(str, args)], result.exit_code, result.stdout, stderr)
+    if check is not None and proc.returncode != check:
+        raise AssertionError(f"exit status {proc.returncode} (expected {check})\n--- stdout ---\n{proc.stdout[-6000:]}"
+                             f"\n--- stderr ---\n{proc.stderr[-6000:]}")
+    return proc
+
+
 def cli_process(*args, env=None) -> subprocess.Popen:
     """Start `python -m accel_fsdp ARGS` as a user would, without waiting (several machines, signals, a live run)."""
     return subprocess.Popen([sys.executable, "-m", "accel_fsdp", *map(str, args)], cwd=REPO,
