@@ -73,6 +73,7 @@ def test_each_check_fails_when_its_property_is_broken(tmp_path, broken, check, e
     assert result["name"] == check and result["status"] == "FAIL", result
     assert expected in result["measured"], result["measured"]
     assert "0 passed, 1 failed" in proc.stdout
+    assert (out / "reference" / "final").exists() == (check == "resume")  # only the resume check reads an export
 
 
 @pytest.mark.slow
