@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import run_cli, tiny_recipe
+from conftest import run_cli, run_in_process, tiny_recipe
 
 from accel_fsdp.cli import main
 from accel_fsdp.config.accelerate import load_accelerate_config
@@ -30,8 +30,8 @@ def recipe(tmp_path_factory, tiny_gpt2, stories):
 @pytest.mark.parametrize("command", [["bench", "--steps", "2", "--warmup", "1"], ["verify", "--quick", "--steps", "2",
                                                                                   "--only", "sharding"]])
 def test_a_gpu_config_without_cpu_is_refused_naming_it(recipe, command, tmp_path):
-    proc = run_cli(command[0], recipe, "--accelerate-config", "fsdp_2gpu", *command[1:],
-                   *(["--output-dir", tmp_path / "v"] if command[0] == "verify" else []), check=2)
+    proc = run_in_process(command[0], recipe, "--accelerate-config", "fsdp_2gpu", *command[1:],
+                          *(["--output-dir", tmp_path / "v"] if command[0] == "verify" else []), check=2)
     assert "is a GPU config (use_cpu is false) and this machine cannot" in proc.stderr and "--cpu" in proc.stderr
 
 
