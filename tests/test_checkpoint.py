@@ -293,9 +293,9 @@ def test_consolidating_missing_corrupt_or_empty_input(tmp_path, reference):
 
 def test_resume_with_a_changed_model_is_refused_naming_the_keys(tmp_path, reference):
     recipe = Path(reference / "recipe.yaml")
-    msg = run_cli("recipe", "run", recipe, "--output-dir", tmp_path / "x", "--resume-from",
-                  reference / "checkpoints" / "step-000006", "--set", "model.config_overrides.n_layer=3",
-                  "--set", "training.lr=0.1", check=2).stderr
+    msg = run_in_process("recipe", "run", recipe, "--output-dir", tmp_path / "x", "--resume-from",
+                         reference / "checkpoints" / "step-000006", "--set", "model.config_overrides.n_layer=3",
+                         "--set", "training.lr=0.1", check=2).stderr
     assert "was made by an incompatible recipe" in msg
     assert "model.config_overrides: checkpoint has" in msg
     assert "training.lr: checkpoint has 0.003, this run has 0.1" in msg
@@ -436,6 +436,7 @@ def test_a_shard_damaged_in_place_is_named_before_anything_reads_it(tmp_path, re
     assert ("INCOMPLETE: pytorch_model_fsdp_0/__1_0.distcp changed since it was saved"
             in run_in_process("checkpoint", "inspect", broken, check=0).stdout)
     recipe = reference / "recipe.yaml"
-    proc = run_cli("recipe", "run", recipe, "--output-dir", tmp_path / "again", "--resume-from", broken, check=2)
+    proc = run_in_process("recipe", "run", recipe, "--output-dir", tmp_path / "again", "--resume-from", broken,
+                          check=2)
     assert "pytorch_model_fsdp_0/__1_0.distcp changed since it was saved" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import cli_process, cpu_config, free_port, read_metrics, run_cli, tiny_recipe
+from conftest import cli_process, cpu_config, free_port, read_metrics, run_cli, run_in_process, tiny_recipe
 
 from accel_fsdp.cli import main
 
@@ -118,8 +118,8 @@ def test_hybrid_group_larger_than_the_world_is_refused(tmp_path):
 
 
 def test_machine_count_that_does_not_match_the_hybrid_config_is_refused(tmp_path):
-    proc = run_cli("recipe", "run", "quickstart", "--accelerate-config", "fsdp_hybrid_multinode", "--num-machines",
-                   "4", "--output-dir", tmp_path / "run", check=2)
+    proc = run_in_process("recipe", "run", "quickstart", "--accelerate-config", "fsdp_hybrid_multinode",
+                          "--num-machines", "4", "--output-dir", tmp_path / "run", check=2)
     assert "the hybrid shard group of 8 ranks does not match the 4 ranks of each machine" in proc.stderr
     assert not (tmp_path / "run").exists()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_in_process
 
 pytestmark = pytest.mark.multiprocess
 
@@ -34,7 +34,7 @@ def test_verify_quickstart_passes_every_check(tmp_path):
     # verify keeps to its folder: a second verify replaces the first, a folder of something else is refused
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
-    msg = run_cli("verify", "quickstart", "--output-dir", tmp_path / "mine", check=2).stderr
+    msg = run_in_process("verify", "quickstart", "--output-dir", tmp_path / "mine", check=2).stderr
     assert "exists and is not an earlier verify folder" in msg
 
 
