@@ -333,11 +333,7 @@ class ExampleTokenizer:
             self.reader.bad("prompt type", n, f"field {s.prompt_field!r} is not text", "use a string (or conversations "
                             "in chosen and rejected)")
             return None
-        if chosen == rejected:
-            self.reader.bad("same answers", n, "the chosen and the rejected answer are the same",
-                            "remove the row: it prefers nothing")
-            return None
-        return prompt, chosen, rejected
+        return prompt, chosen, rejected  # answers that prefer nothing are found by their tokens (data/build.py)
 
     def _conversations(self, n: int, prompt, chosen, rejected):
         s = self.source
@@ -360,9 +356,5 @@ class ExampleTokenizer:
         if full[0][:-1] != full[1][:-1]:
             self.reader.bad("pair prefix", n, "chosen and rejected differ before their last assistant turn",
                             "both must share the conversation up to the answer")
-            return None
-        if full[0][-1]["content"] == full[1][-1]["content"]:
-            self.reader.bad("same answers", n, "the chosen and the rejected answer are the same",
-                            "remove the row: it prefers nothing")
             return None
         return None, full[0], full[1]
