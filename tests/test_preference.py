@@ -203,6 +203,7 @@ def test_dpo_on_equal_policy_and_reference_is_ln2_and_its_rewards_zero(tmp_path,
 # ------------------------------------------------------------------------------- the real CLI on 2 ranks
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_quickstart_dpo_starts_at_ln2_logs_from_step_1_and_prefers_the_chosen_answers(tmp_path):
     run = tmp_path / "run"
@@ -231,6 +232,7 @@ def test_quickstart_dpo_starts_at_ln2_logs_from_step_1_and_prefers_the_chosen_an
     assert read_metrics(tmp_path / "again")[1]["loss"] == train[0]["loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("method", ["simpo", "orpo"])
 def test_simpo_and_orpo_run_from_the_dpo_recipe(tmp_path, method):
@@ -245,6 +247,7 @@ def test_simpo_and_orpo_run_from_the_dpo_recipe(tmp_path, method):
     assert [r for r in rows if r["kind"] == "eval"][-1]["eval_reward_accuracy"] > 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_lora_dpo_on_a_llama_uses_the_adapters_off_as_reference(tmp_path, tiny_llama):
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 12)
@@ -261,6 +264,7 @@ def test_lora_dpo_on_a_llama_uses_the_adapters_off_as_reference(tmp_path, tiny_l
     assert train[-1]["reward_margin"] != 0
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_verify_proves_split_invariance_and_exact_resume_on_a_preference_recipe(tmp_path):
     out = tmp_path / "verify"

@@ -55,6 +55,9 @@ from accel_fsdp.train.metrics import read_metrics
 MARKER = "verify.json"
 CHECKS = ("sharding", "precision", "equivalence", "resume", "packing", "data", "activation-checkpointing",
           "chunked-loss", "memory", "throughput")
+EXPORTED = ["checkpoint.export_final=true"]
+"""Added to the reference and resume probes when the resume check runs: it compares their exported weights, and no
+other check reads an export (on a large model, writing one is a good part of a probe)."""
 SHARE_TOLERANCE = 0.01
 """A source's share of the loss-carrying tokens (or sequences) over any 100 consecutive steps, against its weight."""
 PACKING_LIMIT = {"fp32": reordered(2**23), "bf16": 8 * ROUNDOFF["bf16"], "fp16": 8 * ROUNDOFF["fp16"]}
@@ -183,14 +186,15 @@ def run_probe(v: Verification, name: str, sets: list[str], *, extra_args=(), env
 
 def base_sets(v: Verification, steps: int) -> list[str]:
     """What every probe changes in the recipe: a few steps on a slice of the data, no evaluation, no sample, no
-    trackers (the user's wandb stays clean), a checkpoint every other step kept, an fp32 export to compare."""
+    trackers (the user's wandb stays clean), a checkpoint every other step kept, and no export (EXPORTED adds the
+    fp32 export to the probes whose weights the resume check compares)."""
     t = v.recipe.training
     rows = max(64, t.global_batch_size * (steps + 2) * 4)
     sets = list(v.overrides) + [f"training.max_steps={steps}", "training.epochs=null", "training.warmup_steps=0",
             "training.eval_every_steps=null",
             "data.eval_fraction=0", f"data.max_rows={min(rows, v.recipe.data.max_rows or rows)}",
             "logging.every_steps=1", "logging.sample_prompt=null", "logging.trackers=[]",
-            "checkpoint.every_steps=2", "checkpoint.keep_last=null", "checkpoint.export_final=true",
+            "checkpoint.every_steps=2", "checkpoint.keep_last=null", "checkpoint.export_final=false",
             "checkpoint.export_dtype=fp32", f"checkpoint.dir={CHECKPOINTS_DIR}", "output_dir=null"]
     if v.layers:
         sets.append(f"model.config_overrides.{layer_key(v.recipe)}={v.layers}")
@@ -551,7 +555,8 @@ def verify(recipe, config, num_processes: int | None, overrides: list[str], *, o
         from accel_fsdp.train.hooks import PROBE_ENV, TRACE_ENV  # torch: only once probes run
 
         traced = {TRACE_ENV: "1"}
-        run_probe(v, "reference", sets, extra_args=extra, env={PROBE_ENV: "dtypes,packing,data", **traced})
+        run_probe(v, "reference", sets + (EXPORTED if "resume" in wanted else []), extra_args=extra,
+                  env={PROBE_ENV: "dtypes,packing,data", **traced})
         record_counts(v.probes["reference"])
     if "equivalence" in wanted:
         micro = split_micro_batch(recipe, v.world)
@@ -563,7 +568,7 @@ def verify(recipe, config, num_processes: int | None, overrides: list[str], *, o
         run_probe(v, "fewer-ranks", sets + ["training.max_steps=2"], extra_args=["--num-processes", "1"], env=traced)
     if "resume" in wanted and steps >= 3:
         step_dir = v.probes["reference"].layout.checkpoints / checkpoint_name(2)  # resume needs the reference
-        run_probe(v, "resume", sets, extra_args=[*extra, "--resume-from", str(step_dir)])
+        run_probe(v, "resume", sets + EXPORTED, extra_args=[*extra, "--resume-from", str(step_dir)])
     if "activation-checkpointing" in wanted:
         keys = DROPOUT_KEYS.get(_model_type(recipe))
         if keys:
