@@ -20,6 +20,12 @@ def quiet_warnings() -> None:
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     # "sharding_strategy is deprecated in favor of reshard_after_forward": we name FSDP1's strategy on purpose.
     logging.getLogger("accelerate.utils.dataclasses").setLevel(logging.ERROR)
+    # torchao (imported for model.quantize, and by transformers when it is installed) says "Failed to load
+    # .../_C_mxfp8...so" for each C extension a CPU-only torch cannot load (torchao/__init__.py, logger.warning;
+    # 0.18.0): NF4 is pure PyTorch and needs none of them. Its registrations make torch's pytree say that Enum
+    # subclasses no longer need register_constant (torch/utils/_pytree.py, torch 2.13.0).
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 
 def quiet_libraries() -> None:

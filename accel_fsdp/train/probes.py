@@ -13,6 +13,9 @@
   packing     before the first step, a micro-batch of packed training sequences laid out by the run's own collate
               (its attention kernel's layout) against each of their documents run alone: the largest logit
               difference, relative to the logit scale; <run>/trace/packing-rank<R>.json.
+  knobs       after every optimizer step, what the knobs did so far (train/knobs.py): the compiler's graphs, graph
+              breaks and cache hits of this process, the most bytes activation offloading held in host memory at
+              once; one JSON line per step in <run>/trace/knobs-rank<R>.jsonl.
 
 Probes hook into the model (forward pre-hooks); the training loop does not know about them. Not asked for, this
 module does nothing and never changes results. It reads FSDP2 internals (FSDPParam.unsharded_accumulated_grad,
@@ -29,8 +32,9 @@ import numpy as np
 import torch
 
 from accel_fsdp.data.store import Sequence
+from accel_fsdp.model.compile import compile_statistics
 
-PROBES = ("grad-bytes", "dtypes", "packing", "data")
+PROBES = ("grad-bytes", "dtypes", "packing", "data", "knobs")
 SHARE_WINDOW = 100
 """Optimizer steps over which the data probe measures each source's share."""
 
@@ -127,6 +131,17 @@ def data_order(sampler, path: Path, *, max_units: int = 200_000) -> None:
                                 "share_range": [[float(shares[:, i].min()), float(shares[:, i].max())]
                                                 for i in range(k)],
                                 "by_cost": any(c is not None for c in sampler.costs)}))
+
+
+def knob_record(knobs, step: int) -> dict:
+    """The `knobs` probe's line after optimizer step `step`."""
+    record = {"step": step}
+    if knobs.compiled is not None:
+        record["compile"] = compile_statistics()
+    if knobs.offload is not None:
+        record["offload_peak_bytes"] = knobs.offload.peak_on_host
+        record["offload_held_bytes"] = knobs.offload.on_host
+    return record
 
 
 def _record_dtypes(model: torch.nn.Module, path: Path) -> None:
