@@ -14,6 +14,7 @@ from accel_fsdp.config.shipped import display, resolve_recipe, shipped_recipes
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model import architectures
 from accel_fsdp.model.facts import Shape, facts_for, facts_of
+from accel_fsdp.planning.knob_advice import advice
 from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, estimate, gib, simple_bytes
 from accel_fsdp.planning.plan import build_plan, reference_cost
 from accel_fsdp.preflight import model_view
@@ -36,6 +37,10 @@ class Target:
     """The recipe's setting (a model or a count: off unless asked for)."""
     context: int | None = None
     """The model's context length, when known."""
+    activation_offload: bool = False
+    """training.activation_offload (a model or a count: off)."""
+    fp8: bool = False
+    """training.mixed_precision: fp8."""
 
 
 def parse_count(text: str) -> int | None:
@@ -98,13 +103,20 @@ def _recipe_target(path, micro_batch, seq_len) -> Target:
                       max(facts.block_params(), facts.vocab * facts.hidden), facts.shape(),
                       t.sequences_per_micro_step(), recipe.data.seq_len if seq_len is None else seq_len,
                       compute if lora.enabled else 4, note="; ".join(notes),
-                      activation_checkpointing=bool(recipe.model.activation_checkpointing), context=facts.context)
+                      activation_checkpointing=bool(recipe.model.activation_checkpointing), context=facts.context,
+                      **knob_settings(recipe))
 
     plan = build_plan(recipe, load_accelerate_config("fsdp_1gpu"))
     m = plan.memory_inputs
     return Target(recipe.name, m.params, m.trainable, m.largest_unit, m.shape, t.sequences_per_micro_step(),
                   m.seq_len if seq_len is None else seq_len, m.frozen_bytes, note="; ".join(notes),
-                  activation_checkpointing=m.activation_checkpointing)
+                  activation_checkpointing=m.activation_checkpointing, **knob_settings(recipe))
+
+
+def knob_settings(recipe) -> dict:
+    """The recipe's knobs that change the memory formulas (planning/memory.py)."""
+    t = recipe.training
+    return dict(activation_offload=t.activation_offload, fp8=t.mixed_precision == precision.FP8)
 
 
 @dataclass
@@ -113,6 +125,8 @@ class Row:
     offload: bool
     memory: MemoryBreakdown
     fits: bool
+    inputs: MemoryInputs | None = None
+    """What the row was estimated from (for the knobs' advice)."""
 
     @property
     def label(self) -> str:
@@ -126,7 +140,8 @@ def table(target: Target, *, gpus: int, nodes: int, precision: str, activation_c
                         world=world, shard_group=world, precision=precision,
                         activation_checkpointing=activation_checkpointing, micro_batch=target.micro_batch,
                         seq_len=target.seq_len, shape=target.shape, frozen_bytes=target.frozen_bytes,
-                        deferred_reduce=deferred_reduce)
+                        deferred_reduce=deferred_reduce, activation_offload=target.activation_offload,
+                        fp8=target.fp8)
     rows = []
     for strategy in strategies:
         if strategy == HYBRID_SHARD and nodes == 1:
@@ -135,8 +150,9 @@ def table(target: Target, *, gpus: int, nodes: int, precision: str, activation_c
         for off in ((False, True) if offload is None else (offload,)):
             if off and strategy == NO_SHARD:
                 continue
-            mem = estimate(replace(base, strategy=strategy, shard_group=group, offload=off))
-            rows.append(Row(strategy, off, mem, mem.total <= HEADROOM * gpu_memory))
+            inputs = replace(base, strategy=strategy, shard_group=group, offload=off)
+            mem = estimate(inputs)
+            rows.append(Row(strategy, off, mem, mem.total <= HEADROOM * gpu_memory, inputs))
     return rows
 
 
@@ -195,8 +211,10 @@ def format_report(target: Target, rows: list[Row], *, gpus: int, nodes: int, pre
                      f"{gib(m.activations):>9}{gib(m.total):>11}{gib(m.host):>9}  {'yes' if r.fits else 'no'}")
     best = cheapest(rows)
     if best is None:
-        lines.append("nothing fits: add GPUs or nodes, lower micro batch or seq_len, turn on activation "
-                     "checkpointing, or use LoRA")
+        lines.append("nothing fits: add GPUs or nodes, lower micro batch or seq_len, or use LoRA")
+        sharded = [r for r in rows if not r.offload and r.strategy == FULL_SHARD] or rows
+        if sharded and sharded[0].inputs is not None:
+            lines += advice(sharded[0].inputs, HEADROOM * gpu_memory)
     else:
         lines.append(f"cheapest that fits (least communication first): {best.label}, "
                      f"{gib(best.memory.total)} GiB per GPU -> {config_for(best, gpus, nodes)}")

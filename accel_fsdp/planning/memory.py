@@ -28,6 +28,14 @@ projection width, I the MLP width and m = 2 (GELU MLP) or 3 (SwiGLU). For GPT-2 
 16-bit, close to their 34 s b h. With activation checkpointing only each block's input (s b h c) is kept, plus
 one block recomputed at a time. The logits add b s V (c + 8) bytes (fp32 upcast for the loss and its gradient).
 
+Knobs (planning/knob_advice.py asks each its term from here): activation offload (training.activation_offload) moves
+the layers' saved activations to host memory, the GPU keeping one block's (the one computing) and the prefetched
+ones (train/activation_offload.py PREFETCH) of the same size: with activation checkpointing the block inputs move,
+one block recomputed stays. FP8 (training.mixed_precision: fp8) all-gathers the blocks' weights in float8: the two
+units in flight at 1 byte a parameter instead of c (the unit's gradient and its fp32 copy unchanged); the activations
+are counted as bf16 (torchao keeps the inputs of its float8 products in the compute dtype for the backward).
+Compile (training.compile) is counted as eager: inductor's fusion only ever saves fewer intermediates.
+
 The simple mode is the classic calculator: 16 bytes per parameter, divided by the number of GPUs with
 FSDP, in GiB.
 """
@@ -65,6 +73,10 @@ class MemoryInputs:
     """Bytes per frozen parameter: 4 (fp32) for full fine-tunes, the compute dtype's 2 for LoRA bases."""
     deferred_reduce: bool = False
     """Gradient accumulation that keeps unsharded fp32 gradients until the last micro-step (no_sync)."""
+    activation_offload: bool = False
+    """training.activation_offload: the layers' saved activations in host memory."""
+    fp8: bool = False
+    """training.mixed_precision: fp8: the blocks' weights gathered in float8."""
 
 
 @dataclass(frozen=True)
@@ -101,13 +113,39 @@ def estimate(m: MemoryInputs) -> MemoryBreakdown:
     elif m.strategy == NO_SHARD:
         gathered = float(c * m.largest_unit) if c < 4 else 0.0  # a low-precision copy of the unit in use
     else:
-        gathered = (3 * c + 4) * m.largest_unit
-    host = 0.0
+        gathered = (2 * (1 if m.fp8 else c) + c + 4) * m.largest_unit
+    host = offloaded_activation_bytes(m)
     if m.offload:
-        host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
+        host, params, grads, optimizer = host + params + grads + optimizer, 0.0, 0.0, 0.0
     if m.deferred_reduce:
         grads = 4.0 * m.trainable  # every unit's unsharded fp32 gradient, on the device (offload or not; 1 GPU too)
     return MemoryBreakdown(params, grads, optimizer, gathered, activation_bytes(m), host)
+
+
+def layer_activation_bytes(m: MemoryInputs) -> tuple[float, float]:
+    """(on the device, in host memory) of the layers' saved activations: all on the device, or with activation
+    offload, one block's (and PREFETCH more of its size) on it and the rest in host memory."""
+    if not m.micro_batch or not m.seq_len or m.shape is None:
+        return 0.0, 0.0
+    sh, c = m.shape, compute_bytes(m.precision)
+    tokens = m.micro_batch * m.seq_len
+    head_dim = sh.hidden // sh.heads
+    qkv = sh.heads * head_dim + 2 * sh.kv_heads * head_dim
+    per_layer = tokens * c * (8 * sh.hidden + qkv + (3 if sh.gated_mlp else 2) * sh.intermediate)
+    saved = tokens * sh.hidden * c if m.activation_checkpointing else per_layer  # what one block leaves saved
+    recomputed = per_layer if m.activation_checkpointing else 0
+    if not m.activation_offload:
+        return float(sh.layers * saved + recomputed), 0.0
+    kept = min(sh.layers, 1 + OFFLOAD_PREFETCH)
+    return float(kept * saved + recomputed), float((sh.layers - kept) * saved)
+
+
+OFFLOAD_PREFETCH = 2
+"""train/activation_offload.py PREFETCH (that module imports torch; this one must not)."""
+
+
+def offloaded_activation_bytes(m: MemoryInputs) -> float:
+    return layer_activation_bytes(m)[1]
 
 
 def activation_bytes(m: MemoryInputs) -> float:
@@ -115,13 +153,7 @@ def activation_bytes(m: MemoryInputs) -> float:
         return 0.0
     sh, c = m.shape, compute_bytes(m.precision)
     tokens = m.micro_batch * m.seq_len
-    head_dim = sh.hidden // sh.heads
-    qkv = sh.heads * head_dim + 2 * sh.kv_heads * head_dim
-    per_layer = tokens * c * (8 * sh.hidden + qkv + (3 if sh.gated_mlp else 2) * sh.intermediate)
-    if m.activation_checkpointing:
-        layers = sh.layers * tokens * sh.hidden * c + per_layer
-    else:
-        layers = sh.layers * per_layer
+    layers = layer_activation_bytes(m)[0]
     logits = tokens * sh.vocab * (c + 8)
     return float(layers + logits)
 

@@ -15,10 +15,11 @@ import click
 
 from accel_fsdp.config.accelerate import HYBRID_SHARD
 from accel_fsdp.config.methods import METHODS
-from accel_fsdp.config.precision import BYTES, MEMORY
+from accel_fsdp.config.precision import BYTES, FP8, MEMORY
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model.facts import shape_of
 from accel_fsdp.model.tokenizer import offline_tokenizer
+from accel_fsdp.planning.knob_advice import advice
 from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, estimate, gib, parse_bytes, size_problem
 from accel_fsdp.preflight import load_config_or_default, preflight
 
@@ -141,7 +142,8 @@ def build_plan(recipe, config, *, num_processes: int | None = None) -> Plan:
         micro_batch=recipe.training.sequences_per_micro_step(), seq_len=recipe.data.seq_len, shape=shape_of(config_obj),
         frozen_bytes=frozen_bytes,
         deferred_reduce=not settings.reduce_every_micro_step.value
-        and recipe.training.accumulation_steps(settings.num_processes.value) > 1)
+        and recipe.training.accumulation_steps(settings.num_processes.value) > 1,
+        activation_offload=recipe.training.activation_offload, fp8=settings.mixed_precision.value == FP8)
     return Plan(recipe, settings, config.label, type(meta).__name__, parameters, trainable, units, estimate(inputs),
                 inputs, report.notes)
 
@@ -175,8 +177,9 @@ def format_plan(plan: Plan, gpu_memory: float | None) -> str:
         lines.append(f"{verdict} in {gib(gpu_memory)} GiB per GPU (keeping 10% for the CUDA context and "
                      f"fragmentation): {100 * m.total / gpu_memory:.0f}% used")
         if m.total > 0.9 * gpu_memory:
-            lines.append("  try: model.activation_checkpointing: true, a smaller micro batch, more GPUs, or CPU "
-                         "offload (accelerate_configs/fsdp_2gpu_offload.yaml); `accel-fsdp estimate` compares them")
+            lines += advice(plan.memory_inputs, 0.9 * gpu_memory)
+            lines.append("  else: a smaller micro batch, more GPUs, or CPU offload "
+                         "(accelerate_configs/fsdp_2gpu_offload.yaml); `accel-fsdp estimate` compares them")
     cost = reference_cost(r)
     if cost:
         lines.append(f"note: {cost}")

@@ -1,0 +1,62 @@
+"""The knobs' memory terms (planning/memory.py) and the advice of `estimate` and the dry run (planning/knob_advice.py):
+activation offload moves the layers' activations to host memory, fp8 gathers the blocks' weights in float8, and a recipe
+that does not fit is told which knobs would make it fit."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from click.testing import CliRunner
+
+from accel_fsdp.cli import main
+from accel_fsdp.model.architectures import lookup
+from accel_fsdp.model.facts import facts_of
+from accel_fsdp.planning.knob_advice import fitting_knobs
+from accel_fsdp.planning.memory import OFFLOAD_PREFETCH, MemoryInputs, estimate, layer_activation_bytes
+
+
+def inputs(name: str, **changes) -> MemoryInputs:
+    facts = facts_of(lookup(name))
+    base = MemoryInputs(params=facts.params(), trainable=facts.params(), largest_unit=facts.block_params(), world=1,
+                        shard_group=1, precision="bf16-mixed", micro_batch=4, seq_len=2048, shape=facts.shape())
+    return replace(base, **changes)
+
+
+def test_offloaded_activations_leave_the_device_but_one_block_and_the_prefetched():
+    plain, offloaded = estimate(inputs("llama-3.2-1b")), estimate(inputs("llama-3.2-1b", activation_offload=True))
+    layers, _ = layer_activation_bytes(inputs("llama-3.2-1b"))
+    kept, moved = layer_activation_bytes(inputs("llama-3.2-1b", activation_offload=True))
+    assert kept == layers / 16 * (1 + OFFLOAD_PREFETCH) and moved == layers - kept  # 16 blocks
+    assert plain.activations - offloaded.activations == moved and offloaded.host == moved
+    checkpointed = layer_activation_bytes(inputs("llama-3.2-1b", activation_checkpointing=True,
+                                                 activation_offload=True))
+    assert checkpointed[1] == (16 - 1 - OFFLOAD_PREFETCH) * 4 * 2048 * 2048 * 2  # the block inputs, in bf16
+
+
+def test_the_prefetch_the_planner_counts_is_the_offloads():
+    from accel_fsdp.train.activation_offload import PREFETCH
+
+    assert OFFLOAD_PREFETCH == PREFETCH
+
+
+def test_fp8_gathers_the_units_in_flight_at_one_byte_a_parameter():
+    plain, fp8 = estimate(inputs("llama-3.2-1b")), estimate(inputs("llama-3.2-1b", fp8=True))
+    assert plain.gathered - fp8.gathered == 2 * (2 - 1) * facts_of(lookup("llama-3.2-1b")).block_params()
+
+
+def test_the_knobs_that_alone_make_it_fit_are_named_and_fp8_only_for_llama():
+    gpt2 = inputs("gpt2-xl", micro_batch=8, seq_len=1024, world=2, shard_group=2)
+    fitting, together = fitting_knobs(gpt2, 0.9 * 24 * 2**30)
+    assert [s for s, _ in fitting] == ["model.activation_checkpointing: true", "training.activation_offload: true"]
+    assert together is None
+    _, together = fitting_knobs(inputs("llama-3.2-1b", seq_len=8192, micro_batch=8), 0.9 * 12 * 2**30)
+    assert together[0][-1].startswith("training.mixed_precision: fp8")
+
+
+def test_estimate_says_which_knobs_would_make_a_recipe_fit():
+    result = CliRunner().invoke(main, ["estimate", "gpt2-xl", "--gpus", "2", "--gpu-memory", "24GB", "--micro-batch",
+                                       "8", "--seq-len", "1024", "--strategy", "FULL_SHARD", "--no-offload"])
+    assert result.exit_code == 0, result.output
+    assert "nothing fits" in result.output
+    assert "  fits with model.activation_checkpointing: true (" in result.output
+    assert "  fits with training.activation_offload: true (" in result.output
