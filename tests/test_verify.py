@@ -22,7 +22,7 @@ def test_verify_quickstart_passes_every_check(tmp_path):
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert status == {"sharding": "PASS", "precision": "PASS", "equivalence": "PASS", "resume": "PASS",
                       "packing": "PASS", "data": "PASS", "activation-checkpointing": "PASS", "memory": "PASS",
-                      "throughput": "INFO"}
+                      "throughput": "INFO", "compile": "SKIP", "activation-offload": "SKIP", "fp8": "SKIP"}
     assert report["passed"] and set(report["probes"]) == {"reference", "split", "fewer-ranks", "resume", "ac-on",
                                                           "ac-off"}
     assert "8 passed, 0 failed" in proc.stdout

@@ -16,6 +16,8 @@ accel_fsdp/train/probes.py, the exported weights) and compare:
   data           the mixture as the run draws it: each unit once per epoch of its source, each source's share over
                  any 100 steps within 0.01 of its weight, the same sequences per step on 1 rank and on several
   activation checkpointing   with dropout on, losses and gradient norms with and without it agree
+  knobs          compile, activation-offload, fp8 (tools/knob_checks.py): for each the recipe turns on, 2 steps with
+                 and without it, losses and gradient norms within the knob's bound
   memory         the model state each rank holds against `estimate`'s prediction (and the peak on GPUs)
   throughput     tokens/s per rank (and MFU on GPUs), for the record
 
@@ -45,12 +47,13 @@ from accel_fsdp.layout import CHECKPOINTS_DIR, MANIFEST, STEP_PREFIX, RunLayout,
 from accel_fsdp.model.facts import base_values, facts_for
 from accel_fsdp.planning.memory import MemoryInputs, estimate
 from accel_fsdp.preflight import preflight
+from accel_fsdp.tools.knob_checks import KNOBS, PROBE_STEPS, Knob
 from accel_fsdp.tools.noise import ROUNDOFF, adam_step_bound, equivalence_tolerance, reordered
 from accel_fsdp.train.metrics import read_metrics
 
 MARKER = "verify.json"
-CHECKS = ("sharding", "precision", "equivalence", "resume", "packing", "data", "activation-checkpointing", "memory",
-          "throughput")
+CHECKS = ("sharding", "precision", "equivalence", "resume", "packing", "data", "activation-checkpointing",
+          *(knob.check for knob in KNOBS), "memory", "throughput")
 SHARE_TOLERANCE = 0.01
 """A source's share of the loss-carrying tokens (or sequences) over any 100 consecutive steps, against its weight."""
 PACKING_LIMIT = {"fp32": reordered(2**23), "bf16": 8 * ROUNDOFF["bf16"], "fp16": 8 * ROUNDOFF["fp16"]}
@@ -374,6 +377,20 @@ def check_activation_checkpointing(v: Verification) -> Check:
                  {"loss_rel": dl, "grad_norm_rel": dg})
 
 
+def check_knob(v: Verification, knob: Knob) -> Check:
+    """The recipe with the knob and without it (tools/knob_checks.py): losses and gradient norms within its bound."""
+    on, off = (v.probes.get(name) for name, _ in knob.probes())
+    if on is None:
+        return Check(knob.check, "SKIP", f"{knob.key} is not {knob.on} in this recipe: nothing to prove")
+    if not on.ok or not off.ok:
+        return Check(knob.check, "FAIL", (on if not on.ok else off).failure())
+    tol, stated = knob.tolerance(v.recipe, v.precision, v.device)
+    same, dl, dg = compare_rows(on.train_rows(), off.train_rows(), tol, PROBE_STEPS)
+    return Check(knob.check, "PASS" if same else "FAIL",
+                 f"{knob.key}={knob.on} vs {knob.off} over {PROBE_STEPS} steps: loss {dl:.1e}, grad norm {dg:.1e} "
+                 "relative difference", stated, {"loss_rel": dl, "grad_norm_rel": dg})
+
+
 def check_packing(v: Verification) -> Check:
     """What the reference probe's `packing` probe measured inside the trainer (accel_fsdp/train/probes.py): packed
     sequences laid out by the run's own collate for its attention kernel, against each document run alone."""
@@ -546,9 +563,14 @@ def verify(recipe, config, num_processes: int | None, overrides: list[str], *, o
             dropout = [f"model.config_overrides.{k}=0.1" for k in keys] + ["training.max_steps=2"]
             for name, on in (("ac-on", "true"), ("ac-off", "false")):
                 run_probe(v, name, sets + dropout + [f"model.activation_checkpointing={on}"], extra_args=extra)
+    for knob in KNOBS:
+        if knob.check in wanted and knob.enabled(recipe, v.precision):
+            for name, knob_sets in knob.probes():
+                run_probe(v, name, sets + knob_sets, extra_args=extra)
     runners = {"sharding": check_sharding, "precision": check_precision, "equivalence": check_equivalence,
                "resume": check_resume, "packing": check_packing, "data": check_data, "activation-checkpointing":
-               check_activation_checkpointing, "memory": check_memory, "throughput": check_throughput}
+               check_activation_checkpointing, "memory": check_memory, "throughput": check_throughput,
+               **{knob.check: (lambda v, knob=knob: check_knob(v, knob)) for knob in KNOBS}}
     for name in CHECKS:
         if name in wanted:
             try:
