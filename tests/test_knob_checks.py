@@ -1,6 +1,6 @@
 """`verify` proves each knob a recipe turns on (tools/knob_checks.py): 2 steps with it and without it, losses and
 gradient norms within the knob's bound; the checks fail when the knob's arithmetic is broken on purpose
-(ACCEL_FSDP_BREAK compile-bf16, offload-bf16), so neither passes vacuously."""
+(ACCEL_FSDP_BREAK compile-skew, offload-bf16), so neither passes vacuously."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_verify_proves_compile_and_offload_where_the_recipe_turns_them_on(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("broken,check,key", [("compile-bf16", "compile", "training.compile"),
+@pytest.mark.parametrize("broken,check,key", [("compile-skew", "compile", "training.compile"),
                                               ("offload-bf16", "activation-offload", "training.activation_offload")])
 def test_a_knob_check_fails_when_the_knobs_arithmetic_is_broken(tmp_path, broken, check, key):
     out = tmp_path / "verify"

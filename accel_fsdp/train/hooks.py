@@ -50,7 +50,7 @@ BREAKS = {
     "ac-rng": "recompute checkpointed activations with new random draws (dropout)",
     "mix-weights": "draw from the data sources in equal shares, whatever their weights",
     "offload-bf16": "keep offloaded activations in bf16 host buffers (a copy that rounds)",
-    "compile-bf16": "round each compiled block's output to bf16 (a compiled graph that loses precision)",
+    "compile-skew": "scale each compiled block's output by 1 + 2^-8 (a compiled graph a bf16 unit off)",
 }
 
 

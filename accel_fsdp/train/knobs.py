@@ -56,14 +56,12 @@ class Knobs:
 
 def before_sharding(model, recipe, settings, *, lossy_compile: bool = False) -> Knobs:
     """fp8 conversion, then block compilation (of the blocks that now hold float8 layers), in place. `lossy_compile`:
-    only for `verify`'s proof that its compile check can fail (train/hooks.py, compile-bf16)."""
+    only for `verify`'s proof that its compile check can fail (train/hooks.py, compile-skew)."""
     knobs = Knobs()
     if settings.mixed_precision.value == FP8:
         knobs.fp8_layers = convert_to_fp8(model)
     if recipe.training.compile:
-        import torch
-
-        knobs.compiled = compile_blocks(model, round_to=torch.bfloat16 if lossy_compile else None)
+        knobs.compiled = compile_blocks(model, skew=2.0**-8 if lossy_compile else 0.0)
     return knobs
 
 

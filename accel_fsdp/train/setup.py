@@ -272,7 +272,7 @@ def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | No
     model_class = type(model).__name__
     batch_layout = batches.batch_layout(getattr(model.config, "_attn_implementation", None), use_position_ids)
     # fp8 layers, compiled blocks: before checkpointing wraps them
-    knobs = before_sharding(model, recipe, settings, lossy_compile=switches.broken("compile-bf16"))
+    knobs = before_sharding(model, recipe, settings, lossy_compile=switches.broken("compile-skew"))
     model = apply_activation_checkpointing(model, settings, preserve_rng_state=not switches.broken("ac-rng"))
     if clock is not None:
         clock.mark("model")
