@@ -1,6 +1,6 @@
 """Where every file of a run lives, the run's identity record (run.json), and the project's cache folder: the one
 home of each file name and path of a run folder and of a checkpoint. The ground floor: it imports nothing of the
-package but errors.py.
+package but errors.py and files.py (how a file is written).
 
     <run>/run.json             identity: run id, recipe name and fingerprint, checkpoint folder, version, start time
     <run>/recipe.yaml          the resolved recipe (every default filled in)
@@ -35,6 +35,7 @@ from pathlib import Path
 
 from accel_fsdp import __version__
 from accel_fsdp.errors import Problem, UserError, read_json_object
+from accel_fsdp.files import write_atomic
 
 # The run folder.
 RUN_FILE = "run.json"
@@ -221,13 +222,6 @@ def finished_since(run_dir: Path, since: float) -> bool:
     except UserError:
         return False
     return isinstance(finished, (int, float)) and finished >= since
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write a small file whole or not at all (a temporary name, then a rename)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def cache_dir() -> Path:

@@ -29,7 +29,7 @@ from accel_fsdp.config.settings import (
 )
 from accel_fsdp.config.shipped import shipped_accelerate_configs
 from accel_fsdp.data import prepare as data_lib
-from accel_fsdp.data.sources import locate, source_key
+from accel_fsdp.data.sources import ineffective_settings, locate, source_key
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.layout import RunLayout
 from accel_fsdp.model import checks as model_checks
@@ -65,7 +65,7 @@ def default_accelerate_config() -> tuple[Path, int | None, str]:
 def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = None, check_data: bool = True,
               run_dir: Path | None = None, resume: str | None = None, resume_from: str | None = None,
               overwrite: bool = False, for_target_hardware: bool = False, check_hub: bool = False,
-              cpu_option: bool = False) -> PreflightReport:
+              cpu_option: bool = False, accept_data_change: bool = False) -> PreflightReport:
     """Check recipe x accelerate config x model x data; raise one UserError listing every problem. (Long: the stages
     in the order they run, each a call; they gather problems into one list.)
 
@@ -98,7 +98,7 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
             try:
                 decision = decide(layout, recipe, resume=resume, resume_from=resume_from, overwrite=overwrite)
                 if decision == Decision.RESUME or resume_from:
-                    report.notes += _check_resume(recipe, settings, layout, resume_from)
+                    report.notes += _check_resume(recipe, settings, layout, resume_from, accept_data_change)
                 elif decision == Decision.RESTART:
                     report.notes.append(f"--resume auto: {layout.root} holds this run without a complete checkpoint; "
                                         "starting it again")
@@ -177,13 +177,13 @@ def _tracker_problems(recipe) -> list[Problem]:
     return out
 
 
-def _check_resume(recipe, settings, layout, resume_from: str | None) -> list[str]:
-    """The checkpoint to resume exists, is complete, and was made by a compatible recipe."""
+def _check_resume(recipe, settings, layout, resume_from: str | None, accept_data_change: bool) -> list[str]:
+    """The checkpoint to resume exists, is complete, and was made by a compatible recipe from the same data."""
     # Small checkpoints are read through here; larger ones are checked by the ranks, in parallel.
     point = checkpoint_to_resume(layout.checkpoints, resume_from, verify_up_to=VERIFY_BEFORE_LAUNCH_BYTES)
     info = point.checkpoint
     return ([f"resume: {note}" for note in point.notes()] + [f"resuming from {info.path}"]
-            + check_resume(info, recipe, settings, recipe.training.max_steps))
+            + check_resume(info, recipe, settings, recipe.training.max_steps, accept_data_change=accept_data_change))
 
 
 def model_view(recipe):
@@ -221,6 +221,9 @@ def _check_data(recipe, report: PreflightReport) -> list[Problem]:
     """Every source read and checked; tokenized and packed now when the tokenizer is on this machine (cached: the
     ranks read the result), so what only tokenizing finds (no example keeps a loss token, a source without rows)
     stops here, before anything launches. Hub sources are checked when training starts (the network)."""
+    ineffective = ineffective_settings(recipe)
+    if ineffective:
+        return ineffective
     sources = recipe.data.resolved_sources()
     local = []
     for i, source in enumerate(sources):
@@ -234,23 +237,24 @@ def _check_data(recipe, report: PreflightReport) -> list[Problem]:
     if tokenizer is None:
         report.notes.append(f"tokenizer {recipe.model.tokenizer or recipe.model.name_or_path!r} is not on this "
                             "machine: the data is tokenized when training starts")
-    problems: list[Problem] = []
-    for i in local:
-        source = sources[i]
-        try:
-            if tokenizer is None:
-                data_lib.check_source_rows(recipe, i, source)
-            else:
-                data_lib.prepare_source(recipe, tokenizer, i, source)
-        except UserError as e:
-            problems += e.problems
-    if problems or tokenizer is None or len(local) < len(sources):
+    if tokenizer is None or len(local) < len(sources):  # not all of it can be prepared here: what can be
+        problems: list[Problem] = []
+        for i in local:
+            try:
+                if tokenizer is None:
+                    data_lib.check_source_rows(recipe, i, sources[i])
+                else:
+                    data_lib.prepare_source(recipe, tokenizer, i, sources[i])
+            except UserError as e:
+                problems += e.problems
         return problems
-    data = data_lib.load_data(recipe, tokenizer)
+    try:  # the ranks' own path: built (cached) here, so they read the result
+        data = data_lib.prepare_data(recipe, tokenizer)
+    except UserError as e:
+        return e.problems
     report.data_stats = data.stats
     report.notes += data.stats.warnings(recipe)
-    little = data_lib.too_little_data(recipe, len(data))
-    return [little] if little else []
+    return []
 
 
 def load_config_or_default(name_or_path: str | None) -> tuple[AccelerateConfig, int | None, str]:

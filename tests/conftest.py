@@ -123,7 +123,7 @@ def units_by_step(run: Path) -> dict[int, list[int]]:
 
 def fabricate_checkpoint(folder: Path, step: int, run_id: str | None = None) -> Path:
     """A checkpoint complete as far as its manifest can tell, without training: one file, its size and CRC-32."""
-    from accel_fsdp.checkpoint.index import crc32_of
+    from accel_fsdp.files import crc32_of
     from accel_fsdp.checkpoint.records import Manifest
     from accel_fsdp.layout import checkpoint_name
 

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "accel_fsdp"
 
 # Lowest first. A node is a folder of the package, or a module at its top (the ground floor's modules, preflight.py).
 FLOORS = [
-    {"accel_fsdp", "errors", "quiet", "layout", "hardware"},  # the ground: what every floor may know
+    {"accel_fsdp", "errors", "quiet", "layout", "hardware", "files"},  # the ground: what every floor may know
     {"config"},
     {"data"},
     {"model"},  # a tokenizer may be trained on the recipe's data: model reads data
@@ -175,5 +175,6 @@ def test_the_package_imports_its_own_modules_at_module_level_unless_that_loads_a
 
 def test_the_ground_floor_keeps_heavy_libraries_out():
     graph, memo = _graph(), {}
-    for module in ("accel_fsdp.errors", "accel_fsdp.layout", "accel_fsdp.hardware", "accel_fsdp.quiet"):
+    for module in ("accel_fsdp.errors", "accel_fsdp.layout", "accel_fsdp.hardware", "accel_fsdp.quiet",
+                   "accel_fsdp.files"):
         assert not _heavy_at_import(module, graph, memo), module

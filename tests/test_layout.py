@@ -126,8 +126,9 @@ def test_manifest_round_trips_the_json_keys_and_names_damage():
 
     data = {"format": FORMAT, "step": 7, "epoch": 0, "world_size": 2, "state_dict_type": "SHARDED_STATE_DICT",
             "fsdp_version": 2, "lora": False, "recipe_fingerprint": "f", "run_id": "r", "parameters": 10,
-            "trainable_parameters": 10, "created": "now", "versions": {"torch": "x"}, "files": {"a": 1},
-            "crc32": {"a": "00000000"}}
+            "trainable_parameters": 10, "created": "now", "versions": {"torch": "x"},
+            "data": {"d": {"key": "data.path", "identity": {"file": "/d.jsonl", "size": 3, "mtime_ns": 1}}},
+            "files": {"a": 1}, "crc32": {"a": "00000000"}}
     m = Manifest.from_dict(data)
     assert m.to_dict() == data and list(m.to_dict()) == list(data) and json.loads(m.to_json()) == data
     assert m.step == 7 and m.lora is False
@@ -137,6 +138,8 @@ def test_manifest_round_trips_the_json_keys_and_names_damage():
         Manifest.from_dict({"step": "x", "files": {}}, checkpoint="ckpt")
     with pytest.raises(DamagedRecord, match="its file list names paths outside the checkpoint"):
         Manifest.from_dict({"step": 1, "files": {"../x": 1}})
+    with pytest.raises(DamagedRecord, match="its data identity is not a mapping of source to identity"):
+        Manifest.from_dict({"step": 1, "files": {}, "data": ["d.jsonl"]})
     assert Manifest.from_dict({"step": "x", "run_id": "r"}, checked=False).run_id == "r"
 
 

@@ -11,6 +11,7 @@ import pytest
 from conftest import read_metrics, run_cli, save_tiny_model
 
 from accel_fsdp.config.recipe import recipe_from_text
+from accel_fsdp.data import identity
 from accel_fsdp.errors import UserError
 from accel_fsdp.train import reference as reference_lib
 
@@ -32,12 +33,12 @@ def test_the_cache_key_covers_config_overrides_and_the_libraries_of_the_forward(
     plain = key()
     assert key() == plain
     assert key("{attn_pdrop: 0.1}") != plain  # an override of a pretrained model's config changes its forward
-    real = reference_lib.metadata.version
+    real = identity.metadata.version
     for library in ("torch", "transformers", "peft"):
-        monkeypatch.setattr(reference_lib.metadata, "version", lambda name, lib=library: "0.0" if name == lib
+        monkeypatch.setattr(identity.metadata, "version", lambda name, lib=library: "0.0" if name == lib
                             else real(name))
         assert key() != plain, library
-    monkeypatch.setattr(reference_lib.metadata, "version", real)
+    monkeypatch.setattr(identity.metadata, "version", real)
     assert key() == plain
 
 

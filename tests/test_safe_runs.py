@@ -693,15 +693,16 @@ def test_an_export_killed_half_way_is_swept_and_exports_are_readable_by_the_grou
     import socket as sockets
     import stat
 
-    from accel_fsdp.checkpoint.consolidate import _readable_as_umask_says, _sweep_dead_exports
+    from accel_fsdp.checkpoint.consolidate import _readable_as_umask_says
+    from accel_fsdp.files import remove_dead_temporaries
 
     out = tmp_path / "out"
     host = sockets.gethostname()
-    dead, alive = tmp_path / f".out.tmp-{host}-999999999", tmp_path / f".out.tmp-{host}-{os.getppid()}"
-    other = tmp_path / ".out.tmp-another-machine-1"
+    dead, alive = tmp_path / f".out.tmp-{host}-999999999-0a1b2c3d", tmp_path / f".out.tmp-{host}-{os.getppid()}-00ff"
+    other = tmp_path / ".out.tmp-another-machine-1-0a1b2c3d"
     for folder in (dead, alive, other):
         folder.mkdir()
-    _sweep_dead_exports(out)
+    remove_dead_temporaries(out)
     assert not dead.exists() and alive.exists() and other.exists()
     weights = tmp_path / "w.safetensors"
     weights.write_bytes(b"x")

@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import time
 import warnings
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import torch
 from accel_fsdp.checkpoint.index import CheckpointInfo
 from accel_fsdp.config.precision import PRECISIONS, TRANSFORMERS, compute_dtype
 from accel_fsdp.errors import Problem, UserError, first_line, read_json_object
+from accel_fsdp.files import atomic_folder, remove_dead_temporaries
 from accel_fsdp.hardware import PeakMemory
 from accel_fsdp.layout import HF_DIR, MODEL_DIR, MODEL_FILE, RECIPE_FILE
 from accel_fsdp.model.build import meta_model
@@ -72,52 +72,28 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
         raise UserError(Problem(str(info.path), f"its metadata cannot be read ({first_line(e, 160, named=True)})",
                                 "use an earlier checkpoint (see `accel-fsdp checkpoint inspect` on the run)")) from None
     monitor = PeakMemory()  # from here on: reading and writing weights
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    _sweep_dead_exports(out_dir)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    remove_dead_temporaries(out_dir)  # half-written exports of killed processes (no cleanup ran)
     try:
-        prefix = "adapter_model" if adapter else "model"
-        files, total, largest = _write_shards(reader, keys, tmp, prefix, DTYPES[dtype], max_shard_size)
-        _copy_hf_files(info, tmp, dtype, adapter)
-        (tmp / RECIPE_FILE).write_bytes((info.path / RECIPE_FILE).read_bytes())
-        if adapter and merge_lora:
-            _merge_lora(tmp, tmp / "merged", dtype, base_model)
-        written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-        _readable_as_umask_says(tmp)
-        (tmp / MARKER).write_text(json.dumps({"checkpoint": str(info.path), "step": info.manifest.step,
-                                              "dtype": dtype, "adapter": adapter, "files": written,
-                                              "run_id": info.manifest.run_id}, indent=1))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
+        with atomic_folder(out_dir) as tmp:  # an interrupted export leaves nothing; a previous one is replaced whole
+            prefix = "adapter_model" if adapter else "model"
+            files, total, largest = _write_shards(reader, keys, tmp, prefix, DTYPES[dtype], max_shard_size)
+            _copy_hf_files(info, tmp, dtype, adapter)
+            (tmp / RECIPE_FILE).write_bytes((info.path / RECIPE_FILE).read_bytes())
+            if adapter and merge_lora:
+                _merge_lora(tmp, tmp / "merged", dtype, base_model)
+            written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+            _readable_as_umask_says(tmp)
+            (tmp / MARKER).write_text(json.dumps({"checkpoint": str(info.path), "step": info.manifest.step,
+                                                  "dtype": dtype, "adapter": adapter, "files": written,
+                                                  "run_id": info.manifest.run_id}, indent=1))
     except (ValueError, KeyError, UnicodeDecodeError) as e:  # a checkpoint file damaged with its checksum updated
-        shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(Problem(str(info.path), f"a file of this checkpoint cannot be read "
                                 f"({first_line(e, 160, named=True)})",
                                 "use an earlier checkpoint (see `accel-fsdp checkpoint inspect` on the run)")) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     finally:
         monitor.stop()
     return ExportReport(out_dir, files, len(keys), total, largest, monitor.peak, monitor.baseline,
                         time.perf_counter() - start, adapter)
-
-
-def _sweep_dead_exports(out_dir: Path) -> None:
-    """Remove half-written exports to `out_dir` whose process is gone (killed: no `finally` ran). The name carries
-    the writer's machine and PID; one of another machine, or still alive here, is left alone."""
-    for tmp in out_dir.parent.glob(f".{out_dir.name}.tmp-{socket.gethostname()}-*"):
-        pid = tmp.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(tmp, ignore_errors=True)
-        except OSError:
-            pass  # alive under another user
 
 
 def _readable_as_umask_says(folder: Path) -> None:

@@ -17,7 +17,9 @@ from typing import Any
 from accel_fsdp.checkpoint.records import FORMAT, DamagedRecord, Manifest
 from accel_fsdp.config.binder import bind
 from accel_fsdp.config.recipe import DataConfig, incompatible_keys, read_saved_recipe
+from accel_fsdp.data.identity import data_changes, data_identity
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.files import crc32_of
 from accel_fsdp.layout import (
     MANIFEST,
     RECIPE_FILE,
@@ -27,16 +29,6 @@ from accel_fsdp.layout import (
     checkpoint_step,
     existing_folder,
 )
-
-
-def crc32_of(path: Path, chunk: int = 1 << 22) -> str:
-    import zlib
-
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            crc = zlib.crc32(block, crc)
-    return f"{crc:08x}"
 
 
 def damaged_files(info: CheckpointInfo, accelerator=None) -> list[str]:
@@ -206,10 +198,11 @@ def checkpoint_to_resume(root: Path, resume_from: str | None, *, accelerator=Non
                             "restore a damaged checkpoint, or drop --resume and add --overwrite to start over"))
 
 
-def check_resume(info: CheckpointInfo, recipe, settings, total_steps: int | None = None) -> list[str]:
-    """Refuse a checkpoint of another model or an incompatible recipe, or one past the run's last step
-    (`total_steps`: the recipe's max_steps, or what its epochs come to; None when not known yet); return notes for
-    what changes safely."""
+def check_resume(info: CheckpointInfo, recipe, settings, total_steps: int | None = None, *,
+                 accept_data_change: bool = False) -> list[str]:
+    """Refuse a checkpoint of another model or an incompatible recipe, one past the run's last step (`total_steps`:
+    the recipe's max_steps, or what its epochs come to; None when not known yet), or one whose data changed since
+    (unless `accept_data_change`: --accept-data-change); return notes for what changes safely."""
     saved = read_saved_recipe(info.path / RECIPE_FILE, then=", so the recipe that made this checkpoint is unknown",
                               fix="use another checkpoint")
     diff = incompatible_keys(saved, recipe.to_dict())
@@ -220,6 +213,12 @@ def check_resume(info: CheckpointInfo, recipe, settings, total_steps: int | None
                                 "or start a new run (another --output-dir) and load the consolidated export as "
                                 "model.name_or_path"))
     m = info.manifest
+    changed = data_changes(m.data or {}, data_identity(recipe))
+    if changed and not accept_data_change:
+        raise UserError(Problem(str(info.path), "the data changed since this checkpoint was saved:\n      "
+                                + "\n      ".join(changed), "resume with the data as it was (restore the file), or add "
+                                "--accept-data-change to go on with the data as it is now (its units are read in a "
+                                "new order from here on); nothing was changed"))
     if total_steps is not None and m.step > total_steps:
         key = "training.max_steps" if recipe.training.max_steps is not None else "training.epochs"
         raise UserError(Problem(recipe.where(key), f"this run would end at step {total_steps:,}, before its "
@@ -232,6 +231,9 @@ def check_resume(info: CheckpointInfo, recipe, settings, total_steps: int | None
                                 f"FSDP{settings.fsdp_version.value}; their optimizer states are not interchangeable",
                                 f"resume with an FSDP{m.fsdp_version} accelerate config, or consolidate it "
                                 "and start a new run from the export"))
+    if changed:
+        notes.append("the data changed since the checkpoint; going on with it as it is now (--accept-data-change): "
+                     + "; ".join(changed))
     if m.world_size != settings.num_processes.value:
         notes.append(f"resharding from {m.world_size} to {settings.num_processes.value} ranks "
                      f"({m.state_dict_type} allows it); the data order is unchanged, the dropout RNG of "

@@ -70,6 +70,9 @@ class Manifest(_Record):
     """When it was written (local time, ISO 8601)."""
     versions: dict[str, str] | None = None
     """accel_fsdp, torch, accelerate and transformers versions that wrote it."""
+    data: dict | None = None
+    """The identity of each data source as the run read it (data/identity.py `data_identity`): a resume compares it
+    with the data as it is now."""
     files: dict[str, int] = field(default_factory=dict)
     """Every file (relative path) with its size in bytes."""
     crc32: dict[str, str] = field(default_factory=dict)
@@ -87,6 +90,8 @@ class Manifest(_Record):
             return "its file list is not a mapping of file to size"
         if any(Path(k).is_absolute() or ".." in Path(k).parts for k in files):
             return "its file list names paths outside the checkpoint"
+        if data.get("data") is not None and not isinstance(data.get("data"), dict):
+            return "its data identity is not a mapping of source to identity"
         crc = data.get("crc32", {})
         if not isinstance(crc, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in crc.items()):
             return "its checksums are not a mapping of file to CRC-32"

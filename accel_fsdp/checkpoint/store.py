@@ -36,9 +36,10 @@ from typing import Any
 import torch
 
 from accel_fsdp import __version__
-from accel_fsdp.checkpoint.index import CheckpointInfo, crc32_of, latest_complete, list_checkpoints
+from accel_fsdp.checkpoint.index import CheckpointInfo, latest_complete, list_checkpoints
 from accel_fsdp.checkpoint.records import FORMAT, DamagedRecord, Manifest, TrainerState
 from accel_fsdp.errors import Problem, UserError, first_line
+from accel_fsdp.files import crc32_of, fsync_dir, write_atomic
 
 # A checkpoint's file names live with every other path of a run, in layout.py.
 from accel_fsdp.layout import (
@@ -64,9 +65,10 @@ from accel_fsdp.layout import (
 def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, step: int,
                     trainer_state: TrainerState,
                     recipe, settings, tokenizer, lora: bool, keep_last: int | None, faults=None,
-                    run_id: str | None = None) -> Path:
+                    run_id: str | None = None, data_identity: dict | None = None) -> Path:
     """Write the checkpoint of optimizer step `step` atomically; rotate old ones. Collective: all ranks call it.
-    The scheduler's state is added to `trainer_state` here.
+    The scheduler's state is added to `trainer_state` here. `data_identity`: what the run's data was
+    (data/identity.py), compared on resume.
 
     Long: the save is one protocol every rank walks through (temporary folder, shards, barrier, agreement on
     failure, checksums, manifest, rename, barrier); split, its barriers would hide in helpers."""
@@ -131,12 +133,12 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, ste
             state_dict_type=settings.state_dict_type.value, fsdp_version=settings.fsdp_version.value, lora=lora,
             recipe_fingerprint=recipe.fingerprint(), run_id=run_id, parameters=trainer_state.parameters,
             trainable_parameters=trainer_state.trainable_parameters, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            versions=_versions(), files=files, crc32=checksums)
-        _write_synced(tmp / MANIFEST, manifest.to_json())
+            versions=_versions(), data=data_identity, files=files, crc32=checksums)
+        write_atomic(tmp / MANIFEST, manifest.to_json())
         if final.exists():  # the same step saved again (e.g. the end of a resumed run): replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     accelerator.wait_for_everyone()
     if main:
         # After the barrier, and in the background: deleting large old checkpoints must not hold the other ranks
@@ -279,26 +281,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
             cuda = cuda[index] if index < len(cuda) else None
         if cuda is not None:
             torch.cuda.set_rng_state(cuda)  # the current device: this rank's
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _versions() -> dict[str, str]:

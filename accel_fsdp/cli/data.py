@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 from pathlib import Path
 
 import click
 
 from accel_fsdp.cli.options import SET_HELP, load_recipe
+from accel_fsdp.data.build import INTERRUPTED
 from accel_fsdp.quiet import quiet_libraries
 from accel_fsdp.tools import data as data_tools
 
@@ -33,9 +36,10 @@ def prepare_command(name_or_path, overrides) -> None:
     """
     r = load_recipe(name_or_path, overrides)
     quiet_libraries()
-    prepared, data = data_tools.prepare(r)
-    click.echo(f"prepared: {r.source}: {len(prepared)} source(s)")
-    click.echo(data_tools.prepare_report(r, prepared, data))
+    with interruptible("data prepare"):
+        data = data_tools.prepare(r)
+    click.echo(f"prepared: {r.source}: {len(data.sources)} source(s)")
+    click.echo(data_tools.prepare_report(r, data))
 
 
 @data.command("show")
@@ -58,4 +62,31 @@ def show_command(name_or_path, sequences, plot, color, overrides) -> None:
     r = load_recipe(name_or_path, overrides)
     quiet_libraries()
     use_color = sys.stdout.isatty() if color is None else color
-    click.echo(data_tools.show(r, sequences=sequences, color=use_color, plot=plot))
+    with interruptible("data show"):
+        text = data_tools.show(r, sequences=sequences, color=use_color, plot=plot)
+    click.echo(text)
+
+
+@contextlib.contextmanager
+def interruptible(command: str):
+    """Ctrl-C: one line and exit status 130 (128 + SIGINT, as a shell reports it), not a traceback; the cache keeps
+    no half-written entry (data/prepare.py builds under a temporary name and removes it on the way out). The handler
+    also sets data/build.py's INTERRUPTED, so a KeyboardInterrupt that Python dropped (raised inside a `__del__`)
+    still stops the build at its next batch, and the command still ends with 130."""
+
+    def on_ctrl_c(signum, frame):
+        INTERRUPTED.set()
+        raise KeyboardInterrupt
+
+    INTERRUPTED.clear()
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
+    try:
+        yield
+        if INTERRUPTED.is_set():  # dropped where it landed, after the last batch: the entry is whole, the command ends
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        click.echo(f"{command}: interrupted (Ctrl-C); the cache holds no half-written data", err=True)
+        sys.exit(130)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        INTERRUPTED.clear()

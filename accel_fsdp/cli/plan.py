@@ -12,6 +12,7 @@ from accel_fsdp.config.accelerate import BY_SHARDING, HYBRID_SHARD, load_acceler
 from accel_fsdp.config.precision import MEMORY, MEMORY_CHOICES
 from accel_fsdp.config.settings import batch_problem
 from accel_fsdp.errors import Problem, UserError, raise_if
+from accel_fsdp.files import write_atomic
 from accel_fsdp.launch.slurm import GENERATED, render
 from accel_fsdp.layout import RunLayout
 from accel_fsdp.planning.estimate import format_report, resolve_target, table
@@ -160,7 +161,7 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
         problems += e.problems
     raise_if(problems, f"{len(problems)} problems with this job")
     preflight(r, config, num_processes=nodes * gpus_per_node, for_target_hardware=True)
-    script.write_text(text)
+    write_atomic(script, text)
     script.chmod(0o755)
     k = t.accumulation_steps(nodes * gpus_per_node)
     click.echo(f"wrote {script}: {nodes} node(s) x {gpus_per_node} GPU(s), global batch {t.global_batch_size} = micro "

@@ -159,6 +159,9 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
               "requeued SLURM jobs use).")
 @click.option("--resume-from", type=click.Path(), help="Continue from this checkpoint folder.")
 @click.option("--overwrite", is_flag=True, help="Replace a run already in the run folder.")
+@click.option("--accept-data-change", is_flag=True, help="Resume although a data source changed since the "
+              "checkpoint (rows added or edited): go on with the data as it is now, read in a new order. Without it, "
+              "such a resume is refused, naming the source and what changed.")
 @click.option("--dry-run", is_flag=True, help="Plan only: build the model on the meta device and print the FSDP plan "
               "(units, per-rank memory); needs no weights and no network.")
 @click.option("--gpu-memory", metavar="SIZE", help="With --dry-run: memory per GPU to check the plan against (80GB).")
@@ -176,7 +179,8 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
               "(they are always saved in the run folder: recipe.yaml, fsdp_settings.json).")
 @click.option("--benchmark", is_flag=True, hidden=True, help="(accel-fsdp bench) No final evaluation, checkpoint or "
               "export.")
-def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, resume_from, overwrite, dry_run,
+def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, resume_from, overwrite,
+               accept_data_change, dry_run,
                gpu_memory, machine_rank, main_process_ip, main_process_port, num_machines, num_processes,
                rendezvous_timeout, cpu, verbose, benchmark) -> None:
     """Train a recipe on the hardware an accelerate config describes.
@@ -219,7 +223,8 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
 
         die_with_launcher()
         run_rank(lambda: run_training(RunRequest(recipe=r, run_dir=run_dir, resume=resume, resume_from=resume_from,
-                                                 overwrite=overwrite, benchmark=benchmark, verbose=verbose, cpu=cpu)))
+                                                 overwrite=overwrite, benchmark=benchmark, verbose=verbose, cpu=cpu,
+                                                 accept_data_change=accept_data_change)))
 
     config, n, why = load_config_or_default(accelerate_config)
     if num_processes is not None:
@@ -233,7 +238,8 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     main_machine = rank == 0
     # Only the main machine looks at the (shared) run folder: the others would race with its ranks writing there.
     report = preflight(r, config, num_processes=n, run_dir=run_dir if main_machine else None, resume=resume,
-                       resume_from=resume_from, overwrite=overwrite, check_hub=True, cpu_option=True)
+                       resume_from=resume_from, overwrite=overwrite, check_hub=True, cpu_option=True,
+                       accept_data_change=accept_data_change)
     where = (f" ({report.num_processes // machines} on this machine, machine_rank {rank} of {machines})"
              if machines > 1 else "")
     click.echo(f"accel-fsdp: launching {report.num_processes} process(es){where} with {config.label}"

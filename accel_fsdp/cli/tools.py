@@ -10,6 +10,7 @@ import click
 
 from accel_fsdp.cli.options import CONFIG_HELP, CPU_HELP, SET_HELP, finite, load_recipe
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.files import write_atomic
 from accel_fsdp.layout import RunLayout
 from accel_fsdp.model.tokenizer import trained_tokenizer
 from accel_fsdp.preflight import load_config_or_default, preflight
@@ -153,8 +154,8 @@ def report_command(run_dir: Path, as_json: bool) -> None:
     summary = summarize(run_dir)
     try:
         png = plot(run_dir)
-        RunLayout.at(run_dir).report_file.write_text(json.dumps({**summary, "loss_curve": str(png) if png else None},
-                                                        indent=1) + "\n")
+        write_atomic(RunLayout.at(run_dir).report_file,
+                     json.dumps({**summary, "loss_curve": str(png) if png else None}, indent=1) + "\n")
     except OSError as e:  # a read-only run folder (someone else's run): report, write nothing
         png = None
         click.echo(f"note: cannot write report.json / loss_curve.png into {run_dir} ({e.strerror or e})", err=True)

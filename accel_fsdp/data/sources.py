@@ -27,6 +27,10 @@ FILE_TYPES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "par
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_PROBLEMS = 5
 """Bad rows reported at once (the first of each kind of problem, up to this many)."""
+MAX_ROW_BYTES = 8 << 20
+"""The largest row read (its text, 8 MiB: about 2M tokens, far beyond any seq_len). The encoder needs about 40 times
+a text's size while it works on it, so one line of hundreds of MB would exhaust the memory and abort the process;
+it is refused instead, with its file and line, before it is read whole."""
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,8 @@ def locate(recipe, source: SourceConfig, key: str) -> SourceFile:
         alt = Path(recipe.source).parent / p
         if not p.exists() and alt.exists():
             p = alt
-        elif p.exists() and alt.exists() and not os.path.samefile(p, alt) and key not in recipe.overridden \
-                and not path.startswith(("./", "../")):
+        elif (p.exists() and alt.exists() and not os.path.samefile(p, alt) and key not in recipe.overridden
+              and not path.startswith(("./", "../"))):
             raise UserError(Problem(recipe.where(key), f"{path} names two different files: {p.absolute()} (from "
                                     f"the working directory) and {alt.absolute()} (next to the recipe)",
                                     f"write ./{path} for the first, or the absolute path of either"))
@@ -83,6 +87,53 @@ def _json_error(e: ValueError) -> str:
     if isinstance(e, json.JSONDecodeError):
         return f"{e.msg.removesuffix(' at')} at column {e.colno}"
     return str(e)
+
+
+FORMAT_FIELDS = {"text": ("text_field",), "instruction": ("instruction_field", "input_field", "output_field"),
+                 "chat": ("messages_field",), "preference": ("prompt_field", "chosen_field", "rejected_field")}
+"""The field keys each format reads."""
+HUB_KEYS = ("hub_config", "split")
+"""The keys that choose among a hub dataset's configurations and splits."""
+
+
+def ineffective_settings(recipe) -> list[Problem]:
+    """Data keys set to a value that changes nothing in this setup: `split` or `hub_config` where no source is a hub
+    dataset, a field name of a format no source has (`packing` of pairs is the recipe's own check). A key of the data
+    section applies to every source that does not set its own; a source's own key, to that source. Values equal to
+    the defaults are left alone (a resolved recipe.yaml writes every key)."""
+    d, sources = recipe.data, recipe.data.resolved_sources()
+    entries = d.sources or [None] * len(sources)
+    kinds = [locate(recipe, s, source_key(recipe, i)).kind for i, s in enumerate(sources)]
+    defaults = type(d)()
+    out = []
+    for key in HUB_KEYS + tuple(k for fields in FORMAT_FIELDS.values() for k in fields):
+        users = [i for i, (s, entry) in enumerate(zip(sources, entries))
+                 if _applies(key, s, kinds[i]) and (entry is None or getattr(entry, key) is None)]
+        if getattr(d, key) != getattr(defaults, key) and not users:
+            out.append(_no_effect(recipe, f"data.{key}", getattr(d, key), key, sources, kinds))
+        for i, entry in enumerate(entries):
+            if entry is not None and getattr(entry, key) is not None and not _applies(key, sources[i], kinds[i]):
+                out.append(_no_effect(recipe, f"data.sources.{i}.{key}", getattr(entry, key), key, [sources[i]],
+                                      [kinds[i]]))
+    return out
+
+
+def _applies(key: str, source: SourceConfig, kind: str) -> bool:
+    return kind == "hub" if key in HUB_KEYS else key in FORMAT_FIELDS[source.format]
+
+
+def _no_effect(recipe, key: str, value, name: str, sources: list[SourceConfig], kinds: list[str]) -> Problem:
+    if name in HUB_KEYS:
+        what = ", ".join(f"{s.path} ({'built-in data' if k == 'builtin' else 'a local file'})"
+                         for s, k in zip(sources, kinds))
+        return Problem(recipe.where(key), f"{value!r} has no effect: it chooses among a hub dataset's "
+                       f"{'configurations' if name == 'hub_config' else 'splits'}, and the data is {what}",
+                       "remove it (a local file is read whole; data.eval_fraction holds rows out)")
+    formats = sorted({s.format for s in sources})
+    reads = "; ".join(f"{f} reads {', '.join(FORMAT_FIELDS[f])}" for f in formats)
+    return Problem(recipe.where(key), f"{value!r} has no effect: no source of format "
+                   f"{', '.join(f for f, keys in FORMAT_FIELDS.items() if name in keys)} reads it ({reads})",
+                   "remove it, or set the format that reads it")
 
 
 def source_key(recipe, index: int) -> str:
@@ -194,10 +245,7 @@ class SourceReader:
 
             n = pq.ParquetFile(self.file.path).metadata.num_rows
         else:
-            n = 0
-            with open(self.file.path, "rb") as f:
-                for line in f:
-                    n += bool(line.strip())
+            n = _count_lines(self.file.path)
         if n == 0:
             raise UserError(Problem(self.where, f"data file {self.file.name!r} has no rows", "put training rows in it"))
         return min(n, self.source.max_rows) if self.source.max_rows else n
@@ -223,23 +271,45 @@ class SourceReader:
                 chunk = ds[start:min(n, start + size)]
                 keys = list(chunk)
                 count = len(chunk[keys[0]]) if keys else 0
-                yield (list(range(start + 1, start + count + 1)),
-                       [{k: chunk[k][i] for k in keys} for i in range(count)])
+                yield from self._bounded(list(range(start + 1, start + count + 1)),
+                                         [{k: chunk[k][i] for k in keys} for i in range(count)], max_bytes)
         elif self.file.path.endswith(".parquet"):
             import pyarrow.parquet as pq
 
             start = 0
             for batch in pq.ParquetFile(self.file.path).iter_batches(batch_size=size):
                 rows = batch.to_pylist()
-                yield list(range(start + 1, start + len(rows) + 1)), rows
+                yield from self._bounded(list(range(start + 1, start + len(rows) + 1)), rows, max_bytes)
                 start += len(rows)
         else:
             yield from self._jsonl_batches(size, max_bytes)
 
+    def _bounded(self, numbers: list[int], rows: list[dict], max_bytes: int):
+        """Rows read by datasets or pyarrow (already in memory-mapped Arrow), in batches of at most `max_bytes` of
+        text; a row over MAX_ROW_BYTES refused before it reaches the encoder."""
+        start, used = 0, 0
+        for k, row in enumerate(rows):
+            size = _text_bytes(row)
+            if size > MAX_ROW_BYTES:
+                raise self._too_long(numbers[k], f"holds {size / 2**20:,.0f} MiB of text")
+            if used and used + size > max_bytes:
+                yield numbers[start:k], rows[start:k]
+                start, used = k, 0
+            used += size
+        if start < len(rows):
+            yield numbers[start:], rows[start:]
+
+    def _too_long(self, number: int, what: str) -> UserError:
+        row = "line" if self.file.rows_are_lines else "row"
+        return UserError(Problem(f"{self.where} ({self.file.path or self.file.name})",
+                                 f"{row} {number} {what}, more than the {MAX_ROW_BYTES >> 20} MiB a row may hold "
+                                 "(tokenizing it would take about 40 times that in memory)",
+                                 "split it into several rows (each a document of its own), or remove it"))
+
     def _jsonl_batches(self, size: int, max_bytes: int):
         numbers, rows, used = [], [], 0
         with open(self.file.path, "rb") as f:
-            for number, line in enumerate(f, 1):
+            for number, line in self._lines(f):
                 if not line.strip():
                     continue
                 try:
@@ -263,6 +333,16 @@ class SourceReader:
                     numbers, rows, used = [], [], 0
         if rows:
             yield numbers, rows
+
+    def _lines(self, f):
+        """(number, line) of a file read line by line, never more than MAX_ROW_BYTES of a line at once: a longer line
+        is refused with its number when its first MAX_ROW_BYTES have been read."""
+        number = 0
+        while line := f.readline(MAX_ROW_BYTES + 2):
+            number += 1
+            if len(line.rstrip(b"\r\n")) > MAX_ROW_BYTES:
+                raise self._too_long(number, "is longer than that")
+            yield number, line
 
     # ----------------------------------------------------------------------------------------- checking
 
@@ -339,6 +419,30 @@ def _not_utf8_line(number: int, line: bytes, e: UnicodeDecodeError) -> str:
     byte = line[e.start] if e.start < len(line) else 0
     guess = "UTF-16" if b"\x00" in line else "Latin-1 or Windows-1252"
     return f"line {number} is not UTF-8 (byte 0x{byte:02x} at column {e.start + 1}); the file is probably {guess}"
+
+
+def _count_lines(path: str) -> int:
+    """Lines holding something other than whitespace, read in blocks (one line of any length never whole)."""
+    count, text = 0, False
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            *ended, rest = block.split(b"\n")
+            for part in ended:
+                count += text or bool(part.strip())
+                text = False
+            text = text or bool(rest.strip())
+    return count + text
+
+
+def _text_bytes(value) -> int:
+    """The size of a row's text: its strings, those inside lists and mappings (a chat's messages) included."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_text_bytes(v) for v in value)
+    return 0
 
 
 def _has_text(path: Path) -> bool:

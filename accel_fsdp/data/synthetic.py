@@ -15,10 +15,10 @@ Everything is written once into the cache folder and then read through the same 
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
+from accel_fsdp.files import write_with
 from accel_fsdp.layout import cache_dir
 
 VERSION = 1  # bump when the generators change, so caches are rebuilt
@@ -95,11 +95,13 @@ def write_builtin(name: str, rows: int = 20000, seed: int = 0) -> Path:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    with tmp.open("w") as f:
-        for row in generators[name](rng, rows):
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)  # atomic: concurrent ranks never read a half-written file
+
+    def write(temporary: Path) -> None:
+        with temporary.open("w") as f:
+            for row in generators[name](rng, rows):
+                f.write(json.dumps(row) + "\n")
+
+    write_with(path, write)  # concurrent ranks never read a half-written file
     return path
 
 
@@ -147,8 +149,8 @@ def _scramble(rng: random.Random, answer: str) -> str:
             if shuffled != words:
                 return " ".join(shuffled)
     i = rng.randrange(len(words) - 1)  # not the final "."
-    wrong = rng.choice(FEELINGS + ACTIVITIES + NUMBERS[1:]) if words[i] not in FEELINGS + ACTIVITIES else \
-        rng.choice(ANIMALS + PLACES)
+    wrong = (rng.choice(FEELINGS + ACTIVITIES + NUMBERS[1:]) if words[i] not in FEELINGS + ACTIVITIES else
+             rng.choice(ANIMALS + PLACES))
     return " ".join(words[:i] + [wrong] + words[i + 1:])
 
 

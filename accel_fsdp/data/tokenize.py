@@ -9,21 +9,25 @@
                the tokenizer has one, else prompt and answer concatenated with an EOS after the answer), or
                conversations ending in an assistant turn that share everything before it
 
-Texts are encoded in batches by the tokenizer's own Rust encoder (`encode_batch`, which runs on as many threads as
-the process may use), the same encoder `tokenizer(text)` calls one text at a time, so the ids are identical.
-Checking a row (its fields, their types, a chat's roles) happens here, as the row passes: a bad row is reported
-through the `SourceReader` with its file and line. This module imports no torch.
+Texts are encoded in batches by the tokenizer's own Rust encoder (encoder.py: `encode_batch`, which runs on as many
+threads as the process may use), the same encoder `tokenizer(text)` calls one text at a time, so the ids are
+identical; `ExampleTokenizer.stream` encodes one batch while the next is read, checked and rendered. Checking a row
+(its fields, their types, a chat's roles, what the chat template accepts) happens here, as the row passes: a bad row
+is reported through the `SourceReader` with its file and line. This module imports no torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
 
 from accel_fsdp.config.recipe import SourceConfig
+from accel_fsdp.data.encoder import ChatEncoder, ChatTemplate, encode
 from accel_fsdp.data.sources import CHAT_ROLES, SourceReader, check_messages
+from accel_fsdp.errors import first_line
 
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
@@ -70,41 +74,9 @@ def fit_pair(chosen: Example, rejected: Example, seq_len: int) -> tuple[Example,
     return out[0], out[1], cut > 0, answer_cut
 
 
-def encode(tokenizer, texts: list[str], *, special: bool) -> list[list[int]]:
-    """Token ids of each text, as `tokenizer(text, add_special_tokens=special)["input_ids"]` gives them, encoded in
-    one batch by the Rust backend (transformers' fast tokenizers call the same `encode_batch`:
-    tokenization_utils_tokenizers.py, _batch_encode_plus; checked with 5.24.0)."""
-    backend = _backend(tokenizer)
-    if backend is None:  # a tokenizer without a Rust backend: one text at a time, through its own __call__
-        return [tokenizer(t, add_special_tokens=special)["input_ids"] for t in texts]
-    fast = getattr(backend, "encode_batch_fast", None) or backend.encode_batch  # _fast: no character offsets
-    return [e.ids for e in fast(texts, add_special_tokens=special)]
-
-
-def encode_with_offsets(tokenizer, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
-    """(ids, character span of each token) of each text, without special tokens added (a chat template writes its
-    own)."""
-    backend = _backend(tokenizer)
-    if backend is None:
-        out = []
-        for t in texts:
-            enc = tokenizer(t, add_special_tokens=False, return_offsets_mapping=True)
-            out.append((enc["input_ids"], enc["offset_mapping"]))
-        return out
-    return [(e.ids, e.offsets) for e in backend.encode_batch(texts, add_special_tokens=False)]
-
-
-def _backend(tokenizer):
-    """The Rust tokenizer of a fast tokenizer, set to neither truncate nor pad (as transformers sets it for a call
-    without those options)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or not hasattr(backend, "encode_batch"):
-        return None
-    if backend.truncation is not None:
-        backend.no_truncation()
-    if backend.padding is not None:
-        backend.no_padding()
-    return backend
+def no_examples() -> list[Example]:
+    """What a batch with bad rows (or checked without a tokenizer) encodes into."""
+    return []
 
 
 class ExampleTokenizer:
@@ -114,10 +86,19 @@ class ExampleTokenizer:
         """`tokenizer` None: check the rows only (the tokenizer is not on this machine), returning no examples."""
         self.tokenizer, self.source, self.reader = tokenizer, source, reader
         self.eos = tokenizer.eos_token_id if tokenizer is not None else None
+        has_template = tokenizer is not None and bool(tokenizer.chat_template)
+        self.template = ChatTemplate(tokenizer) if has_template else None
+        self.chat_encoder = ChatEncoder(tokenizer) if has_template else None
         self.empty = 0
         """Rows of a text source whose text is empty (skipped, counted)."""
 
     def __call__(self, numbers: list[int], rows: list[dict]) -> list[Example]:
+        return self.check_and_render(numbers, rows)()
+
+    def check_and_render(self, numbers: list[int], rows: list[dict]) -> Callable[[], list[Example]]:
+        """Check a batch's rows (problems go to the reader) and render their texts now; the function returned
+        encodes them into examples. Only that function calls the encoder, which releases the GIL while it works:
+        `stream` runs it on a thread of its own, beside the reading and rendering of the next batch."""
         fmt = self.source.format
         if fmt == "text":
             return self._text(numbers, rows)
@@ -125,12 +106,29 @@ class ExampleTokenizer:
             return self._instruction(numbers, rows)
         if fmt == "preference":
             return self._preference(numbers, rows)
-        return self._chat(numbers, [(n, row.get(self.source.messages_field)) for n, row in zip(numbers, rows)
-                                    if self._chat_row_ok(n, row)])
+        return self._chat([(n, row.get(self.source.messages_field)) for n, row in zip(numbers, rows)
+                           if self._chat_row_ok(n, row)])
+
+    def stream(self, batches: Iterable[tuple[list[int], list[dict]]]):
+        """(numbers, rows, examples) of each batch, in order. A batch is encoded on a second thread while this one
+        reads, checks and renders the next and the caller stores the one before: the Rust encoder keeps the cores
+        busy and the Python work of preparing a source (half of it, for chat data) hides behind it. At most two
+        batches are in flight."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1, thread_name_prefix="encoder") as pool:
+            ahead = None
+            for numbers, rows in batches:
+                job = pool.submit(self.check_and_render(numbers, rows))
+                if ahead is not None:
+                    yield ahead[0], ahead[1], ahead[2].result()
+                ahead = (numbers, rows, job)
+            if ahead is not None:
+                yield ahead[0], ahead[1], ahead[2].result()
 
     # ----------------------------------------------------------------------------------------------- text
 
-    def _text(self, numbers, rows) -> list[Example]:
+    def _text(self, numbers, rows) -> Callable[[], list[Example]]:
         field = self.source.text_field
         texts, kept = [], []
         for n, row in zip(numbers, rows):
@@ -148,7 +146,10 @@ class ExampleTokenizer:
             texts.append(value)
             kept.append(n)
         if self.reader.problems or self.tokenizer is None:
-            return []
+            return no_examples
+        return lambda: self._text_examples(kept, texts)
+
+    def _text_examples(self, kept: list[int], texts: list[str]) -> list[Example]:
         # One array for the batch (numpy builds it from the id lists faster than one array per document), each
         # example a view of it, an EOS inserted after every document.
         ids = encode(self.tokenizer, texts, special=True)
@@ -162,7 +163,7 @@ class ExampleTokenizer:
 
     # ---------------------------------------------------------------------------------------- instruction
 
-    def _instruction(self, numbers, rows) -> list[Example]:
+    def _instruction(self, numbers, rows) -> Callable[[], list[Example]]:
         s = self.source
         good = []
         for n, row in zip(numbers, rows):
@@ -187,13 +188,17 @@ class ExampleTokenizer:
             if ok:
                 good.append((n, row[s.instruction_field], extra or "", row[s.output_field]))
         if self.reader.problems or self.tokenizer is None:
-            return []
+            return no_examples
         if self.tokenizer.chat_template:
             conversations = []
             for n, instruction, extra, output in good:
                 user = f"{instruction}\n\n{extra}" if extra else instruction
                 conversations.append((n, [{"role": "user", "content": user}, {"role": "assistant", "content": output}]))
-            return self._chat(numbers, conversations)
+            return self._chat(conversations)
+        return lambda: self._alpaca_examples(good)
+
+    def _alpaca_examples(self, good: list[tuple[int, str, str, str]]) -> list[Example]:
+        """The Alpaca prompt (with the tokenizer's special tokens) and the output (with an EOS), encoded apart."""
         prompts = [(ALPACA_PROMPT_WITH_INPUT if extra else ALPACA_PROMPT).format(instruction=instruction, input=extra)
                    for _, instruction, extra, _ in good]
         eos = [self.eos] if self.eos is not None else []
@@ -219,61 +224,88 @@ class ExampleTokenizer:
             return False
         return True
 
-    def _chat(self, numbers, conversations: list[tuple[int, list[dict]]]) -> list[Example]:
+    def _chat(self, conversations: list[tuple[int, list[dict]]]) -> Callable[[], list[Example]]:
         """Render each conversation with the chat template; a token carries a loss when its characters lie inside
-        an assistant turn (its content and the template's end-of-turn text). The template is rendered once per
-        assistant turn to find where each reply starts and ends; the whole text is then tokenized once, so the
-        tokens are those of the conversation as the model reads it (BPE merges across turn boundaries included)."""
+        an assistant turn (its content and the template's end-of-turn text). The whole text is tokenized at once, so
+        the tokens are those of the conversation as the model reads it (BPE merges across turn boundaries
+        included)."""
         if self.reader.problems or self.tokenizer is None:
-            return []
-        texts, spans = [], []
-        for _, messages in conversations:
-            text, turn_spans = render_chat(self.tokenizer, messages)
-            texts.append(text)
-            spans.append(turn_spans)
-        out = []
-        for (n, _), (ids, offsets), turn_spans in zip(conversations, encode_with_offsets(self.tokenizer, texts), spans):
-            out.append(Example(np.asarray(ids, dtype=np.int64), _inside(offsets, turn_spans), n))
-        return out
+            return no_examples
+        rows, texts, spans = [], [], []
+        for n, messages in conversations:
+            rendered = self._render(n, self.template.conversation, messages)
+            if rendered is not None:
+                rows.append(n)
+                texts.append(rendered[0])
+                spans.append(rendered[1])
+        if self.reader.problems:
+            return no_examples
+        return lambda: [Example(ids, mask, n) for n, (ids, mask) in zip(rows, self.chat_encoder(texts, spans))]
 
+    def _render(self, n: int, render, *args):
+        """render(*args), or None with the row reported when the chat template refuses it (a template may raise on a
+        role order it does not support)."""
+        from jinja2 import TemplateError
+
+        try:
+            return render(*args)
+        except TemplateError as e:
+            self.reader.bad("chat template", n, f"the chat template refuses this conversation: {first_line(e)}",
+                            "fix the row's messages (roles, order), or use a tokenizer whose template accepts them")
+            return None
 
     # ----------------------------------------------------------------------------------------- preference
 
-    def _preference(self, numbers, rows) -> list[Example]:
+    def _preference(self, numbers, rows) -> Callable[[], list[Example]]:
         """Two examples per row: prompt + chosen, prompt + rejected; the loss only on the answer."""
         conversations, strings = [], []
         for n, row in zip(numbers, rows):
             pair = self._pair(n, row)
             if pair is None:
                 continue
+            if isinstance(pair[1], list) and self.tokenizer is not None and self.template is None:
+                self.reader.bad("pair template", n, "chosen and rejected are conversations, and the tokenizer has no "
+                                "chat template to write them with", "use a tokenizer with a chat template "
+                                "(model.tokenizer), or give the prompt and the two answers as strings")
+                continue
             (conversations if isinstance(pair[1], list) else strings).append((n, *pair))
         if self.reader.problems or self.tokenizer is None:
-            return []
-        out: dict[int, list[Example]] = {}
+            return no_examples
         if strings and self.tokenizer.chat_template:  # a user turn and an assistant turn, as instruction rows are
             conversations += [(n, None, [{"role": "user", "content": p}, {"role": "assistant", "content": c}],
                                [{"role": "user", "content": p}, {"role": "assistant", "content": r}])
                               for n, p, c, r in strings]
             strings = []
+        prompts, texts, spans, rows_ = [], [], [], []
+        for n, _, chosen, rejected in conversations:
+            # The answer is the last message, and both share what comes before it (checked): where it starts is
+            # rendered once for the two, and encoded once (ChatEncoder.pairs).
+            start = self._render(n, self.template.render, chosen[:-1], True) if len(chosen) > 1 else ""
+            pair = start is not None and [self._render(n, self.template.render, m) for m in (chosen, rejected)]
+            if pair and None not in pair:
+                rows_.append(n)
+                prompts.append(start)
+                texts += pair
+                spans += [[(len(start), len(text))] for text in pair]
+        if self.reader.problems:
+            return no_examples
+        return lambda: self._pairs(numbers, strings, rows_, prompts, texts, spans)
+
+    def _pairs(self, numbers, strings, rows, prompts, texts, spans) -> list[Example]:
+        """The pairs' examples, in the rows' order: strings without a chat template (prompt and answer encoded apart,
+        an EOS after the answer), and rendered conversations."""
+        out: dict[int, list[Example]] = {}
         if strings:
             eos = [self.eos] if self.eos is not None else []
-            prompts = encode(self.tokenizer, [p for _, p, _, _ in strings], special=True)
+            prompt_ids = encode(self.tokenizer, [p for _, p, _, _ in strings], special=True)
             answers = encode(self.tokenizer, [a for _, _, c, r in strings for a in (c, r)], special=False)
-            for k, ((n, *_), p) in enumerate(zip(strings, prompts)):
+            for k, ((n, *_), p) in enumerate(zip(strings, prompt_ids)):
                 out[n] = [Example(np.asarray(p + a + eos, dtype=np.int64),
                                   np.concatenate([np.zeros(len(p), bool), np.ones(len(a) + len(eos), bool)]), n)
                           for a in (answers[2 * k], answers[2 * k + 1])]
-        if conversations:
-            texts, spans = [], []
-            for _, _, chosen, rejected in conversations:
-                for messages in (chosen, rejected):
-                    text, turns = render_chat(self.tokenizer, messages)
-                    texts.append(text)
-                    spans.append(turns[-1:])  # the answer is the last assistant turn; earlier ones are the prompt
-            encoded = encode_with_offsets(self.tokenizer, texts)
-            for k, (n, *_) in enumerate(conversations):
-                out[n] = [Example(np.asarray(encoded[j][0], dtype=np.int64), _inside(encoded[j][1], spans[j]), n)
-                          for j in (2 * k, 2 * k + 1)]
+        encoded = self.chat_encoder.pairs(prompts, texts, spans) if texts else []
+        for k, n in enumerate(rows):
+            out[n] = [Example(*encoded[2 * k], n), Example(*encoded[2 * k + 1], n)]
         return [ex for n in numbers if n in out for ex in out[n]]
 
     def _pair(self, n: int, row: dict):
@@ -301,11 +333,7 @@ class ExampleTokenizer:
             self.reader.bad("prompt type", n, f"field {s.prompt_field!r} is not text", "use a string (or conversations "
                             "in chosen and rejected)")
             return None
-        if chosen == rejected:
-            self.reader.bad("same answers", n, "the chosen and the rejected answer are the same",
-                            "remove the row: it prefers nothing")
-            return None
-        return prompt, chosen, rejected
+        return prompt, chosen, rejected  # answers that prefer nothing are found by their tokens (data/build.py)
 
     def _conversations(self, n: int, prompt, chosen, rejected):
         s = self.source
@@ -329,33 +357,4 @@ class ExampleTokenizer:
             self.reader.bad("pair prefix", n, "chosen and rejected differ before their last assistant turn",
                             "both must share the conversation up to the answer")
             return None
-        if full[0][-1]["content"] == full[1][-1]["content"]:
-            self.reader.bad("same answers", n, "the chosen and the rejected answer are the same",
-                            "remove the row: it prefers nothing")
-            return None
         return None, full[0], full[1]
-
-
-def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The conversation as text, and the character span of each assistant turn in it."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        start = len(tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)) if i else 0
-        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-        end = len(upto) if text.startswith(upto) else start + len(m["content"])  # a template that rewrites earlier
-        spans.append((start, end))                                               # turns: the reply text only
-    return text, spans
-
-
-def _inside(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
-    """For each token (its character span), whether it lies inside one of `spans` (and is not empty)."""
-    if not offsets:
-        return np.zeros(0, bool)
-    o = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
-    inside = np.zeros(len(o), bool)
-    for s, e in spans:
-        inside |= (o[:, 0] >= s) & (o[:, 1] <= e) & (o[:, 1] > o[:, 0])
-    return inside

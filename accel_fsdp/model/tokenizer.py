@@ -7,10 +7,12 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from accel_fsdp.data.sources import SourceReader, locate, source_key
+from accel_fsdp.data.identity import digest, trained_tokenizer_identity
+from accel_fsdp.data.sources import SourceReader
 from accel_fsdp.data.synthetic import BUILTIN_TOKENIZER
 from accel_fsdp.data.synthetic import build_tokenizer as builtin
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.files import atomic_folder
 from accel_fsdp.layout import cache_dir
 from accel_fsdp.model.checks import tokenizer_files_problem
 
@@ -100,35 +102,16 @@ def trained_tokenizer(recipe, out_dir: Path | None = None):
     if out_dir is None and (folder / "tokenizer.json").exists():
         return PreTrainedTokenizerFast.from_pretrained(folder)
     tokenizer = _train_bpe(recipe, vocab)
-    import os
-    import shutil
-
-    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer.save_pretrained(tmp)
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, folder)  # atomic: a concurrent reader never sees half a tokenizer
+    with atomic_folder(folder) as temporary:  # a concurrent reader never sees half a tokenizer
+        tokenizer.save_pretrained(temporary)
     return PreTrainedTokenizerFast.from_pretrained(folder)
 
 
 def _bpe_cache_folder(recipe, vocab: int) -> Path:
-    import hashlib
-    import json
-    import os
-    from dataclasses import asdict
-
-    identities = []
-    for i, source in enumerate(recipe.data.resolved_sources()):
-        where = locate(recipe, source, source_key(recipe, i))
-        identity = [os.path.abspath(where.path), os.stat(where.path).st_size, os.stat(where.path).st_mtime_ns] \
-            if where.kind == "file" and os.path.exists(where.path) else [where.name, source.hub_config, source.split]
-        fields = {k: v for k, v in asdict(source).items() if k.endswith(("_field", "format", "max_rows"))}
-        identities.append([identity, fields])
-    key = {"version": BPE_VERSION, "vocab": vocab, "sources": identities}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-    return cache_dir() / "tokenizers" / f"bpe-{vocab}-{digest}"
+    """Keyed by what the tokenizer learns from (data/identity.py: each source's identity, built-in data by its
+    version, and the fields read) and how (BPE_VERSION, N)."""
+    identity = trained_tokenizer_identity(recipe, vocab)
+    return cache_dir() / "tokenizers" / f"bpe-{vocab}-{digest(BPE_VERSION, identity)}"
 
 
 def _texts(recipe, limit: int):

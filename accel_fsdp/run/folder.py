@@ -10,11 +10,9 @@ the life of the run. This module decides; it never touches torch.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
-import socket
 import sys
 import time
 from enum import Enum
@@ -24,6 +22,7 @@ from accel_fsdp.checkpoint.index import latest_complete
 from accel_fsdp.checkpoint.records import Manifest
 from accel_fsdp.config.recipe import incompatible_keys, read_saved_recipe
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.files import FileLock, write_atomic
 
 # The paths of a run are layout.py's; this module decides what a start may do with them.
 from accel_fsdp.layout import (
@@ -36,7 +35,6 @@ from accel_fsdp.layout import (
     checkpoint_step,
     checkpoints_of,
     existing_folder,
-    write_atomic,
 )
 
 
@@ -237,42 +235,31 @@ def set_aside_newer(layout: RunLayout, resume_from: Path) -> list[str]:
 
 
 class FolderLock:
-    """An exclusive lock on a folder for the life of this process (flock on `<folder>/.accel-fsdp.lock`): the kernel
-    releases it when the holder exits or dies, so a crash never leaves a stale lock. The file says who holds it."""
+    """A folder claimed for the life of this process: files.FileLock on `<folder>/.accel-fsdp.lock`, the folder
+    created if need be (and removed again by a start that was refused)."""
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.created = False
-        self._fd: int | None = None
+        self.lock = FileLock(self.folder / LOCK_FILE)
 
     @property
     def path(self) -> Path:
-        return self.folder / LOCK_FILE
+        return self.lock.path
 
     def acquire(self, what: str) -> FolderLock:
         """Take the lock, creating the folder if needed; a UserError naming the holder if another run has it."""
         if not self.folder.exists():
             self.folder.mkdir(parents=True)
             self.created = True
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = _read_holder(fd)
-            os.close(fd)
-            raise UserError(Problem(str(self.folder), f"this {what} is in use by a live run ({holder})",
+        if not self.lock.acquire(wait=False):
+            raise UserError(Problem(str(self.folder), f"this {what} is in use by a live run "
+                                    f"({self.lock.holder() or 'held by another process'})",
                                     "wait for it to finish (or stop it), or choose another folder (nothing was "
-                                    "changed)")) from None
-        info = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "command": " ".join(sys.argv[1:])[:300]}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-        self._fd = fd
+                                    "changed)"))
         return self
 
     def release(self, *, remove_if_created: bool = False) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self.lock.release()
         if remove_if_created and self.created:
             try:
                 self.path.unlink(missing_ok=True)
@@ -283,28 +270,7 @@ class FolderLock:
 
 def lock_holder(folder: Path) -> str | None:
     """Who holds the lock of `folder` right now (host, PID, since when), or None. Takes nothing."""
-    path = Path(folder) / LOCK_FILE
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return _read_holder(fd)
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
-
-
-def _read_holder(fd: int) -> str:
-    try:
-        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-        return f"held by PID {info['pid']} on {info['host']} since {info['since']}"
-    except (ValueError, KeyError, OSError, UnicodeDecodeError):
-        return "held by another process"
+    return FileLock(Path(folder) / LOCK_FILE).holder()
 
 
 def lock_problems(layout: RunLayout) -> list[Problem]:

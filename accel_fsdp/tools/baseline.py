@@ -20,8 +20,9 @@ import torch
 
 from accel_fsdp.config.recipe import load_recipe
 from accel_fsdp.data.batches import collate
-from accel_fsdp.data.prepare import prepare_data
+from accel_fsdp.files import write_atomic
 from accel_fsdp.quiet import quiet_libraries
+from accel_fsdp.train.observe import Terminal
 
 
 def main() -> None:
@@ -34,7 +35,7 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="the config on CPU ranks (bench --cpu)")
     args = parser.parse_args()
 
-    from accel_fsdp.train.setup import build_sharded_model, describe_model, start_engine
+    from accel_fsdp.train.setup import build_sharded_model, describe_model, prepare_run_data, start_engine
 
     quiet_libraries()
     recipe = load_recipe(args.recipe, args.overrides)
@@ -47,7 +48,7 @@ def main() -> None:
     # The micro-batches of the run's first optimizer step, collated once, outside the timed loop: the model sees
     # what it sees in our loop (packed documents kept apart by their positions, the attention kernel's layout),
     # so the ratio measures the loop, not the mask. Reading and collating every step is part of ours.
-    data = prepare_data(recipe, tokenizer, acc)
+    data = prepare_run_data(recipe, tokenizer, acc, Terminal(acc))
     sampler = data.sampler(t, world_size=world, rank=acc.process_index)
     micro_batches = [{key: value.to(acc.device) if isinstance(value, torch.Tensor) else value
                       for key, value in collate([data.sequence(u) for u in units], tokenizer.pad_token_id,
@@ -74,9 +75,8 @@ def main() -> None:
     if acc.is_main_process:
         step_time = statistics.median(times)
         tokens = t.global_batch_size * recipe.data.seq_len
-        with open(args.out, "w") as f:
-            json.dump({"step_time_s": step_time, "tokens_per_s": tokens / step_time,
-                       "tokens_per_s_per_rank": tokens / step_time / world, "steps": args.steps}, f)
+        write_atomic(args.out, json.dumps({"step_time_s": step_time, "tokens_per_s": tokens / step_time,
+                                           "tokens_per_s_per_rank": tokens / step_time / world, "steps": args.steps}))
     acc.end_training()
 
 

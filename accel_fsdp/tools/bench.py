@@ -23,6 +23,7 @@ import yaml
 
 from accel_fsdp.config.accelerate import FULL_SHARD, NO_SHARD, SHARD_GRAD_OP
 from accel_fsdp.errors import UserError
+from accel_fsdp.files import write_atomic
 from accel_fsdp.layout import RunLayout
 from accel_fsdp.model.tokenizer import offline_tokenizer
 from accel_fsdp.train.metrics import TrainRow, read_metrics
@@ -106,7 +107,7 @@ def variant_config(base: Path, workdir: Path, name: str, **fsdp) -> Path:
     if data["fsdp_config"].get("fsdp_version") == 1:
         data["fsdp_config"].pop("fsdp_reshard_after_forward", None)
     path = workdir / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(data))
+    write_atomic(path, yaml.safe_dump(data))
     return path
 
 

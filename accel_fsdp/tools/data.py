@@ -8,57 +8,38 @@ that carry a loss, and draws each source's histogram of example lengths.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from accel_fsdp.data.prepare import load_data, prepare_source, read_stats, too_little_data
+from accel_fsdp.data.prepare import prepare_data
 from accel_fsdp.data.sampler import total_steps
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model.tokenizer import build_tokenizer
 
 
-@dataclass
-class PreparedSource:
-    name: str
-    folder: Path
-    built: bool
-    """Built by this command (else it was in the cache already)."""
-    bytes: int
-    """Bytes of its tables on disk."""
+def prepare(recipe, tokenizer=None):
+    """Build (or find, checked) every source's tables, the way a run does (data/prepare.py `prepare_data`); return the
+    prepared data."""
+    return prepare_data(recipe, tokenizer or build_tokenizer(recipe))
 
 
-def prepare(recipe, tokenizer=None) -> tuple[list[PreparedSource], object]:
-    """Build (or find) every source's tables; return them and the prepared data."""
-    tokenizer = tokenizer or build_tokenizer(recipe)
-    out = []
-    for i, source in enumerate(recipe.data.resolved_sources()):
-        folder, built = prepare_source(recipe, tokenizer, i, source)
-        size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-        out.append(PreparedSource(source.name, folder, built, size))
-    data = load_data(recipe, tokenizer)
-    little = too_little_data(recipe, len(data))
-    if little:
-        raise UserError(little)
-    return out, data
-
-
-def prepare_report(recipe, prepared: list[PreparedSource], data) -> str:
+def prepare_report(recipe, data) -> str:
     lines = []
     weights = [s.weight for s in data.sources]
     total = sum(weights)
     sampler = data.sampler(recipe.training, world_size=1, rank=0)
     steps = total_steps(recipe, len(data))
     epochs = sampler.epochs(steps, data.mean_costs())
-    for p, source, w, e in zip(prepared, data.sources, weights, epochs):
-        s = read_stats(p.folder)
+    for source, w, e in zip(data.sources, weights, epochs):
+        s = source.stats
+        size = sum(p.stat().st_size for p in source.folder.rglob("*") if p.is_file())
         tokens = s.train_tokens + (int(source.eval.meta["tokens"]) if source.eval is not None else 0)
-        per_token = p.bytes / max(1, tokens)
-        took = (f"tokenized in {s.seconds:.1f}s ({tokens / max(s.seconds, 1e-9):,.0f} tokens/s)" if p.built else
-                "already in the cache")
+        per_token = size / max(1, tokens)
+        took = (f"tokenized in {s.seconds:.1f}s ({tokens / max(s.seconds, 1e-9):,.0f} tokens/s)" if source.built
+                else "already in the cache")
         lines.append(f"{source.name} ({source.config.format}, {source.config.path}): {s.summary()}")
-        lines.append(f"    {p.bytes / 2**20:,.1f} MiB on disk, {per_token:.2f} bytes per token; {took}; {p.folder}")
+        lines.append(f"    {size / 2**20:,.1f} MiB on disk, {per_token:.2f} bytes per token; {took}; {source.folder}")
         if len(data.sources) > 1:
             lines.append(f"    weight {w / total:.2f} of the mixture by {data.mix_by}: about {e:.2f} epochs of it in "
                          f"{steps:,} steps")
@@ -72,7 +53,7 @@ def show(recipe, *, sequences: int, color: bool, plot: Path | None = None) -> st
     if plot is not None:
         check_plot_path(plot)
     tokenizer = build_tokenizer(recipe)
-    _, data = prepare(recipe, tokenizer)
+    data = prepare(recipe, tokenizer)
     sampler = data.sampler(recipe.training, world_size=1, rank=0)
     out, step = [], 0
     while len(out) < sequences:

@@ -43,6 +43,7 @@ from accel_fsdp.checkpoint.records import Manifest
 from accel_fsdp.config import precision
 from accel_fsdp.config.settings import FsdpSettings
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.files import write_atomic
 from accel_fsdp.layout import CHECKPOINTS_DIR, MANIFEST, STEP_PREFIX, RunLayout, checkpoint_name
 from accel_fsdp.model.facts import base_values, facts_for
 from accel_fsdp.planning.memory import MemoryInputs, estimate
@@ -94,7 +95,7 @@ class RunParameters:
         return cls(parameters=saved["parameters"], trainable=saved["trainable"])
 
     def write(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self)))
+        write_atomic(path, json.dumps(asdict(self)))
 
 
 @dataclass
@@ -605,7 +606,7 @@ def claim_folder(out_dir: Path) -> None:
                                     "give another --output-dir (nothing was changed)"))
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    (out_dir / MARKER).write_text(json.dumps({"started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
+    write_atomic(out_dir / MARKER, json.dumps({"started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
 
 
 def write_report(v: Verification) -> Path:
@@ -616,8 +617,8 @@ def write_report(v: Verification) -> Path:
                          for n, p in v.probes.items()},
               "checks": [asdict(c) for c in v.checks],
               "passed": not any(c.status == "FAIL" for c in v.checks)}
-    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
-    (v.out_dir / MARKER).write_text(json.dumps({"report": str(path)}))
+    write_atomic(path, json.dumps(report, indent=1, default=str) + "\n")
+    write_atomic(v.out_dir / MARKER, json.dumps({"report": str(path)}))
     return path
 
 

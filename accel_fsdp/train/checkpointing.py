@@ -12,6 +12,7 @@ from accel_fsdp.checkpoint import store as ckpt
 from accel_fsdp.checkpoint.consolidate import consolidate
 from accel_fsdp.checkpoint.records import TrainerState
 from accel_fsdp.errors import UserError
+from accel_fsdp.files import write_atomic
 from accel_fsdp.layout import RunIdentity, RunLayout, checkpoint_name
 from accel_fsdp.train.faults import Faults
 from accel_fsdp.train.lifetime import Preempted, Preemption, doing
@@ -25,7 +26,8 @@ class Checkpointer:
 
     def __init__(self, *, accelerator, model, optimizer, scheduler, sampler, logger: TrainLogger, recipe, settings,
                  tokenizer, layout: RunLayout, terminal: Terminal, preemption: Preemption, total_steps: int,
-                 parameters: int, trainable_parameters: int, faults: Faults | None = None):
+                 parameters: int, trainable_parameters: int, data_identity: dict | None = None,
+                 faults: Faults | None = None):
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
         self.sampler = sampler
         """Where the data stands is saved with the weights."""
@@ -37,6 +39,8 @@ class Checkpointer:
         self.every = recipe.checkpoint.every_steps
         self.last_saved_step: int | None = None
         self.faults = faults  # crash injection inside a save (tests), from train/hooks.py
+        self.data_identity = data_identity
+        """What the run's data was (data/identity.py): saved with every checkpoint, compared on resume."""
 
     def after_step(self, state: TrainingState) -> None:
         if self.every and state.step % self.every == 0 and state.step != self.total_steps:
@@ -58,19 +62,22 @@ class Checkpointer:
         path = ckpt.save_checkpoint(self.accelerator, self.model, self.optimizer, self.scheduler,
                                     root=self.layout.checkpoints, step=step, trainer_state=state, recipe=recipe,
                                     settings=self.settings, tokenizer=self.tokenizer, lora=recipe.model.lora.enabled,
-                                    keep_last=recipe.checkpoint.keep_last, faults=self.faults, run_id=self._run_id())
+                                    keep_last=recipe.checkpoint.keep_last, faults=self.faults, run_id=self._run_id(),
+                                    data_identity=self.data_identity)
         self.last_saved_step = step
         self.terminal.say(f"checkpoint: {path}")
         return path
 
-    def resume(self, resume_from: str | None = None) -> TrainingState:
+    def resume(self, resume_from: str | None = None, *, accept_data_change: bool = False) -> TrainingState:
         """Load the checkpoint the start decision chose (`resume_from`, else the newest intact one): weights,
-        optimizer, schedule, RNG, data position, logging window; return the training state it saved."""
+        optimizer, schedule, RNG, data position, logging window; return the training state it saved.
+        `accept_data_change`: --accept-data-change, go on though a data source changed since."""
         recipe, acc, say = self.recipe, self.accelerator, self.terminal.say
         # Every file is checked against its CRC-32 before anything reads it, the ranks sharing the reading.
         point = checkpoint_index.checkpoint_to_resume(self.layout.checkpoints, resume_from, accelerator=acc)
         info = point.checkpoint
-        for note in point.notes() + checkpoint_index.check_resume(info, recipe, self.settings, self.total_steps):
+        for note in point.notes() + checkpoint_index.check_resume(info, recipe, self.settings, self.total_steps,
+                                                                  accept_data_change=accept_data_change):
             say(f"resume: {note}")
         state = ckpt.load_checkpoint(acc, self.model, self.optimizer, self.scheduler, info,
                                      lora=recipe.model.lora.enabled)
@@ -90,8 +97,8 @@ class Checkpointer:
         self.terminal.close_bar()
         path = self.layout.checkpoints / checkpoint_name(step) if self.last_saved_step == step else self.save(state)
         if self.accelerator.is_main_process:
-            self.layout.preempted_file.write_text(json.dumps({"step": step, "checkpoint": str(path),
-                                                              "signal": preemption.signal_name}))
+            write_atomic(self.layout.preempted_file, json.dumps({"step": step, "checkpoint": str(path),
+                                                                "signal": preemption.signal_name}))
         self.accelerator.wait_for_everyone()
         ckpt.wait_for_rotations()
         raise Preempted(step, path, preemption.signal_name or "a signal")

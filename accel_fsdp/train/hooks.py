@@ -5,6 +5,8 @@ Switches, set in the environment of a run by tests and by `verify` (never by a u
   ACCEL_FSDP_FAULT=<kind>:<step>[@<rank>]  a crash or hang after an optimizer step or inside a save (faults.py)
   ACCEL_FSDP_PROBE=<name>[,<name>]  measurements of internals through model hooks (probes.py)
   ACCEL_FSDP_TRACE_UNITS=1          per rank and step, the training units read, in <run>/trace/ (resume tests)
+  ACCEL_FSDP_SLOW_DATA=<seconds>    each source's build waits this long first (a large dataset's build, for the
+                                    tests of what the other ranks do meanwhile)
 
 They are read once, by `TestSwitches.from_env` in train/setup.py, and reach the code that acts on them as plain
 parameters where a library takes the broken setting (`reduce_dtype`, `preserve_rng_state`, `shard_cpu_ranks`), as a
@@ -39,6 +41,7 @@ BREAK_ENV = "ACCEL_FSDP_BREAK"
 FAULT_ENV = "ACCEL_FSDP_FAULT"
 PROBE_ENV = "ACCEL_FSDP_PROBE"
 TRACE_ENV = "ACCEL_FSDP_TRACE_UNITS"
+SLOW_DATA_ENV = "ACCEL_FSDP_SLOW_DATA"
 
 BREAKS = {
     "unsharded": "CPU ranks: leave Accelerate's state as it comes (unsharded replicas), and skip the check that stops "
@@ -72,12 +75,15 @@ class TestSwitches:
     """Measurements to record (probes.py)."""
     trace_units: bool = False
     """Record the training sequences each rank reads at each step."""
+    slow_data: float = 0.0
+    """Seconds each data source's build waits before it starts."""
 
     @classmethod
     def from_env(cls, env=None) -> TestSwitches:
         env = os.environ if env is None else env
         switches = cls(breaks=_names(env.get(BREAK_ENV)), fault=env.get(FAULT_ENV) or None,
-                       probes=_names(env.get(PROBE_ENV)), trace_units=bool(env.get(TRACE_ENV)))
+                       probes=_names(env.get(PROBE_ENV)), trace_units=bool(env.get(TRACE_ENV)),
+                       slow_data=float(env.get(SLOW_DATA_ENV) or 0))
         for names, known, var in ((switches.breaks, BREAKS, BREAK_ENV), (switches.probes, probes.PROBES, PROBE_ENV)):
             if names - set(known):
                 raise ValueError(f"{var}: unknown {', '.join(sorted(names - set(known)))}; known: {', '.join(known)}")

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.layout import write_atomic
+from accel_fsdp.files import write_atomic
 
 PREEMPTED = 75
 """Exit status of a run stopped by a preemption signal after writing its checkpoint: resume it."""

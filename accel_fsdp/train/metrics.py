@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.files import write_atomic
 from accel_fsdp.model.facts import shape_of
 
 
@@ -169,7 +170,7 @@ class MetricsWriter:
         are dropped."""
         if self.accelerator.is_main_process and self.path.exists():
             kept = [r for r in read_metrics(self.path, strict=False) if r.step <= step] if step else []
-            self.path.write_text("".join(json.dumps(row_to_dict(r)) + "\n" for r in kept))
+            write_atomic(self.path, "".join(json.dumps(row_to_dict(r)) + "\n" for r in kept))
 
     def write(self, record: TrainRow | EvalRow | StartupRow) -> None:
         row, step = row_to_dict(record), record.step

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from accel_fsdp.data.store import Sequence
+from accel_fsdp.files import write_atomic
 from accel_fsdp.model.compile import compile_statistics
 
 PROBES = ("grad-bytes", "dtypes", "packing", "data", "knobs")
@@ -90,9 +91,9 @@ def packing(model, accelerator, data, collate, batch_layout: str, path: Path, *,
             offset += len(sequence)
     model.train()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"documents": checked, "sequences": len(sequences), "relative_difference": worst,
-                                "layout": batch_layout,
-                                "attention": getattr(accelerator.unwrap_model(model).config,
+    write_atomic(path, json.dumps({"documents": checked, "sequences": len(sequences), "relative_difference": worst,
+                                   "layout": batch_layout,
+                                   "attention": getattr(accelerator.unwrap_model(model).config,
                                                      "_attn_implementation", None)}))
 
 
@@ -126,8 +127,8 @@ def data_order(sampler, path: Path, *, max_units: int = 200_000) -> None:
     totals = sums[window:] - sums[:-window]
     shares = totals / np.maximum(totals.sum(axis=1, keepdims=True), 1e-12)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"steps": steps, "units": steps * global_batch, "epochs_completed": epochs,
-                                "repeats": repeats, "missing": missing, "window": window,
+    write_atomic(path, json.dumps({"steps": steps, "units": steps * global_batch, "epochs_completed": epochs,
+                                   "repeats": repeats, "missing": missing, "window": window,
                                 "share_range": [[float(shares[:, i].min()), float(shares[:, i].max())]
                                                 for i in range(k)],
                                 "by_cost": any(c is not None for c in sampler.costs)}))
@@ -157,7 +158,7 @@ def _record_dtypes(model: torch.nn.Module, path: Path) -> None:
         weight = module.weight
         held["compute"] = str((weight.to_local() if isinstance(weight, DTensor) else weight).dtype)
         held["reduce"] = sorted(_reduce_dtypes(model))
-        path.write_text(json.dumps(held))
+        write_atomic(path, json.dumps(held))
         handle.remove()
 
     if linear is not None:

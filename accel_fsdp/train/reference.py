@@ -13,28 +13,29 @@ with one way to give a batch its log-probabilities: `attach(batch, where, split)
 
 Every rank decides together whether the stored log-probabilities can be read: with a cache per machine (local disk,
 a requeue onto another node) some machines may hold them and others not, and the reference pass is collective.
+
+The key of the starting weights is data/identity.py's `weights_identity` (a local folder's files, a hub model's
+snapshot, or a model built from scratch with its seed; always the config overrides and the versions of the libraries
+that compute a forward). The tables carry CRC-32s in done.json, checked before they are read.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
-import os
-import secrets
-import socket
 import time
 import zlib
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from accel_fsdp.config.methods import METHODS
+from accel_fsdp.data.identity import digest, weights_identity
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.files import write_atomic
 from accel_fsdp.train.methods.logps import sequence_logps
 from accel_fsdp.train.sharding import gather_ints
 
@@ -136,39 +137,11 @@ def build_reference(run, settings):
 
 
 def starting_weights_key(recipe, settings) -> str:
-    """What the reference log-probabilities depend on besides the data: the starting weights, what the config
-    overrides of them, how they compute (precision, attention kernel) and the libraries that run the forward."""
-    m = recipe.model
-    if m.architecture:
-        identity = {"architecture": m.architecture, "seed": recipe.training.seed}
-    elif Path(m.name_or_path).expanduser().is_dir():
-        folder = Path(m.name_or_path).expanduser().resolve()
-        files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".json"))
-        identity = {"folder": str(folder), "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
-    else:
-        identity = {"hub": m.name_or_path, "snapshot": _hub_snapshot(m.name_or_path)}
-    identity.update(overrides=m.config_overrides, precision=settings.mixed_precision.value,
-                    attention=m.attn_implementation, lora=False, trust_remote_code=m.trust_remote_code,
-                    libraries={name: _version(name) for name in ("torch", "transformers", "peft")})
-    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:20]
-
-
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _hub_snapshot(repo: str) -> str | None:
-    """The commit of the hub model's snapshot in the local cache (what from_pretrained read), if it is there."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        path = try_to_load_from_cache(repo, "config.json")
-    except Exception:  # an id the hub library refuses: the name alone is the key
-        return None
-    return Path(path).parent.name if isinstance(path, str) else None
+    """What the reference log-probabilities depend on besides the data: the starting weights and what changes their
+    forward (data/identity.py `weights_identity`: the config overrides and the versions of torch, transformers and
+    peft included), and how they compute here (precision, attention kernel)."""
+    return digest(weights_identity(recipe), {"precision": settings.mixed_precision.value,
+                                             "attention": recipe.model.attn_implementation})
 
 
 def precompute(run, key: str) -> Precomputed:
@@ -269,23 +242,15 @@ def _store(place: tuple[Path, Path], arrays: dict[str, np.ndarray], seconds: flo
 
 
 def _write_reference(folder: Path, arrays: dict[str, np.ndarray], seconds: float) -> None:
-    """The one writer of a reference folder: each split's table, then done.json with their CRC-32s, each under a
-    temporary name (host, PID and a random part: machines sharing a cache may run equal PIDs), fsynced, renamed."""
+    """The one writer of a reference folder: each split's table, then done.json with their CRC-32s, each written whole
+    (files.write_atomic: a temporary name with host, PID and a random part, fsynced, renamed)."""
     folder.mkdir(parents=True, exist_ok=True)
     files = {f"{split}.bin": values.astype(np.float32).tobytes() for split, values in arrays.items()}
     done = {"sequences": {split: len(values) for split, values in arrays.items()},
             "crc32": {split: zlib.crc32(files[f"{split}.bin"]) for split in arrays}, "seconds": round(seconds, 3)}
     files[DONE] = json.dumps(done).encode()  # last: a folder without it is never read
     for name, data in files.items():
-        tmp = folder / f".{name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, folder / name)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_atomic(folder / name, data)
 
 
 def _complete(folder: Path, source) -> bool:

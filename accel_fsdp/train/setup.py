@@ -74,6 +74,7 @@ from accel_fsdp.train.optimizer import build_optimizer, lr_schedule, offload_thr
 from accel_fsdp.train.reference import build_reference
 from accel_fsdp.train.sharding import ShardingRecord, check_same_layout
 from accel_fsdp.train.state import TrainingState
+from accel_fsdp.train.waiting import wait_for_every_rank
 
 
 @dataclass
@@ -90,6 +91,8 @@ class RunRequest:
     """accel-fsdp bench: skip the final evaluation, checkpoint, sample and export."""
     cpu: bool = False
     """--cpu: run the accelerate config on CPU ranks whatever it was written for."""
+    accept_data_change: bool = False
+    """--accept-data-change: resume although a data source changed since the checkpoint."""
 
 
 @dataclass
@@ -240,8 +243,17 @@ def start_engine(recipe, *, run_dir: Path | None, trackers=(), switches: TestSwi
 
 def describe_model(recipe, engine: Engine):
     """The tokenizer and the model's config; the model is checked on the meta device before any weight is read."""
-    with engine.accelerator.local_main_process_first():  # a tokenizer trained on the data (bpe:N): once per machine
-        tokenizer = build_tokenizer(recipe)
+    # A tokenizer trained on the data (bpe:N) is trained once per machine, by its first rank, for as long as that
+    # takes: the others wait for it in the store (train/waiting.py), not in a collective that it could outlast.
+    acc, tokenizer, error = engine.accelerator, None, None
+    if acc.is_local_main_process:
+        try:
+            tokenizer = build_tokenizer(recipe)
+        except UserError as e:
+            e.rank_local, error = not acc.is_main_process, e
+    wait_for_every_rank(acc, "tokenizer", "build the tokenizer", error)
+    if tokenizer is None:
+        tokenizer = build_tokenizer(recipe)  # from the cache this machine's first rank wrote
     config = model_config(recipe, tokenizer=tokenizer)
     problems = model_problems(recipe, engine.settings, view_of(meta_model(config, recipe.model.trust_remote_code),
                                                                config))
@@ -318,7 +330,7 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
     dropout_off = {} if trains_with_dropout(recipe) else turn_off_dropout(config)
     terminal = open_run_folder(request, engine, layout, decision)
     doing("the data preparation (the first rank of each machine builds it, the others wait)")
-    data = data_lib.prepare_data(recipe, tokenizer, engine.accelerator)
+    data = prepare_run_data(recipe, tokenizer, engine.accelerator, terminal, switches)  # before any weight is read
     clock.mark("data")
     for warning in data.stats.warnings(recipe):
         terminal.say(f"warning: {warning}")
@@ -344,7 +356,7 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
     state = TrainingState()
     if decision == Decision.RESUME or request.resume_from:
         doing("the resume from a checkpoint")
-        state = parts.checkpointer.resume(request.resume_from)
+        state = parts.checkpointer.resume(request.resume_from, accept_data_change=request.accept_data_change)
         parts.hooks.after_resume(state)
     parts.logger.metrics.start_at(state.step)
     if recipe.logging.trackers:
@@ -373,13 +385,11 @@ def open_run_folder(request: RunRequest, engine: Engine, layout: RunLayout, deci
 
 
 def build_run(request: RunRequest, engine: Engine, config, tokenizer, data, built: ShardedModel, **parts) -> Run:
-    """The run of this rank: the batch order and the schedule over the data, and what was built before (`parts`:
-    layout, preemption, terminal, clock, sharding). Its objective comes next (`with_objective`)."""
+    """The run of this rank: the batch order and the schedule over the data (checked to fill a global batch by
+    `prepare_run_data`, before any weight was read), and what was built before (`parts`: layout, preemption,
+    terminal, clock, sharding). Its objective comes next (`with_objective`)."""
     recipe, accelerator = request.recipe, engine.accelerator
     sampler = data.sampler(recipe.training, world_size=engine.world, rank=accelerator.process_index)
-    little = data_lib.too_little_data(recipe, len(data))
-    if little:
-        raise UserError(little)
     steps = total_steps(recipe, len(data))
     scheduler = torch.optim.lr_scheduler.LambdaLR(built.optimizer, lr_lambda=lr_schedule(recipe, steps))
     fpt = flops_per_token(config, recipe.data.seq_len, built.trainable_parameters / max(1, built.parameters))
@@ -423,7 +433,8 @@ def build_components(run: Run, switches: TestSwitches) -> Components:
                                 sampler=run.sampler, logger=logger, recipe=recipe, settings=run.settings,
                                 tokenizer=run.tokenizer, layout=run.layout, terminal=run.terminal,
                                 preemption=run.preemption, total_steps=run.total_steps, parameters=run.parameters,
-                                trainable_parameters=run.trainable_parameters, faults=hooks.faults)
+                                trainable_parameters=run.trainable_parameters, data_identity=run.data.identity,
+                                faults=hooks.faults)
     return Components(logger=logger, evaluator=Evaluator(run, metrics), checkpointer=checkpointer, hooks=hooks)
 
 
@@ -482,6 +493,21 @@ def data_summary(recipe, data, sampler, steps: int) -> list[str]:
     return lines
 
 
+def prepare_run_data(recipe, tokenizer, accelerator, terminal: Terminal,
+                     switches: TestSwitches = NO_SWITCHES) -> data_lib.PreparedData:
+    """The data of the run (data/prepare.py `prepare_data`, the path of `data prepare` and of the checks before the
+    launch): the first rank of each machine builds what the cache lacks, for as long as that takes, while the others
+    wait in the store (train/waiting.py); a failure there stops every rank, its message shown once."""
+
+    def wait(error: UserError | None) -> None:
+        if error is not None:
+            error.rank_local = not accelerator.is_main_process  # another machine's builder: it says why
+        wait_for_every_rank(accelerator, "data", "prepare the data", error, say=terminal.say)
+
+    return data_lib.prepare_data(recipe, tokenizer, build=accelerator.is_local_main_process, wait=wait,
+                                 delay=switches.slow_data, say=terminal.say)
+
+
 def claim_run_folder(acc, layout: RunLayout, request: RunRequest) -> Decision:
     """The main process locks the run folder (and an outside checkpoint folder) for the life of the process (the
     kernel releases a flock when its holder exits or dies), then decides what the start does with it; every rank
@@ -519,4 +545,5 @@ def _forward_parameters(model) -> set[str]:
 
 
 __all__ = ["RunRequest", "Run", "TrainingState", "Components", "Engine", "ShardedModel", "setup", "start_engine",
-           "describe_model", "build_sharded_model", "current_accelerate_config", "claim_run_folder"]
+           "describe_model", "build_sharded_model", "current_accelerate_config", "claim_run_folder",
+           "prepare_run_data"]

@@ -14,6 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.files import write_atomic
 from accel_fsdp.model.build import layout_differences, layout_of
 from accel_fsdp.train.accelerator import expected_shards
 from accel_fsdp.train.cpu_fsdp import local_numel
@@ -75,7 +76,7 @@ class ShardingRecord:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
     def write(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        write_atomic(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
 
 def layout_rows(layout: list[list[float]]) -> list[dict]:
