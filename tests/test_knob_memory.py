@@ -60,3 +60,13 @@ def test_estimate_says_which_knobs_would_make_a_recipe_fit():
     assert "nothing fits" in result.output
     assert "  fits with model.activation_checkpointing: true (" in result.output
     assert "  fits with training.activation_offload: true (" in result.output
+
+
+def test_the_dry_run_says_which_knobs_would_make_a_recipe_fit():
+    result = CliRunner().invoke(main, ["recipe", "run", "quickstart-llama", "--dry-run", "--gpu-memory", "0.02GB",
+                                       "--set", "training.micro_batch_size=16", "--set",
+                                       "training.global_batch_size=32"])
+    assert result.exit_code == 0, result.output
+    assert "does NOT fit in 0.02 GiB per GPU" in result.output
+    assert "  fits with model.activation_checkpointing: true (" in result.output
+    assert "training.activation_offload" not in result.output  # 2 blocks: one computing, the prefetch: none moves
