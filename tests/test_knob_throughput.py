@@ -22,7 +22,8 @@ def test_fp8_rows_are_skipped_on_cpu_and_for_gpt2_and_a_missing_key_is_named():
     assert skipped_because(llama, fp8, False, keys) is None
     assert "Conv1D" in skipped_because(gpt2, fp8, False, keys)
     assert "compute capability 8.9" in skipped_because(CPU_MODELS[0], fp8, True, keys)
-    assert "is not a recipe key of this build" in skipped_because(llama, VARIANTS[1], False, keys - {"training.compile"})
+    without_compile = keys - {"training.compile"}
+    assert "is not a recipe key of this build" in skipped_because(llama, VARIANTS[1], False, without_compile)
     assert [v.name for v in VARIANTS] == ["eager", "+compile", "+chunked loss", "+activation offload", "+FP8"]
     assert [(m.label, m.seq_len) for m in GPU_MODELS] == [("llama-3.2-1b", 2048), ("llama-3.2-1b", 8192),
                                                            ("gpt2-xl", 1024)]
