@@ -26,6 +26,7 @@ from accel_fsdp.config.settings import (
     gpu_count_problems,
     idle_gpu_note,
     resolve_settings,
+    shard_group_size,
 )
 from accel_fsdp.config.shipped import shipped_accelerate_configs
 from accel_fsdp.data import prepare as data_lib
@@ -147,13 +148,15 @@ def settings_for_launch(recipe, config: AccelerateConfig, *, cuda_available: boo
 
 def model_problems(recipe, settings: FsdpSettings, view) -> list[Problem]:
     """The model (facts or a meta-device build) against the recipe and the settings: context length, wrap class
-    (detected from the model when no config names one), LoRA targets, and whether the knobs the recipe turns on
-    (compile, fp8) can run on this model and machine."""
+    (detected from the model when no config names one), LoRA targets, the layers a quantized base holds in 4 bits,
+    and whether the knobs the recipe turns on (compile, fp8) can run on this model and machine."""
     detect_wrap_classes(settings, view.no_split_modules)
     here = settings.device.value == "cuda" and settings.device.source != Source.TARGET_HARDWARE
     return (model_checks.context_problems(recipe, view.context)
             + wrap_class_problems(settings, view, recipe)
             + model_checks.lora_target_problems(view, recipe)
+            + model_checks.quantize_problems(view, recipe, shard_group_size(settings),
+                                             remote_code=recipe.model.trust_remote_code)
             + compile_problems(recipe, settings, view)
             + fp8_problems(recipe, settings, view, hardware.cuda_capability() if here else None))
 

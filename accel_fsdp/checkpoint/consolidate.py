@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from accel_fsdp.checkpoint.index import CheckpointInfo
+from accel_fsdp.checkpoint.merge import merge_streaming
 from accel_fsdp.config.precision import PRECISIONS, TRANSFORMERS, compute_dtype
 from accel_fsdp.errors import Problem, UserError, first_line, read_json_object
 from accel_fsdp.files import atomic_folder, remove_dead_temporaries
@@ -79,7 +80,11 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
             files, total, largest = _write_shards(reader, keys, tmp, prefix, DTYPES[dtype], max_shard_size)
             _copy_hf_files(info, tmp, dtype, adapter)
             (tmp / RECIPE_FILE).write_bytes((info.path / RECIPE_FILE).read_bytes())
-            if adapter and merge_lora:
+            if adapter and merge_lora and info.manifest.quantized_base:  # QLoRA: streamed (checkpoint/merge.py)
+                merge_streaming(tmp, tmp / "merged", base=_adapter_base(tmp, base_model), dtype=dtype,
+                                quantized_base=None if base_model else info.manifest.quantized_base,
+                                max_shard_size=max_shard_size, where=str(info.path))
+            elif adapter and merge_lora:
                 _merge_lora(tmp, tmp / "merged", dtype, base_model)
             written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
             _readable_as_umask_says(tmp)
@@ -255,14 +260,22 @@ def _copy_hf_files(info: CheckpointInfo, folder: Path, dtype: str, adapter: bool
         (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _merge_lora(adapter_dir: Path, out: Path, dtype: str, base_model: str | None) -> None:
-    from peft import PeftConfig, PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _adapter_base(adapter_dir: Path, base_model: str | None) -> str:
+    """The base a merge reads: --base-model, else the one the adapter names."""
+    from peft import PeftConfig
 
     base = base_model or PeftConfig.from_pretrained(adapter_dir).base_model_name_or_path
     if not base:
         raise UserError(Problem(str(adapter_dir), "the adapter does not name its base model",
                                 "pass --base-model with the hub id or folder of the base model"))
+    return base
+
+
+def _merge_lora(adapter_dir: Path, out: Path, dtype: str, base_model: str | None) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = _adapter_base(adapter_dir, base_model)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     merged.to(DTYPES[dtype]).save_pretrained(out)

@@ -241,6 +241,22 @@ def check_resume(info: CheckpointInfo, recipe, settings, total_steps: int | None
     return notes
 
 
+def check_quantized_base(info: CheckpointInfo, current: dict | None) -> None:
+    """A checkpoint of a run with a 4-bit base holds the adapters only: the base is rebuilt from the model files on
+    resume and must be the one the adapters were trained on (model/quantize.py QuantizedBase, its fingerprint)."""
+    saved = info.manifest.quantized_base
+    if not saved or not current or saved.get("fingerprint") == current.get("fingerprint"):
+        return
+    versions = (f" (torchao {saved.get('torchao')} then, {current.get('torchao')} now)"
+                if saved.get("torchao") != current.get("torchao") else "")
+    raise UserError(Problem(str(info.path), f"its adapters were trained on a 4-bit base ({saved.get('method')}) with "
+                            f"fingerprint {saved.get('fingerprint')}, and the base rebuilt from the model files now "
+                            f"has fingerprint {current.get('fingerprint')}{versions}: the model files or their "
+                            "quantization changed",
+                            "resume with the model files (and torchao) the run started with, or start a new run "
+                            "(another --output-dir)"))
+
+
 @dataclass
 class SourceSummary:
     """One data source of the recipe that made a checkpoint."""

@@ -70,6 +70,9 @@ class Manifest(_Record):
     """When it was written (local time, ISO 8601)."""
     versions: dict[str, str] | None = None
     """accel_fsdp, torch, accelerate and transformers versions that wrote it."""
+    quantized_base: dict | None = None
+    """The 4-bit base the adapters were trained on (model.quantize: method, fingerprint; model/quantize.py
+    QuantizedBase). The base itself is not saved: it is rebuilt from the model files and checked against this."""
     data: dict | None = None
     """The identity of each data source as the run read it (data/identity.py `data_identity`): a resume compares it
     with the data as it is now."""

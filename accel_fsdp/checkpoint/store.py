@@ -12,6 +12,9 @@ Layout of `<run>/checkpoints/step-000200/`:
     hf/                    config.json, generation_config.json, tokenizer files, adapter_config.json (LoRA):
                            what `accel-fsdp checkpoint consolidate` needs to write a Hugging Face folder
 
+A run with a 4-bit base (model.quantize) saves the adapters and their optimizer state only, like any LoRA run: the
+base is rebuilt from the model files, and the manifest's `quantized_base` fingerprint checks it on resume.
+
 Atomicity: every rank writes into `.tmp-step-000200/`; after all ranks finished, rank 0 writes the manifest
 and renames the folder. A crash (even SIGKILL) before the rename leaves the previous checkpoint untouched and
 the temporary folder ignored (and removed by the next save). A folder without a valid manifest, or whose
@@ -65,7 +68,8 @@ from accel_fsdp.layout import (
 def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, step: int,
                     trainer_state: TrainerState,
                     recipe, settings, tokenizer, lora: bool, keep_last: int | None, faults=None,
-                    run_id: str | None = None, data_identity: dict | None = None) -> Path:
+                    run_id: str | None = None, data_identity: dict | None = None,
+                    quantized_base: dict | None = None) -> Path:
     """Write the checkpoint of optimizer step `step` atomically; rotate old ones. Collective: all ranks call it.
     The scheduler's state is added to `trainer_state` here. `data_identity`: what the run's data was
     (data/identity.py), compared on resume.
@@ -133,7 +137,7 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, ste
             state_dict_type=settings.state_dict_type.value, fsdp_version=settings.fsdp_version.value, lora=lora,
             recipe_fingerprint=recipe.fingerprint(), run_id=run_id, parameters=trainer_state.parameters,
             trainable_parameters=trainer_state.trainable_parameters, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            versions=_versions(), data=data_identity, files=files, crc32=checksums)
+            versions=_versions(), data=data_identity, quantized_base=quantized_base, files=files, crc32=checksums)
         write_atomic(tmp / MANIFEST, manifest.to_json())
         if final.exists():  # the same step saved again (e.g. the end of a resumed run): replace it
             shutil.rmtree(final)

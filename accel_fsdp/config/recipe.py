@@ -49,6 +49,10 @@ class LoraConfig:
     """Names of the Linear modules that get adapters (GPT-2: c_attn; Llama: q_proj, k_proj, v_proj, o_proj...)."""
 
 
+QUANTIZE_METHODS = ("nf4",)
+"""model.quantize: how the frozen base may be held in fewer bits (model/quantize.py)."""
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """Which model to train and how it is built."""
@@ -73,6 +77,10 @@ class ModelConfig:
     """Attention kernel: sdpa, eager or flash_attention_2. Default: transformers' choice."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (PEFT)."""
+    quantize: Literal[QUANTIZE_METHODS] | None = None
+    """QLoRA: hold the frozen linear weights of every decoder block in 4 bits (nf4: NormalFloat blocks of 64 with
+    double-quantized scales, torchao), sharded by FSDP2; needs model.lora. Default: null (the base in the compute
+    dtype)."""
 
 
 FORMATS = ("text", "instruction", "chat", "preference")

@@ -148,7 +148,7 @@ def _saving_and_logging_problems(r) -> list[Problem]:
 
 
 def _lora_problems(r) -> list[Problem]:
-    """LoRA's rank, scale, dropout and targets, when it is enabled."""
+    """LoRA's rank, scale, dropout and targets, when it is enabled; a quantized base needs it."""
     p = _Found(r)
     need = p.need
     m = r.model
@@ -158,6 +158,9 @@ def _lora_problems(r) -> list[Problem]:
         need(lora.alpha >= 1, "model.lora.alpha", f"{lora.alpha} must be at least 1", "commonly 2 x r")
         need(0 <= lora.dropout < 1, "model.lora.dropout", f"{lora.dropout} is outside [0, 1)", "e.g. 0.05")
         need(bool(lora.target_modules), "model.lora.target_modules", "is empty", "e.g. [q_proj, v_proj]")
+    need(not m.quantize or lora.enabled, "model.quantize", f"{m.quantize} holds the frozen base in 4 bits, and without "
+         "LoRA every weight trains (a 4-bit weight cannot)", "set model.lora.enabled: true (QLoRA), or leave "
+         "model.quantize out")
     return p
 
 

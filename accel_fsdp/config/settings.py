@@ -322,6 +322,16 @@ def detect_wrap_classes(settings: FsdpSettings, no_split_modules: list[str]) -> 
         settings.wrap_classes = Setting(sorted(no_split_modules), Source.DETECTED, "model._no_split_modules")
 
 
+def shard_group_size(settings: FsdpSettings) -> int:
+    """Into how many pieces each rank's parameters are cut: the ranks of a shard group."""
+    strategy = settings.sharding_strategy.value
+    if strategy == NO_SHARD:
+        return 1
+    if strategy == HYBRID_SHARD:
+        return settings.dp_shard_size.value
+    return settings.num_processes.value
+
+
 def check_settings(settings: FsdpSettings, recipe, *, visible_gpus: int | None = None) -> list[Problem]:
     """Problems of the combination (recipe x hardware) that neither file shows alone.
 
@@ -377,7 +387,14 @@ def check_settings(settings: FsdpSettings, recipe, *, visible_gpus: int | None =
                          "model.attn_implementation: sdpa"))
     if s.device.value == "cuda" and visible_gpus is not None:
         p += gpu_count_problems(settings, visible_gpus)
-    if s.fsdp_version.value == 1 and recipe.model.lora.enabled:
+    if s.fsdp_version.value == 1 and recipe.model.quantize:
+        # FSDP1 flattens each unit into one tensor of one dtype: it cannot hold torchao's NF4Tensor, whose sharding
+        # (fsdp_pre_all_gather / fsdp_post_all_gather) is FSDP2's extension point.
+        p.append(Problem(f"{s.fsdp_version.source_text}: fsdp_config.fsdp_version",
+                         f"model.quantize: {recipe.model.quantize} shards the 4-bit weights with FSDP2 only (FSDP1 "
+                         "flattens every unit into one tensor of one dtype)", "use an FSDP2 config (fsdp_version: 2, "
+                         "e.g. fsdp_2gpu.yaml, llama_fsdp_8gpu.yaml, fsdp_multinode.yaml)"))
+    elif s.fsdp_version.value == 1 and recipe.model.lora.enabled:
         # FSDP1 flattens each unit into one parameter of one dtype: the frozen base would be upcast to fp32 and
         # get gradients for every element (use_orig_params only hides it), which is what LoRA exists to avoid.
         p.append(Problem(f"{s.fsdp_version.source_text}: fsdp_config.fsdp_version",

@@ -15,8 +15,11 @@ from typing import Any
 import torch
 
 from accel_fsdp.errors import Problem, UserError, first_line
+from accel_fsdp.files import atomic_folder
 from accel_fsdp.model import architectures
 from accel_fsdp.model.checks import ModelView, lora_target_problems, override_problems, raise_problems
+from accel_fsdp.model.nf4 import layers_to_quantize, quantize_model
+from accel_fsdp.model.streaming_load import ModuleTensors, SafetensorsFiles, model_folder
 from accel_fsdp.model.tokenizer import is_local
 
 try:  # transformers 5 validates config fields through huggingface_hub's strict dataclasses (not a ValueError)
@@ -164,9 +167,10 @@ def view_of(model: torch.nn.Module, config=None) -> ModelView:
     linears = {_target_name(n) for n, m in model.named_modules() if (isinstance(m, torch.nn.Linear)
                or type(m).__name__ == "Conv1D") and not any(p.startswith("lora_") for p in n.split("."))}
     classes = frozenset(type(m).__name__ for m in model.modules())
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return ModelView(type(model).__name__, no_split_modules(model), classes, frozenset(linears),
                      context_length(config if config is not None else model.config), count_parameters(model),
-                     count_parameters(model, trainable_only=True))
+                     count_parameters(model, trainable_only=True), tuple(layers_to_quantize(base)))
 
 
 def _target_name(name: str) -> str:
@@ -184,11 +188,14 @@ def no_split_modules(model: torch.nn.Module) -> list[str]:
 def build_model(recipe, config, *, dtype: torch.dtype = torch.float32, empty: bool = False):
     """Weights: pretrained (hub id or folder) or freshly initialized from `config` under the recipe's seed.
 
-    `empty`: build the structure on the meta device and load nothing (LoRA adapters included): the rank will
-    receive its shards from global rank 0 when the model is sharded (`fsdp_cpu_ram_efficient_loading`). Only
-    buffers are real (rotary frequencies and the like are computed, not loaded). transformers 5.x would otherwise
-    read every weight on every rank (modeling_utils.py, `_load_pretrained_model`, checked with 5.23.0): N copies
-    of the model in the host memory of one machine.
+    `empty`: build the structure with its parameters allocated but never written, and load nothing: the rank will
+    receive its shards from global rank 0 once the model is sharded (`fsdp_cpu_ram_efficient_loading`: streamed,
+    model/streaming_load.py, under FSDP2; Accelerate's broadcast under FSDP1). Buffers are real (rotary frequencies
+    and the like are computed, not loaded) and LoRA adapters are initialized as usual. transformers 5.x would
+    otherwise read every weight on every rank (modeling_utils.py, `_load_pretrained_model`, checked with 5.23.0):
+    N copies of the model in the host memory of one machine.
+
+    `model.quantize`: the decoder blocks' linear weights become 4-bit (model/nf4.py), quantized from `dtype`.
     """
     from transformers import AutoModelForCausalLM
 
@@ -206,18 +213,46 @@ def build_model(recipe, config, *, dtype: torch.dtype = torch.float32, empty: bo
         # init_empty_weights re-creates every registered parameter on meta (accelerate/big_modeling.py,
         # register_empty_parameter), so `lm_head.weight = wte.weight` no longer shares one object: tie again.
         model.tie_weights()
-        model.config.use_cache = False
-        if m.lora.enabled:
-            model = apply_lora(model, recipe)
-        return _unwritten_parameters(model)
-    if m.architecture:
+    elif m.architecture:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(m.name_or_path, config=config, dtype=dtype, **kwargs)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
+    if m.quantize:
+        quantize_model(model, dtype, empty=empty)  # before LoRA: PEFT wraps the 4-bit layers like any Linear
     if m.lora.enabled:
         model = apply_lora(model, recipe)
-    return model
+    return _unwritten_parameters(model) if empty else model
+
+
+def weight_source(recipe, config, dtype: torch.dtype):
+    """What global rank 0 streams the weights from (model/streaming_load.py): the model files, tensor by tensor; for
+    a model built from scratch, the model initialized in its memory under the recipe's seed (what every rank would
+    draw: there are no files to read)."""
+    m = recipe.model
+    if m.architecture:
+        return ModuleTensors(scratch_model(recipe, config, dtype))
+    return SafetensorsFiles(model_folder(m.name_or_path))
+
+
+def scratch_model(recipe, config, dtype: torch.dtype):
+    """The model built from scratch under the recipe's seed, as `build_model` draws it on every rank."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(recipe.training.seed)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=recipe.model.trust_remote_code)
+
+
+def write_scratch_base(recipe, config, dtype: torch.dtype, tokenizer, folder: Path) -> Path:
+    """A 4-bit base built from scratch (model.architecture with model.quantize) written as a model folder, in the
+    dtype it was quantized from: what `checkpoint consolidate --merge` quantizes again and merges into (its
+    fingerprint checked), since no model files exist otherwise. Kept when it is there already (a resumed run)."""
+    if (folder / "config.json").exists():
+        return folder
+    with atomic_folder(folder) as tmp:
+        scratch_model(recipe, config, dtype).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return folder
 
 
 def layout_of(model: torch.nn.Module) -> dict:
@@ -297,6 +332,10 @@ def apply_lora(model, recipe):
 
     lora = recipe.model.lora
     raise_problems(lora_target_problems(view_of(model), recipe))
+    # The adapters' first values from the recipe's seed alone, whatever building the base drew before: each rank of
+    # a run builds them itself, with the base read or not (model/streaming_load.py sends the base only). A stream of
+    # their own (seed + 1), not the one a from-scratch base's initialization began with.
+    torch.manual_seed((recipe.training.seed + 1) % 2**32)
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
     return get_peft_model(model, config)

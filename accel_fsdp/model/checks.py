@@ -10,6 +10,7 @@ from pathlib import Path
 
 from accel_fsdp.data.synthetic import BUILTIN_TOKENIZER
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.model.quantize import QuantizedLayer, block_layers, layer_problems
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,9 @@ class ModelView:
     params: int
     """All parameters, LoRA adapters included when the recipe enables them."""
     trainable: int
+    quantizable: tuple[QuantizedLayer, ...] = ()
+    """The layers model.quantize would hold in 4 bits (those of one decoder block suffice for the checks); empty for
+    a model whose layers model/facts.py does not know."""
 
 
 def view_from_facts(facts, recipe) -> ModelView:
@@ -32,7 +36,7 @@ def view_from_facts(facts, recipe) -> ModelView:
     adapters = facts.lora_params(lora.target_modules, lora.r) if lora.enabled else 0
     params = facts.params() + adapters
     return ModelView(facts.class_name, facts.no_split_modules, facts.module_classes, facts.linear_names,
-                     facts.context, params, adapters if lora.enabled else params)
+                     facts.context, params, adapters if lora.enabled else params, tuple(block_layers(facts)))
 
 
 def context_problems(recipe, context: int | None) -> list[Problem]:
@@ -77,6 +81,22 @@ def lora_target_problems(view: ModelView, recipe) -> list[Problem]:
         return []
     return [Problem(recipe.where("model.lora.target_modules"), f"{', '.join(missing)} not found in {view.class_name}",
                     f"use some of its linear layers: {', '.join(sorted(view.linear_names))}")]
+
+
+def quantize_problems(view: ModelView, recipe, shards: int, *, remote_code: bool = False) -> list[Problem]:
+    """model.quantize needs a model whose decoder layers we know (GPT-2, Llama: model/facts.py), and 4-bit weights
+    that split evenly over the `shards` ranks of a shard group."""
+    m = recipe.model
+    if not m.quantize:
+        return []
+    where = recipe.where("model.quantize")
+    if remote_code or not view.quantizable:
+        blocks = ", ".join(view.no_split_modules) or view.class_name
+        return [Problem(where, f"{m.quantize} quantizes the decoder layers of GPT-2 and Llama models (GPT2Block, "
+                        f"LlamaDecoderLayer), and this model's are {blocks}{' (remote code)' if remote_code else ''}",
+                        "leave model.quantize out (LoRA on a base in the compute dtype), or use a GPT-2 or Llama "
+                        "model")]
+    return layer_problems(list(view.quantizable), shards, where)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt", "tiktoken.model")

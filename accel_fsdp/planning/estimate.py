@@ -14,6 +14,7 @@ from accel_fsdp.config.shipped import display, resolve_recipe, shipped_recipes
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model import architectures
 from accel_fsdp.model.facts import Shape, facts_for, facts_of
+from accel_fsdp.model.quantize import QuantizedTerms, quantized_terms
 from accel_fsdp.planning.knob_advice import advice
 from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, estimate, gib, simple_bytes
 from accel_fsdp.planning.plan import build_plan, reference_cost
@@ -41,6 +42,12 @@ class Target:
     """training.activation_offload (a model or a count: off)."""
     fp8: bool = False
     """training.mixed_precision: fp8."""
+    quantized: QuantizedTerms | None = None
+    """model.quantize: the 4-bit base's terms (planning/memory.py)."""
+
+
+QUANTIZED_NOTE = ("QLoRA: decoder-block projections in NF4 (0.5 byte a weight plus scales), the rest of the base in "
+                  "the compute dtype, one 4-bit weight dequantized in flight")
 
 
 def parse_count(text: str) -> int | None:
@@ -91,7 +98,8 @@ def _recipe_target(path, micro_batch, seq_len) -> Target:
     t = recipe.training
     if micro_batch is not None:  # --micro-batch counts what the recipe's micro batch counts (pairs, for preference)
         t = replace(t, micro_batch_size=micro_batch)
-    notes = [n for n in ("LoRA: frozen base weights in the compute dtype" if recipe.model.lora.enabled else "",
+    notes = [n for n in (QUANTIZED_NOTE if recipe.model.quantize else
+                         "LoRA: frozen base weights in the compute dtype" if recipe.model.lora.enabled else "",
                          f"{t.method}: 2 sequences per pair, micro batch {t.micro_batch_size} pairs"
                          if METHODS[t.method].pairs else "", reference_cost(recipe) or "") if n]
     if facts is not None:  # arithmetic: no model built (tests/test_model_facts.py holds the facts)
@@ -104,13 +112,14 @@ def _recipe_target(path, micro_batch, seq_len) -> Target:
                       t.sequences_per_micro_step(), recipe.data.seq_len if seq_len is None else seq_len,
                       compute if lora.enabled else 4, note="; ".join(notes),
                       activation_checkpointing=bool(recipe.model.activation_checkpointing), context=facts.context,
+                      quantized=quantized_terms(facts, compute) if recipe.model.quantize else None,
                       **knob_settings(recipe))
 
     plan = build_plan(recipe, load_accelerate_config("fsdp_1gpu"))
     m = plan.memory_inputs
     return Target(recipe.name, m.params, m.trainable, m.largest_unit, m.shape, t.sequences_per_micro_step(),
                   m.seq_len if seq_len is None else seq_len, m.frozen_bytes, note="; ".join(notes),
-                  activation_checkpointing=m.activation_checkpointing, **knob_settings(recipe))
+                  activation_checkpointing=m.activation_checkpointing, quantized=m.quantized, **knob_settings(recipe))
 
 
 def knob_settings(recipe) -> dict:
@@ -140,8 +149,8 @@ def table(target: Target, *, gpus: int, nodes: int, precision: str, activation_c
                         world=world, shard_group=world, precision=precision,
                         activation_checkpointing=activation_checkpointing, micro_batch=target.micro_batch,
                         seq_len=target.seq_len, shape=target.shape, frozen_bytes=target.frozen_bytes,
-                        deferred_reduce=deferred_reduce, activation_offload=target.activation_offload,
-                        fp8=target.fp8)
+                        deferred_reduce=deferred_reduce, quantized=target.quantized,
+                        activation_offload=target.activation_offload, fp8=target.fp8)
     rows = []
     for strategy in strategies:
         if strategy == HYBRID_SHARD and nodes == 1:

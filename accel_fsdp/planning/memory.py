@@ -48,6 +48,7 @@ from accel_fsdp.config.accelerate import FULL_SHARD, NO_SHARD, SHARD_GRAD_OP
 from accel_fsdp.config.precision import MEMORY, is_half
 from accel_fsdp.errors import Problem
 from accel_fsdp.model.facts import Shape
+from accel_fsdp.model.quantize import QuantizedTerms
 
 GiB = 1024**3
 
@@ -73,6 +74,9 @@ class MemoryInputs:
     """Bytes per frozen parameter: 4 (fp32) for full fine-tunes, the compute dtype's 2 for LoRA bases."""
     deferred_reduce: bool = False
     """Gradient accumulation that keeps unsharded fp32 gradients until the last micro-step (no_sync)."""
+    quantized: QuantizedTerms | None = None
+    """model.quantize: the 4-bit weights (NF4 bytes instead of `frozen_bytes` each, the block gathered in 4 bits, one
+    weight dequantized in flight)."""
     activation_offload: bool = False
     """training.activation_offload: the layers' saved activations in host memory."""
     fp8: bool = False
@@ -106,9 +110,13 @@ def compute_bytes(precision: str) -> int:
 def estimate(m: MemoryInputs) -> MemoryBreakdown:
     c = compute_bytes(m.precision)
     s = 1 if m.strategy == NO_SHARD else max(1, m.shard_group)
-    weights = 4.0 * m.trainable + m.frozen_bytes * (m.params - m.trainable)
+    q = m.quantized
+    plain = m.params - m.trainable - (q.params if q else 0)
+    weights = 4.0 * m.trainable + m.frozen_bytes * plain + (q.bytes if q else 0)
     params, grads, optimizer = weights / s, 4.0 * m.trainable / s, 8.0 * m.trainable / s
-    if m.strategy == SHARD_GRAD_OP:
+    if q is not None:
+        gathered = quantized_gathered(m, q, c)
+    elif m.strategy == SHARD_GRAD_OP:
         gathered = c * m.params + (c + 4) * m.largest_unit  # the whole model stays gathered until backward
     elif m.strategy == NO_SHARD:
         gathered = float(c * m.largest_unit) if c < 4 else 0.0  # a low-precision copy of the unit in use
@@ -146,6 +154,21 @@ OFFLOAD_PREFETCH = 2
 
 def offloaded_activation_bytes(m: MemoryInputs) -> float:
     return layer_activation_bytes(m)[1]
+
+
+def quantized_gathered(m: MemoryInputs, q: QuantizedTerms, c: int) -> float:
+    """A 4-bit base's transient bytes: two units in flight, a block gathered with its projections in 4 bits (or the
+    largest other unit, the embeddings, in the compute dtype), the largest 4-bit weight dequantized for its product
+    (torchao's linear_nf4 frees it after), and the adapters' unsharded gradients with their fp32 copy (the frozen
+    base has none). SHARD_GRAD_OP keeps every gathered block until the backward."""
+    block = c * (q.block_params - q.block_quantized) + q.block_bytes
+    unit = max(block, c * m.largest_unit if m.largest_unit > q.block_params else 0)
+    if m.strategy == SHARD_GRAD_OP:
+        whole = c * (m.params - q.params) + q.bytes
+        return whole + c * q.largest_weight + (c + 4) * m.trainable
+    if m.strategy == NO_SHARD:
+        return float(c * q.largest_weight)
+    return 2 * unit + c * q.largest_weight + (c + 4) * m.trainable
 
 
 def activation_bytes(m: MemoryInputs) -> float:

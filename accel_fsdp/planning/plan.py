@@ -17,7 +17,8 @@ from accel_fsdp.config.accelerate import HYBRID_SHARD
 from accel_fsdp.config.methods import METHODS
 from accel_fsdp.config.precision import BYTES, FP8, MEMORY
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.model.facts import shape_of
+from accel_fsdp.model.facts import facts_for, shape_of
+from accel_fsdp.model.quantize import quantized_terms
 from accel_fsdp.model.tokenizer import offline_tokenizer
 from accel_fsdp.planning.knob_advice import advice
 from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, estimate, gib, parse_bytes, size_problem
@@ -140,12 +141,18 @@ def build_plan(recipe, config, *, num_processes: int | None = None) -> Plan:
         offload=bool(settings.cpu_offload.value),
         activation_checkpointing=bool(settings.activation_checkpointing.value),
         micro_batch=recipe.training.sequences_per_micro_step(), seq_len=recipe.data.seq_len, shape=shape_of(config_obj),
-        frozen_bytes=frozen_bytes,
+        frozen_bytes=frozen_bytes, quantized=_quantized_terms(recipe, BYTES[settings.mixed_precision.value]),
         deferred_reduce=not settings.reduce_every_micro_step.value
         and recipe.training.accumulation_steps(settings.num_processes.value) > 1,
         activation_offload=recipe.training.activation_offload, fp8=settings.mixed_precision.value == FP8)
     return Plan(recipe, settings, config.label, type(meta).__name__, parameters, trainable, units, estimate(inputs),
                 inputs, report.notes)
+
+
+def _quantized_terms(recipe, compute: int):
+    """model.quantize's terms of the memory plan, from the model's facts (GPT-2 and Llama; others are refused)."""
+    facts = facts_for(recipe) if recipe.model.quantize else None
+    return quantized_terms(facts, compute) if facts is not None else None
 
 
 def format_plan(plan: Plan, gpu_memory: float | None) -> str:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from accel_fsdp.config.accelerate import CONFIG_PATH_ENV, FULL_SHARD, HYBRID_SHARD, NO_SHARD
+from accel_fsdp.config.accelerate import CONFIG_PATH_ENV, FULL_SHARD, HYBRID_SHARD
 from accel_fsdp.config.precision import ACCELERATE, compute_dtype
-from accel_fsdp.config.settings import MODEL_DEFAULT, FsdpSettings
+from accel_fsdp.config.settings import MODEL_DEFAULT, FsdpSettings, shard_group_size
 from accel_fsdp.hardware import gloo_interface
 from accel_fsdp.layout import LOGS_DIR
 from accel_fsdp.train.cpu_fsdp import init_cpu_fsdp_state
@@ -42,7 +42,9 @@ def build_fsdp_plugin(settings: FsdpSettings, *, for_planning: bool = False, red
         # dropout masks and the gradient would not be the gradient of the loss. `apply_activation_checkpointing`
         # below wraps them itself, keeping the RNG. FSDP1's path (apply_activation_checkpointing) keeps it.
         activation_checkpointing=bool(s.activation_checkpointing.value) and version == 1,
-        cpu_ram_efficient_loading=bool(s.cpu_ram_efficient_loading.value),
+        # FSDP2: rank 0 streams the weights itself once `prepare` has sharded the model (train/loading.py), so
+        # Accelerate's own rank-0 loading (the whole state dict held by rank 0, every full tensor broadcast) is off.
+        cpu_ram_efficient_loading=bool(s.cpu_ram_efficient_loading.value) and version == 1,
         mixed_precision_policy=_mixed_precision_policy(version, s.mixed_precision.value, reduce_dtype),
     )
     if policy == "size_based_wrap":
@@ -221,9 +223,4 @@ def build_accelerator(settings: FsdpSettings, *, gradient_accumulation_steps: in
 
 def expected_shards(settings: FsdpSettings) -> int:
     """Into how many pieces each rank's parameters are cut."""
-    strategy = settings.sharding_strategy.value
-    if strategy == NO_SHARD:
-        return 1
-    if strategy == HYBRID_SHARD:
-        return settings.dp_shard_size.value
-    return settings.num_processes.value
+    return shard_group_size(settings)

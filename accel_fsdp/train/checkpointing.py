@@ -27,7 +27,7 @@ class Checkpointer:
     def __init__(self, *, accelerator, model, optimizer, scheduler, sampler, logger: TrainLogger, recipe, settings,
                  tokenizer, layout: RunLayout, terminal: Terminal, preemption: Preemption, total_steps: int,
                  parameters: int, trainable_parameters: int, data_identity: dict | None = None,
-                 faults: Faults | None = None):
+                 faults: Faults | None = None, quantized_base: dict | None = None):
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
         self.sampler = sampler
         """Where the data stands is saved with the weights."""
@@ -41,6 +41,9 @@ class Checkpointer:
         self.faults = faults  # crash injection inside a save (tests), from train/hooks.py
         self.data_identity = data_identity
         """What the run's data was (data/identity.py): saved with every checkpoint, compared on resume."""
+        self.quantized_base = quantized_base
+        """The 4-bit base's record (model.quantize): saved in each manifest, checked against the checkpoint's on
+        resume."""
 
     def after_step(self, state: TrainingState) -> None:
         if self.every and state.step % self.every == 0 and state.step != self.total_steps:
@@ -63,7 +66,7 @@ class Checkpointer:
                                     root=self.layout.checkpoints, step=step, trainer_state=state, recipe=recipe,
                                     settings=self.settings, tokenizer=self.tokenizer, lora=recipe.model.lora.enabled,
                                     keep_last=recipe.checkpoint.keep_last, faults=self.faults, run_id=self._run_id(),
-                                    data_identity=self.data_identity)
+                                    data_identity=self.data_identity, quantized_base=self.quantized_base)
         self.last_saved_step = step
         self.terminal.say(f"checkpoint: {path}")
         return path
@@ -79,6 +82,7 @@ class Checkpointer:
         for note in point.notes() + checkpoint_index.check_resume(info, recipe, self.settings, self.total_steps,
                                                                   accept_data_change=accept_data_change):
             say(f"resume: {note}")
+        checkpoint_index.check_quantized_base(info, self.quantized_base)
         state = ckpt.load_checkpoint(acc, self.model, self.optimizer, self.scheduler, info,
                                      lora=recipe.model.lora.enabled)
         if state.data is not None:  # where each source stands; without it (never written so), replayed from step 0

@@ -39,7 +39,7 @@ from accel_fsdp.data.sampler import GlobalBatchSampler, total_steps
 from accel_fsdp.data.store import Sequence
 from accel_fsdp.errors import UserError
 from accel_fsdp.hardware import PeakMemory, usable_cores
-from accel_fsdp.layout import RunLayout
+from accel_fsdp.layout import SCRATCH_BASE_DIR, RunLayout
 from accel_fsdp.model.build import (
     build_model,
     count_parameters,
@@ -48,8 +48,10 @@ from accel_fsdp.model.build import (
     turn_off_dropout,
     turn_off_dropout_layers,
     view_of,
+    write_scratch_base,
 )
 from accel_fsdp.model.checks import human_count
+from accel_fsdp.model.quantize import QuantizedBase
 from accel_fsdp.model.tokenizer import build_tokenizer
 from accel_fsdp.preflight import model_problems, settings_for_launch
 from accel_fsdp.run.folder import Decision, FolderLock, apply_decision, decide
@@ -67,6 +69,7 @@ from accel_fsdp.train import probes
 from accel_fsdp.train.hooks import NO_SWITCHES, TestHooks, TestSwitches, substituted
 from accel_fsdp.train.knobs import Knobs, after_sharding, before_sharding, compile_now
 from accel_fsdp.train.lifetime import WHEREABOUTS, Preemption, doing
+from accel_fsdp.train.loading import agreed_base, leave_nf4_unsharded, load_streamed, read_digests, streams_weights
 from accel_fsdp.train.methods import Objective, build_objective
 from accel_fsdp.train.metrics import MetricsWriter, StartupClock, flops_per_token
 from accel_fsdp.train.observe import Terminal, TrainLogger
@@ -124,6 +127,10 @@ class ShardedModel:
     """This rank's peak resident-memory growth while the weights were loaded and sharded."""
     knobs: Knobs
     """What fp8, compile and activation offloading did to the model (train/knobs.py)."""
+    loading_baseline: int = 0
+    """This rank's resident memory when the loading began (what `loading_growth` grows from)."""
+    quantized_base: QuantizedBase | None = None
+    """What the 4-bit base is (model.quantize), agreed on by every rank: saved in checkpoints, checked on resume."""
 
 
 @dataclass(frozen=True)
@@ -272,13 +279,15 @@ def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | No
         torch.set_num_threads(threads)  # the offloaded optimizer step runs on this rank's share of the cores
     # LoRA keeps the frozen base weights in the compute dtype (no fp32 master copy needed: they never change).
     frozen_dtype = compute_dtype(settings.mixed_precision.value) if recipe.model.lora.enabled else torch.float32
-    # With fsdp_cpu_ram_efficient_loading only global rank 0 reads the weights; `prepare` sends every rank its
-    # shards from there (accelerate/utils/fsdp_utils.py, fsdp2_load_full_state_dict; FSDP1: sync_module_states).
-    rank0_only = bool(settings.cpu_ram_efficient_loading.value)
+    # With fsdp_cpu_ram_efficient_loading only global rank 0 reads the weights: under FSDP2 it streams each rank its
+    # shards once `prepare` has cut them (train/loading.py); under FSDP1 `prepare` broadcasts (sync_module_states).
+    rank0_only, streaming = bool(settings.cpu_ram_efficient_loading.value), streams_weights(settings)
     loading = PeakMemory()
-    model = build_model(recipe, config, dtype=frozen_dtype, empty=rank0_only and not accelerator.is_main_process)
-    if rank0_only and accelerator.num_processes > 1:
+    model = build_model(recipe, config, dtype=frozen_dtype,
+                        empty=streaming or (rank0_only and not accelerator.is_main_process))
+    if rank0_only and not streaming and accelerator.num_processes > 1:
         check_same_layout(accelerator, model, recipe)  # before rank 0 sends a single weight
+    digests = None if streaming else read_digests(accelerator, model, recipe)
     parameters, trainable = count_parameters(model), count_parameters(model, trainable_only=True)
     use_position_ids = "position_ids" in _forward_parameters(model)
     model_class = type(model).__name__
@@ -294,7 +303,10 @@ def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | No
         optimizer = accelerator.prepare(build_optimizer(model, recipe, settings))
     else:
         # FSDP2 takes both at once and swaps the optimizer's parameters for the sharded DTensors.
+        leave_nf4_unsharded(accelerator, model, settings)
         model, optimizer = accelerator.prepare(model, build_optimizer(model, recipe, settings))
+    if streaming:
+        digests = load_streamed(accelerator, model, recipe, config, frozen_dtype)
     loading.stop()
     knobs = after_sharding(knobs, recipe, model, optimizer, accelerator.device,
                            lossy_offload=switches.broken("offload-bf16"))
@@ -303,7 +315,8 @@ def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | No
     if not switches.broken("unsharded"):
         check_sharded(accelerator, model, parameters, expected_shards(settings))
     return ShardedModel(model, optimizer, parameters, trainable, model_class, use_position_ids, batch_layout,
-                        rank0_only, loading.growth, knobs)
+                        rank0_only, loading.growth, knobs, loading.baseline,
+                        quantized_base=agreed_base(accelerator, recipe, digests, frozen_dtype))
 
 
 def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
@@ -339,6 +352,8 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
     if not trains_with_dropout(recipe):
         dropout_off.update(turn_off_dropout_layers(built.model))  # LoRA's, and any a config key did not reach
     sharding = ShardingRecord.measure(engine.accelerator, built, engine.settings)  # collective
+    if recipe.model.architecture and recipe.model.quantize:
+        name_scratch_base(engine, recipe, config, tokenizer, built.model, layout.root / SCRATCH_BASE_DIR)
     if engine.accelerator.is_main_process:
         sharding.write(layout.sharding_file)  # a resumed or overwritten run starts it afresh
     run = build_run(request, engine, config, tokenizer, data, built, layout=layout, preemption=preemption,
@@ -349,7 +364,8 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
         compile_now(run)
         clock.mark("compile")
     terminal.say(startup_summary(recipe, engine.settings, layout, data, built, sharding.local_parameters,
-                                 run.total_steps, run.sampler, run.objective, dropout_off))
+                                 run.total_steps, run.sampler, run.objective, dropout_off)
+                 + quantize_summary(recipe, sharding))
     # Dropout and any other randomness of the loop: seeded, different on each rank, and saved in checkpoints.
     set_seed(recipe.training.seed, device_specific=True)
     parts = build_components(run, switches)
@@ -434,7 +450,7 @@ def build_components(run: Run, switches: TestSwitches) -> Components:
                                 tokenizer=run.tokenizer, layout=run.layout, terminal=run.terminal,
                                 preemption=run.preemption, total_steps=run.total_steps, parameters=run.parameters,
                                 trainable_parameters=run.trainable_parameters, data_identity=run.data.identity,
-                                faults=hooks.faults)
+                                faults=hooks.faults, quantized_base=run.sharding.quantized_base)
     return Components(logger=logger, evaluator=Evaluator(run, metrics), checkpointer=checkpointer, hooks=hooks)
 
 
@@ -469,6 +485,30 @@ def startup_summary(recipe, settings, layout: RunLayout, data, built: ShardedMod
         f"checkpoints {'every ' + str(every) + ' steps and ' if every else ''}at the end in {layout.checkpoints}",
     ]
     return "\n".join(lines)
+
+
+def name_scratch_base(engine: Engine, recipe, config, tokenizer, model, folder: Path) -> None:
+    """A 4-bit base built from scratch has no model files: the main process writes them into the run folder
+    (model/build.py `write_scratch_base`), and the adapters name that folder as their base, so that
+    `checkpoint consolidate --merge` needs nothing else."""
+    if engine.accelerator.is_main_process:
+        dtype = compute_dtype(engine.settings.mixed_precision.value)
+        write_scratch_base(recipe, config, dtype, tokenizer, folder)
+    unwrapped = engine.accelerator.unwrap_model(model)
+    if hasattr(unwrapped, "peft_config"):
+        unwrapped.peft_config["default"].base_model_name_or_path = str(folder)
+
+
+def quantize_summary(recipe, sharding: ShardingRecord) -> str:
+    """The line saying what the 4-bit base is and what each rank holds of it (model.quantize), or nothing."""
+    base, held = sharding.quantized_base, sharding.quantized_bytes
+    if not base or not held:
+        return ""
+    copy = sum(held) * sharding.expected_shards / len(held)  # replicas (hybrid sharding) hold the same shards
+    each = " / ".join(f"{h / 2**20:,.2f}" for h in held)
+    return (f"\n  quantize  {base['method']}: {base['layers']} decoder-block linear layers in 4 bits, "
+            f"{copy / 2**20:,.2f} MiB of codes and scales; ranks hold {each} MiB; base fingerprint "
+            f"{base['fingerprint'][:12]}")
 
 
 def dropout_summary(recipe, dropout_off: dict[str, float]) -> list[str]:

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.files import write_atomic
 from accel_fsdp.model.build import layout_differences, layout_of
+from accel_fsdp.model.nf4 import held_bytes, nf4_local_bytes
 from accel_fsdp.train.accelerator import expected_shards
 from accel_fsdp.train.cpu_fsdp import local_numel
 
@@ -39,16 +40,31 @@ class ShardingRecord:
     """Per rank, at the first optimizer step: bytes of parameters, gradients, optimizer state, frozen parameters."""
     ranks_after_training: list[dict] | None = field(default=None)
     """`ranks` again after training: replicas must still agree."""
+    weight_bytes: list[int] | None = None
+    """Per rank, after `prepare`: bytes of the parameters it holds (its shards; 4-bit weights at their real size)."""
+    quantized_bytes: list[int] | None = None
+    """Per rank: bytes of the 4-bit weights it holds, codes and scales (model.quantize; 1/W of them each)."""
+    quantized_base: dict | None = None
+    """What the 4-bit base is (model/quantize.py QuantizedBase: method, layers, fingerprint)."""
+    loading_rss_baseline_bytes: list[int] | None = None
+    """Per rank: resident memory when the loading began (a machine's growth while loading is its ranks' sampled
+    sum less these: benchmarks/loading_memory.py)."""
 
     @classmethod
     def measure(cls, acc, built, settings) -> ShardingRecord:
         """After `prepare` (collective: every rank calls it)."""
         shards = shard_layout(acc, built.model)
+        quantized, other = nf4_local_bytes(built.model)
+        held = gather_ints(acc, [quantized, other])
         return cls(parameters=built.parameters, local_parameters=[int(row[0]) for row in shards],
                    expected_shards=expected_shards(settings), strategy=settings.sharding_strategy.value,
                    ranks=layout_rows(shards), rank0_only_loading=built.rank0_only_loading,
                    loading_peak_rss_growth_bytes=gather_ints(acc, [built.loading_growth]),
-                   process_group=process_group_record())
+                   process_group=process_group_record(),
+                   loading_rss_baseline_bytes=gather_ints(acc, [built.loading_baseline]),
+                   weight_bytes=[q + o for q, o in zip(held[::2], held[1::2])],
+                   quantized_bytes=held[::2] if built.quantized_base is not None else None,
+                   quantized_base=built.quantized_base.to_dict() if built.quantized_base is not None else None)
 
     def record_state_bytes(self, per_rank: list[dict]) -> None:
         """What each rank stores at the first optimizer step (train/hooks.py measures it inside that step)."""
@@ -122,8 +138,7 @@ def gathered_state_bytes(acc, model, optimizer) -> list[dict]:
     """`state_bytes` of every rank plus its frozen parameters (collective)."""
     mine = state_bytes(optimizer)
     trainable = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    mine["frozen_params"] = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
-                                for p in model.parameters() if id(p) not in trainable)
+    mine["frozen_params"] = sum(held_bytes(p) for p in model.parameters() if id(p) not in trainable)
     keys = sorted(mine)
     gathered = acc.gather(torch.tensor([mine[k] for k in keys], device=acc.device, dtype=torch.int64))
     return [dict(zip(keys, row)) for row in gathered.view(acc.num_processes, len(keys)).tolist()]

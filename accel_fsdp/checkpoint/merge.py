@@ -1,0 +1,152 @@
+"""`checkpoint consolidate --merge` of a QLoRA checkpoint (model.quantize): the adapters merged into a base, streamed
+tensor by tensor into a folder `transformers` loads, with memory bounded by one output shard plus one tensor.
+
+Two bases, and the difference matters (README.md, QLoRA, says it to users):
+- `--merge` alone: the base the adapters were trained on. Each quantized weight is read from the model files,
+  quantized to NF4 exactly as training did (model/nf4.py, in the compute dtype of the run) and dequantized; the
+  adapters' product is added. The merged model computes what the trained model computed. The quantized weights are
+  checked against the checkpoint's fingerprint (model/quantize.py QuantizedBase) before anything is written.
+- `--base-model PATH`: the original weights of PATH (typically the bf16 release), unquantized, plus the adapters.
+  Sharper weights, but not the ones the adapters were trained against: its outputs differ from the trained model's by
+  the quantization error the adapters never saw (small, usually what users want to ship).
+
+The LoRA update is PEFT's merge (peft 0.21.2, tuners/lora/layer.py Linear.get_delta_weight): B @ A times
+lora_alpha / r (lora_alpha / sqrt(r) with use_rslora), transposed for a fan_in_fan_out layer (GPT-2's Conv1D).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from accel_fsdp.config.precision import TRANSFORMERS, compute_dtype
+from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.model.build import meta_model
+from accel_fsdp.model.nf4 import layers_to_quantize, tensor_digest, to_nf4
+from accel_fsdp.model.streaming_load import SafetensorsFiles, model_folder
+
+ADAPTER_PREFIX = "base_model.model."
+
+
+def adapter_deltas(adapter_dir: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float]:
+    """(module name -> (lora_A, lora_B), scaling) of a PEFT adapter folder: small, read whole."""
+    from safetensors.torch import load_file
+
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(adapter_dir.glob("adapter_model*.safetensors")):
+        tensors.update(load_file(file))
+    pairs = {}
+    for key, a in tensors.items():
+        if ".lora_A." in key:
+            module = key.removeprefix(ADAPTER_PREFIX).split(".lora_A.")[0]
+            pairs[module] = (a.float(), tensors[key.replace(".lora_A.", ".lora_B.")].float())
+    r, alpha = config["r"], config["lora_alpha"]
+    return pairs, alpha / (math.sqrt(r) if config.get("use_rslora") else r)
+
+
+def _natural(name: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def merge_streaming(adapter_dir: Path, out: Path, *, base: str, dtype: str, quantized_base: dict | None,
+                    max_shard_size: int, where: str) -> None:
+    """Write `out`: the base's tensors, one at a time, with every adapted weight merged (and with `quantized_base`,
+    each 4-bit weight quantized and dequantized as training saw it, checked against its fingerprint), into safetensors
+    shards of at most `max_shard_size` bytes; the base's config and the adapter folder's tokenizer."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = model_folder(base)
+    out_dtype = compute_dtype(dtype)
+    files = SafetensorsFiles(folder)
+    config = AutoConfig.from_pretrained(folder)
+    layers = {f"{layer.name}.weight": layer for layer in layers_to_quantize(meta_model(config))}
+    deltas, scaling = adapter_deltas(adapter_dir)
+    compute = getattr(torch, quantized_base.get("compute_dtype") or "bfloat16") if quantized_base else None
+    digests: dict[str, bytes] = {}
+    out.mkdir(parents=True, exist_ok=True)
+    shard: dict[str, torch.Tensor] = {}
+    names, weight_map, used = [], {}, 0
+
+    def flush():
+        nonlocal shard, used
+        if shard:
+            name = f"model-{len(names) + 1:05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            names.append(name)
+            weight_map.update({k: name for k in shard})
+        shard, used = {}, 0
+
+    for name in sorted(files.names(), key=_natural):
+        tensor = files.read(name)
+        layer = layers.get(name)
+        if layer is not None and compute is not None:
+            weight = tensor.to(compute)
+            quantized = to_nf4(weight.t() if layer.from_conv1d else weight)
+            digests[name] = tensor_digest(name, quantized)
+            restored = quantized.get_original_weight()
+            tensor = restored.t() if layer.from_conv1d else restored
+        module = name.removesuffix(".weight")
+        if module in deltas:
+            a, b = deltas.pop(module)
+            delta = (b @ a) * scaling  # out x in
+            tensor = tensor.float() + (delta.t() if layer is not None and layer.from_conv1d else delta)
+        tensor = tensor.to(out_dtype).contiguous()
+        if shard and used + tensor.numel() * tensor.element_size() > max_shard_size:
+            flush()
+        shard[name] = tensor
+        used += tensor.numel() * tensor.element_size()
+    flush()
+    if deltas:
+        raise UserError(Problem(where, f"the adapters of {', '.join(sorted(deltas)[:3])} have no weight in {folder}",
+                                "merge into the base model the adapters were trained on (--base-model PATH)"))
+    if quantized_base:
+        check_fingerprint(digests, quantized_base, folder, where)
+    _name_shards(out, names, weight_map)
+    _copy_config(folder, out, dtype)
+    AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out)
+
+
+def check_fingerprint(digests: dict[str, bytes], quantized_base: dict, folder: Path, where: str) -> None:
+    """The base quantized here is the one the adapters were trained on (model/quantize.py QuantizedBase.of)."""
+    total = hashlib.sha256()
+    for name in sorted(digests):
+        total.update(digests[name])
+    found = total.hexdigest()[:32]
+    if found != quantized_base.get("fingerprint"):
+        raise UserError(Problem(where, f"its adapters were trained on a 4-bit base with fingerprint "
+                                f"{quantized_base.get('fingerprint')}, and {folder} quantizes to {found}: another "
+                                "model (or torchao) than the run's",
+                                "merge with the model files the run trained on, or pass --base-model PATH to merge "
+                                "into original (unquantized) weights"))
+
+
+def _name_shards(out: Path, names: list[str], weight_map: dict[str, str]) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors with an index, as transformers names them."""
+    if len(names) == 1:
+        (out / names[0]).rename(out / "model.safetensors")
+        return
+    final = {n: f"model-{i + 1:05d}-of-{len(names):05d}.safetensors" for i, n in enumerate(names)}
+    for old, new in final.items():
+        (out / old).rename(out / new)
+    total = sum((out / f).stat().st_size for f in final.values())
+    index = {"metadata": {"total_size": total}, "weight_map": {k: final[v] for k, v in weight_map.items()}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _copy_config(folder: Path, out: Path, dtype: str) -> None:
+    for name in ("config.json", "generation_config.json"):
+        if (folder / name).exists():
+            shutil.copy2(folder / name, out / name)
+    config = json.loads((out / "config.json").read_text())
+    config["dtype"] = TRANSFORMERS[dtype]
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
