@@ -185,7 +185,7 @@ def format_plan(plan: Plan, gpu_memory: float | None) -> str:
                      f"fragmentation): {100 * m.total / gpu_memory:.0f}% used")
         if m.total > 0.9 * gpu_memory:
             lines += advice(plan.memory_inputs, 0.9 * gpu_memory)
-            lines.append("  else: a smaller micro batch, more GPUs, or CPU offload "
+            lines.append("  try: a smaller micro batch, more GPUs, or CPU offload "
                          "(accelerate_configs/fsdp_2gpu_offload.yaml); `accel-fsdp estimate` compares them")
     cost = reference_cost(r)
     if cost:
