@@ -204,3 +204,14 @@ def assert_adam_runs_agree(weights: dict, reference: dict, lrs: list[float], gra
         differences.append(difference)
     median = float(torch.cat(differences).median())
     assert median <= gradient_noise * largest, (median, gradient_noise * largest)
+
+
+def collated(sequences, pad_id: int, use_position_ids: bool = True, **options) -> dict:
+    """A micro-batch as the trainer builds it (train/setup.py `Run.collate`, on the host): the collated tensors and
+    the index of their loss-carrying positions."""
+    from accel_fsdp.data.batches import collate
+    from accel_fsdp.train.methods import LossIndex
+
+    batch = collate(sequences, pad_id, use_position_ids, **options)
+    batch["loss_index"] = LossIndex.of(batch)
+    return batch

@@ -1,6 +1,7 @@
 """`verify` proves each knob a recipe turns on (tools/knob_checks.py): 2 steps with it and without it, losses and
 gradient norms within the knob's bound; the checks fail when the knob's arithmetic is broken on purpose
-(ACCEL_FSDP_BREAK compile-skew, offload-bf16), so neither passes vacuously."""
+(ACCEL_FSDP_BREAK compile-skew, offload-bf16; the chunked loss's in tests/test_verify.py), so none passes vacuously.
+Which recipes run which probes: tests/test_verify_knobs.py."""
 
 from __future__ import annotations
 
@@ -20,17 +21,6 @@ training: {micro_batch_size: 1, global_batch_size: 8, max_steps: 4}
 KNOB = {knob.check: knob for knob in KNOBS}
 
 
-def test_a_knob_is_proven_only_where_the_recipe_turns_it_on():
-    plain = recipe_from_text(TINY, source="r.yaml")
-    on = recipe_from_text(TINY, source="r.yaml", overrides=["training.compile=true",
-                                                             "training.activation_offload=true"])
-    assert not any(knob.enabled(plain, "bf16") for knob in KNOBS)
-    assert KNOB["compile"].enabled(on, "bf16") and KNOB["activation-offload"].enabled(on, "bf16")
-    assert KNOB["fp8"].enabled(plain, "fp8") and not KNOB["fp8"].enabled(plain, "bf16")
-    assert KNOB["fp8"].probes() == [("fp8-on", ["training.mixed_precision=fp8", "training.max_steps=2"]),
-                                    ("fp8-off", ["training.mixed_precision=bf16", "training.max_steps=2"])]
-
-
 def test_each_knob_states_its_bound():
     recipe = recipe_from_text(TINY, source="r.yaml")
     assert KNOB["activation-offload"].tolerance(recipe, "fp32", "cpu")[0] == {"loss": 0.0, "grad_norm": 0.0}
@@ -39,6 +29,13 @@ def test_each_knob_states_its_bound():
     assert compiled == {"loss": 2 * 2 * 2**-8, "grad_norm": 2 * 2 * 8**0.5 * 2**-8} and "(bf16)" in stated
     fp8, stated = KNOB["fp8"].tolerance(recipe, "fp8", "cuda")
     assert fp8 == {"loss": 2 * FP8_LOSS_BOUND, "grad_norm": 2 * FP8_GRAD_BOUND} and "fp8 vs bf16" in stated
+    # the chunked loss: micro-steps x the backward's vocabulary blocks (64 tokens a micro-step, one block of them)
+    assert KNOB["chunked-loss"].tolerance(recipe, "bf16", "cuda")[0] == compiled
+    chunked = recipe_from_text(TINY, source="r.yaml", overrides=["training.loss_chunk_tokens=16"])
+    assert KNOB["chunked-loss"].tolerance(chunked, "bf16", "cuda")[0]["grad_norm"] == 2 * 2 * 32**0.5 * 2**-8
+    # an exact knob of an fp8 recipe is held to bf16's model (the precision outside the float8 products)
+    assert KNOB["compile"].tolerance(recipe, "fp8", "cuda")[0] == KNOB["chunked-loss"].tolerance(recipe, "fp8",
+                                                                                                "cuda")[0] == compiled
 
 
 def report_of(folder) -> dict:

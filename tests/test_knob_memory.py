@@ -1,6 +1,7 @@
 """The knobs' memory terms (planning/memory.py) and the advice of `estimate` and the dry run (planning/knob_advice.py):
-activation offload moves the layers' activations to host memory, fp8 gathers the blocks' weights in float8, and a recipe
-that does not fit is told which knobs would make it fit."""
+activation offload moves the layers' activations to host memory, fp8 gathers the blocks' weights in float8 (the
+chunked loss's logits term: tests/test_loss_memory.py), and a recipe that does not fit is told which knobs would make
+it fit."""
 
 from __future__ import annotations
 
@@ -51,6 +52,28 @@ def test_the_knobs_that_alone_make_it_fit_are_named_and_fp8_only_for_llama():
     assert together is None
     _, together = fitting_knobs(inputs("llama-3.2-1b", seq_len=8192, micro_batch=8), 0.9 * 12 * 2**30)
     assert together[0][-1].startswith("training.mixed_precision: fp8")
+
+
+def test_the_chunked_loss_is_offered_to_a_recipe_that_turned_it_off():
+    """Llama 3.2 1B at 8,192 tokens on 8 GPUs of 8 GiB: the full logits alone take 11.7 GiB, one chunk 0.4 GiB."""
+    plain = inputs("llama-3.2-1b", micro_batch=1, seq_len=8192, world=8, shard_group=8, activation_checkpointing=True,
+                   chunked_loss=False)
+    fitting, together = fitting_knobs(plain, 8 * 2**30)
+    assert [s for s, _ in fitting] == ["training.chunked_loss: true"] and together is None
+    assert fitting[0][1] == estimate(replace(plain, chunked_loss=True)).total
+    assert "training.chunked_loss" not in str(fitting_knobs(replace(plain, chunked_loss=True), 1 * 2**30))  # it is on
+
+
+def test_the_recipes_knobs_reach_the_memory_formulas_from_one_place():
+    from accel_fsdp.config.recipe import recipe_from_text
+    from accel_fsdp.planning.knob_advice import recipe_settings
+
+    recipe = recipe_from_text("model: {architecture: llama-3.2-1b}\ndata: {path: builtin:quickstart}\n"
+                              "training: {chunked_loss: false, loss_chunk_tokens: 256, activation_offload: true}\n",
+                              source="r.yaml")
+    assert recipe_settings(recipe, "fp8") == dict(chunked_loss=False, loss_chunk_tokens=256, pairs=False,
+                                                  activation_offload=True, fp8=True)
+    assert recipe_settings(recipe, "bf16")["fp8"] is False
 
 
 def test_estimate_says_which_knobs_would_make_a_recipe_fit():

@@ -21,11 +21,12 @@ def test_verify_quickstart_passes_every_check(tmp_path):
     report = report_of(out)
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert status == {"sharding": "PASS", "precision": "PASS", "equivalence": "PASS", "resume": "PASS",
-                      "packing": "PASS", "data": "PASS", "activation-checkpointing": "PASS", "memory": "PASS",
-                      "throughput": "INFO", "compile": "SKIP", "activation-offload": "SKIP", "fp8": "SKIP"}
+                      "packing": "PASS", "data": "PASS", "activation-checkpointing": "PASS",
+                      "chunked-loss": "PASS", "compile": "SKIP", "activation-offload": "SKIP", "fp8": "SKIP",
+                      "memory": "PASS", "throughput": "INFO"}
     assert report["passed"] and set(report["probes"]) == {"reference", "split", "fewer-ranks", "resume", "ac-on",
-                                                          "ac-off"}
-    assert "8 passed, 0 failed" in proc.stdout
+                                                          "ac-off", "chunked-loss-on", "chunked-loss-off"}
+    assert "9 passed, 0 failed" in proc.stdout
     data = next(c for c in report["checks"] if c["name"] == "data")
     assert data["data"]["ranks_compared"] == [1, 2] and "1 rank and 2 ranks read the same sequences" in data["measured"]
     equivalence = next(c for c in report["checks"] if c["name"] == "equivalence")
@@ -58,6 +59,7 @@ INSTRUCTION = ["--set", "data.path=builtin:quickstart-instruct", "--set", "data.
     ("mask-leak", "packing", [], "largest logit difference to each document alone"),
     ("ac-rng", "activation-checkpointing", [], "with dropout 0.1, with vs without"),
     ("mix-weights", "data", ["quickstart-mix"], "a source's share is 0.2"),
+    ("chunked-loss", "chunked-loss", ["--set", "training.mixed_precision=fp32"], "training.chunked_loss=true vs false"),
 ])
 def test_each_check_fails_when_its_property_is_broken(tmp_path, broken, check, extra, expected):
     out = tmp_path / "verify"

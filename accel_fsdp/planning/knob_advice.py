@@ -1,6 +1,7 @@
-"""Which knobs would make a recipe that does not fit its GPUs fit: `estimate` and the dry run ask each knob the recipe
-leaves off for its effect on the memory formulas (planning/memory.py holds every term; this module only turns them
-on), one at a time, then together, and name those that bring the peak under the GPU's memory.
+"""The knobs of the memory formulas: what a recipe's knobs set in them (`recipe_settings`, read by the dry run,
+`estimate` and `verify`), and which knobs would make a recipe that does not fit its GPUs fit: `estimate` and the dry
+run ask each knob the recipe leaves off for its effect (planning/memory.py holds every term; this module only turns
+them on), one at a time, then together, and name those that bring the peak under the GPU's memory.
 
 This module must not import torch: `estimate` and `recipe run --dry-run` read it.
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from accel_fsdp.config.methods import METHODS
+from accel_fsdp.config.precision import FP8
 from accel_fsdp.planning.memory import MemoryInputs, estimate, gib
 
 
@@ -30,7 +33,16 @@ def _fp8_only_for(m: MemoryInputs) -> str | None:
     return None if m.shape is not None and m.shape.gated_mlp and m.precision != "fp32" else "not this model"
 
 
+def recipe_settings(recipe, run_precision: str) -> dict:
+    """The MemoryInputs fields a recipe's knobs and its loss set (`run_precision`: the run's, resolved from the recipe
+    and the accelerate config). The one place they are read from a recipe."""
+    t = recipe.training
+    return dict(chunked_loss=t.chunked_loss, loss_chunk_tokens=t.loss_chunk_tokens, pairs=METHODS[t.method].pairs,
+                activation_offload=t.activation_offload, fp8=run_precision == FP8)
+
+
 MEMORY_KNOBS = (
+    MemoryKnob("training.chunked_loss: true", lambda m: m.chunked_loss, lambda m: replace(m, chunked_loss=True)),
     MemoryKnob("model.activation_checkpointing: true", lambda m: m.activation_checkpointing,
                lambda m: replace(m, activation_checkpointing=True)),
     MemoryKnob("training.activation_offload: true", lambda m: m.activation_offload,
@@ -38,7 +50,8 @@ MEMORY_KNOBS = (
     MemoryKnob("training.mixed_precision: fp8 (GPUs of compute capability 8.9+)", lambda m: m.fp8,
                lambda m: replace(m, fp8=True), _fp8_only_for),
 )
-"""The knobs the advice may name, cheapest in speed first."""
+"""The knobs the advice may name, cheapest in speed first (the chunked loss: a third more head work on text, at most;
+docs/PERFORMANCE.md)."""
 
 
 def fitting_knobs(m: MemoryInputs, limit: float) -> tuple[list[tuple[str, float]], tuple[list[str], float] | None]:

@@ -15,13 +15,21 @@ import click
 
 from accel_fsdp.config.accelerate import HYBRID_SHARD
 from accel_fsdp.config.methods import METHODS
-from accel_fsdp.config.precision import BYTES, FP8, MEMORY
+from accel_fsdp.config.precision import BYTES, MEMORY
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model.facts import facts_for, shape_of
 from accel_fsdp.model.quantize import quantized_terms
 from accel_fsdp.model.tokenizer import offline_tokenizer
-from accel_fsdp.planning.knob_advice import advice
-from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, estimate, gib, parse_bytes, size_problem
+from accel_fsdp.planning.knob_advice import advice, recipe_settings
+from accel_fsdp.planning.memory import (
+    MemoryBreakdown,
+    MemoryInputs,
+    describe_logits,
+    estimate,
+    gib,
+    parse_bytes,
+    size_problem,
+)
 from accel_fsdp.preflight import load_config_or_default, preflight
 
 
@@ -144,7 +152,7 @@ def build_plan(recipe, config, *, num_processes: int | None = None) -> Plan:
         frozen_bytes=frozen_bytes, quantized=_quantized_terms(recipe, BYTES[settings.mixed_precision.value]),
         deferred_reduce=not settings.reduce_every_micro_step.value
         and recipe.training.accumulation_steps(settings.num_processes.value) > 1,
-        activation_offload=recipe.training.activation_offload, fp8=settings.mixed_precision.value == FP8)
+        **recipe_settings(recipe, settings.mixed_precision.value))
     return Plan(recipe, settings, config.label, type(meta).__name__, parameters, trainable, units, estimate(inputs),
                 inputs, report.notes)
 
@@ -179,6 +187,9 @@ def format_plan(plan: Plan, gpu_memory: float | None) -> str:
     lines.append(f"  params {gib(m.params)}   grads {gib(m.grads)}   optimizer {gib(m.optimizer)}   "
                  f"gathered units {gib(m.gathered)}   activations {gib(m.activations)}   total {gib(m.total)}"
                  + (f"   (+ {gib(m.host)} in CPU memory, offloaded)" if m.host else ""))
+    logits = describe_logits(plan.memory_inputs)
+    if logits:
+        lines.append(f"  activations include the {logits}")
     if gpu_memory:
         verdict = "fits" if m.total <= 0.9 * gpu_memory else "does NOT fit"
         lines.append(f"{verdict} in {gib(gpu_memory)} GiB per GPU (keeping 10% for the CUDA context and "
