@@ -48,6 +48,15 @@ def cuda_unavailable_reason() -> str:
     return "torch.cuda.is_available() is false"
 
 
+def cuda_capability() -> tuple[int, int] | None:
+    """The lowest compute capability (major, minor) of the CUDA devices this process can use; None without one."""
+    if not visible_cuda_devices():
+        return None
+    import torch
+
+    return min(torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))
+
+
 def usable_cores() -> int:
     """CPU cores this process may run on (cgroups, SLURM, taskset), not the machine's count."""
     try:

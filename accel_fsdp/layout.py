@@ -233,3 +233,15 @@ def cache_dir() -> Path:
     root = os.environ.get("ACCEL_FSDP_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "accel_fsdp")
     return Path(root)
+
+
+COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+"""Where torch's inductor keeps its compiled graphs (FX graph and AOTAutograd caches, generated kernels;
+torch/_inductor/runtime/cache_dir_utils.py, cache_dir, read at each compile; torch 2.13.0). A value the user set
+wins."""
+
+
+def compile_cache_dir() -> Path:
+    """Where `training.compile` keeps the compiler's cache between runs: the user's TORCHINDUCTOR_CACHE_DIR, else
+    <cache_dir>/compile (inductor's own default is under /tmp, which clusters clear between jobs)."""
+    return Path(os.environ.get(COMPILE_CACHE_ENV) or cache_dir() / "compile")

@@ -35,6 +35,8 @@ from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.layout import RunLayout
 from accel_fsdp.model import checks as model_checks
 from accel_fsdp.model import facts as model_facts
+from accel_fsdp.model.compile import compile_problems
+from accel_fsdp.model.fp8 import fp8_problems
 from accel_fsdp.model.hub import hub_problems
 from accel_fsdp.model.tokenizer import offline_tokenizer
 from accel_fsdp.run.folder import Decision, decide, lock_problems, writable_problems
@@ -146,13 +148,17 @@ def settings_for_launch(recipe, config: AccelerateConfig, *, cuda_available: boo
 
 def model_problems(recipe, settings: FsdpSettings, view) -> list[Problem]:
     """The model (facts or a meta-device build) against the recipe and the settings: context length, wrap class
-    (detected from the model when no config names one), LoRA targets, the layers a quantized base holds in 4 bits."""
+    (detected from the model when no config names one), LoRA targets, the layers a quantized base holds in 4 bits,
+    and whether the knobs the recipe turns on (compile, fp8) can run on this model and machine."""
     detect_wrap_classes(settings, view.no_split_modules)
+    here = settings.device.value == "cuda" and settings.device.source != Source.TARGET_HARDWARE
     return (model_checks.context_problems(recipe, view.context)
             + wrap_class_problems(settings, view, recipe)
             + model_checks.lora_target_problems(view, recipe)
             + model_checks.quantize_problems(view, recipe, shard_group_size(settings),
-                                             remote_code=recipe.model.trust_remote_code))
+                                             remote_code=recipe.model.trust_remote_code)
+            + compile_problems(recipe, settings, view)
+            + fp8_problems(recipe, settings, view, hardware.cuda_capability() if here else None))
 
 
 VERIFY_BEFORE_LAUNCH_BYTES = 2 << 30

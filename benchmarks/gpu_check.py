@@ -20,8 +20,9 @@ tests/test_gpu_check.py runs this script with --cpu.
   8  the offloaded optimizer step (fused AdamW, the rank's share of the cores)
   9  the device's peak FLOP/s used for MFU, and the MFU of a short run
 
-The report is a list of sections (a title and a table); a part of the script adds its own (issue 23 adds the
-throughput table of its knobs) and every section goes to the terminal and to --markdown.
+The report is a list of sections (a title and a table), each to the terminal and to --markdown: the checks above,
+then the throughput table of the speed and memory knobs (benchmarks/knob_throughput.py: eager, +compile, +chunked
+loss, +activation offload, +FP8 on llama-3.2-1b and gpt2-xl; `--table-only` for it alone, `--no-table` without it).
 """
 
 from __future__ import annotations
@@ -411,6 +412,8 @@ def main() -> None:
     parser.add_argument("--only", type=int, action="append", help="only this check (repeatable)")
     parser.add_argument("--work", type=Path, default=None, help="working folder (default: a temporary one)")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the report as markdown here")
+    parser.add_argument("--table-only", action="store_true", help="only the knobs' throughput table")
+    parser.add_argument("--no-table", action="store_true", help="only the checks, not the throughput table")
     args = parser.parse_args()
     from accel_fsdp.quiet import quiet_libraries
 
@@ -424,14 +427,17 @@ def main() -> None:
         torch.cuda.get_device_name(0)
     machine = Machine(work=work, ranks=ranks, cpu=args.cpu, device=device)
     print(f"accel-fsdp GPU check: {ranks} x {device}, torch {torch.__version__}, work folder {work}", flush=True)
-    sections = [run_checks(machine, set(args.only or ()))]
-    rows = [row for s in sections for row in s.rows]
-    print(f"{sum(r[1] == 'PASS' for r in rows)} passed, {sum(r[1] == 'FAIL' for r in rows)} failed, "
-          f"{sum(r[1] == 'SKIP' for r in rows)} skipped")
+    sections = [] if args.table_only else [run_checks(machine, set(args.only or ()))]
+    if not args.no_table and not args.only:
+        from knob_throughput import throughput_section  # benchmarks/ is this script's folder, first on sys.path
+
+        sections.append(throughput_section(work, args.cpu, 2 if args.cpu else 1, device, Section))
+    results = [row[s.columns.index("result")] for s in sections for row in s.rows]
+    print(f"{results.count('PASS')} passed, {results.count('FAIL')} failed, {results.count('SKIP')} skipped")
     if args.markdown:
         args.markdown.write_text("\n".join(s.markdown() for s in sections))
         print(f"markdown: {args.markdown}")
-    sys.exit(1 if any(r[1] == "FAIL" for r in rows) else 0)
+    sys.exit(1 if "FAIL" in results else 0)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,12 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+
+from accel_fsdp.layout import COMPILE_CACHE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,6 +30,11 @@ def _isolated_cache(tmp_path_factory):
     os.environ["ACCEL_FSDP_CACHE"] = str(cache)
     os.environ["HF_HUB_OFFLINE"] = "1"  # a test that tried to download would fail loudly
     os.environ["HF_DATASETS_OFFLINE"] = "1"
+    # Compiled graphs (training.compile) are kept across test sessions: inductor keys them by the graph, its inputs and
+    # the torch build, so a reused one computes what a new one would, and it saves minutes of C++ compiling on 2
+    # cores. tests/test_compile.py clears this where it tests the run's own cache folder.
+    shared = Path(tempfile.gettempdir()) / f"accel_fsdp_tests_compiled_{os.getuid()}"
+    os.environ.setdefault(COMPILE_CACHE_ENV, str(shared))
     yield cache
     if old is None:
         os.environ.pop("ACCEL_FSDP_CACHE", None)

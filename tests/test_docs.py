@@ -68,13 +68,13 @@ def test_architecture_names_every_module_of_the_tree():
     tree = text[text.index("```\naccel_fsdp/"):text.index("```", text.index("```\naccel_fsdp/") + 4)]
     named, folder = set(), ""
     for line in tree.splitlines()[2:]:
-        m = re.match(r"  ([a-z_]+/|[a-z0-9_]+\.py)", line)
+        m = re.match(r"  ([a-z0-9_]+/|[a-z0-9_]+\.py)", line)
         if m and m.group(1).endswith("/"):
             folder = m.group(1)
         elif m:
             folder = ""
             named.add(m.group(1))
-        named |= {folder + name for name in re.findall(r"\b((?:[a-z_]+/)*[a-z0-9_]+\.py)\b", line)
+        named |= {folder + name for name in re.findall(r"\b((?:[a-z0-9_]+/)*[a-z0-9_]+\.py)\b", line)
                   if not line.startswith(f"  {name}")}  # a module of a subfolder is named with it: methods/dpo.py
     modules = {str(p.relative_to(REPO / "accel_fsdp")) for p in (REPO / "accel_fsdp").rglob("*.py")
                if p.name not in ("__init__.py", "__main__.py")}

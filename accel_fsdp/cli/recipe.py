@@ -18,7 +18,7 @@ from accel_fsdp.config.shipped import resolve_recipe
 from accel_fsdp.errors import Problem, UserError, raise_if
 from accel_fsdp.launch import launcher
 from accel_fsdp.launch.launcher import MachineOptions, inside_launch
-from accel_fsdp.layout import RunLayout
+from accel_fsdp.layout import COMPILE_CACHE_ENV, RunLayout, compile_cache_dir
 from accel_fsdp.planning.plan import print_plan
 from accel_fsdp.preflight import load_config_or_default, preflight
 from accel_fsdp.quiet import quiet_libraries
@@ -199,6 +199,9 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     machine options and preflight); each branch calls one function.
     """
     os.environ.setdefault(START_ENV, repr(time.time()))  # the ranks measure time to first step from here
+    # Before anything in this process asks inductor for its cache folder: the first ask sets the variable to /tmp's
+    # default for the rest of the process (torch/_inductor/runtime/cache_dir_utils.py, cache_dir; torch 2.13.0).
+    os.environ.setdefault(COMPILE_CACHE_ENV, str(compile_cache_dir()))
 
     if resume and resume_from:
         raise UserError(Problem("--resume-from", "cannot be combined with --resume", "use one of them"))

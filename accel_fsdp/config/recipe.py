@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
+from accel_fsdp.config import precision
 from accel_fsdp.config.accelerate import STRATEGIES
 from accel_fsdp.config.binder import apply_override, bind, flatten, schema_keys, to_plain, yaml_key
 from accel_fsdp.config.recipe_checks import check_recipe
@@ -240,9 +241,17 @@ class TrainingConfig:
     """Clip the global gradient norm to this value (FSDP-aware). null disables clipping."""
     seed: int = 42
     """Seed for weights created from scratch, data order, and dropout."""
-    mixed_precision: Literal["bf16", "fp32", "fp16"] | None = None
-    """bf16: bf16 compute with fp32 master weights; fp32: full precision; fp16: needs a GPU and a grad scaler.
-    Default: the accelerate config's mixed_precision, else bf16."""
+    mixed_precision: Literal[precision.TRAINING] | None = None
+    """bf16: bf16 compute with fp32 master weights; fp32: full precision; fp16: needs a GPU and a grad scaler; fp8:
+    the blocks' linear layers in float8 (torchao), the rest bf16, for Llama on GPUs of compute capability 8.9+ (not
+    exact: `verify` bounds it against bf16). Default: the accelerate config's mixed_precision, else bf16."""
+    compile: bool = False
+    """Compile each transformer block (torch.compile, inductor) before sharding: faster steps for a compile at the
+    start, cached between runs; the same loss within rounding. GPT-2 and Llama blocks."""
+    activation_offload: bool = False
+    """Move the activations the backward needs to host memory as the forward saves them and bring them back in the
+    backward (pinned memory, a side stream): less GPU memory for host traffic, the same loss exactly. With
+    model.activation_checkpointing only each block's input moves."""
     eval_every_steps: int | None = None
     """Evaluate on the held-out split every N optimizer steps (and at the end). Default: at the end only."""
     eval_max_batches: int | None = None
@@ -412,7 +421,7 @@ RESUME_SAFE_KEYS = (
     "checkpoint.dir", "checkpoint.export_final", "checkpoint.export_dtype", "checkpoint.state_dict_type",
     "training.max_steps", "training.epochs", "training.micro_batch_size", "training.eval_every_steps",
     "training.eval_max_batches", "data.num_proc", "model.attn_implementation", "model.activation_checkpointing",
-    "training.chunked_loss", "training.loss_chunk_tokens", "fsdp.",
+    "training.compile", "training.activation_offload", "training.chunked_loss", "training.loss_chunk_tokens", "fsdp.",
 )
 
 

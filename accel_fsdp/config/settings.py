@@ -349,9 +349,9 @@ def check_settings(settings: FsdpSettings, recipe, *, visible_gpus: int | None =
         p.append(Problem(s.mixed_precision.where(recipe, "training.mixed_precision", "mixed_precision"),
                          "fp16 needs a GPU (its grad scaler does not run on CPU)",
                          "use bf16 (same memory, no scaler) or fp32"))
-    if s.mixed_precision.value not in precision.PRECISIONS:
+    if s.mixed_precision.value not in precision.TRAINING:
         p.append(Problem(s.mixed_precision.where(recipe, "training.mixed_precision", "mixed_precision"),
-                         f"{s.mixed_precision.value!r} is not supported", "use bf16, fp32 or fp16"))
+                         f"{s.mixed_precision.value!r} is not supported", "use bf16, fp32, fp16 or fp8"))
     strategy = s.sharding_strategy.value
     if strategy == HYBRID_SHARD:
         if s.dp_replicate_size.value * s.dp_shard_size.value != n:

@@ -15,6 +15,7 @@ from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model import architectures
 from accel_fsdp.model.facts import Shape, facts_for, facts_of
 from accel_fsdp.model.quantize import QuantizedTerms, quantized_terms
+from accel_fsdp.planning.knob_advice import advice, recipe_settings
 from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, describe_logits, estimate, gib, simple_bytes
 from accel_fsdp.planning.plan import build_plan, reference_cost
 from accel_fsdp.preflight import model_view
@@ -37,6 +38,10 @@ class Target:
     """The recipe's setting (a model or a count: off unless asked for)."""
     context: int | None = None
     """The model's context length, when known."""
+    activation_offload: bool = False
+    """training.activation_offload (a model or a count: off)."""
+    fp8: bool = False
+    """training.mixed_precision: fp8."""
     chunked_loss: bool = True
     """training.chunked_loss (a model or a count: the default, on)."""
     loss_chunk_tokens: int | None = None
@@ -102,6 +107,7 @@ def _recipe_target(path, micro_batch, seq_len) -> Target:
                          "LoRA: frozen base weights in the compute dtype" if recipe.model.lora.enabled else "",
                          f"{t.method}: 2 sequences per pair, micro batch {t.micro_batch_size} pairs"
                          if METHODS[t.method].pairs else "", reference_cost(recipe) or "") if n]
+    knobs = recipe_settings(recipe, recipe.training.mixed_precision or precision.DEFAULT)
     if facts is not None:  # arithmetic: no model built (tests/test_model_facts.py holds the facts)
         lora = recipe.model.lora
         adapters = facts.lora_params(lora.target_modules, lora.r) if lora.enabled else 0
@@ -113,20 +119,13 @@ def _recipe_target(path, micro_batch, seq_len) -> Target:
                       compute if lora.enabled else 4, note="; ".join(notes),
                       activation_checkpointing=bool(recipe.model.activation_checkpointing), context=facts.context,
                       quantized=quantized_terms(facts, compute) if recipe.model.quantize else None,
-                      **loss_settings(recipe))
+                      **knobs)
 
     plan = build_plan(recipe, load_accelerate_config("fsdp_1gpu"))
     m = plan.memory_inputs
     return Target(recipe.name, m.params, m.trainable, m.largest_unit, m.shape, t.sequences_per_micro_step(),
                   m.seq_len if seq_len is None else seq_len, m.frozen_bytes, note="; ".join(notes),
-                  activation_checkpointing=m.activation_checkpointing, quantized=m.quantized,
-                  **loss_settings(recipe))
-
-
-def loss_settings(recipe) -> dict:
-    """What the logits term needs of a recipe (planning/memory.py `logits_bytes`)."""
-    t = recipe.training
-    return dict(chunked_loss=t.chunked_loss, loss_chunk_tokens=t.loss_chunk_tokens, pairs=METHODS[t.method].pairs)
+                  activation_checkpointing=m.activation_checkpointing, quantized=m.quantized, **knobs)
 
 
 @dataclass
@@ -135,6 +134,8 @@ class Row:
     offload: bool
     memory: MemoryBreakdown
     fits: bool
+    inputs: MemoryInputs | None = None
+    """What the row was estimated from (for the knobs' advice)."""
 
     @property
     def label(self) -> str:
@@ -154,8 +155,9 @@ def table(target: Target, *, gpus: int, nodes: int, precision: str, activation_c
         for off in ((False, True) if offload is None else (offload,)):
             if off and strategy == NO_SHARD:
                 continue
-            mem = estimate(replace(base, strategy=strategy, shard_group=group, offload=off))
-            rows.append(Row(strategy, off, mem, mem.total <= HEADROOM * gpu_memory))
+            inputs = replace(base, strategy=strategy, shard_group=group, offload=off)
+            mem = estimate(inputs)
+            rows.append(Row(strategy, off, mem, mem.total <= HEADROOM * gpu_memory, inputs))
     return rows
 
 
@@ -167,7 +169,8 @@ def inputs_of(target: Target, *, world: int, precision: str, activation_checkpoi
                         activation_checkpointing=activation_checkpointing, micro_batch=target.micro_batch,
                         seq_len=target.seq_len, shape=target.shape, frozen_bytes=target.frozen_bytes,
                         deferred_reduce=deferred_reduce, quantized=target.quantized, chunked_loss=target.chunked_loss,
-                        loss_chunk_tokens=target.loss_chunk_tokens, pairs=target.pairs)
+                        loss_chunk_tokens=target.loss_chunk_tokens, pairs=target.pairs,
+                        activation_offload=target.activation_offload, fp8=target.fp8)
 
 
 # Least communication first: DDP-like NO_SHARD (one all-reduce of the gradients), SHARD_GRAD_OP (the same
@@ -229,8 +232,10 @@ def format_report(target: Target, rows: list[Row], *, gpus: int, nodes: int, pre
                      f"{gib(m.activations):>9}{gib(m.total):>11}{gib(m.host):>9}  {'yes' if r.fits else 'no'}")
     best = cheapest(rows)
     if best is None:
-        lines.append("nothing fits: add GPUs or nodes, lower micro batch or seq_len, turn on activation "
-                     "checkpointing, or use LoRA")
+        lines.append("nothing fits: add GPUs or nodes, lower micro batch or seq_len, or use LoRA")
+        sharded = [r for r in rows if not r.offload and r.strategy == FULL_SHARD] or rows
+        if sharded and sharded[0].inputs is not None:
+            lines += advice(sharded[0].inputs, HEADROOM * gpu_memory)
     else:
         lines.append(f"cheapest that fits (least communication first): {best.label}, "
                      f"{gib(best.memory.total)} GiB per GPU -> {config_for(best, gpus, nodes)}")

@@ -35,6 +35,15 @@ training.loss_chunk_tokens loss-carrying positions x V) at CHUNK_LOGIT_BYTES eac
 hidden states' gradient summed in fp32 (4 b s h). The head's weight gradient (V h c) is the largest unit's gradient
 that `gathered` counts, for either path.
 
+Knobs (planning/knob_advice.py asks each its term from here): the chunked loss (training.chunked_loss) is the logits
+term above. Activation offload (training.activation_offload) moves the layers' saved activations to host memory, the
+GPU keeping one block's (the one computing) and the prefetched ones (train/activation_offload.py PREFETCH) of the same
+size: with activation checkpointing the block inputs move, one block recomputed stays. FP8 (training.mixed_precision:
+fp8) all-gathers the blocks' weights in float8: the two units in flight at 1 byte a parameter instead of c (the unit's
+gradient and its fp32 copy unchanged); the activations are counted as bf16 (torchao keeps the inputs of its float8
+products in the compute dtype for the backward). Compile (training.compile) is counted as eager: inductor's fusion
+only ever saves fewer intermediates.
+
 The simple mode is the classic calculator: 16 bytes per parameter, divided by the number of GPUs with
 FSDP, in GiB.
 """
@@ -90,6 +99,10 @@ class MemoryInputs:
     quantized: QuantizedTerms | None = None
     """model.quantize: the 4-bit weights (NF4 bytes instead of `frozen_bytes` each, the block gathered in 4 bits, one
     weight dequantized in flight)."""
+    activation_offload: bool = False
+    """training.activation_offload: the layers' saved activations in host memory."""
+    fp8: bool = False
+    """training.mixed_precision: fp8: the blocks' weights gathered in float8."""
 
 
 @dataclass(frozen=True)
@@ -133,13 +146,39 @@ def estimate(m: MemoryInputs) -> MemoryBreakdown:
     elif m.strategy == NO_SHARD:
         gathered = float(c * m.largest_unit) if c < 4 else 0.0  # a low-precision copy of the unit in use
     else:
-        gathered = (3 * c + 4) * m.largest_unit
-    host = 0.0
+        gathered = (2 * (1 if m.fp8 else c) + c + 4) * m.largest_unit
+    host = offloaded_activation_bytes(m)
     if m.offload:
-        host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
+        host, params, grads, optimizer = host + params + grads + optimizer, 0.0, 0.0, 0.0
     if m.deferred_reduce:
         grads = 4.0 * m.trainable  # every unit's unsharded fp32 gradient, on the device (offload or not; 1 GPU too)
     return MemoryBreakdown(params, grads, optimizer, gathered, activation_bytes(m), host, logits_bytes(m))
+
+
+def layer_activation_bytes(m: MemoryInputs) -> tuple[float, float]:
+    """(on the device, in host memory) of the layers' saved activations: all on the device, or with activation
+    offload, one block's (and PREFETCH more of its size) on it and the rest in host memory."""
+    if not m.micro_batch or not m.seq_len or m.shape is None:
+        return 0.0, 0.0
+    sh, c = m.shape, compute_bytes(m.precision)
+    tokens = m.micro_batch * m.seq_len
+    head_dim = sh.hidden // sh.heads
+    qkv = sh.heads * head_dim + 2 * sh.kv_heads * head_dim
+    per_layer = tokens * c * (8 * sh.hidden + qkv + (3 if sh.gated_mlp else 2) * sh.intermediate)
+    saved = tokens * sh.hidden * c if m.activation_checkpointing else per_layer  # what one block leaves saved
+    recomputed = per_layer if m.activation_checkpointing else 0
+    if not m.activation_offload:
+        return float(sh.layers * saved + recomputed), 0.0
+    kept = min(sh.layers, 1 + OFFLOAD_PREFETCH)
+    return float(kept * saved + recomputed), float((sh.layers - kept) * saved)
+
+
+OFFLOAD_PREFETCH = 2
+"""train/activation_offload.py PREFETCH (that module imports torch; this one must not)."""
+
+
+def offloaded_activation_bytes(m: MemoryInputs) -> float:
+    return layer_activation_bytes(m)[1]
 
 
 def quantized_gathered(m: MemoryInputs, q: QuantizedTerms, c: int) -> float:
@@ -158,18 +197,8 @@ def quantized_gathered(m: MemoryInputs, q: QuantizedTerms, c: int) -> float:
 
 
 def activation_bytes(m: MemoryInputs) -> float:
-    if not m.micro_batch or not m.seq_len or m.shape is None:
-        return 0.0
-    sh, c = m.shape, compute_bytes(m.precision)
-    tokens = m.micro_batch * m.seq_len
-    head_dim = sh.hidden // sh.heads
-    qkv = sh.heads * head_dim + 2 * sh.kv_heads * head_dim
-    per_layer = tokens * c * (8 * sh.hidden + qkv + (3 if sh.gated_mlp else 2) * sh.intermediate)
-    if m.activation_checkpointing:
-        layers = sh.layers * tokens * sh.hidden * c + per_layer
-    else:
-        layers = sh.layers * per_layer
-    return float(layers + logits_bytes(m))
+    """On the device: the layers' saved activations (`layer_activation_bytes`) and the loss's logits."""
+    return layer_activation_bytes(m)[0] + logits_bytes(m)
 
 
 def logits_bytes(m: MemoryInputs) -> float:

@@ -20,6 +20,7 @@ from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model.facts import facts_for, shape_of
 from accel_fsdp.model.quantize import quantized_terms
 from accel_fsdp.model.tokenizer import offline_tokenizer
+from accel_fsdp.planning.knob_advice import advice, recipe_settings
 from accel_fsdp.planning.memory import (
     MemoryBreakdown,
     MemoryInputs,
@@ -151,8 +152,7 @@ def build_plan(recipe, config, *, num_processes: int | None = None) -> Plan:
         frozen_bytes=frozen_bytes, quantized=_quantized_terms(recipe, BYTES[settings.mixed_precision.value]),
         deferred_reduce=not settings.reduce_every_micro_step.value
         and recipe.training.accumulation_steps(settings.num_processes.value) > 1,
-        chunked_loss=recipe.training.chunked_loss, loss_chunk_tokens=recipe.training.loss_chunk_tokens,
-        pairs=METHODS[recipe.training.method].pairs)
+        **recipe_settings(recipe, settings.mixed_precision.value))
     return Plan(recipe, settings, config.label, type(meta).__name__, parameters, trainable, units, estimate(inputs),
                 inputs, report.notes)
 
@@ -195,8 +195,9 @@ def format_plan(plan: Plan, gpu_memory: float | None) -> str:
         lines.append(f"{verdict} in {gib(gpu_memory)} GiB per GPU (keeping 10% for the CUDA context and "
                      f"fragmentation): {100 * m.total / gpu_memory:.0f}% used")
         if m.total > 0.9 * gpu_memory:
-            lines.append("  try: model.activation_checkpointing: true, a smaller micro batch, more GPUs, or CPU "
-                         "offload (accelerate_configs/fsdp_2gpu_offload.yaml); `accel-fsdp estimate` compares them")
+            lines += advice(plan.memory_inputs, 0.9 * gpu_memory)
+            lines.append("  try: a smaller micro batch, more GPUs, or CPU offload "
+                         "(accelerate_configs/fsdp_2gpu_offload.yaml); `accel-fsdp estimate` compares them")
     cost = reference_cost(r)
     if cost:
         lines.append(f"note: {cost}")

@@ -53,3 +53,15 @@ def equivalence_tolerance(precision: str, tokens: int, micro_steps: int, steps: 
     else:
         loss, norm = 2 * ROUNDOFF[precision], 2 * math.sqrt(micro_steps) * ROUNDOFF[precision]
     return {"loss": steps * loss, "grad_norm": steps * norm}
+
+
+def compare_rows(a: list, b: list, tol: dict, steps: int) -> tuple[bool, float, float]:
+    """Whether two runs agree within `tol`, and the largest relative differences of their losses and gradient norms
+    over the first `steps` training rows (any objects with `loss` and `grad_norm`)."""
+    worst = {"loss": 0.0, "grad_norm": 0.0}
+    for ra, rb in zip(a[:steps], b[:steps]):
+        for key in worst:
+            x, y = getattr(ra, key), getattr(rb, key)
+            worst[key] = max(worst[key], abs(x - y) / max(abs(y), 1e-12))
+    ok = len(a) >= steps and len(b) >= steps and all(worst[k] <= tol[k] for k in worst)
+    return ok, worst["loss"], worst["grad_norm"]

@@ -16,8 +16,8 @@ accel_fsdp/train/probes.py, the exported weights) and compare:
   data           the mixture as the run draws it: each unit once per epoch of its source, each source's share over
                  any 100 steps within 0.01 of its weight, the same sequences per step on 1 rank and on several
   activation checkpointing   with dropout on, losses and gradient norms with and without it agree
-  chunked-loss   a knob (tools/knob_probes.py): the recipe with training.chunked_loss on and off gives the same losses and gradient
-                 norms, within the noise model of its arithmetic
+  chunked-loss, compile, activation-offload, fp8   the knobs (tools/knob_checks.py): for each the recipe turns on, 2
+                 steps as it is and 2 without it, losses and gradient norms within the knob's bound
   memory         the model state each rank holds against `estimate`'s prediction (and the peak on GPUs)
   throughput     tokens/s per rank (and MFU on GPUs), for the record
 
@@ -46,15 +46,16 @@ from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.files import write_atomic
 from accel_fsdp.layout import CHECKPOINTS_DIR, MANIFEST, STEP_PREFIX, RunLayout, checkpoint_name
 from accel_fsdp.model.facts import base_values, facts_for
+from accel_fsdp.planning.knob_advice import recipe_settings
 from accel_fsdp.planning.memory import MemoryInputs, estimate
 from accel_fsdp.preflight import preflight
-from accel_fsdp.tools.knob_probes import KNOBS, Knob
-from accel_fsdp.tools.noise import ROUNDOFF, adam_step_bound, equivalence_tolerance, reordered
+from accel_fsdp.tools.knob_checks import KNOBS, Knob
+from accel_fsdp.tools.noise import ROUNDOFF, adam_step_bound, compare_rows, equivalence_tolerance, reordered
 from accel_fsdp.train.metrics import read_metrics
 
 MARKER = "verify.json"
 CHECKS = ("sharding", "precision", "equivalence", "resume", "packing", "data", "activation-checkpointing",
-          "chunked-loss", "memory", "throughput")
+          *(knob.check for knob in KNOBS), "memory", "throughput")
 EXPORTED = ["checkpoint.export_final=true"]
 """Added to the reference and resume probes when the resume check runs: it compares their exported weights, and no
 other check reads an export (on a large model, writing one is a good part of a probe)."""
@@ -206,7 +207,6 @@ def base_sets(v: Verification, steps: int) -> list[str]:
 
 
 def layer_key(recipe) -> str:
-
     base = base_values(recipe)
     return "n_layer" if base and base[0] == "gpt2" else "num_hidden_layers"
 
@@ -277,17 +277,6 @@ def check_precision(v: Verification) -> Check:
                  f"layers multiply with {', '.join(map(str, compute))} weights; gradients reduced in "
                  f"{', '.join(reduce) or 'nothing recorded'}", f"compute {want}, reduce torch.float32",
                  {"compute": compute, "reduce": reduce})
-
-
-def compare_rows(a: list, b: list, tol: dict, steps: int) -> tuple[bool, float, float]:
-    """The largest relative differences of loss and gradient norm over the first `steps` training rows."""
-    worst = {"loss": 0.0, "grad_norm": 0.0}
-    for ra, rb in zip(a[:steps], b[:steps]):
-        for key in worst:
-            x, y = getattr(ra, key), getattr(rb, key)
-            worst[key] = max(worst[key], abs(x - y) / max(abs(y), 1e-12))
-    ok = len(a) >= steps and len(b) >= steps and all(worst[k] <= tol[k] for k in worst)
-    return ok, worst["loss"], worst["grad_norm"]
 
 
 def tolerance_of(v: Verification, micro_batch: int, steps: int) -> dict[str, float]:
@@ -382,24 +371,15 @@ def check_activation_checkpointing(v: Verification) -> Check:
                  {"loss_rel": dl, "grad_norm_rel": dg})
 
 
-def run_knob_probes(v: Verification, knob: Knob, sets: list[str], extra: list[str]) -> None:
-    """Two steps of the recipe as it is (the knob on) and with the knob off (only for a recipe that turns it on)."""
-    if knob.enabled(v.recipe):
-        run_probe(v, f"{knob.check}-on", sets + ["training.max_steps=2"], extra_args=extra)
-        run_probe(v, f"{knob.check}-off", sets + [f"{knob.key}={knob.off}", "training.max_steps=2"], extra_args=extra)
-
-
 def check_knob(v: Verification, knob: Knob) -> Check:
+    """The recipe with the knob and without it (tools/knob_checks.py): losses and gradient norms within its bound."""
     on, off = v.probes.get(f"{knob.check}-on"), v.probes.get(f"{knob.check}-off")
     if on is None:
-        return Check(knob.check, "SKIP", f"{knob.key} is off in this recipe: nothing to prove")
+        return Check(knob.check, "SKIP", f"{knob.key} is {knob.value(v.recipe, v.precision)} in this recipe: nothing "
+                     "to prove")
     if not on.ok or not off.ok:
         return Check(knob.check, "FAIL", (on if not on.ok else off).failure())
-    tol, stated = knob.tolerance(v)
-    same, dl, dg = compare_rows(on.train_rows(), off.train_rows(), tol, 2)
-    return Check(knob.check, "PASS" if same else "FAIL",
-                 f"{knob.key} on vs off over 2 steps: loss {dl:.1e}, grad norm {dg:.1e} relative difference", stated,
-                 {"loss_rel": dl, "grad_norm_rel": dg})
+    return Check(knob.check, *knob.judge(on.train_rows(), off.train_rows(), v.recipe, v.precision, v.device))
 
 
 def check_packing(v: Verification) -> Check:
@@ -470,7 +450,6 @@ def step_units(probe: Probe) -> dict[int, list[int]]:
 
 
 def check_memory(v: Verification) -> Check:
-
     ref = v.probes["reference"]
     info = ref.sharding()
     if info is None or not info.state_bytes:
@@ -517,7 +496,7 @@ def predicted_inputs(v: Verification, counts: RunParameters, info, settings: Fsd
                         offload=settings.cpu_offload.value,
                         activation_checkpointing=settings.activation_checkpointing.value,
                         micro_batch=v.recipe.training.micro_batch_size, seq_len=v.recipe.data.seq_len,
-                        shape=facts.shape() if facts else None)
+                        shape=facts.shape() if facts else None, **recipe_settings(v.recipe, v.precision))
 
 
 def check_throughput(v: Verification) -> Check:
@@ -576,8 +555,8 @@ def verify(recipe, config, num_processes: int | None, overrides: list[str], *, o
             for name, on in (("ac-on", "true"), ("ac-off", "false")):
                 run_probe(v, name, sets + dropout + [f"model.activation_checkpointing={on}"], extra_args=extra)
     for knob in KNOBS:
-        if knob.check in wanted:
-            run_knob_probes(v, knob, sets, extra)
+        for name, knob_sets in (knob.probes(recipe, v.precision) if knob.check in wanted else ()):
+            run_probe(v, name, sets + knob_sets, extra_args=extra)
     runners = {"sharding": check_sharding, "precision": check_precision, "equivalence": check_equivalence,
                "resume": check_resume, "packing": check_packing, "data": check_data, "activation-checkpointing":
                check_activation_checkpointing, "memory": check_memory, "throughput": check_throughput,
@@ -595,7 +574,6 @@ def verify(recipe, config, num_processes: int | None, overrides: list[str], *, o
 
 
 def _model_type(recipe) -> str | None:
-
     base = base_values(recipe)
     return base[0] if base else None
 

@@ -54,6 +54,8 @@ BREAKS = {
     "mask-leak": "let packed documents attend to each other (positions not restarted per document)",
     "ac-rng": "recompute checkpointed activations with new random draws (dropout)",
     "mix-weights": "draw from the data sources in equal shares, whatever their weights",
+    "offload-bf16": "keep offloaded activations in bf16 host buffers (a copy that rounds)",
+    "compile-skew": "scale each compiled block's output by 1 + 2^-8 (a compiled graph a bf16 unit off)",
     "chunked-loss": "the chunked loss leaves out the last loss-carrying token of every micro-batch",
 }
 
@@ -107,7 +109,7 @@ class TestHooks:
     __test__ = False  # not a pytest class
 
     def __init__(self, switches: TestSwitches, *, accelerator, model, optimizer, sampler, sharding: ShardingRecord,
-                 layout: RunLayout, packing_probe: Callable[[Path], None]):
+                 layout: RunLayout, packing_probe: Callable[[Path], None], knobs=None):
         self.switches = switches
         self.accelerator, self.model, self.optimizer, self.sharding, self.layout = (accelerator, model, optimizer,
                                                                                      sharding, layout)
@@ -122,6 +124,10 @@ class TestHooks:
             packing_probe(layout.trace / f"packing-rank{rank}.json")
         if "data" in switches.probes:
             probes.data_order(sampler, layout.trace / f"data-rank{rank}.json")
+        self.knobs, self.knob_trace = knobs, None
+        if "knobs" in switches.probes:
+            layout.trace.mkdir(parents=True, exist_ok=True)
+            self.knob_trace = (layout.trace / f"knobs-rank{rank}.jsonl").open("a")
         self._state_bytes_hook = _torch_optimizer(optimizer).register_step_post_hook(self._record_state_bytes)
 
     def after_resume(self, state: TrainingState) -> None:
@@ -134,11 +140,15 @@ class TestHooks:
             units = [unit for micro_batch in micro_batches for unit in micro_batch]
             self.trace.write(json.dumps({"step": step, "units": units}) + "\n")
             self.trace.flush()
+        if self.knob_trace:
+            self.knob_trace.write(json.dumps(probes.knob_record(self.knobs, step)) + "\n")
+            self.knob_trace.flush()
         self.faults.after_step(step)
 
     def close(self) -> None:
-        if self.trace:
-            self.trace.close()
+        for trace in (self.trace, self.knob_trace):
+            if trace:
+                trace.close()
 
     def _record_state_bytes(self, *_) -> None:
         """Called by the optimizer after its step (before zero_grad): every rank steps at once (collective)."""

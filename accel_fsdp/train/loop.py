@@ -37,7 +37,7 @@ def fit(run: Run, parts: Components, state: TrainingState) -> None:
         for part in micro_batches:
             batch = run.batch(part)
             with accumulate(acc, model, run.settings):
-                with acc.autocast():
+                with acc.autocast(), run.knobs.saving_activations():  # saved tensors: offloaded, or kept
                     loss, stats = objective(model, batch, norm)
                 acc.backward(loss)
                 if acc.sync_gradients:  # the last micro-step: gradients are now reduced over ranks

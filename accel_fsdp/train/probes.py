@@ -13,6 +13,9 @@
   packing     before the first step, a micro-batch of packed training sequences laid out by the run's own collate
               (its attention kernel's layout) against each of their documents run alone: the largest logit
               difference, relative to the logit scale; <run>/trace/packing-rank<R>.json.
+  knobs       after every optimizer step, what the knobs did so far (train/knobs.py): the compiler's graphs, graph
+              breaks and cache hits of this process, the most bytes activation offloading held in host memory at
+              once; one JSON line per step in <run>/trace/knobs-rank<R>.jsonl.
   all-gathers the all-gathers this rank runs (their count and elements) from one training forward to the next, i.e.
               per micro-step (its forward and backward, and the optimizer step after the last one), one JSON line
               per training forward in <run>/trace/all-gathers-rank<R>.jsonl; the first line counts everything
@@ -34,9 +37,10 @@ import torch
 
 from accel_fsdp.data.store import Sequence
 from accel_fsdp.files import write_atomic
+from accel_fsdp.model.compile import compile_statistics
 from accel_fsdp.train.methods.logps import model_inputs
 
-PROBES = ("grad-bytes", "dtypes", "packing", "data", "all-gathers")
+PROBES = ("grad-bytes", "dtypes", "packing", "data", "knobs", "all-gathers")
 SHARE_WINDOW = 100
 """Optimizer steps over which the data probe measures each source's share."""
 
@@ -162,6 +166,17 @@ def data_order(sampler, path: Path, *, max_units: int = 200_000) -> None:
                                 "share_range": [[float(shares[:, i].min()), float(shares[:, i].max())]
                                                 for i in range(k)],
                                 "by_cost": any(c is not None for c in sampler.costs)}))
+
+
+def knob_record(knobs, step: int) -> dict:
+    """The `knobs` probe's line after optimizer step `step`."""
+    record = {"step": step}
+    if knobs.compiled is not None:
+        record["compile"] = compile_statistics()
+    if knobs.offload is not None:
+        record["offload_peak_bytes"] = knobs.offload.peak_on_host
+        record["offload_held_bytes"] = knobs.offload.on_host
+    return record
 
 
 def _record_dtypes(model: torch.nn.Module, path: Path) -> None:

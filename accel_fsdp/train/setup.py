@@ -67,6 +67,7 @@ from accel_fsdp.train.cpu_fsdp import check_sharded
 from accel_fsdp.train.evaluate import Evaluator
 from accel_fsdp.train import probes
 from accel_fsdp.train.hooks import NO_SWITCHES, TestHooks, TestSwitches, substituted
+from accel_fsdp.train.knobs import Knobs, after_sharding, before_sharding, compile_now
 from accel_fsdp.train.lifetime import WHEREABOUTS, Preemption, doing
 from accel_fsdp.train.loading import agreed_base, leave_nf4_unsharded, load_streamed, read_digests, streams_weights
 from accel_fsdp.train.methods import LossIndex, LossPath, Objective, build_loss_path, build_objective
@@ -124,6 +125,8 @@ class ShardedModel:
     rank0_only_loading: bool
     loading_growth: int
     """This rank's peak resident-memory growth while the weights were loaded and sharded."""
+    knobs: Knobs
+    """What fp8, compile and activation offloading did to the model (train/knobs.py)."""
     loading_baseline: int = 0
     """This rank's resident memory when the loading began (what `loading_growth` grows from)."""
     quantized_base: QuantizedBase | None = None
@@ -156,6 +159,8 @@ class Run:
     sharding: ShardingRecord
     collator: Callable[[list[Sequence]], dict]
     """Sequences -> the batch's tensors on the CPU, in the layout the attention kernel needs (data/batches.py)."""
+    knobs: Knobs
+    """The speed and memory knobs of the model and its micro-steps (train/knobs.py)."""
     loss_path: LossPath
     """How log-probabilities are read from the model: chunked from the hidden states, or the full logits
     (train/methods/logps.py)."""
@@ -296,6 +301,8 @@ def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | No
     use_position_ids = "position_ids" in _forward_parameters(model)
     model_class = type(model).__name__
     batch_layout = batches.batch_layout(getattr(model.config, "_attn_implementation", None), use_position_ids)
+    # fp8 layers, compiled blocks: before checkpointing wraps them
+    knobs = before_sharding(model, recipe, settings, lossy_compile=switches.broken("compile-skew"))
     model = apply_activation_checkpointing(model, settings, preserve_rng_state=not switches.broken("ac-rng"))
     if clock is not None:
         clock.mark("model")
@@ -310,12 +317,14 @@ def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | No
     if streaming:
         digests = load_streamed(accelerator, model, recipe, config, frozen_dtype)
     loading.stop()
+    knobs = after_sharding(knobs, recipe, model, optimizer, accelerator.device,
+                           lossy_offload=switches.broken("offload-bf16"))
     if clock is not None:
         clock.mark("sharding")
     if not switches.broken("unsharded"):
         check_sharded(accelerator, model, parameters, expected_shards(settings))
     return ShardedModel(model, optimizer, parameters, trainable, model_class, use_position_ids, batch_layout,
-                        rank0_only, loading.growth, loading.baseline,
+                        rank0_only, loading.growth, knobs, loading.baseline,
                         quantized_base=agreed_base(accelerator, recipe, digests, frozen_dtype))
 
 
@@ -359,6 +368,10 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
     run = build_run(request, engine, config, tokenizer, data, built, layout=layout, preemption=preemption,
                     terminal=terminal, clock=clock, sharding=sharding)
     run = substituted(with_objective(run, config), switches)
+    if run.knobs.compiled is not None:
+        doing("the compilation of the blocks (the first micro-step, run once)")
+        compile_now(run)
+        clock.mark("compile")
     terminal.say(startup_summary(recipe, engine.settings, layout, data, built, sharding.local_parameters,
                                  run.total_steps, run.sampler, run.objective, dropout_off)
                  + quantize_summary(recipe, sharding))
@@ -411,7 +424,7 @@ def build_run(request: RunRequest, engine: Engine, config, tokenizer, data, buil
                model=built.model, optimizer=built.optimizer, scheduler=scheduler, sampler=sampler, total_steps=steps,
                use_position_ids=built.use_position_ids, batch_layout=built.batch_layout, collator=collator,
                loss_path=build_loss_path(recipe, built.model), parameters=built.parameters,
-               trainable_parameters=built.trainable_parameters, flops_per_token=fpt, **parts)
+               trainable_parameters=built.trainable_parameters, flops_per_token=fpt, knobs=built.knobs, **parts)
 
 
 def with_objective(run: Run, config) -> Run:
@@ -436,7 +449,7 @@ def build_components(run: Run, switches: TestSwitches) -> Components:
     hooks = TestHooks(switches, accelerator=acc, model=run.model, optimizer=run.optimizer, sampler=run.sampler,
                       sharding=run.sharding, layout=run.layout,
                       packing_probe=functools.partial(probes.packing, run.model, acc, run.data, run.collate,
-                                                      run.batch_layout))
+                                                      run.batch_layout), knobs=run.knobs)
     metrics = MetricsWriter(acc, run.layout.metrics_file)
     logger = TrainLogger(acc, run.terminal, metrics, run.clock, every_steps=recipe.logging.every_steps,
                          total_steps=run.total_steps, accumulation_steps=run.sampler.accumulation_steps,
@@ -469,6 +482,7 @@ def startup_summary(recipe, settings, layout: RunLayout, data, built: ShardedMod
         *([objective.summary()] if objective is not None and objective.summary() else []),
         *([objective.loss_path.describe()] if objective is not None else []),
         *dropout_summary(recipe, dropout_off or {}),
+        *built.knobs.summary(),
         f"  batch     global {t.global_batch_size}{' pairs' if data.pairs else ''} = micro {t.micro_batch_size} x "
         f"{s.num_processes.value} rank(s) x "
         f"{sampler.accumulation_steps} accumulation step(s); {total_steps:,} optimizer steps ({epochs:.2f} epochs)",

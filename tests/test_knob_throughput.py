@@ -1,0 +1,48 @@
+"""`python benchmarks/gpu_check.py --cpu --table-only`: the knobs' throughput table (benchmarks/knob_throughput.py) runs
+every row CPU ranks can (eager, +compile, +chunked loss, +activation offload on tiny Llama and GPT-2 models) and names
+the rows it skips and why (FP8 on CPU and on GPT-2), as markdown."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from knob_throughput import CPU_MODELS, GPU_MODELS, VARIANTS, skipped_because  # noqa: E402
+
+
+def test_fp8_rows_are_skipped_on_cpu_and_for_gpt2_and_a_missing_key_is_named():
+    keys = {s.split("=")[0] for v in VARIANTS for s in v.sets}
+    llama, gpt2 = GPU_MODELS[0], GPU_MODELS[2]
+    fp8 = VARIANTS[-1]
+    assert skipped_because(llama, fp8, False, keys) is None
+    assert "Conv1D" in skipped_because(gpt2, fp8, False, keys)
+    assert "compute capability 8.9" in skipped_because(CPU_MODELS[0], fp8, True, keys)
+    without_compile = keys - {"training.compile"}
+    assert "is not a recipe key of this build" in skipped_because(llama, VARIANTS[1], False, without_compile)
+    assert [v.name for v in VARIANTS] == ["eager", "+compile", "+chunked loss", "+activation offload", "+FP8"]
+    assert [(m.label, m.seq_len) for m in GPU_MODELS] == [("llama-3.2-1b", 2048), ("llama-3.2-1b", 8192),
+                                                           ("gpt2-xl", 1024)]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_throughput_table_runs_on_cpu_ranks_and_names_what_it_skips(tmp_path):
+    report = tmp_path / "table.md"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--cpu", "--table-only",
+                           "--work", str(tmp_path / "work"), "--markdown", str(report)], capture_output=True,
+                          text=True, timeout=3000, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = re.findall(r"^(INFO|SKIP|FAIL) +(llama|gpt2) .*? 128 (\S+(?: \S+)*?):", proc.stdout, re.M)
+    by_row = {(family, variant): status for status, family, variant in rows}
+    for family in ("llama", "gpt2"):
+        for variant in ("eager", "+compile", "+activation offload"):
+            assert by_row[(family, variant)] == "INFO", proc.stdout
+        assert by_row[(family, "+FP8")] == "SKIP"
+    assert "0 failed" in proc.stdout
+    markdown = report.read_text()
+    assert "| model | tokens | variant | result | tokens/s | MFU | peak memory | loss after 20 steps |" in markdown
