@@ -299,7 +299,7 @@ def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | No
         leave_nf4_unsharded(accelerator, model, settings)
         model, optimizer = accelerator.prepare(model, build_optimizer(model, recipe, settings))
     if streaming:
-        digests = load_streamed(accelerator, model, recipe, config, frozen_dtype)
+        digests = load_streamed(accelerator, model, recipe, config, frozen_dtype, block_elements=switches.load_block)
     loading.stop()
     if clock is not None:
         clock.mark("sharding")
