@@ -125,7 +125,7 @@ def conv1d_weights(model: torch.nn.Module) -> set[str]:
 
 
 def plan_problems(model: torch.nn.Module, source, where: str,
-                  block_elements: int) -> tuple[dict[str, str], list[Problem]]:
+                  block_elements: int | None = None) -> tuple[dict[str, str], list[Problem]]:
     """On the reading rank: the source name of every base parameter, and what would make the stream fail (a tensor
     the files lack or store in another shape, a tie the files break), all found before a single tensor is sent."""
     names, shapes, problems = source.names(), {}, []
@@ -145,7 +145,7 @@ def plan_problems(model: torch.nn.Module, source, where: str,
             problems.append(f"{name}: {source.shape(found)} in the files, {expected} in the model its config builds")
         plan[parameter_name] = found
         shapes[found] = expected
-    problems += tie_problems(model, source, names, block_elements)
+    problems += tie_problems(model, source, names, block_elements or BLOCK_ELEMENTS)
     if not problems:
         return plan, []
     return plan, [Problem(where, "rank 0 streams the weights to the ranks that hold their shards, and the model files "
