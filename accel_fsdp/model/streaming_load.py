@@ -322,7 +322,8 @@ def stream_weights(model: torch.nn.Module, source, *, where: str,
         if not is_nf4(parameter):
             send_plain(parameter, source, plan.get(parameter_name), block_elements)
             continue
-        full = source.read(plan[parameter_name]) if reading else None
+        # in the compute dtype before the transposed copy and the quantization: the fp32 read freed first
+        full = source.read(plan[parameter_name]).to(parameter.dtype) if reading else None
         if full is not None and name in transposed:
             full = full.t()
         digest = send_nf4(parameter, full, name)
