@@ -1,6 +1,7 @@
 """Loading that streams reads a large tensor a block of rows at a time (model/streaming_load.py BLOCK_ELEMENTS), so
 rank 0 holds its shards and one block, never a whole embedding: in one process (no process group: one rank holds
-everything), with a spy on every read of the model files; and the math of which rows of a block go to which rank."""
+everything), with a spy on every read of the model files; the math of which rows of a block go to which rank; and
+the checksum taken right after loading, which widens no shard whole."""
 
 from __future__ import annotations
 
@@ -95,3 +96,25 @@ def test_each_rank_gets_exactly_its_shard_rows_from_the_blocks(rows, index):
                 got[rank] += range(begin, end)
         for rank, shard in enumerate(index):
             assert got[rank] == list(range(shard * chunk, min(rows, (shard + 1) * chunk)))
+
+
+def test_the_shard_checksum_after_loading_copies_no_shard_whole(monkeypatch):
+    """The sharding record's checksum (right after loading) sums in float64 a block at a time: a whole float64 copy
+    of the embeddings' shard was the machine's peak after streaming loading."""
+    from types import SimpleNamespace
+
+    from accel_fsdp.train.sharding import shard_layout
+
+    widened = []
+    double = torch.Tensor.double
+
+    def spy(self, *args, **kwargs):
+        widened.append(self.numel())
+        return double(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "double", spy)
+    model = torch.nn.Embedding(4096, 1024)  # 4M elements
+    acc = SimpleNamespace(process_index=0, device=torch.device("cpu"), num_processes=1, gather=lambda t: t)
+    (row,) = shard_layout(acc, model)
+    assert row[1] == pytest.approx(float(double(model.weight.detach()).sum()), rel=1e-12)
+    assert max(widened) <= 2**20, f"a float64 copy of {max(widened):,} elements"
