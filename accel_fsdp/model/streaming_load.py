@@ -1,5 +1,6 @@
-"""Loading that streams: global rank 0 reads the model files one tensor at a time and sends every rank only the shard
-it holds, so no rank ever holds the whole model (FSDP2 with fsdp_cpu_ram_efficient_loading).
+"""Loading that streams: global rank 0 reads the model files a tensor, or a block of rows of a large one, at a time
+and sends every rank only the shard it holds, so no rank ever holds the whole model (FSDP2 with
+fsdp_cpu_ram_efficient_loading).
 
 Every rank first builds the model without weights (allocated, never written: build.py `_unwritten_parameters`) and
 lets FSDP2 shard it (`accelerator.prepare`), so each holds its shards and nothing else. Then, collectively, for each
