@@ -7,7 +7,7 @@
 It runs the real CLI (`recipe run` with a GPU accelerate config; with --cpu, that config on CPU ranks through
 `recipe run --cpu`) on tiny or small models made here (no downloads), and prints one line per check, PASS / FAIL /
 SKIP / INFO, with its figures; a skipped check says why. What each check proves is in docs/PERFORMANCE.md ("The GPU
-path"); tests/test_gpu_path.py and tests/test_gpu_review.py hold the same properties on CPU ranks, and
+path"); tests/test_gpu_path.py and tests/test_gpu_mechanisms.py hold the same properties on CPU ranks, and
 tests/test_gpu_check.py runs this script with --cpu.
 
   1  CPU offload and FULL_STATE_DICT asked for by the recipe train, and checkpoint, on the launch's process group

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,73 @@ def run_cli(*args, cwd=None, env=None, timeout=600, check=None):
         raise AssertionError(f"exit status {proc.returncode} (expected {check})\n--- stdout ---\n{proc.stdout[-6000:]}"
                              f"\n--- stderr ---\n{proc.stderr[-6000:]}")
     return proc
+
+
+def run_in_process(*args, env=None, check=None) -> subprocess.CompletedProcess:
+    """A command that runs in one process (checkpoint inspect and consolidate, generate, data prepare, slurm) called
+    in this one through click's CliRunner, answered as run_cli answers: exit status, stdout and stderr. It saves a
+    Python start and its imports per call. An exception the CLI did not turn into a message is written to stderr with
+    its traceback, as Python would, so "no traceback" holds the same."""
+    import traceback
+
+    from click.testing import CliRunner
+
+    from accel_fsdp.cli import main
+
+    result = CliRunner().invoke(main, [str(a) for a in args], env=env)
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(result.exception))
+    proc = subprocess.CompletedProcess(["accel-fsdp", *map(str, args)], result.exit_code, result.stdout, stderr)
+    if check is not None and proc.returncode != check:
+        raise AssertionError(f"exit status {proc.returncode} (expected {check})\n--- stdout ---\n{proc.stdout[-6000:]}"
+                             f"\n--- stderr ---\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def cli_process(*args, env=None) -> subprocess.Popen:
+    """Start `python -m accel_fsdp ARGS` as a user would, without waiting (several machines, signals, a live run)."""
+    return subprocess.Popen([sys.executable, "-m", "accel_fsdp", *map(str, args)], cwd=REPO,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def cli(*args) -> tuple[int, str]:
+    """The CLI in-process (click's CliRunner): exit status and output (stdout and stderr, as a terminal shows them).
+    For commands of one process; a run that launches ranks goes through run_cli."""
+    from click.testing import CliRunner
+
+    from accel_fsdp.cli import main
+
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return result.exit_code, result.output
+
+
+def user_error(*args) -> str:
+    """The output of an in-process CLI call that must end as a user error: status 2, one message, no traceback."""
+    code, out = cli(*args)
+    assert code == 2, f"exit status {code}, output:\n{out}"
+    assert "Traceback" not in out
+    assert out.startswith("error: "), out
+    return out
+
+
+def free_port() -> int:
+    """A port free on loopback now (for a main process several "machines" of one box must agree on)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_config(path: Path, fsdp: dict | None = None, **values) -> Path:
+    """accelerate_configs/fsdp_cpu.yaml with top-level `values` replaced and `fsdp` merged into its fsdp_config."""
+    import yaml
+
+    config = yaml.safe_load((REPO / "accelerate_configs" / "fsdp_cpu.yaml").read_text())
+    config.update(values)
+    config["fsdp_config"].update(fsdp or {})
+    path.write_text(yaml.safe_dump(config))
+    return path
 
 
 def save_tiny_model(folder: Path, kind: str) -> Path:
@@ -196,3 +264,14 @@ def assert_adam_runs_agree(weights: dict, reference: dict, lrs: list[float], gra
         differences.append(difference)
     median = float(torch.cat(differences).median())
     assert median <= gradient_noise * largest, (median, gradient_noise * largest)
+
+
+def collated(sequences, pad_id: int, use_position_ids: bool = True, **options) -> dict:
+    """A micro-batch as the trainer builds it (train/setup.py `Run.collate`, on the host): the collated tensors and
+    the index of their loss-carrying positions."""
+    from accel_fsdp.data.batches import collate
+    from accel_fsdp.train.methods import LossIndex
+
+    batch = collate(sequences, pad_id, use_position_ids, **options)
+    batch["loss_index"] = LossIndex.of(batch)
+    return batch

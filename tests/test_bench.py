@@ -17,6 +17,7 @@ def bench_recipe(tmp_path_factory, tiny_gpt2, stories):
     return tiny_recipe(tmp_path_factory.mktemp("bench") / "bench.yaml", tiny_gpt2, stories)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_bench_reports_throughput_memory_and_baseline_ratio(bench_recipe):
     out = json.loads(run_cli("bench", bench_recipe, "--steps", "4", "--warmup", "1", "--compare-baseline",
@@ -28,6 +29,7 @@ def test_bench_reports_throughput_memory_and_baseline_ratio(bench_recipe):
     assert 0.3 < out["ratio"] < 3.0  # same work on the same machine: the same order of magnitude
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_bench_compares_the_strategies(bench_recipe):
     text = run_cli("bench", bench_recipe, "--steps", "3", "--warmup", "1", "--compare", "strategies", check=0).stdout
@@ -38,6 +40,7 @@ def test_bench_compares_the_strategies(bench_recipe):
     assert fraction <= 0.55  # the target at 2 ranks
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_bench_compares_wrapping(bench_recipe):
     text = run_cli("bench", bench_recipe, "--steps", "3", "--warmup", "1", "--compare", "wrapping", check=0).stdout

@@ -14,7 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LOGIT_PATH, TRACE_UNITS, load_weights, read_metrics, run_cli, tiny_recipe, units_by_step
+from conftest import (
+    LOGIT_PATH,
+    TRACE_UNITS,
+    load_weights,
+    read_metrics,
+    run_cli,
+    run_in_process,
+    tiny_recipe,
+    units_by_step,
+)
 
 from accel_fsdp.tools.noise import SIGMAS, reordered
 
@@ -75,10 +84,10 @@ def test_generate_from_the_export_continues_like_the_trained_model(reference):
     """The sample printed at the end of training (the live, sharded model) and `accel-fsdp generate` on the export
     agree token for token (fp32, greedy)."""
     trained = (reference.parent / "stdout.txt").read_text().split("sample: 'alice has a' -> ")[1].splitlines()[0]
-    out = run_cli("generate", reference, "--prompt", "alice has a", "--max-new-tokens", "12", check=0).stdout
+    out = run_in_process("generate", reference, "--prompt", "alice has a", "--max-new-tokens", "12", check=0).stdout
     assert out.strip() == f"alice has a {trained.strip(chr(39))}"
-    sampled = run_cli("generate", reference / "final", "--prompt", "alice has a", "--temperature", "1.0",
-                      "--top-p", "0.9", "--seed", "1", check=0).stdout
+    sampled = run_in_process("generate", reference / "final", "--prompt", "alice has a", "--temperature", "1.0",
+                             "--top-p", "0.9", "--seed", "1", check=0).stdout
     assert sampled.startswith("alice has a ")
 
 
@@ -103,6 +112,7 @@ def test_sigkill_at_a_random_step_then_resume_equals_uninterrupted(tmp_path, ref
     assert train_steps == sorted(set(train_steps)) and train_steps[-1] == STEPS
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path, reference, tiny_gpt2, stories):
     recipe = make_recipe(tmp_path, tiny_gpt2, stories)
     run = tmp_path / "run"
@@ -111,16 +121,17 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path, reference
     ckpts = run / "checkpoints"
     assert (ckpts / "step-000003" / "manifest.json").exists()
     assert not (ckpts / "step-000006").exists() and (ckpts / ".tmp-step-000006").exists()
-    inspected = run_cli("checkpoint", "inspect", run, check=0).stdout
+    inspected = run_in_process("checkpoint", "inspect", run, check=0).stdout
     assert "step-000003: complete" in inspected
     assert ".tmp-step-000006: INCOMPLETE: a save that never finished" in inspected
-    msg = run_cli("checkpoint", "consolidate", ckpts / ".tmp-step-000006", tmp_path / "out", check=2).stderr
+    msg = run_in_process("checkpoint", "consolidate", ckpts / ".tmp-step-000006", tmp_path / "out", check=2).stderr
     assert "incomplete or corrupt checkpoint: a save that never finished" in msg
     run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", check=0)
     assert not (ckpts / ".tmp-step-000006").exists()
     assert_same_weights(run / "final", reference / "final")
 
 
+@pytest.mark.slow
 def test_resume_on_one_rank_from_a_two_rank_checkpoint(tmp_path, reference, tiny_gpt2, stories):
     recipe = make_recipe(tmp_path, tiny_gpt2, stories, training={"micro_batch_size": 8})  # same global batch
     run = tmp_path / "run"
@@ -141,6 +152,7 @@ def test_resume_on_one_rank_from_a_two_rank_checkpoint(tmp_path, reference, tiny
     assert first["step"] == 7 and first["loss"] == pytest.approx(expected_first["loss"], rel=spread)
 
 
+@pytest.mark.slow
 def test_resume_on_two_ranks_from_a_one_rank_checkpoint(tmp_path, reference, tiny_gpt2, stories):
     """1 -> 2: a 1-rank run's checkpoint continues on 2 ranks with the same rows per step."""
     one = tmp_path / "one"
@@ -154,12 +166,13 @@ def test_resume_on_two_ranks_from_a_one_rank_checkpoint(tmp_path, reference, tin
     assert units_by_step(two) == {s: units for s, units in units_by_step(reference).items() if 6 < s <= 9}
 
 
+@pytest.mark.slow
 def test_full_and_sharded_checkpoints_hold_the_same_model(tmp_path, reference, tiny_gpt2, stories):
     recipe = make_recipe(tmp_path, tiny_gpt2, stories, checkpoint={"state_dict_type": "FULL_STATE_DICT"})
     run = tmp_path / "run"
     run_cli("recipe", "run", recipe, "--output-dir", run, check=0)
-    described = json.loads(run_cli("checkpoint", "inspect", run / "checkpoints" / "step-000012", "--json",
-                                   check=0).stdout)
+    described = json.loads(run_in_process("checkpoint", "inspect", run / "checkpoints" / "step-000012", "--json",
+                                          check=0).stdout)
     assert described["state_dict_type"] == "FULL_STATE_DICT" and described["complete"]
     assert (run / "checkpoints" / "step-000012" / "pytorch_model_fsdp.bin").exists()
     assert_same_weights(run / "final", reference / "final")
@@ -176,7 +189,7 @@ def test_consolidate_streams_shards_and_transformers_loads_the_same_logits(tmp_p
 
     ckpt = reference / "checkpoints" / "step-000012"
     out = tmp_path / "hf"
-    proc = run_cli("checkpoint", "consolidate", reference, out, "--max-shard-size", "100KB", check=0)
+    proc = run_in_process("checkpoint", "consolidate", reference, out, "--max-shard-size", "100KB", check=0)
     assert "peak memory" in proc.stdout and "largest shard" in proc.stdout
     shards = sorted(out.glob("model-*.safetensors"))
     assert len(shards) > 1 and (out / "model.safetensors.index.json").exists()
@@ -201,7 +214,7 @@ def test_consolidate_streams_shards_and_transformers_loads_the_same_logits(tmp_p
         torch.testing.assert_close(model(ids).logits, expected.eval()(ids).logits, rtol=0, atol=0)
 
     # bf16 export halves the bytes; the final export of the run equals a consolidation of its last checkpoint
-    run_cli("checkpoint", "consolidate", ckpt, tmp_path / "bf16", "--dtype", "bf16", check=0)
+    run_in_process("checkpoint", "consolidate", ckpt, tmp_path / "bf16", "--dtype", "bf16", check=0)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
     assert_same_weights(out, reference / "final")
 
@@ -217,6 +230,7 @@ def test_accelerate_merge_weights_reads_the_model_shards(tmp_path, reference):
         assert torch.equal(merged[key], tensor), key
 
 
+@pytest.mark.slow
 def test_lora_checkpoints_hold_the_adapter_and_export_peft_and_merged(tmp_path, tiny_llama, stories):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -248,7 +262,7 @@ def test_lora_checkpoints_hold_the_adapter_and_export_peft_and_merged(tmp_path, 
     rounding = reordered(LOGIT_PATH) * float(adapted_logits.abs().max())
     assert float((adapted_logits - base_logits).abs().max()) > rounding  # the adapter learned something
 
-    run_cli("checkpoint", "consolidate", run, tmp_path / "export", "--merge", check=0)
+    run_in_process("checkpoint", "consolidate", run, tmp_path / "export", "--merge", check=0)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "merged").eval()
     with torch.no_grad():  # the adapter's products added into the weights: the same products, associated otherwise
         torch.testing.assert_close(merged(ids).logits, adapted_logits, rtol=0, atol=rounding)
@@ -258,20 +272,20 @@ def test_lora_checkpoints_hold_the_adapter_and_export_peft_and_merged(tmp_path, 
 
 
 def test_consolidating_missing_corrupt_or_empty_input(tmp_path, reference):
-    msg = run_cli("checkpoint", "consolidate", tmp_path / "nope", tmp_path / "out", check=2).stderr
+    msg = run_in_process("checkpoint", "consolidate", tmp_path / "nope", tmp_path / "out", check=2).stderr
     assert "nope: no such checkpoint" in msg
     broken = tmp_path / "step-000012"
     shutil.copytree(reference / "checkpoints" / "step-000012", broken)
     shard = next((broken / "pytorch_model_fsdp_0").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
-    msg = run_cli("checkpoint", "consolidate", broken, tmp_path / "out", check=2).stderr
+    msg = run_in_process("checkpoint", "consolidate", broken, tmp_path / "out", check=2).stderr
     assert "incomplete or corrupt checkpoint: pytorch_model_fsdp_0/" in msg and "the manifest says" in msg
     (tmp_path / "empty-run").mkdir()
-    msg = run_cli("checkpoint", "consolidate", tmp_path / "empty-run", tmp_path / "out", check=2).stderr
+    msg = run_in_process("checkpoint", "consolidate", tmp_path / "empty-run", tmp_path / "out", check=2).stderr
     assert "no complete checkpoint found" in msg
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
-    msg = run_cli("checkpoint", "consolidate", reference, tmp_path / "mine", check=2).stderr
+    msg = run_in_process("checkpoint", "consolidate", reference, tmp_path / "mine", check=2).stderr
     assert "exists and is not an earlier export of accel-fsdp" in msg
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
     assert not (tmp_path / "out").exists()
@@ -279,15 +293,16 @@ def test_consolidating_missing_corrupt_or_empty_input(tmp_path, reference):
 
 def test_resume_with_a_changed_model_is_refused_naming_the_keys(tmp_path, reference):
     recipe = Path(reference / "recipe.yaml")
-    msg = run_cli("recipe", "run", recipe, "--output-dir", tmp_path / "x", "--resume-from",
-                  reference / "checkpoints" / "step-000006", "--set", "model.config_overrides.n_layer=3",
-                  "--set", "training.lr=0.1", check=2).stderr
+    msg = run_in_process("recipe", "run", recipe, "--output-dir", tmp_path / "x", "--resume-from",
+                         reference / "checkpoints" / "step-000006", "--set", "model.config_overrides.n_layer=3",
+                         "--set", "training.lr=0.1", check=2).stderr
     assert "was made by an incompatible recipe" in msg
     assert "model.config_overrides: checkpoint has" in msg
     assert "training.lr: checkpoint has 0.003, this run has 0.1" in msg
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_disk_full_during_a_save_stops_cleanly(tmp_path, tiny_gpt2, stories):
     recipe = make_recipe(tmp_path, tiny_gpt2, stories, training={"max_steps": 6})
     run = tmp_path / "run"
@@ -301,12 +316,12 @@ def test_disk_full_during_a_save_stops_cleanly(tmp_path, tiny_gpt2, stories):
 
 
 def test_inspect_describes_every_checkpoint(reference):
-    out = json.loads(run_cli("checkpoint", "inspect", reference, "--json", check=0).stdout)
+    out = json.loads(run_in_process("checkpoint", "inspect", reference, "--json", check=0).stdout)
     assert [d["step"] for d in out] == [3, 6, 9, 12]
     last = out[-1]
     assert last["complete"] and last["world_size"] == 2 and last["state_dict_type"] == "SHARDED_STATE_DICT"
     assert last["parameters"] > 0 and last["bytes"] > 0 and last["recipe"]["global_batch_size"] == 8
-    text = run_cli("checkpoint", "inspect", reference / "checkpoints" / "step-000006", check=0).stdout
+    text = run_in_process("checkpoint", "inspect", reference / "checkpoints" / "step-000006", check=0).stdout
     assert "step 6 (epoch 0), world size 2, SHARDED_STATE_DICT, FSDP2" in text
 
 
@@ -332,6 +347,7 @@ def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path):
 # ---------------------------------------------------------------- preemption, the launcher's death, damage
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_rank_checkpoints_the_step_it_arrived_in_and_resumes_exactly(tmp_path, reference, tiny_gpt2,
                                                                                      stories):
     recipe = make_recipe(tmp_path, tiny_gpt2, stories)
@@ -351,6 +367,7 @@ def test_sigterm_to_one_rank_checkpoints_the_step_it_arrived_in_and_resumes_exac
     assert units_by_step(run) == units_by_step(reference)
 
 
+@pytest.mark.slow
 def test_sigusr1_to_the_launcher_reaches_the_ranks(tmp_path, tiny_gpt2, stories):
     recipe = make_recipe(tmp_path, tiny_gpt2, stories)
     run = tmp_path / "run"
@@ -374,6 +391,7 @@ def rank_pids(run: Path) -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_ranks_die_with_their_launcher_and_a_second_start_is_refused_meanwhile(tmp_path, reference, tiny_gpt2,
                                                                                stories):
     import os
@@ -413,11 +431,12 @@ def test_a_shard_damaged_in_place_is_named_before_anything_reads_it(tmp_path, re
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
     shard.write_bytes(bytes(data))
-    msg = run_cli("checkpoint", "consolidate", broken, tmp_path / "out", check=2).stderr
+    msg = run_in_process("checkpoint", "consolidate", broken, tmp_path / "out", check=2).stderr
     assert "pytorch_model_fsdp_0/__1_0.distcp changed since it was saved (CRC-32 differs" in msg
     assert ("INCOMPLETE: pytorch_model_fsdp_0/__1_0.distcp changed since it was saved"
-            in run_cli("checkpoint", "inspect", broken, check=0).stdout)
+            in run_in_process("checkpoint", "inspect", broken, check=0).stdout)
     recipe = reference / "recipe.yaml"
-    proc = run_cli("recipe", "run", recipe, "--output-dir", tmp_path / "again", "--resume-from", broken, check=2)
+    proc = run_in_process("recipe", "run", recipe, "--output-dir", tmp_path / "again", "--resume-from", broken,
+                          check=2)
     assert "pytorch_model_fsdp_0/__1_0.distcp changed since it was saved" in proc.stderr
     assert "Traceback" not in proc.stderr

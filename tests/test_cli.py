@@ -8,24 +8,9 @@ import json
 import re
 
 import pytest
-from click.testing import CliRunner
-from conftest import tiny_recipe, write_jsonl
+from conftest import cli, tiny_recipe, user_error, write_jsonl
 
-from accel_fsdp.cli import main
 from accel_fsdp.config.shipped import shipped_accelerate_configs, shipped_recipes
-
-
-def cli(*args):
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    return result.exit_code, result.output  # stdout and stderr, as a terminal shows them
-
-
-def user_error(*args) -> str:
-    code, out = cli(*args)
-    assert code == 2, f"exit status {code}, output:\n{out}"
-    assert "Traceback" not in out
-    assert out.startswith("error: "), out
-    return out
 
 
 def paired_config(recipe_name: str) -> str:

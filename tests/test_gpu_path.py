@@ -15,8 +15,8 @@ import yaml
 from click.testing import CliRunner
 from conftest import (
     LOGIT_PATH,
-    REPO,
     assert_adam_runs_agree,
+    cpu_config,
     load_weights,
     read_metrics,
     run_cli,
@@ -264,13 +264,8 @@ def test_a_packed_row_gives_each_document_the_logits_it_has_alone(tmp_path, kind
 # ------------------------------------------- 2, 4, 5: behaviour on 2 CPU ranks through the real CLI
 
 
-def cpu_config(path: Path, **fsdp) -> Path:
-    config = yaml.safe_load((REPO / "accelerate_configs" / "fsdp_cpu.yaml").read_text())
-    config["fsdp_config"].update(fsdp)
-    path.write_text(yaml.safe_dump(config))
-    return path
 
-
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_only_rank0_reads_pretrained_weights_and_training_is_unchanged(tmp_path):
     """A 100 MB pretrained folder on 2 CPU ranks: with fsdp_cpu_ram_efficient_loading, rank 1 builds the model
@@ -299,7 +294,7 @@ def test_only_rank0_reads_pretrained_weights_and_training_is_unchanged(tmp_path)
     env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
     growth, losses = {}, {}
     for name, efficient in (("rank0", True), ("every", False)):
-        config_path = cpu_config(tmp_path / f"{name}.yaml", fsdp_cpu_ram_efficient_loading=efficient)
+        config_path = cpu_config(tmp_path / f"{name}.yaml", fsdp={"fsdp_cpu_ram_efficient_loading": efficient})
         proc = run_cli("recipe", "run", recipe, "--accelerate-config", config_path, "--output-dir", tmp_path / name,
                        "--benchmark", env=env, check=0)  # --benchmark: no final checkpoint of 300 MB to write
         assert ("read by rank 0 only" in proc.stdout) is efficient
@@ -336,6 +331,7 @@ def train_rows(run: Path) -> list[tuple[float, float]]:
     return [(r["loss"], r["grad_norm"]) for r in read_metrics(run) if r["kind"] == "train"]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_activation_checkpointing_recomputes_the_same_dropout(tmp_path, dropout_recipe, reference_run):
     run = tmp_path / "ac"
@@ -347,6 +343,7 @@ def test_activation_checkpointing_recomputes_the_same_dropout(tmp_path, dropout_
         assert torch.equal(load_weights(run / "final")[key], tensor), key
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_gradients_are_reduced_every_micro_step_unless_deferred(tmp_path, dropout_recipe, reference_run):
     deferred = tmp_path / "deferred"

@@ -71,6 +71,7 @@ def test_estimate_bad_input():
     assert result.exit_code == 2 and "needs more than one node" in result.output
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy,config", [("FULL_SHARD", "fsdp_cpu"), ("SHARD_GRAD_OP", "fsdp_cpu"),
                                              ("NO_SHARD", "fsdp1_2gpu")])

@@ -9,19 +9,18 @@ import math
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import REPO, save_tiny_model, write_jsonl
+from conftest import REPO, collated, save_tiny_model, write_jsonl
 
 from accel_fsdp.cli import main
 from accel_fsdp.config.methods import METHODS, REGISTRY
 from accel_fsdp.config.recipe import recipe_from_text
-from accel_fsdp.data.batches import collate
 from accel_fsdp.data.prepare import prepare_data
 from accel_fsdp.data.synthetic import build_tokenizer
-from accel_fsdp.train.methods import Norm, build_objective
+from accel_fsdp.train.methods import Norm, build_loss_path, build_objective
 from accel_fsdp.train.metrics import EvalRow, PairStatistics, TrainRow, row_from_dict, row_to_dict
 from accel_fsdp.train.reference import NoReference
 
-SHARED = {"__init__", "base", "logps", "pairs"}
+SHARED = {"__init__", "base", "logps", "chunked", "pairs"}
 """The modules of train/methods/ that are not a method."""
 
 
@@ -48,9 +47,9 @@ training: {{method: {method}, micro_batch_size: 1, global_batch_size: 2, max_ste
 """, source="r.yaml")
     data = prepare_data(recipe, tok)
     model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "m", "gpt2"))
-    batch = collate([s for u in range(2) for s in data.sequences(u)], tok.pad_token_id, True)
+    batch = collated([s for u in range(2) for s in data.sequences(u)], tok.pad_token_id)
     batch["reference_logps"] = torch.full((4,), -20.0)
-    objective = build_objective(recipe, NoReference())
+    objective = build_objective(recipe, NoReference(), build_loss_path(recipe, model))
     with torch.no_grad():
         loss, sums = objective(model, batch, Norm(tokens=10, pairs=2))
         held_out = objective.evaluate(model, batch)

@@ -94,6 +94,7 @@ def test_data_prepare_builds_what_the_run_reads_once_and_show_marks_the_loss(tmp
     assert (tmp_path / "lengths.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_two_builders_of_one_shared_cache_build_it_once(tmp_path, tiny_gpt2):
     """Two machines preparing into one cache folder (a shared filesystem): one builds, the other waits and reads
     it. A folder left without its stats.json (a half-written cache) is never read: it is built again."""
@@ -113,6 +114,7 @@ def test_two_builders_of_one_shared_cache_build_it_once(tmp_path, tiny_gpt2):
 # ---------------------------------------------------------------------------------------- training
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_quickstart_mix_trains_both_sources_by_weight_and_evaluates_each(tmp_path):
     recipe = shipped_recipes()["quickstart-mix"]
@@ -174,6 +176,7 @@ def test_eval_loss_weights_each_source_by_its_share_of_what_the_training_loss_av
     assert loss == pytest.approx(3.0 * expected["short"] + 2.0 * expected["long"], rel=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_mixture_resumes_exactly_from_two_ranks_to_one_and_refuses_a_changed_mixture(tmp_path, tiny_gpt2):
     recipe = mix_recipe(tmp_path, tiny_gpt2, training={"max_steps": 8, "micro_batch_size": 2, "global_batch_size": 8,

@@ -6,8 +6,12 @@ from __future__ import annotations
 import os
 
 import pytest
+import yaml
+from click.testing import CliRunner
+from conftest import REPO
 
-from accel_fsdp.config.accelerate import CONFIG_PATH_ENV
+from accel_fsdp.cli import main
+from accel_fsdp.config.accelerate import CONFIG_PATH_ENV, load_accelerate_config
 from accel_fsdp.config.recipe import recipe_from_text
 
 INTERFACES = {"lo": ["127.0.0.1"], "eth0": [], "eth1": ["10.0.0.2"], "ib0": ["192.168.1.2"]}
@@ -61,3 +65,75 @@ def test_the_rank_sets_it_before_its_process_group_and_its_machine_says_it_once(
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     setup.start_engine(recipe, run_dir=None)
     assert seen == {"GLOO_SOCKET_IFNAME": "ib0"} and "note:" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------- under our launcher
+
+LAUNCHER_INTERFACES = {"lo": ["127.0.0.1"], "docker0": ["172.17.0.1"], "eth0": [], "eth1": ["10.0.0.2"],
+              "ib0": ["192.168.1.2"]}
+
+
+@pytest.mark.parametrize("env,expected,note", [
+    ({"NCCL_SOCKET_IFNAME": "eth"}, "eth1", "binds eth1: GLOO_SOCKET_IFNAME derived from NCCL_SOCKET_IFNAME=eth"),
+    ({"NCCL_SOCKET_IFNAME": "=ib0"}, "ib0", "binds ib0"),
+    ({"NCCL_SOCKET_IFNAME": "ib,eth"}, "ib0", "binds ib0"),
+    ({"NCCL_SOCKET_IFNAME": "=eth"}, None, "NCCL_SOCKET_IFNAME==eth names no interface with an address"),
+    ({"NCCL_SOCKET_IFNAME": "^docker0,lo"}, None, "excludes interfaces rather than naming one"),
+    ({"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "eth1"}, None, "binds GLOO_SOCKET_IFNAME=eth1"),
+    ({}, None, "neither GLOO_SOCKET_IFNAME nor NCCL_SOCKET_IFNAME is set"),
+])
+def test_gloo_gets_one_exact_interface_derived_from_nccls(env, expected, note):
+    """gloo takes exact names (no prefixes, no '=', no '^'), and every machine must open as many devices."""
+    from accel_fsdp.launch.launcher import gloo_interface
+
+    name, said = gloo_interface(env, LAUNCHER_INTERFACES)
+    assert name == expected and note in said
+
+
+def test_a_multi_machine_launch_sets_the_interface_and_says_so(tmp_path, monkeypatch, capsys):
+    import accelerate.commands.launch as accelerate_launch
+
+    from accel_fsdp.launch import launcher
+
+    config = yaml.safe_load((REPO / "accelerate_configs" / "fsdp_multinode.yaml").read_text())
+    config.update(machine_rank=0, main_process_ip="127.0.0.1")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    seen = {}
+    monkeypatch.setattr(accelerate_launch, "launch_command", lambda args: seen.update(
+        gloo=os.environ.get("GLOO_SOCKET_IFNAME")))
+    monkeypatch.setattr(launcher, "network_interfaces", lambda: LAUNCHER_INTERFACES)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib")
+    saved = dict(os.environ)
+    try:
+        assert launcher.launch(load_accelerate_config(tmp_path / "c.yaml"), ["recipe", "run", "quickstart"]) == 0
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert seen == {"gloo": "ib0"}
+    assert "note: gloo (barriers, object collectives) binds ib0" in capsys.readouterr().err
+
+
+def test_the_slurm_script_says_which_interface_gloo_binds(tmp_path):
+    out = tmp_path / "job.sbatch"
+    result = CliRunner().invoke(main, ["slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "2", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    script = out.read_text()
+    assert "export NCCL_SOCKET_IFNAME=ib0" in script and "GLOO_SOCKET_IFNAME" in script
+    assert 'echo "gloo binds:    ${GLOO_SOCKET_IFNAME:-derived on each node from NCCL_SOCKET_IFNAME=' in script
+
+
+@pytest.mark.parametrize("value,works", [("lo", True), ("lo,lo", True), ("^lo", False), ("=lo", False)])
+def test_gloo_takes_exact_interface_names(monkeypatch, value, works):
+    """What gloo_interface relies on: GLOO_SOCKET_IFNAME holds exact names (NCCL's '^' and '=' are not names)."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", value)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(30000 + os.getpid() % 1000))
+    try:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    except Exception as e:  # gloo's EnforceNotMet surfaces as a RuntimeError (or DistBackendError)
+        assert not works and "Unable to find address" in str(e), e
+        return
+    dist.destroy_process_group()
+    assert works

@@ -5,42 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 from click.testing import CliRunner
-from conftest import REPO, read_metrics, run_cli, tiny_recipe
+from conftest import cli_process, cpu_config, free_port, read_metrics, run_cli, run_in_process, tiny_recipe
 
 from accel_fsdp.cli import main
 
 pytestmark = pytest.mark.multiprocess
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_config(path: Path, **values) -> Path:
-    config = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "use_cpu": True,
-              "num_machines": 1, "num_processes": 2, "machine_rank": 0, "mixed_precision": "bf16",
-              "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                              "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "SHARDED_STATE_DICT"}}
-    config.update(values)
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def cli_process(*args, env=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "accel_fsdp", *map(str, args)], cwd=REPO,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
 
 
 def two_machines(config: Path, *args) -> list[tuple[int, str, str]]:
@@ -53,6 +28,7 @@ def two_machines(config: Path, *args) -> list[tuple[int, str, str]]:
     return out
 
 
+@pytest.mark.slow
 def test_two_machines_on_loopback_train_checkpoint_and_resume(tmp_path, tiny_gpt2, stories):
     config = cpu_config(tmp_path / "two.yaml", num_machines=2, num_processes=2, main_process_ip="127.0.0.1",
                         main_process_port=free_port(), rdzv_backend="static", same_network=True)
@@ -76,6 +52,7 @@ def test_two_machines_on_loopback_train_checkpoint_and_resume(tmp_path, tiny_gpt
     assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"][-1] == 9
 
 
+@pytest.mark.slow
 def test_hybrid_sharding_on_4_ranks_replicates_across_and_shards_within(tmp_path, tiny_gpt2, stories):
     config = cpu_config(tmp_path / "hybrid.yaml", num_processes=4,
                         parallelism_config={"parallelism_config_dp_replicate_size": 2,
@@ -115,6 +92,7 @@ def test_unreachable_main_process_fails_fast_naming_address_and_port(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_main_machine_waiting_for_a_missing_machine_times_out_clearly(tmp_path):
     port = free_port()
     config = cpu_config(tmp_path / "two.yaml", num_machines=2, num_processes=2, main_process_ip="127.0.0.1",
@@ -140,8 +118,8 @@ def test_hybrid_group_larger_than_the_world_is_refused(tmp_path):
 
 
 def test_machine_count_that_does_not_match_the_hybrid_config_is_refused(tmp_path):
-    proc = run_cli("recipe", "run", "quickstart", "--accelerate-config", "fsdp_hybrid_multinode", "--num-machines",
-                   "4", "--output-dir", tmp_path / "run", check=2)
+    proc = run_in_process("recipe", "run", "quickstart", "--accelerate-config", "fsdp_hybrid_multinode",
+                          "--num-machines", "4", "--output-dir", tmp_path / "run", check=2)
     assert "the hybrid shard group of 8 ranks does not match the 4 ranks of each machine" in proc.stderr
     assert not (tmp_path / "run").exists()
 
@@ -177,6 +155,7 @@ def slurm_stand_ins(tmp_path: Path) -> tuple[dict, Path]:
     return env, requeues
 
 
+@pytest.mark.slow
 def test_slurm_script_runs_and_resumes_when_requeued(tmp_path, tiny_gpt2, stories):
     """The generated sbatch script, run by bash with stand-ins for srun and scontrol (one node, 2 CPU ranks): it
     checks and prints the recipe on the allocation, trains, and when run again after a crash resumes. With the
@@ -205,6 +184,7 @@ def test_slurm_script_runs_and_resumes_when_requeued(tmp_path, tiny_gpt2, storie
     assert {p: p.stat().st_mtime_ns for p in kept if p.exists()} == kept  # step 3 untouched (kept by rotation: 2)
 
 
+@pytest.mark.slow
 def test_slurm_warning_signal_checkpoints_and_requeues(tmp_path, tiny_gpt2, stories):
     """SLURM's SIGUSR1 before the time limit (here sent to the launcher by a rank): the ranks checkpoint, the run
     exits 75, the script requeues the job; the requeued job resumes and finishes."""

@@ -12,19 +12,17 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import read_metrics, run_cli, save_tiny_model, tiny_recipe, write_jsonl
+from conftest import collated, read_metrics, run_cli, save_tiny_model, tiny_recipe, write_jsonl
 
 from accel_fsdp.cli import main
 from accel_fsdp.config.recipe import PreferenceConfig, recipe_from_text
 from accel_fsdp.config.shipped import shipped_recipes
-from accel_fsdp.data.batches import collate
 from accel_fsdp.data.prepare import prepare_data
 from accel_fsdp.data.store import IGNORE_INDEX
 from accel_fsdp.data.synthetic import build_tokenizer
 from accel_fsdp.data.tokenize import Example, fit_pair
 from accel_fsdp.errors import UserError
-from accel_fsdp.train.methods import Norm, build_objective
-from accel_fsdp.train.methods.logps import sequence_logps
+from accel_fsdp.train.methods import Norm, build_loss_path, build_objective
 from accel_fsdp.train.reference import NoReference
 
 PAIRS = [{"prompt": "alice has a red cat . what color is the cat of alice ?", "chosen": "the cat is red .",
@@ -156,19 +154,21 @@ def independent_loss(method, logits, labels, reference, *, beta, eps, gamma, lam
 
 @pytest.mark.parametrize("method,eps", [("dpo", 0.0), ("dpo", 0.2), ("simpo", 0.0), ("simpo", 0.1), ("orpo", 0.0)])
 def test_each_loss_and_its_gradients_equal_the_published_formula(tmp_path, tok, method, eps):
-    """Same logits, two computations: ours (fp32, one row at a time, the reference from the batch) and the formula in
-    float64. Their difference is fp32 rounding of log-softmax sums over the vocabulary and of at most a few hundred
-    answer tokens: a relative 2**-24 x sqrt(vocabulary + tokens) per term, bounded here by 1e-5."""
+    """The same model, two computations: ours (the recipe's default loss path, chunked from the hidden states: the
+    head's products and the fp32 log-softmax of the answers only; the reference from the batch) and the formula in
+    float64 over the full logits. Their difference is fp32 rounding of the head's sums over the width, of log-softmax
+    sums over the vocabulary and of at most a few hundred answer tokens: a relative 2**-24 x sqrt(width + vocabulary +
+    tokens) per term, bounded here by 1e-5."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "m", "gpt2"), dtype=torch.float32)
     r = recipe(write_jsonl(tmp_path / "p.jsonl", PAIRS), method)
     data = prepare_data(r, tok)
-    batch = collate([s for u in range(3) for s in data.sequences(u)], tok.pad_token_id, True)
+    batch = collated([s for u in range(3) for s in data.sequences(u)], tok.pad_token_id)
     torch.manual_seed(0)
     reference = -30 + 5 * torch.rand(6, dtype=torch.float64)
     p = PreferenceConfig(beta=0.7, label_smoothing=eps, gamma=0.4, lambda_=0.3)
-    ours = build_objective(dataclasses.replace(r, preference=p), NoReference())
+    ours = build_objective(dataclasses.replace(r, preference=p), NoReference(), build_loss_path(r, model))
     chosen_tokens = sum(data.chosen_label_count(u) for u in range(3))
     loss, stats = ours(model, dict(batch, reference_logps=reference.float()), Norm(tokens=chosen_tokens, pairs=3))
     loss.backward()
@@ -190,10 +190,10 @@ def test_dpo_on_equal_policy_and_reference_is_ln2_and_its_rewards_zero(tmp_path,
     model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "m", "gpt2"))
     r = recipe(write_jsonl(tmp_path / "p.jsonl", PAIRS))
     data = prepare_data(r, tok)
-    batch = collate([s for u in range(3) for s in data.sequences(u)], tok.pad_token_id, True)
-    objective = build_objective(r, NoReference())
+    batch = collated([s for u in range(3) for s in data.sequences(u)], tok.pad_token_id)
+    objective = build_objective(r, NoReference(), build_loss_path(r, model))
     with torch.no_grad():  # the reference as the precomputation makes it: the same weights on the same sequences
-        reference = sequence_logps(model, batch)[0]
+        reference = objective.loss_path.sequence_logps(model, batch)[0]
         loss, stats = objective(model, dict(batch, reference_logps=reference), Norm(pairs=3))
     # z = 0 exactly: -log sigmoid(0) = ln 2, rounded to fp32 (a relative 2**-24)
     assert float(loss) == pytest.approx(math.log(2), rel=2**-23)
@@ -203,6 +203,7 @@ def test_dpo_on_equal_policy_and_reference_is_ln2_and_its_rewards_zero(tmp_path,
 # ------------------------------------------------------------------------------- the real CLI on 2 ranks
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_quickstart_dpo_starts_at_ln2_logs_from_step_1_and_prefers_the_chosen_answers(tmp_path):
     run = tmp_path / "run"
@@ -231,6 +232,7 @@ def test_quickstart_dpo_starts_at_ln2_logs_from_step_1_and_prefers_the_chosen_an
     assert read_metrics(tmp_path / "again")[1]["loss"] == train[0]["loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("method", ["simpo", "orpo"])
 def test_simpo_and_orpo_run_from_the_dpo_recipe(tmp_path, method):
@@ -245,6 +247,7 @@ def test_simpo_and_orpo_run_from_the_dpo_recipe(tmp_path, method):
     assert [r for r in rows if r["kind"] == "eval"][-1]["eval_reward_accuracy"] > 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_lora_dpo_on_a_llama_uses_the_adapters_off_as_reference(tmp_path, tiny_llama):
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 12)
@@ -261,6 +264,7 @@ def test_lora_dpo_on_a_llama_uses_the_adapters_off_as_reference(tmp_path, tiny_l
     assert train[-1]["reward_margin"] != 0
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_verify_proves_split_invariance_and_exact_resume_on_a_preference_recipe(tmp_path):
     out = tmp_path / "verify"

@@ -93,6 +93,7 @@ def test_every_local_file_format_is_read(tmp_path, suffix):
     assert [row["text"].strip() for _, rows in reader.batches(2) for row in rows] == texts
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("fmt", ["instruction", "chat"])
 def test_instruction_and_chat_fine_tunes_learn(tmp_path, tiny_gpt2, fmt):

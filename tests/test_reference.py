@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import read_metrics, run_cli, save_tiny_model
+from conftest import cli_process, cpu_config, free_port, read_metrics, run_cli, save_tiny_model
 
 from accel_fsdp.config.recipe import recipe_from_text
 from accel_fsdp.data import identity
@@ -107,7 +107,6 @@ def test_a_prepared_cache_that_cannot_be_written_does_not_stop_a_dpo_run(tmp_pat
 
 def two_machines(tmp_path: Path, name: str, caches: dict[int, Path]) -> list[tuple[int, str, str]]:
     """quickstart-dpo (small) as a job of two machines of one rank each on loopback, each with its own cache folder."""
-    from test_multinode import cli_process, cpu_config, free_port
 
     config = cpu_config(tmp_path / f"{name}.yaml", num_machines=2, num_processes=2, main_process_ip="127.0.0.1",
                         main_process_port=free_port(), rdzv_backend="static", same_network=True)

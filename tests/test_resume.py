@@ -53,6 +53,7 @@ def assert_rows_average_the_same_steps(run: Path, reference: Path) -> None:
             assert abs(row[key] - want[key]) <= tolerance * abs(want[key]), (row["step"], key, row[key], want[key])
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_first_row_after_a_resume_averages_the_steps_of_the_uninterrupted_runs_row(tmp_path, recipe,
                                                                                         uninterrupted):
@@ -75,8 +76,9 @@ def damage(checkpoint: Path, how: str) -> str:
     return str(shard.relative_to(checkpoint))
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("how", ["changed", pytest.param("truncated", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("how", ["changed", "truncated"])
 def test_resume_auto_goes_back_past_a_damaged_newest_checkpoint_and_says_why(tmp_path, recipe, uninterrupted, how):
     run = tmp_path / "run"
     shutil.copytree(uninterrupted, run)

@@ -57,6 +57,7 @@ def test_tiny_gpt2_trains_and_each_rank_holds_only_its_shard(tmp_path, tiny_gpt2
     assert "sample: 'alice has a' -> " in proc.stdout
 
 
+@pytest.mark.slow
 def test_tiny_llama_trains_with_its_decoder_layer_as_unit(tmp_path, tiny_llama, stories):
     recipe = tiny_recipe(tmp_path / "llama.yaml", tiny_llama, stories, training={"max_steps": 20},
                          logging={"every_steps": 5, "trackers": ["tensorboard"]})
@@ -82,6 +83,7 @@ def test_tiny_llama_trains_with_its_decoder_layer_as_unit(tmp_path, tiny_llama, 
     assert len(held) == 2
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_big_batch(tmp_path, tiny_gpt2):
     """k micro-steps of batch b == one step of k x b, whatever the ranks: fp32, variable-length (padded) rows
     with masked prompts, so the loss must be normalized by the tokens of the whole global batch."""
@@ -119,6 +121,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, tiny_gpt2):
         assert_adam_runs_agree(weights, reference, lrs, noise)
 
 
+@pytest.mark.slow
 def test_quickstart_readme_command_finishes_learns_and_exports(tmp_path):
     """The README's first command, from a fresh working directory: under 3 minutes on 2 CPU ranks."""
     start = time.monotonic()
@@ -139,6 +142,7 @@ def test_quickstart_readme_command_finishes_learns_and_exports(tmp_path):
     assert len(sample.split()) >= 5
 
 
+@pytest.mark.slow
 def test_stock_accelerate_launch_spelling(tmp_path, tiny_gpt2, stories):
     """`accelerate launch --config_file ... -m accel_fsdp recipe run ...`: the ranks take the settings Accelerate
     exported from the file."""
@@ -153,7 +157,7 @@ def test_stock_accelerate_launch_spelling(tmp_path, tiny_gpt2, stories):
     assert proc.returncode == 0, proc.stderr[-4000:]
     import torch
 
-    # the ranks cannot see the file's use_cpu: CPU ranks without CUDA are said, not refused (test_gpu_review.py)
+    # the ranks cannot see the file's use_cpu: CPU ranks are said, not refused (test_gpu_config_on_cpu_ranks.py)
     assert ("note: training on CPU ranks" in proc.stdout) == (not torch.cuda.is_available()), proc.stdout
     settings = json.loads((tmp_path / "run" / "fsdp_settings.json").read_text())
     assert settings["fsdp_version"] == {"value": 2, "source": "accelerate launch environment",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_in_process
 
 pytestmark = pytest.mark.multiprocess
 
@@ -15,17 +15,18 @@ def report_of(folder) -> dict:
     return json.loads((folder / "report.json").read_text())
 
 
+@pytest.mark.slow
 def test_verify_quickstart_passes_every_check(tmp_path):
     out = tmp_path / "verify"
     proc = run_cli("verify", "quickstart", "--output-dir", out, check=0)
     report = report_of(out)
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert status == {"sharding": "PASS", "precision": "PASS", "equivalence": "PASS", "resume": "PASS",
-                      "packing": "PASS", "data": "PASS", "activation-checkpointing": "PASS", "memory": "PASS",
-                      "throughput": "INFO"}
+                      "packing": "PASS", "data": "PASS", "activation-checkpointing": "PASS",
+                      "chunked-loss": "PASS", "memory": "PASS", "throughput": "INFO"}
     assert report["passed"] and set(report["probes"]) == {"reference", "split", "fewer-ranks", "resume", "ac-on",
-                                                          "ac-off"}
-    assert "8 passed, 0 failed" in proc.stdout
+                                                          "ac-off", "chunked-loss-on", "chunked-loss-off"}
+    assert "9 passed, 0 failed" in proc.stdout
     data = next(c for c in report["checks"] if c["name"] == "data")
     assert data["data"]["ranks_compared"] == [1, 2] and "1 rank and 2 ranks read the same sequences" in data["measured"]
     equivalence = next(c for c in report["checks"] if c["name"] == "equivalence")
@@ -33,10 +34,11 @@ def test_verify_quickstart_passes_every_check(tmp_path):
     # verify keeps to its folder: a second verify replaces the first, a folder of something else is refused
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
-    msg = run_cli("verify", "quickstart", "--output-dir", tmp_path / "mine", check=2).stderr
+    msg = run_in_process("verify", "quickstart", "--output-dir", tmp_path / "mine", check=2).stderr
     assert "exists and is not an earlier verify folder" in msg
 
 
+@pytest.mark.slow
 def test_verify_quickstart_llama_passes(tmp_path):
     out = tmp_path / "verify"
     run_cli("verify", "quickstart-llama", "--quick", "--output-dir", out, check=0)
@@ -51,13 +53,17 @@ INSTRUCTION = ["--set", "data.path=builtin:quickstart-instruct", "--set", "data.
 
 
 @pytest.mark.parametrize("broken,check,extra,expected", [
-    ("unsharded", "sharding", [], "not sharded over 2 ranks"),
-    ("bf16-reduce", "precision", ["--set", "training.mixed_precision=bf16"], "gradients reduced in torch.bfloat16"),
-    ("mean-loss", "equivalence", INSTRUCTION, "split: loss"),
-    ("skip-batch", "resume", [], "largest weight difference after resuming from step 2"),
-    ("mask-leak", "packing", [], "largest logit difference to each document alone"),
-    ("ac-rng", "activation-checkpointing", [], "with dropout 0.1, with vs without"),
-    ("mix-weights", "data", ["quickstart-mix"], "a source's share is 0.2"),
+    ("unsharded", "sharding", [], "not sharded over 2 ranks"),  # one probe: the fast tier's verify run
+    pytest.param("bf16-reduce", "precision", ["--set", "training.mixed_precision=bf16"],
+                 "gradients reduced in torch.bfloat16", marks=pytest.mark.slow),
+    pytest.param("mean-loss", "equivalence", INSTRUCTION, "split: loss", marks=pytest.mark.slow),
+    pytest.param("skip-batch", "resume", [], "largest weight difference after resuming from step 2",
+                 marks=pytest.mark.slow),
+    pytest.param("mask-leak", "packing", [], "largest logit difference to each document alone", marks=pytest.mark.slow),
+    pytest.param("ac-rng", "activation-checkpointing", [], "with dropout 0.1, with vs without", marks=pytest.mark.slow),
+    pytest.param("mix-weights", "data", ["quickstart-mix"], "a source's share is 0.2", marks=pytest.mark.slow),
+    pytest.param("chunked-loss", "chunked-loss", ["--set", "training.mixed_precision=fp32"], "training.chunked_loss on vs off",
+                 marks=pytest.mark.slow),
 ])
 def test_each_check_fails_when_its_property_is_broken(tmp_path, broken, check, extra, expected):
     out = tmp_path / "verify"
@@ -69,8 +75,10 @@ def test_each_check_fails_when_its_property_is_broken(tmp_path, broken, check, e
     assert result["name"] == check and result["status"] == "FAIL", result
     assert expected in result["measured"], result["measured"]
     assert "0 passed, 1 failed" in proc.stdout
+    assert (out / "reference" / "final").exists() == (check == "resume")  # only the resume check reads an export
 
 
+@pytest.mark.slow
 def test_the_data_check_passes_on_a_mixture(tmp_path):
     out = tmp_path / "verify"
     run_cli("verify", "quickstart-mix", "--quick", "--only", "data", "--output-dir", out, check=0)

@@ -247,6 +247,12 @@ class TrainingConfig:
     """Evaluate on the held-out split every N optimizer steps (and at the end). Default: at the end only."""
     eval_max_batches: int | None = None
     """Evaluate on at most this many micro-batches per rank (of each source). Default: the whole held-out split."""
+    chunked_loss: bool = True
+    """Compute the loss from the hidden states of the loss-carrying positions only, a chunk at a time, never the full
+    logits: the same loss and gradients, a fraction of the memory (docs/PERFORMANCE.md). false: the full logits."""
+    loss_chunk_tokens: int | None = None
+    """Positions projected at once by the chunked loss. null: the planner's pick (one chunk's fp32 logits within
+    256 MiB: 512 tokens at a 128K vocabulary)."""
 
     # The batch arithmetic, in one place (global = micro x ranks x accumulation).
     def rows_per_micro_step(self, ranks: int) -> int:
@@ -406,7 +412,7 @@ RESUME_SAFE_KEYS = (
     "checkpoint.dir", "checkpoint.export_final", "checkpoint.export_dtype", "checkpoint.state_dict_type",
     "training.max_steps", "training.epochs", "training.micro_batch_size", "training.eval_every_steps",
     "training.eval_max_batches", "data.num_proc", "model.attn_implementation", "model.activation_checkpointing",
-    "fsdp.",
+    "training.chunked_loss", "training.loss_chunk_tokens", "fsdp.",
 )
 
 

@@ -114,6 +114,8 @@ def _training_problems(r) -> list[Problem]:
          f"{t.eval_every_steps} must be at least 1", "or null to evaluate at the end only")
     need(t.eval_max_batches is None or t.eval_max_batches >= 1, "training.eval_max_batches",
          f"{t.eval_max_batches} must be at least 1", "or null for the whole held-out split")
+    need(t.loss_chunk_tokens is None or t.loss_chunk_tokens >= 1, "training.loss_chunk_tokens",
+         f"{t.loss_chunk_tokens} must be at least 1", "e.g. 512, or null for the planner's pick")
     return p
 
 

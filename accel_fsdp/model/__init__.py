@@ -1,4 +1,4 @@
 """What the model is (facts, from config arithmetic), and building it:
 config, meta-device checks, weights, LoRA, tokenizer.
 
-Empty on purpose: importing a subpackage must not import torch (see tests/test_fast_cli.py)."""
+Empty on purpose: importing a subpackage must not import torch (see tests/test_where_users_wait.py)."""

@@ -56,6 +56,19 @@ _CLASSES = {
 }
 
 
+LOSS_CHUNK_BUDGET = 256 * 2**20
+"""Bytes of fp32 logits one chunk of the chunked loss holds at most when training.loss_chunk_tokens is null
+(train/methods/chunked.py): 512 tokens of Llama 3's 128,256-token vocabulary, 1,280 of GPT-2's 50,257."""
+
+
+def loss_chunk_tokens(vocab: int) -> int:
+    """The chunk the planner picks: as many tokens as keep one chunk's fp32 logits within LOSS_CHUNK_BUDGET, a multiple
+    of 64 (matmul tiles), at least 64. The hidden size does not enter: a chunk's logits are tokens x vocabulary, and
+    its share of the hidden states is 1/vocabulary of that; what the head's width costs (its weight's gradient) is the
+    same whatever the chunk (planning/memory.py `logits_bytes`)."""
+    return max(64, LOSS_CHUNK_BUDGET // (4 * vocab) // 64 * 64)
+
+
 @dataclass(frozen=True)
 class Shape:
     """What the memory and FLOP formulas need of a model (planning/memory.py, train/metrics.py); built only by

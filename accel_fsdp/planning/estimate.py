@@ -15,7 +15,7 @@ from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model import architectures
 from accel_fsdp.model.facts import Shape, facts_for, facts_of
 from accel_fsdp.model.quantize import QuantizedTerms, quantized_terms
-from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, estimate, gib, simple_bytes
+from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, describe_logits, estimate, gib, simple_bytes
 from accel_fsdp.planning.plan import build_plan, reference_cost
 from accel_fsdp.preflight import model_view
 
@@ -37,6 +37,11 @@ class Target:
     """The recipe's setting (a model or a count: off unless asked for)."""
     context: int | None = None
     """The model's context length, when known."""
+    chunked_loss: bool = True
+    """training.chunked_loss (a model or a count: the default, on)."""
+    loss_chunk_tokens: int | None = None
+    pairs: bool = False
+    """A preference method: its plain path counts the pairs' log-softmax."""
     quantized: QuantizedTerms | None = None
     """model.quantize: the 4-bit base's terms (planning/memory.py)."""
 
@@ -107,13 +112,21 @@ def _recipe_target(path, micro_batch, seq_len) -> Target:
                       t.sequences_per_micro_step(), recipe.data.seq_len if seq_len is None else seq_len,
                       compute if lora.enabled else 4, note="; ".join(notes),
                       activation_checkpointing=bool(recipe.model.activation_checkpointing), context=facts.context,
-                      quantized=quantized_terms(facts, compute) if recipe.model.quantize else None)
+                      quantized=quantized_terms(facts, compute) if recipe.model.quantize else None,
+                      **loss_settings(recipe))
 
     plan = build_plan(recipe, load_accelerate_config("fsdp_1gpu"))
     m = plan.memory_inputs
     return Target(recipe.name, m.params, m.trainable, m.largest_unit, m.shape, t.sequences_per_micro_step(),
                   m.seq_len if seq_len is None else seq_len, m.frozen_bytes, note="; ".join(notes),
-                  activation_checkpointing=m.activation_checkpointing, quantized=m.quantized)
+                  activation_checkpointing=m.activation_checkpointing, quantized=m.quantized,
+                  **loss_settings(recipe))
+
+
+def loss_settings(recipe) -> dict:
+    """What the logits term needs of a recipe (planning/memory.py `logits_bytes`)."""
+    t = recipe.training
+    return dict(chunked_loss=t.chunked_loss, loss_chunk_tokens=t.loss_chunk_tokens, pairs=METHODS[t.method].pairs)
 
 
 @dataclass
@@ -131,11 +144,8 @@ class Row:
 def table(target: Target, *, gpus: int, nodes: int, precision: str, activation_checkpointing: bool,
           strategies: list[str], offload: bool | None, gpu_memory: float, deferred_reduce: bool = False) -> list[Row]:
     world = gpus * nodes
-    base = MemoryInputs(params=target.params, trainable=target.trainable, largest_unit=target.largest_unit,
-                        world=world, shard_group=world, precision=precision,
-                        activation_checkpointing=activation_checkpointing, micro_batch=target.micro_batch,
-                        seq_len=target.seq_len, shape=target.shape, frozen_bytes=target.frozen_bytes,
-                        deferred_reduce=deferred_reduce, quantized=target.quantized)
+    base = inputs_of(target, world=world, precision=precision, activation_checkpointing=activation_checkpointing,
+                     deferred_reduce=deferred_reduce)
     rows = []
     for strategy in strategies:
         if strategy == HYBRID_SHARD and nodes == 1:
@@ -147,6 +157,17 @@ def table(target: Target, *, gpus: int, nodes: int, precision: str, activation_c
             mem = estimate(replace(base, strategy=strategy, shard_group=group, offload=off))
             rows.append(Row(strategy, off, mem, mem.total <= HEADROOM * gpu_memory))
     return rows
+
+
+def inputs_of(target: Target, *, world: int, precision: str, activation_checkpointing: bool,
+              deferred_reduce: bool = False) -> MemoryInputs:
+    """The memory formulas' inputs for a target on `world` ranks (the strategy's own fields are set per row)."""
+    return MemoryInputs(params=target.params, trainable=target.trainable, largest_unit=target.largest_unit,
+                        world=world, shard_group=world, precision=precision,
+                        activation_checkpointing=activation_checkpointing, micro_batch=target.micro_batch,
+                        seq_len=target.seq_len, shape=target.shape, frozen_bytes=target.frozen_bytes,
+                        deferred_reduce=deferred_reduce, quantized=target.quantized, chunked_loss=target.chunked_loss,
+                        loss_chunk_tokens=target.loss_chunk_tokens, pairs=target.pairs)
 
 
 # Least communication first: DDP-like NO_SHARD (one all-reduce of the gradients), SHARD_GRAD_OP (the same
@@ -192,6 +213,10 @@ def format_report(target: Target, rows: list[Row], *, gpus: int, nodes: int, pre
                 if deferred_reduce else "")]
     if target.note:
         lines.append(f"  ({target.note})")
+    logits = describe_logits(inputs_of(target, world=world, precision=precision,
+                                       activation_checkpointing=activation_checkpointing))
+    if logits:
+        lines.append(f"  (activations include the {logits})")
     one, each = simple_bytes(target.params, 1, False), simple_bytes(target.params, world, True)
     lines.append(f"fp32 AdamW at 16 bytes/parameter: {one:,.2f} GiB on 1 GPU; "
                  f"{each:,.2f} GiB per GPU with FSDP on {world}")

@@ -26,7 +26,14 @@ Activations (Korthikanti et al. 2022, without sequence parallelism, with a fused
 s x s score matrix is stored): per layer about s b c (8h + q + 2kv + m I) bytes, where q + 2kv is the QKV
 projection width, I the MLP width and m = 2 (GELU MLP) or 3 (SwiGLU). For GPT-2 this is 38 s b h bytes at
 16-bit, close to their 34 s b h. With activation checkpointing only each block's input (s b h c) is kept, plus
-one block recomputed at a time. The logits add b s V (c + 8) bytes (fp32 upcast for the loss and its gradient).
+one block recomputed at a time.
+
+The logits (`logits_bytes`, measured: tests/test_loss_memory.py holds the measurement within 15% of these): the plain
+path (training.chunked_loss: false) holds b s V elements at PLAIN_LOGIT_BYTES each, the logits, their fp32 copies
+for the loss and the gradients of both; the chunked path holds one chunk's (train/methods/chunked.py, at most
+training.loss_chunk_tokens loss-carrying positions x V) at CHUNK_LOGIT_BYTES each, plus, with 16-bit compute, the
+hidden states' gradient summed in fp32 (4 b s h). The head's weight gradient (V h c) is the largest unit's gradient
+that `gathered` counts, for either path.
 
 The simple mode is the classic calculator: 16 bytes per parameter, divided by the number of GPUs with
 FSDP, in GiB.
@@ -34,15 +41,23 @@ FSDP, in GiB.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from accel_fsdp.config.accelerate import FULL_SHARD, NO_SHARD, SHARD_GRAD_OP
 from accel_fsdp.config.precision import MEMORY, is_half
 from accel_fsdp.errors import Problem
-from accel_fsdp.model.facts import Shape
+from accel_fsdp.model.facts import Shape, loss_chunk_tokens
 from accel_fsdp.model.quantize import QuantizedTerms
 
 GiB = 1024**3
+PLAIN_LOGIT_BYTES = {("sft", 4): 12.0, ("sft", 2): 12.0, ("pairs", 4): 10.0, ("pairs", 2): 7.0}
+"""Bytes per logit element of the plain path's loss step at its peak (the backward of the loss), by (method kind, c),
+measured on CPU as the tensor bytes alive (tests/test_loss_memory.py): sft is transformers' loss (the fp32 copy, its
+log-softmax, their gradients, the logits' gradient in c), the pair methods' per-row fp32 log-softmax
+(train/methods/logps.py `answer_logps`). Before the rows were unbound the pairs measured 16 (fp32) and 8 (bf16)."""
+CHUNK_LOGIT_BYTES = {4: 4.0, 2: 6.0}
+"""Bytes per element of one chunk of the chunked path by c: its fp32 logits, turned in place into their gradient, and
+that gradient in the compute dtype (16-bit only); measured as PLAIN_LOGIT_BYTES."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +81,12 @@ class MemoryInputs:
     """Bytes per frozen parameter: 4 (fp32) for full fine-tunes, the compute dtype's 2 for LoRA bases."""
     deferred_reduce: bool = False
     """Gradient accumulation that keeps unsharded fp32 gradients until the last micro-step (no_sync)."""
+    chunked_loss: bool = True
+    """training.chunked_loss: the loss from the hidden states a chunk at a time (else the full logits)."""
+    loss_chunk_tokens: int | None = None
+    """training.loss_chunk_tokens; None: the planner's pick for the vocabulary (model/facts.py)."""
+    pairs: bool = False
+    """A preference method (the sequences' log-probabilities), not sft (transformers' loss): the plain paths differ."""
     quantized: QuantizedTerms | None = None
     """model.quantize: the 4-bit weights (NF4 bytes instead of `frozen_bytes` each, the block gathered in 4 bits, one
     weight dequantized in flight)."""
@@ -78,8 +99,11 @@ class MemoryBreakdown:
     optimizer: float
     gathered: float
     activations: float
+    """Of the layers and the logits (`logits` is part of it)."""
     host: float
     """Bytes per rank in CPU memory (offloaded state)."""
+    logits: float = 0.0
+    """The loss's share of `activations` (`logits_bytes`)."""
     @property
     def model_state(self) -> float:
         return self.params + self.grads + self.optimizer
@@ -115,7 +139,7 @@ def estimate(m: MemoryInputs) -> MemoryBreakdown:
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
     if m.deferred_reduce:
         grads = 4.0 * m.trainable  # every unit's unsharded fp32 gradient, on the device (offload or not; 1 GPU too)
-    return MemoryBreakdown(params, grads, optimizer, gathered, activation_bytes(m), host)
+    return MemoryBreakdown(params, grads, optimizer, gathered, activation_bytes(m), host, logits_bytes(m))
 
 
 def quantized_gathered(m: MemoryInputs, q: QuantizedTerms, c: int) -> float:
@@ -145,8 +169,37 @@ def activation_bytes(m: MemoryInputs) -> float:
         layers = sh.layers * tokens * sh.hidden * c + per_layer
     else:
         layers = sh.layers * per_layer
-    logits = tokens * sh.vocab * (c + 8)
-    return float(layers + logits)
+    return float(layers + logits_bytes(m))
+
+
+def logits_bytes(m: MemoryInputs) -> float:
+    """The loss step's logits at its peak: the plain path's b s V elements, or the chunked path's one chunk (and the
+    head's fp32 weight-gradient sum under 16-bit compute). The one place this term is computed."""
+    if not m.micro_batch or not m.seq_len or m.shape is None:
+        return 0.0
+    c, vocab = compute_bytes(m.precision), m.shape.vocab
+    tokens = m.micro_batch * m.seq_len
+    if not m.chunked_loss:
+        return float(tokens * vocab * PLAIN_LOGIT_BYTES[("pairs" if m.pairs else "sft", c)])
+    hidden_sum = 4 * tokens * m.shape.hidden if c < 4 else 0
+    return float(planned_chunk(m) * vocab * CHUNK_LOGIT_BYTES[c] + hidden_sum)
+
+
+def planned_chunk(m: MemoryInputs) -> int:
+    """Loss positions one chunk projects: the recipe's, else the planner's pick; never more than a micro-step has."""
+    return min(m.micro_batch * m.seq_len, m.loss_chunk_tokens or loss_chunk_tokens(m.shape.vocab))
+
+
+def describe_logits(m: MemoryInputs) -> str:
+    """How the logits term was counted, for the dry run and `estimate`."""
+    if m.shape is None or not m.micro_batch or not m.seq_len:
+        return ""
+    if not m.chunked_loss:
+        per = PLAIN_LOGIT_BYTES[("pairs" if m.pairs else "sft", compute_bytes(m.precision))]
+        return (f"logits {gib(logits_bytes(m))} GiB: the full logits, {m.micro_batch * m.seq_len:,} tokens x "
+                f"{m.shape.vocab:,} at {per:g} bytes each (training.chunked_loss: false)")
+    return (f"logits {gib(logits_bytes(m))} GiB: chunked, one chunk of {planned_chunk(m):,} tokens x "
+            f"{m.shape.vocab:,} (the full logits would take {gib(logits_bytes(replace(m, chunked_loss=False)))} GiB)")
 
 
 def simple_bytes(params: int, gpus: int, fsdp: bool) -> float:

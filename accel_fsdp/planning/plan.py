@@ -20,7 +20,15 @@ from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model.facts import facts_for, shape_of
 from accel_fsdp.model.quantize import quantized_terms
 from accel_fsdp.model.tokenizer import offline_tokenizer
-from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, estimate, gib, parse_bytes, size_problem
+from accel_fsdp.planning.memory import (
+    MemoryBreakdown,
+    MemoryInputs,
+    describe_logits,
+    estimate,
+    gib,
+    parse_bytes,
+    size_problem,
+)
 from accel_fsdp.preflight import load_config_or_default, preflight
 
 
@@ -142,7 +150,9 @@ def build_plan(recipe, config, *, num_processes: int | None = None) -> Plan:
         micro_batch=recipe.training.sequences_per_micro_step(), seq_len=recipe.data.seq_len, shape=shape_of(config_obj),
         frozen_bytes=frozen_bytes, quantized=_quantized_terms(recipe, BYTES[settings.mixed_precision.value]),
         deferred_reduce=not settings.reduce_every_micro_step.value
-        and recipe.training.accumulation_steps(settings.num_processes.value) > 1)
+        and recipe.training.accumulation_steps(settings.num_processes.value) > 1,
+        chunked_loss=recipe.training.chunked_loss, loss_chunk_tokens=recipe.training.loss_chunk_tokens,
+        pairs=METHODS[recipe.training.method].pairs)
     return Plan(recipe, settings, config.label, type(meta).__name__, parameters, trainable, units, estimate(inputs),
                 inputs, report.notes)
 
@@ -177,6 +187,9 @@ def format_plan(plan: Plan, gpu_memory: float | None) -> str:
     lines.append(f"  params {gib(m.params)}   grads {gib(m.grads)}   optimizer {gib(m.optimizer)}   "
                  f"gathered units {gib(m.gathered)}   activations {gib(m.activations)}   total {gib(m.total)}"
                  + (f"   (+ {gib(m.host)} in CPU memory, offloaded)" if m.host else ""))
+    logits = describe_logits(plan.memory_inputs)
+    if logits:
+        lines.append(f"  activations include the {logits}")
     if gpu_memory:
         verdict = "fits" if m.total <= 0.9 * gpu_memory else "does NOT fit"
         lines.append(f"{verdict} in {gib(gpu_memory)} GiB per GPU (keeping 10% for the CUDA context and "

@@ -16,6 +16,8 @@ accel_fsdp/train/probes.py, the exported weights) and compare:
   data           the mixture as the run draws it: each unit once per epoch of its source, each source's share over
                  any 100 steps within 0.01 of its weight, the same sequences per step on 1 rank and on several
   activation checkpointing   with dropout on, losses and gradient norms with and without it agree
+  chunked-loss   a knob (tools/knob_probes.py): the recipe with training.chunked_loss on and off gives the same losses and gradient
+                 norms, within the noise model of its arithmetic
   memory         the model state each rank holds against `estimate`'s prediction (and the peak on GPUs)
   throughput     tokens/s per rank (and MFU on GPUs), for the record
 
@@ -46,12 +48,16 @@ from accel_fsdp.layout import CHECKPOINTS_DIR, MANIFEST, STEP_PREFIX, RunLayout,
 from accel_fsdp.model.facts import base_values, facts_for
 from accel_fsdp.planning.memory import MemoryInputs, estimate
 from accel_fsdp.preflight import preflight
+from accel_fsdp.tools.knob_probes import KNOBS, Knob
 from accel_fsdp.tools.noise import ROUNDOFF, adam_step_bound, equivalence_tolerance, reordered
 from accel_fsdp.train.metrics import read_metrics
 
 MARKER = "verify.json"
-CHECKS = ("sharding", "precision", "equivalence", "resume", "packing", "data", "activation-checkpointing", "memory",
-          "throughput")
+CHECKS = ("sharding", "precision", "equivalence", "resume", "packing", "data", "activation-checkpointing",
+          "chunked-loss", "memory", "throughput")
+EXPORTED = ["checkpoint.export_final=true"]
+"""Added to the reference and resume probes when the resume check runs: it compares their exported weights, and no
+other check reads an export (on a large model, writing one is a good part of a probe)."""
 SHARE_TOLERANCE = 0.01
 """A source's share of the loss-carrying tokens (or sequences) over any 100 consecutive steps, against its weight."""
 PACKING_LIMIT = {"fp32": reordered(2**23), "bf16": 8 * ROUNDOFF["bf16"], "fp16": 8 * ROUNDOFF["fp16"]}
@@ -180,14 +186,15 @@ def run_probe(v: Verification, name: str, sets: list[str], *, extra_args=(), env
 
 def base_sets(v: Verification, steps: int) -> list[str]:
     """What every probe changes in the recipe: a few steps on a slice of the data, no evaluation, no sample, no
-    trackers (the user's wandb stays clean), a checkpoint every other step kept, an fp32 export to compare."""
+    trackers (the user's wandb stays clean), a checkpoint every other step kept, and no export (EXPORTED adds the
+    fp32 export to the probes whose weights the resume check compares)."""
     t = v.recipe.training
     rows = max(64, t.global_batch_size * (steps + 2) * 4)
     sets = list(v.overrides) + [f"training.max_steps={steps}", "training.epochs=null", "training.warmup_steps=0",
             "training.eval_every_steps=null",
             "data.eval_fraction=0", f"data.max_rows={min(rows, v.recipe.data.max_rows or rows)}",
             "logging.every_steps=1", "logging.sample_prompt=null", "logging.trackers=[]",
-            "checkpoint.every_steps=2", "checkpoint.keep_last=null", "checkpoint.export_final=true",
+            "checkpoint.every_steps=2", "checkpoint.keep_last=null", "checkpoint.export_final=false",
             "checkpoint.export_dtype=fp32", f"checkpoint.dir={CHECKPOINTS_DIR}", "output_dir=null"]
     if v.layers:
         sets.append(f"model.config_overrides.{layer_key(v.recipe)}={v.layers}")
@@ -375,6 +382,26 @@ def check_activation_checkpointing(v: Verification) -> Check:
                  {"loss_rel": dl, "grad_norm_rel": dg})
 
 
+def run_knob_probes(v: Verification, knob: Knob, sets: list[str], extra: list[str]) -> None:
+    """Two steps of the recipe as it is (the knob on) and with the knob off (only for a recipe that turns it on)."""
+    if knob.enabled(v.recipe):
+        run_probe(v, f"{knob.check}-on", sets + ["training.max_steps=2"], extra_args=extra)
+        run_probe(v, f"{knob.check}-off", sets + [f"{knob.key}={knob.off}", "training.max_steps=2"], extra_args=extra)
+
+
+def check_knob(v: Verification, knob: Knob) -> Check:
+    on, off = v.probes.get(f"{knob.check}-on"), v.probes.get(f"{knob.check}-off")
+    if on is None:
+        return Check(knob.check, "SKIP", f"{knob.key} is off in this recipe: nothing to prove")
+    if not on.ok or not off.ok:
+        return Check(knob.check, "FAIL", (on if not on.ok else off).failure())
+    tol, stated = knob.tolerance(v)
+    same, dl, dg = compare_rows(on.train_rows(), off.train_rows(), tol, 2)
+    return Check(knob.check, "PASS" if same else "FAIL",
+                 f"{knob.key} on vs off over 2 steps: loss {dl:.1e}, grad norm {dg:.1e} relative difference", stated,
+                 {"loss_rel": dl, "grad_norm_rel": dg})
+
+
 def check_packing(v: Verification) -> Check:
     """What the reference probe's `packing` probe measured inside the trainer (accel_fsdp/train/probes.py): packed
     sequences laid out by the run's own collate for its attention kernel, against each document run alone."""
@@ -528,7 +555,8 @@ def verify(recipe, config, num_processes: int | None, overrides: list[str], *, o
         from accel_fsdp.train.hooks import PROBE_ENV, TRACE_ENV  # torch: only once probes run
 
         traced = {TRACE_ENV: "1"}
-        run_probe(v, "reference", sets, extra_args=extra, env={PROBE_ENV: "dtypes,packing,data", **traced})
+        run_probe(v, "reference", sets + (EXPORTED if "resume" in wanted else []), extra_args=extra,
+                  env={PROBE_ENV: "dtypes,packing,data", **traced})
         record_counts(v.probes["reference"])
     if "equivalence" in wanted:
         micro = split_micro_batch(recipe, v.world)
@@ -540,16 +568,20 @@ def verify(recipe, config, num_processes: int | None, overrides: list[str], *, o
         run_probe(v, "fewer-ranks", sets + ["training.max_steps=2"], extra_args=["--num-processes", "1"], env=traced)
     if "resume" in wanted and steps >= 3:
         step_dir = v.probes["reference"].layout.checkpoints / checkpoint_name(2)  # resume needs the reference
-        run_probe(v, "resume", sets, extra_args=[*extra, "--resume-from", str(step_dir)])
+        run_probe(v, "resume", sets + EXPORTED, extra_args=[*extra, "--resume-from", str(step_dir)])
     if "activation-checkpointing" in wanted:
         keys = DROPOUT_KEYS.get(_model_type(recipe))
         if keys:
             dropout = [f"model.config_overrides.{k}=0.1" for k in keys] + ["training.max_steps=2"]
             for name, on in (("ac-on", "true"), ("ac-off", "false")):
                 run_probe(v, name, sets + dropout + [f"model.activation_checkpointing={on}"], extra_args=extra)
+    for knob in KNOBS:
+        if knob.check in wanted:
+            run_knob_probes(v, knob, sets, extra)
     runners = {"sharding": check_sharding, "precision": check_precision, "equivalence": check_equivalence,
                "resume": check_resume, "packing": check_packing, "data": check_data, "activation-checkpointing":
-               check_activation_checkpointing, "memory": check_memory, "throughput": check_throughput}
+               check_activation_checkpointing, "memory": check_memory, "throughput": check_throughput,
+               **{knob.check: (lambda v, knob=knob: check_knob(v, knob)) for knob in KNOBS}}
     for name in CHECKS:
         if name in wanted:
             try:

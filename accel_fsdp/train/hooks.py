@@ -31,11 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from accel_fsdp.data.store import Sequence
 from accel_fsdp.layout import RunLayout
 from accel_fsdp.train import probes
 from accel_fsdp.train.faults import KINDS, Faults
+from accel_fsdp.train.methods.logps import ChunkedPath
 from accel_fsdp.train.sharding import ShardingRecord, gathered_state_bytes
 from accel_fsdp.train.state import TrainingState
 
@@ -55,6 +57,7 @@ BREAKS = {
     "mask-leak": "let packed documents attend to each other (positions not restarted per document)",
     "ac-rng": "recompute checkpointed activations with new random draws (dropout)",
     "mix-weights": "draw from the data sources in equal shares, whatever their weights",
+    "chunked-loss": "the chunked loss leaves out the last loss-carrying token of every micro-batch",
 }
 
 
@@ -154,9 +157,15 @@ class TestHooks:
 def substituted(run, switches: TestSwitches):
     """The run with the parts that the switches break replaced by broken ones, so the code that trains has no switch
     for them: `mix-weights` draws the sources in equal shares, `mean-loss` lets each micro-step take its own mean,
-    `mask-leak` numbers packed documents' positions straight through. The run as it is without those switches."""
+    `mask-leak` numbers packed documents' positions straight through, `chunked-loss` drops a token from the chunked
+    loss. The run as it is without those switches."""
     if switches.broken("mix-weights"):
         run.sampler.weights = [1.0 / len(run.sampler.weights)] * len(run.sampler.weights)
+    if switches.broken("chunked-loss") and isinstance(run.loss_path, ChunkedPath):
+        path = run.loss_path
+        broken = _DropsLastToken(path.head, path.chunk_tokens, vocab=path.vocab)
+        run.objective.loss_path = broken  # the objective reads through it (the reference was read before)
+        run = dataclasses.replace(run, loss_path=broken)
     if switches.broken("mean-loss"):
         run = dataclasses.replace(run, objective=_PerMicroStepMean(run.objective))
     if switches.broken("mask-leak"):
@@ -164,6 +173,14 @@ def substituted(run, switches: TestSwitches):
         run = dataclasses.replace(run, collator=lambda sequences: collate(
             [Sequence(s.ids, s.labels, np.arange(len(s), dtype=np.int64)) for s in sequences]))
     return run
+
+
+class _DropsLastToken(ChunkedPath):
+    """A chunked loss that leaves out the last loss-carrying token of every micro-batch: `chunked-loss`."""
+
+    def token_logps(self, model, batch: dict):
+        logps = super().token_logps(model, batch)
+        return torch.cat([logps[:-1], logps[-1:] * 0])
 
 
 class _PerMicroStepMean:

@@ -13,6 +13,10 @@
   packing     before the first step, a micro-batch of packed training sequences laid out by the run's own collate
               (its attention kernel's layout) against each of their documents run alone: the largest logit
               difference, relative to the logit scale; <run>/trace/packing-rank<R>.json.
+  all-gathers the all-gathers this rank runs (their count and elements) from one training forward to the next, i.e.
+              per micro-step (its forward and backward, and the optimizer step after the last one), one JSON line
+              per training forward in <run>/trace/all-gathers-rank<R>.jsonl; the first line counts everything
+              before the first forward.
 
 Probes hook into the model (forward pre-hooks); the training loop does not know about them. Not asked for, this
 module does nothing and never changes results. It reads FSDP2 internals (FSDPParam.unsharded_accumulated_grad,
@@ -30,8 +34,9 @@ import torch
 
 from accel_fsdp.data.store import Sequence
 from accel_fsdp.files import write_atomic
+from accel_fsdp.train.methods.logps import model_inputs
 
-PROBES = ("grad-bytes", "dtypes", "packing", "data")
+PROBES = ("grad-bytes", "dtypes", "packing", "data", "all-gathers")
 SHARE_WINDOW = 100
 """Optimizer steps over which the data probe measures each source's share."""
 
@@ -52,6 +57,37 @@ def install(model: torch.nn.Module, folder: Path, rank: int, names: frozenset[st
     if "dtypes" in names:
         folder.mkdir(parents=True, exist_ok=True)
         _record_dtypes(model, folder / f"dtypes-rank{rank}.json")
+    if "all-gathers" in names:
+        folder.mkdir(parents=True, exist_ok=True)
+        _count_all_gathers(model, folder / f"all-gathers-rank{rank}.jsonl")
+
+
+def _count_all_gathers(model: torch.nn.Module, path: Path) -> None:
+    """Wraps the collectives FSDP2 (`all_gather_single`, torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py
+    DefaultAllGather; torch 2.13.0) and FSDP1 (`all_gather_into_tensor`) call through `torch.distributed`'s module
+    attributes, so that every all-gather of the rank is counted, whoever asks for it."""
+    import torch.distributed as dist
+
+    seen = {"all_gathers": 0, "elements": 0}
+    out = path.open("a")
+
+    def counted(collective):
+        def wrapper(output_tensor, *args, **kwargs):
+            seen["all_gathers"] += 1
+            seen["elements"] += output_tensor.numel()
+            return collective(output_tensor, *args, **kwargs)
+        return wrapper
+
+    for name in ("all_gather_single", "all_gather_into_tensor"):
+        setattr(dist, name, counted(getattr(dist, name)))
+
+    def record(module, args):
+        if module.training and torch.is_grad_enabled():
+            out.write(json.dumps(seen) + "\n")
+            out.flush()
+            seen.update(all_gathers=0, elements=0)
+
+    model.register_forward_pre_hook(record)
 
 
 def packing(model, accelerator, data, collate, batch_layout: str, path: Path, *, documents: int = 8) -> None:
@@ -70,8 +106,7 @@ def packing(model, accelerator, data, collate, batch_layout: str, path: Path, *,
     worst, checked = 0.0, 0
     with torch.no_grad(), accelerator.autocast():
         batch = collate(sequences)
-        batch.pop("labels")
-        logits = model(**batch, use_cache=False).logits.float()
+        logits = model(**model_inputs(batch), use_cache=False).logits.float()
         flat = "cu_seq_lens_q" in batch
         offset = 0
         for r, sequence in enumerate(sequences):
@@ -79,8 +114,7 @@ def packing(model, accelerator, data, collate, batch_layout: str, path: Path, *,
             for a, b in zip(starts, starts[1:]):
                 ids = sequence.ids[a:b]
                 alone = collate([Sequence(ids, ids, np.arange(b - a, dtype=np.int64))])
-                alone.pop("labels")
-                reference = model(**alone, use_cache=False).logits.float()[0, :b - a]
+                reference = model(**model_inputs(alone), use_cache=False).logits.float()[0, :b - a]
                 packed = logits[0, offset + a:offset + b] if flat else logits[r, a:b]
                 worst = max(worst, float((packed - reference).abs().max() / reference.abs().max().clamp(min=1e-6)))
                 checked += 1
@@ -211,3 +245,117 @@ def held_gradient_bytes(model: torch.nn.Module, *, unsharded_only: bool = False)
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             add(unsharded.grad if unsharded is not None else None)
     return total
+
+
+class PeakTensorBytes:
+    """A context that measures the bytes of tensor storage created inside it and still alive, and their peak (tests and
+    benchmarks/loss_memory.py: what a GPU's allocator would hold, without its caching; on CPU the process's resident
+    memory also holds the allocator's free lists and the libraries). Every op's new storages are seen through a
+    TorchDispatchMode (outputs that alias an input, views and in-place results, are not new); a storage's Python
+    object lives as long as the storage (torch keeps it for resurrection), so a weak reference to it says when it is
+    freed. Only storages created inside count: call it around a step whose resting memory is not of interest."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.live = self.peak = 0
+        tracker = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tracker._seen(args, kwargs, out)
+                return out
+
+        self.mode = Mode()
+        self._alive: dict[int, object] = {}
+
+    def _seen(self, args, kwargs, out) -> None:
+        import weakref
+
+        from torch.utils._pytree import tree_flatten
+
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key, size = id(storage), storage.nbytes()
+            if key in self._alive or size == 0 or storage.data_ptr() in inputs:
+                continue
+            self._alive[key] = weakref.finalize(storage, self._freed, key, size)
+            self.live += size
+            self.peak = max(self.peak, self.live)
+
+    def _freed(self, key: int, size: int) -> None:
+        self.live -= size
+        self._alive.pop(key, None)
+
+    def __enter__(self) -> PeakTensorBytes:
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mode.__exit__(*exc)
+
+
+SYNCING_OPS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
+                         "unique_consecutive", "equal", "is_nonzero", "_assert_async"})
+"""aten ops whose result a GPU must hand back to the host before Python goes on: `_local_scalar_dense` is what
+`.item()`, `int(t)`, `float(t)`, `bool(t)` (an `if` on a tensor) call; the others produce a size only the device
+knows."""
+
+
+class HostSyncs:
+    """A context that records every call inside it that would make the host wait for a GPU: the SYNCING_OPS, a
+    `repeat_interleave` without `output_size`, indexing with a boolean mask (a nonzero inside the kernel), and
+    `.tolist()`, `.numpy()`, `.cpu()` (not dispatched on CPU tensors, so patched on the class). It works on CPU: the
+    calls are recorded whatever the device, with the line that made them. What it cannot see on CPU: a `.to("cpu")`
+    or a copy to a CPU tensor (a no-op there, and `.to(device)` of a batch is legitimate)."""
+
+    PATCHED = ("tolist", "numpy", "cpu")
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.calls: list[str] = []
+        tracker = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                kwargs = kwargs or {}
+                masked = name in ("index", "index_put", "index_put_") and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ())
+                    if i is not None)
+                if (name in SYNCING_OPS or masked
+                        or (name == "repeat_interleave" and kwargs.get("output_size") is None)):
+                    tracker._record(f"aten.{name}")
+                return func(*args, **kwargs)
+
+        self.mode = Mode()
+        self._saved: dict[str, object] = {}
+
+    def _record(self, what: str) -> None:
+        import traceback
+
+        here = next((f for f in reversed(traceback.extract_stack()[:-2]) if "torch/" not in f.filename), None)
+        self.calls.append(what + (f" at {Path(here.filename).name}:{here.lineno} ({here.line})" if here else ""))
+
+    def __enter__(self) -> HostSyncs:
+        for name in self.PATCHED:
+            original = self._saved[name] = getattr(torch.Tensor, name)
+
+            def patched(tensor, *args, _original=original, _name=name, **kwargs):
+                self._record(f"Tensor.{_name}()")
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, patched)
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mode.__exit__(*exc)
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)

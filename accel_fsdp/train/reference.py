@@ -36,7 +36,6 @@ from accel_fsdp.config.methods import METHODS
 from accel_fsdp.data.identity import digest, weights_identity
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.files import write_atomic
-from accel_fsdp.train.methods.logps import sequence_logps
 from accel_fsdp.train.sharding import gather_ints
 
 DONE = "done.json"
@@ -67,17 +66,19 @@ class AdaptersOff:
     kind = "adapters-off"
     extra_forward = True
 
-    def __init__(self, model, autocast):
+    def __init__(self, model, autocast, loss_path):
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         self.model = model
         self.autocast = autocast
         """The accelerator's autocast: the reference computes in the precision the policy does."""
+        self.loss_path = loss_path
+        """How the policy reads log-probabilities (train/methods/logps.py): the reference reads them the same way."""
         self.layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
 
     def attach(self, batch: dict, where: list[tuple[int, int]], split: str) -> None:
         with torch.no_grad(), self.disabled(), self.autocast():
-            batch["reference_logps"] = sequence_logps(self.model, batch)[0]
+            batch["reference_logps"] = self.loss_path.sequence_logps(self.model, batch)[0]
 
     @contextlib.contextmanager
     def disabled(self):
@@ -114,7 +115,11 @@ class Precomputed:
         # Copied out of the arrays (read-only when read back from the cache): a tensor over a read-only NumPy array
         # is what torch warns about.
         values = np.concatenate([self.arrays[source][split][2 * pair:2 * pair + 2] for source, pair in where])
-        batch["reference_logps"] = torch.from_numpy(values.astype(np.float32)).to(batch["labels"].device)
+        values = torch.from_numpy(values.astype(np.float32))
+        device = batch["labels"].device
+        # pinned, as the batch itself (train/setup.py `Run.collate`): the copy does not make the host wait
+        batch["reference_logps"] = (values.pin_memory() if device.type == "cuda" else values).to(device,
+                                                                                                 non_blocking=True)
 
     def describe(self) -> str:
         if self.seconds == 0:
@@ -130,7 +135,7 @@ def build_reference(run, settings):
     if not METHODS[recipe.training.method].reference:
         return NoReference()
     if recipe.model.lora.enabled:
-        return AdaptersOff(run.model, run.accelerator.autocast)
+        return AdaptersOff(run.model, run.accelerator.autocast, run.loss_path)
     # Before any checkpoint is loaded: the model holds the starting weights (a resumed run computes them again when
     # the cache lost them).
     return precompute(run, starting_weights_key(recipe, settings))
@@ -206,7 +211,7 @@ def _split_logps(run, source, split: str) -> np.ndarray:
         chunk = mine[b * micro:(b + 1) * micro]
         batch = run.collate([s for u in chunk or [0] for s in source.sequences(u, split)])
         with acc.autocast():
-            logps = sequence_logps(run.model, batch)[0].cpu().tolist()
+            logps = run.loss_path.sequence_logps(run.model, batch)[0].cpu().tolist()
         for k, u in enumerate(chunk):
             found[u] = (logps[2 * k], logps[2 * k + 1])
     if world > 1:

@@ -69,7 +69,7 @@ from accel_fsdp.train import probes
 from accel_fsdp.train.hooks import NO_SWITCHES, TestHooks, TestSwitches, substituted
 from accel_fsdp.train.lifetime import WHEREABOUTS, Preemption, doing
 from accel_fsdp.train.loading import agreed_base, leave_nf4_unsharded, load_streamed, read_digests, streams_weights
-from accel_fsdp.train.methods import Objective, build_objective
+from accel_fsdp.train.methods import LossIndex, LossPath, Objective, build_loss_path, build_objective
 from accel_fsdp.train.metrics import MetricsWriter, StartupClock, flops_per_token
 from accel_fsdp.train.observe import Terminal, TrainLogger
 from accel_fsdp.train.optimizer import build_optimizer, lr_schedule, offload_threads
@@ -156,6 +156,9 @@ class Run:
     sharding: ShardingRecord
     collator: Callable[[list[Sequence]], dict]
     """Sequences -> the batch's tensors on the CPU, in the layout the attention kernel needs (data/batches.py)."""
+    loss_path: LossPath
+    """How log-probabilities are read from the model: chunked from the hidden states, or the full logits
+    (train/methods/logps.py)."""
     objective: Objective | None = None
     """What a micro-step's loss is, what it logs and how it evaluates (train/methods/), with its reference."""
 
@@ -180,9 +183,15 @@ class Run:
         return batch
 
     def collate(self, sequences: list[Sequence]) -> dict:
-        """Sequences as tensors on this rank's device, in the layout the attention kernel needs."""
+        """Sequences as tensors on this rank's device, in the layout the attention kernel needs, with the index of
+        their loss-carrying positions (computed here, on the host: the micro-step never asks the device for one).
+        On a GPU the tensors are pinned first, so the copies are asynchronous (from pageable memory a copy makes the
+        host wait)."""
         batch = self.collator(sequences)
-        return {k: v.to(self.accelerator.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        batch["loss_index"] = LossIndex.of(batch)
+        device = self.accelerator.device
+        pin = device.type == "cuda"
+        return {k: (v.pin_memory() if pin else v).to(device, non_blocking=True) if hasattr(v, "pin_memory") else v
                 for k, v in batch.items()}
 
     def norm(self, units: list[int]):
@@ -401,8 +410,8 @@ def build_run(request: RunRequest, engine: Engine, config, tokenizer, data, buil
     return Run(request=request, settings=engine.settings, accelerator=accelerator, tokenizer=tokenizer, data=data,
                model=built.model, optimizer=built.optimizer, scheduler=scheduler, sampler=sampler, total_steps=steps,
                use_position_ids=built.use_position_ids, batch_layout=built.batch_layout, collator=collator,
-               parameters=built.parameters, trainable_parameters=built.trainable_parameters, flops_per_token=fpt,
-               **parts)
+               loss_path=build_loss_path(recipe, built.model), parameters=built.parameters,
+               trainable_parameters=built.trainable_parameters, flops_per_token=fpt, **parts)
 
 
 def with_objective(run: Run, config) -> Run:
@@ -416,7 +425,8 @@ def with_objective(run: Run, config) -> Run:
     fpt = run.flops_per_token
     if reference.extra_forward:
         fpt += flops_per_token(config, run.recipe.data.seq_len) / 3  # one more forward (2N of 6N) per micro-step
-    return dataclasses.replace(run, objective=build_objective(run.recipe, reference), flops_per_token=fpt)
+    return dataclasses.replace(run, objective=build_objective(run.recipe, reference, run.loss_path),
+                               flops_per_token=fpt)
 
 
 def build_components(run: Run, switches: TestSwitches) -> Components:
@@ -457,6 +467,7 @@ def startup_summary(recipe, settings, layout: RunLayout, data, built: ShardedMod
         f"  model     {built.model_class}, {human_count(parameters)} parameters ({trained}); weights {source}",
         *data_summary(recipe, data, sampler, total_steps),
         *([objective.summary()] if objective is not None and objective.summary() else []),
+        *([objective.loss_path.describe()] if objective is not None else []),
         *dropout_summary(recipe, dropout_off or {}),
         f"  batch     global {t.global_batch_size}{' pairs' if data.pairs else ''} = micro {t.micro_batch_size} x "
         f"{s.num_processes.value} rank(s) x "

@@ -35,6 +35,9 @@ class Objective(Protocol):
     """Its training.method (config/methods.py REGISTRY)."""
     reference: object
     """How its batches get reference log-probabilities (train/reference.py); NoReference when it needs none."""
+    loss_path: object
+    """How it reads log-probabilities from the model (logps.py `LossPath`: chunked from the hidden states, or the
+    full logits)."""
     eval_terms: tuple[tuple[str, str], ...]
     """How the held-out loss is made of `evaluate`'s sums: the sum of sums[total] / sums[count] over these
     (total, count) pairs. The evaluator weights each source's terms by the source's share of `count` in training."""

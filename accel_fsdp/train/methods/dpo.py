@@ -21,7 +21,7 @@ def dpo_loss(*, policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.
                       rejected_rewards)
 
 
-def build(recipe, reference) -> PairObjective:
+def build(recipe, reference, loss_path) -> PairObjective:
     beta, label_smoothing = recipe.preference.beta_for("dpo"), recipe.preference.label_smoothing
 
     def pair_loss(pairs: PairLogps) -> PairLosses:
@@ -31,4 +31,4 @@ def build(recipe, reference) -> PairObjective:
                         reference_rejected_logps=pairs.reference_rejected_logps, beta=beta,
                         label_smoothing=label_smoothing)
 
-    return PairObjective("dpo", pair_loss, reference, recipe=recipe)
+    return PairObjective("dpo", pair_loss, reference, loss_path, recipe=recipe)

@@ -26,7 +26,7 @@ def log1mexp(a: torch.Tensor) -> torch.Tensor:
     return torch.where(a > -0.6931471805599453, torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(a)))
 
 
-def build(recipe, reference) -> PairObjective:
+def build(recipe, reference, loss_path) -> PairObjective:
     lambda_ = recipe.preference.lambda_
 
     def pair_loss(pairs: PairLogps) -> PairLosses:
@@ -34,4 +34,4 @@ def build(recipe, reference) -> PairObjective:
                          policy_rejected_logps=pairs.policy_rejected_logps, chosen_tokens=pairs.chosen_tokens,
                          rejected_tokens=pairs.rejected_tokens, lambda_=lambda_)
 
-    return PairObjective("orpo", pair_loss, reference, recipe=recipe, chosen_nll=True)
+    return PairObjective("orpo", pair_loss, reference, loss_path, recipe=recipe, chosen_nll=True)

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from accel_fsdp.config.methods import METHODS
 from accel_fsdp.train.methods.base import Norm
-from accel_fsdp.train.methods.logps import sequence_logps
 from accel_fsdp.train.metrics import PairStatistics
 
 
@@ -65,11 +64,13 @@ class PairObjective:
     """The objective of a preference method (base.Objective): `pair_loss` maps a micro-batch's `PairLogps` to its
     `PairLosses`."""
 
-    def __init__(self, method: str, pair_loss: Callable[[PairLogps], PairLosses], reference, *, recipe,
+    def __init__(self, method: str, pair_loss: Callable[[PairLogps], PairLosses], reference, loss_path, *, recipe,
                  chosen_nll: bool = False):
         self.method = method
         self.pair_loss = pair_loss
         self.reference = reference
+        self.loss_path = loss_path
+        """How log-probabilities are read from the model (logps.py)."""
         self.chosen_nll = chosen_nll
         """The loss adds the chosen answers' NLL per chosen token (ORPO)."""
         self.eval_terms = (("loss", "pairs"),) + ((("nll", "tokens"),) if chosen_nll else ())
@@ -83,7 +84,7 @@ class PairObjective:
 
     def forward(self, model, batch: dict) -> tuple[PairLosses, dict[str, torch.Tensor], torch.Tensor]:
         """The micro-batch's pair losses, each PairStatistics' value per pair, and each sequence's token count."""
-        logps, counts = sequence_logps(model, batch)
+        logps, counts = self.loss_path.sequence_logps(model, batch)
         reference = batch.get("reference_logps")
         if METHODS[self.method].reference and reference is None:
             raise RuntimeError(f"{self.method}: a batch without reference log-probabilities")  # a bug, not the user's
@@ -104,7 +105,7 @@ class PairObjective:
             loss = loss + out.chosen_nll.sum() / tokens
         with torch.no_grad():
             sums = {name: value.detach().sum() for name, value in per_pair.items()}
-            sums["pairs"] = torch.tensor(float(len(out.losses)), device=loss.device)
+            sums["pairs"] = loss.new_full((), float(len(out.losses)))  # a fill on the device, no copy from the host
         return loss, sums
 
     def statistics(self, sums: dict[str, float]) -> PairStatistics | None:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from accel_fsdp.data.batches import label_count
 from accel_fsdp.train.methods.base import Norm
-from accel_fsdp.train.methods.logps import next_token_loss
 from accel_fsdp.train.metrics import perplexity
 
 
@@ -15,8 +13,9 @@ class NextToken:
     method = "sft"
     eval_terms = (("loss", "tokens"),)
 
-    def __init__(self, reference):
+    def __init__(self, reference, loss_path):
         self.reference = reference
+        self.loss_path = loss_path
 
     def norm(self, data, units: list[int], ranks: int, accumulation: int, *, global_mean: bool = True) -> Norm | None:
         if not global_mean:
@@ -24,14 +23,14 @@ class NextToken:
         return Norm(tokens=max(1, sum(data.label_count(u) for u in units)) / (ranks * accumulation))
 
     def __call__(self, model, batch: dict, norm: Norm | None) -> tuple[torch.Tensor, dict]:
-        return next_token_loss(model, batch, None if norm is None else norm.tokens), {}
+        return self.loss_path.next_token_loss(model, batch, None if norm is None else norm.tokens), {}
 
     def statistics(self, sums: dict[str, float]) -> None:
         return None
 
     def evaluate(self, model, batch: dict) -> dict[str, torch.Tensor]:
-        loss_sum = next_token_loss(model, batch, 1)
-        tokens = torch.tensor(float(label_count(batch["labels"])), dtype=torch.float64, device=loss_sum.device)
+        loss_sum = self.loss_path.next_token_loss(model, batch, 1)
+        tokens = torch.tensor(float(batch["loss_index"].tokens), dtype=torch.float64, device=loss_sum.device)
         return {"loss": loss_sum.double(), "tokens": tokens}
 
     def unit_counts(self, source) -> dict[str, float]:
@@ -44,5 +43,5 @@ class NextToken:
         return None
 
 
-def build(recipe, reference) -> NextToken:
-    return NextToken(reference)
+def build(recipe, reference, loss_path) -> NextToken:
+    return NextToken(reference, loss_path)

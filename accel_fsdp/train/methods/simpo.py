@@ -20,7 +20,7 @@ def simpo_loss(*, policy_chosen_logps: torch.Tensor, policy_rejected_logps: torc
                       rejected_rewards)
 
 
-def build(recipe, reference) -> PairObjective:
+def build(recipe, reference, loss_path) -> PairObjective:
     p = recipe.preference
     beta, gamma, label_smoothing = p.beta_for("simpo"), p.gamma, p.label_smoothing
 
@@ -30,4 +30,4 @@ def build(recipe, reference) -> PairObjective:
                           rejected_tokens=pairs.rejected_tokens, beta=beta, gamma=gamma,
                           label_smoothing=label_smoothing)
 
-    return PairObjective("simpo", pair_loss, reference, recipe=recipe)
+    return PairObjective("simpo", pair_loss, reference, loss_path, recipe=recipe)

@@ -14,17 +14,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import save_tiny_model, tiny_recipe, write_jsonl
+from conftest import save_tiny_model, tiny_recipe, user_error, write_jsonl
 
 from accel_fsdp.cli import main
 from accel_fsdp.config.shipped import shipped_recipes
-
-
-def user_error(*args) -> str:
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    assert result.exit_code == 2, f"exit status {result.exit_code}, output:\n{result.output}"
-    assert "Traceback" not in result.output and result.output.startswith("error: "), result.output
-    return result.output
 
 
 def snapshot(folder: Path) -> dict[str, str]:

@@ -98,6 +98,7 @@ def test_a_tokenizer_trained_on_the_users_text(tmp_path):
     assert result.exit_code == 2 and "bpe:N needs a vocabulary size N between 300 and 1,000,000" in result.output
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_from_scratch_on_own_text_with_a_trained_tokenizer_reports_its_start(tmp_path):
     """bpe:N in the recipe: trained once, cached, used by both ranks. The run reports its time to first step by
