@@ -1,6 +1,8 @@
 """Loading that streams (FSDP2 with fsdp_cpu_ram_efficient_loading): rank 0 reads the model files tensor by tensor
 and sends each rank its shards. A run so loaded trains as one whose every rank read the files: for a full model (GPT-2
-with its tied head) and for a 4-bit base, which rank 0 quantizes before it sends (the same fingerprint)."""
+with its tied head) and for a 4-bit base, which rank 0 quantizes before it sends (the same fingerprint). The block
+of rows rank 0 reads at once is made small (ACCEL_FSDP_LOAD_BLOCK: 5 rows of width 64), so blocks cross the ranks'
+shards as a large model's embeddings do."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from accel_fsdp.tools.noise import reordered
 
 pytestmark = pytest.mark.multiprocess
 STEPS = 4
+SMALL_BLOCKS = {"ACCEL_FSDP_LOAD_BLOCK": str(5 * 64)}
 
 
 def streaming_config(folder):
@@ -36,7 +39,7 @@ def run_both(tmp_path, model, **model_keys):
                          logging={"every_steps": 1})
     streamed, everywhere = tmp_path / "streamed", tmp_path / "everywhere"
     run_cli("recipe", "run", recipe, "--output-dir", streamed, "--accelerate-config", streaming_config(tmp_path),
-            check=0)
+            env=SMALL_BLOCKS, check=0)
     run_cli("recipe", "run", recipe, "--output-dir", everywhere, check=0)
     return streamed, everywhere
 

@@ -25,10 +25,20 @@ NF4_PARTS = ("quantized_data", "quantized_scalers", "quantization_factor")
 `scaler_mean` (one number) and `nf4` (the 16 levels) are whole on every rank."""
 
 
+QUANTIZE_CHUNK = 2**18
+"""Elements torchao matches against the 16 levels at once (its CHUNK_SIZE, 1M in 0.18.0): each chunk makes a chunk x
+16 difference and its absolute value, 64 MiB in bf16 at 1M, the largest part of the reading rank's peak while it
+quantizes a projection (model/streaming_load.py); 16 MiB at this size. The codes are the same: each element's
+nearest level."""
+
+
 def to_nf4(weight: torch.Tensor):
     """`weight` (out x in, in the compute dtype) as an NF4Tensor of the same dtype."""
+    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4 as torchao_to_nf4
 
+    # read at each call by torchao 0.18.0's NF4Tensor.convert_to_norm_float_weight
+    nf4_tensor.CHUNK_SIZE = min(nf4_tensor.CHUNK_SIZE, QUANTIZE_CHUNK)
     weight = weight.detach().contiguous()
     return torchao_to_nf4(weight, BLOCK_SIZE, scale_group(weight.numel()))
 

@@ -1,13 +1,17 @@
-"""Loading that streams: global rank 0 reads the model files one tensor at a time and sends every rank only the shard
-it holds, so no rank ever holds the whole model (FSDP2 with fsdp_cpu_ram_efficient_loading).
+"""Loading that streams: global rank 0 reads the model files a tensor, or a block of rows of a large one, at a time
+and sends every rank only the shard it holds, so no rank ever holds the whole model (FSDP2 with
+fsdp_cpu_ram_efficient_loading).
 
 Every rank first builds the model without weights (allocated, never written: build.py `_unwritten_parameters`) and
 lets FSDP2 shard it (`accelerator.prepare`), so each holds its shards and nothing else. Then, collectively, for each
 parameter of the base in the model's order: rank 0 reads the tensor from the safetensors files with plain reads (no
-memory map, whose pages would stay resident), converts it to the parameter's dtype (GPT-2's Conv1D weights transposed
-and quantized to NF4 first where model.quantize says so: model/nf4.py), and sends it: each rank receives its rows
-(its shard; replicas of a shard under hybrid sharding the same rows) straight into the shard FSDP2 holds. A rank
-grows by its shards; rank 0 by its shards and one whole tensor at a time (the largest: the embeddings). LoRA adapters are not read: every rank initialized them alike (build.py `apply_lora`).
+memory map, whose pages would stay resident) a block of rows at a time (BLOCK_ELEMENTS), converts the block to the
+parameter's dtype and sends it: each rank receives the block's rows its shard holds (replicas of a shard under
+hybrid sharding the same rows) straight into the shard FSDP2 holds. A 4-bit weight is read whole (its double
+quantization needs all of it: `send_nf4`), transposed where GPT-2's Conv1D stores it so, quantized to NF4
+(model/nf4.py) and sent the same way. A rank grows by its shards; rank 0 by its shards and one block, or one decoder
+projection where the base is 4-bit. LoRA adapters are not read: every rank initialized them alike (build.py
+`apply_lora`).
 
 Accelerate's own rank-0 loading (accelerate/utils/fsdp_utils.py, fsdp2_prepare_model with cpu_ram_efficient_loading,
 checked with 1.15.0) keeps rank 0's whole state dict while it broadcasts every full tensor to every rank, and cannot
@@ -28,6 +32,11 @@ import torch.distributed as dist
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model.nf4 import NF4_PARTS, NF4Linear, is_nf4, tensor_digest, to_nf4
 from accel_fsdp.model.quantize import file_name
+
+BLOCK_ELEMENTS = 4 * 2**20
+"""The most elements of a plain tensor rank 0 reads, converts and sends at once (16 MiB in fp32): a large tensor
+streams in blocks of rows, so rank 0 holds its shards and one block, not a whole tensor (GPT-2 355M's embeddings are
+51M elements, 196 MiB in fp32). Large enough that the sends stay few (13 blocks for those embeddings)."""
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -61,19 +70,20 @@ class SafetensorsFiles:
     def shape(self, name: str) -> list[int]:
         return self.entries[name][2]
 
-    def read(self, name: str, rows: int | None = None) -> torch.Tensor:
-        """The tensor; with `rows`, read into a buffer of that many rows (zeros after its own): the padding FSDP2's
-        last shards get, without a second copy of the tensor."""
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor, or with `rows` = (begin, end) those rows of it only: a plain read of their bytes (rows lie
+        one after the other in the file), never the whole tensor."""
         path, dtype, shape, offset, length = self.entries[name]
-        buffer = torch.empty([rows or shape[0], *shape[1:]] if shape else shape, dtype=SAFETENSORS_DTYPES[dtype])
-        tensor = buffer[:shape[0]] if rows else buffer
-        if rows and rows > shape[0]:
-            buffer[shape[0]:].zero_()
+        if rows is not None and shape:
+            row_bytes = length // shape[0] if shape[0] else 0
+            offset, length = offset + rows[0] * row_bytes, (rows[1] - rows[0]) * row_bytes
+            shape = [rows[1] - rows[0], *shape[1:]]
+        tensor = torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype])
         if length:
             with open(path, "rb", buffering=0) as f:
                 f.seek(offset)
                 f.readinto(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
-        return buffer
+        return tensor
 
 
 class ModuleTensors:
@@ -88,11 +98,9 @@ class ModuleTensors:
     def shape(self, name: str) -> list[int]:
         return list(self.tensors[name].shape)
 
-    def read(self, name: str, rows: int | None = None) -> torch.Tensor:
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         tensor = self.tensors[name].detach()
-        if rows and rows > tensor.shape[0]:
-            tensor = torch.cat([tensor, tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))])
-        return tensor
+        return tensor[rows[0]:rows[1]] if rows is not None and tensor.dim() else tensor
 
 
 def model_folder(name_or_path: str) -> Path:
@@ -117,7 +125,8 @@ def conv1d_weights(model: torch.nn.Module) -> set[str]:
     return {file_name(f"{n}.weight") for n, m in model.named_modules() if isinstance(m, NF4Linear) and m.from_conv1d}
 
 
-def plan_problems(model: torch.nn.Module, source, where: str) -> tuple[dict[str, str], list[Problem]]:
+def plan_problems(model: torch.nn.Module, source, where: str,
+                  block_elements: int | None = None) -> tuple[dict[str, str], list[Problem]]:
     """On the reading rank: the source name of every base parameter, and what would make the stream fail (a tensor
     the files lack or store in another shape, a tie the files break), all found before a single tensor is sent."""
     names, shapes, problems = source.names(), {}, []
@@ -137,7 +146,7 @@ def plan_problems(model: torch.nn.Module, source, where: str) -> tuple[dict[str,
             problems.append(f"{name}: {source.shape(found)} in the files, {expected} in the model its config builds")
         plan[parameter_name] = found
         shapes[found] = expected
-    problems += tie_problems(model, source, names)
+    problems += tie_problems(model, source, names, block_elements or BLOCK_ELEMENTS)
     if not problems:
         return plan, []
     return plan, [Problem(where, "rank 0 streams the weights to the ranks that hold their shards, and the model files "
@@ -147,7 +156,7 @@ def plan_problems(model: torch.nn.Module, source, where: str) -> tuple[dict[str,
                           "weights with transformers), or repair the model folder")]
 
 
-def tie_problems(model: torch.nn.Module, source, names: set[str]) -> list[str]:
+def tie_problems(model: torch.nn.Module, source, names: set[str], block_elements: int) -> list[str]:
     """A parameter the config ties under several names (GPT-2's lm_head and wte) that the files store apart with
     other values: transformers would untie it, the stream would keep one."""
     by_object: dict[int, list[str]] = {}
@@ -156,9 +165,23 @@ def tie_problems(model: torch.nn.Module, source, names: set[str]) -> list[str]:
     out = []
     for tied in by_object.values():
         stored = [n for n in tied if n in names]
-        if len(stored) > 1 and any(not torch.equal(source.read(stored[0]), source.read(n)) for n in stored[1:]):
+        if len(stored) > 1 and not same_values(source, stored, block_elements):
             out.append(f"tied parameters {', '.join(stored)} are stored apart with different values")
     return out
+
+
+def same_values(source, names: list[str], block_elements: int) -> bool:
+    """The stored tensors `names` are equal, compared a block of rows at a time (`row_blocks`)."""
+    shape = source.shape(names[0])
+    if any(source.shape(n) != shape for n in names[1:]):
+        return False
+    if not shape:
+        return all(torch.equal(source.read(names[0]), source.read(n)) for n in names[1:])
+    for block in row_blocks(shape[0], math.prod(shape[1:]), block_elements):
+        first = source.read(names[0], block)
+        if any(not torch.equal(first, source.read(n, block)) for n in names[1:]):
+            return False
+    return True
 
 
 def shard_rows(parameter) -> tuple[int, list[int]]:
@@ -200,32 +223,66 @@ def send_rows(local: torch.Tensor, pieces: list[torch.Tensor] | None, index: lis
             dist.send(piece.contiguous(), dst=rank)
 
 
-def padded_rows(parameter) -> int:
-    """Rows of a parameter with FSDP2's padding: whole chunks for every shard."""
-    shards, _ = shard_rows(parameter)
-    return math.ceil(parameter.shape[0] / shards) * shards if parameter.dim() else 0
+def row_blocks(rows: int, row_elements: int, block_elements: int) -> list[tuple[int, int]]:
+    """(begin, end) of the blocks of rows read, converted and sent at once: as many whole rows as `block_elements`
+    holds, one at least."""
+    step = max(1, block_elements // max(1, row_elements))
+    return [(begin, min(rows, begin + step)) for begin in range(0, rows, step)]
 
 
-def send_plain(parameter, full: torch.Tensor | None) -> None:
-    """One parameter in its dtype: each rank's rows into the shard it holds. `full` (rank 0) holds whole chunks
-    (`padded_rows`: FSDP2 pads the last shards)."""
+def block_targets(block: tuple[int, int], chunk: int, index: list[int], rows: int) -> list[tuple[int, int, int]]:
+    """Where a block of rows goes: (rank, begin, end) for the rows of the block that each rank's shard holds (shard
+    `index[rank]`: rows index * chunk up to (index + 1) * chunk, fewer or none in FSDP2's last shards); a rank whose
+    shard holds none of them is left out."""
+    out = []
+    for rank, shard in enumerate(index):
+        begin, end = max(block[0], shard * chunk), min(block[1], (shard + 1) * chunk, rows)
+        if begin < end:
+            out.append((rank, begin, end))
+    return out
+
+
+def send_plain(parameter, source, name: str | None, block_elements: int) -> None:
+    """One parameter in its dtype, a block of rows at a time (`row_blocks`): rank 0 reads the block from `source`
+    (None elsewhere), converts it and sends each rank the rows of it that its shard holds; each rank receives them
+    straight into its shard (through a buffer only where that is not contiguous). Rank 0 so holds one block besides
+    its shards, whatever the tensor's size (the embeddings are the largest). Point to point rather than a scatter: a
+    scatter needs equal buffers, and FSDP2's last shards may be shorter or empty."""
     from torch.distributed.tensor import DTensor
 
     local = parameter._local_tensor if isinstance(parameter, DTensor) else parameter
+    local = local if local.dim() else local.view(1)  # a scalar: one row, whole on every rank
     shards, index = shard_rows(parameter)
-    rows = parameter.shape[0] if parameter.dim() else 1  # a scalar: one row, whole on every rank
+    rows = parameter.shape[0] if parameter.dim() else 1
     chunk = math.ceil(rows / shards)
-    pieces = None
-    if full is not None:
-        full = full.to(device=local.device, dtype=local.dtype)
-        pieces = list((full if parameter.dim() else full.view(1)).split(chunk))
-    with torch.no_grad():
-        send_rows(local if local.dim() else local.view(1), pieces, index, rows)
+    me = dist.get_rank() if dist.is_initialized() else 0
+    for block in row_blocks(rows, parameter.numel() // max(1, rows), block_elements):
+        read = None
+        if source is not None:
+            read = source.read(name, block if parameter.dim() else None)
+            read = read.to(device=local.device, dtype=local.dtype).reshape(-1, *local.shape[1:])
+        for rank, begin, end in block_targets(block, chunk, index, rows):
+            with torch.no_grad():
+                if me == 0 and rank != 0:
+                    dist.send(read[begin - block[0]:end - block[0]].contiguous(), dst=rank)
+                elif rank == me:
+                    mine = local[begin - index[rank] * chunk:end - index[rank] * chunk]
+                    if me == 0:
+                        mine.copy_(read[begin - block[0]:end - block[0]])
+                        continue
+                    buffer = mine if mine.is_contiguous() else torch.empty_like(mine)
+                    dist.recv(buffer, src=0)
+                    if buffer is not mine:
+                        mine.copy_(buffer)
+        del read
 
 
 def send_nf4(parameter, full: torch.Tensor | None, name: str) -> bytes | None:
-    """One 4-bit weight: rank 0 quantizes the whole weight (the scales' mean is the whole weight's), each rank
-    receives its rows' codes and scales into the NF4 shard it holds. Returns the weight's digest on rank 0."""
+    """One 4-bit weight: rank 0 quantizes the whole weight, each rank receives its rows' codes and scales into the
+    NF4 shard it holds. Returns the weight's digest on rank 0. Read whole, not in blocks: torchao's double
+    quantization subtracts the mean of all the weight's block scales before it quantizes them (nf4_tensor.py,
+    NF4Tensor.double_quantize_scalers), so no block's bytes are known before the whole weight is read; a decoder
+    projection is small beside the embeddings (GPT-2 355M: 4M elements against 51M)."""
     from torch.distributed.tensor import DTensor
 
     local = parameter._local_tensor if isinstance(parameter, DTensor) else parameter
@@ -244,13 +301,16 @@ def send_nf4(parameter, full: torch.Tensor | None, name: str) -> bytes | None:
     return tensor_digest(name, quantized) if quantized is not None else None
 
 
-def stream_weights(model: torch.nn.Module, source, *, where: str) -> dict[str, bytes]:
-    """Fill every rank's shards of the base from `source` (read on global rank 0 only; None elsewhere). Collective.
-    Returns, on rank 0, the digest of every 4-bit weight by file name (model/nf4.py `base_of`)."""
+def stream_weights(model: torch.nn.Module, source, *, where: str,
+                   block_elements: int | None = None) -> dict[str, bytes]:
+    """Fill every rank's shards of the base from `source` (read on global rank 0 only; None elsewhere), plain
+    tensors in blocks of at most `block_elements` (BLOCK_ELEMENTS) elements. Collective. Returns, on rank 0, the
+    digest of every 4-bit weight by file name (model/nf4.py `base_of`)."""
     from accelerate.utils import broadcast_object_list
 
+    block_elements = block_elements or BLOCK_ELEMENTS
     reading = source is not None
-    plan, problems = plan_problems(model, source, where) if reading else ({}, [])
+    plan, problems = plan_problems(model, source, where, block_elements) if reading else ({}, [])
     box = [[str(p) for p in problems]]
     if dist.is_initialized() and dist.get_world_size() > 1:
         broadcast_object_list(box, from_process=0)
@@ -260,16 +320,15 @@ def stream_weights(model: torch.nn.Module, source, *, where: str) -> dict[str, b
     digests: dict[str, bytes] = {}
     for parameter_name, parameter in base_parameters(model):
         name = file_name(parameter_name)
-        plain = not is_nf4(parameter)
-        full = (source.read(plan[parameter_name], padded_rows(parameter) if plain else None) if reading
-                else None)
-        if not plain:
-            if full is not None and name in transposed:
-                full = full.t()
-            digest = send_nf4(parameter, full, name)
-            if digest is not None:
-                digests[name] = digest
-        else:
-            send_plain(parameter, full)
+        if not is_nf4(parameter):
+            send_plain(parameter, source, plan.get(parameter_name), block_elements)
+            continue
+        # in the compute dtype before the transposed copy and the quantization: the fp32 read freed first
+        full = source.read(plan[parameter_name]).to(parameter.dtype) if reading else None
+        if full is not None and name in transposed:
+            full = full.t()
+        digest = send_nf4(parameter, full, name)
+        if digest is not None:
+            digests[name] = digest
         del full
     return digests

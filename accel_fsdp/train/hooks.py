@@ -7,6 +7,8 @@ Switches, set in the environment of a run by tests and by `verify` (never by a u
   ACCEL_FSDP_TRACE_UNITS=1          per rank and step, the training units read, in <run>/trace/ (resume tests)
   ACCEL_FSDP_SLOW_DATA=<seconds>    each source's build waits this long first (a large dataset's build, for the
                                     tests of what the other ranks do meanwhile)
+  ACCEL_FSDP_LOAD_BLOCK=<elements>  streaming loading's block of rows (model/streaming_load.py BLOCK_ELEMENTS) this
+                                    small, so a tiny model's blocks cross the ranks' shards
 
 They are read once, by `TestSwitches.from_env` in train/setup.py, and reach the code that acts on them as plain
 parameters where a library takes the broken setting (`reduce_dtype`, `preserve_rng_state`, `shard_cpu_ranks`), as a
@@ -44,6 +46,7 @@ FAULT_ENV = "ACCEL_FSDP_FAULT"
 PROBE_ENV = "ACCEL_FSDP_PROBE"
 TRACE_ENV = "ACCEL_FSDP_TRACE_UNITS"
 SLOW_DATA_ENV = "ACCEL_FSDP_SLOW_DATA"
+LOAD_BLOCK_ENV = "ACCEL_FSDP_LOAD_BLOCK"
 
 BREAKS = {
     "unsharded": "CPU ranks: leave Accelerate's state as it comes (unsharded replicas), and skip the check that stops "
@@ -80,13 +83,16 @@ class TestSwitches:
     """Record the training sequences each rank reads at each step."""
     slow_data: float = 0.0
     """Seconds each data source's build waits before it starts."""
+    load_block: int | None = None
+    """Elements of streaming loading's block of rows (None: model/streaming_load.py's own)."""
 
     @classmethod
     def from_env(cls, env=None) -> TestSwitches:
         env = os.environ if env is None else env
         switches = cls(breaks=_names(env.get(BREAK_ENV)), fault=env.get(FAULT_ENV) or None,
                        probes=_names(env.get(PROBE_ENV)), trace_units=bool(env.get(TRACE_ENV)),
-                       slow_data=float(env.get(SLOW_DATA_ENV) or 0))
+                       slow_data=float(env.get(SLOW_DATA_ENV) or 0),
+                       load_block=int(env[LOAD_BLOCK_ENV]) if env.get(LOAD_BLOCK_ENV) else None)
         for names, known, var in ((switches.breaks, BREAKS, BREAK_ENV), (switches.probes, probes.PROBES, PROBE_ENV)):
             if names - set(known):
                 raise ValueError(f"{var}: unknown {', '.join(sorted(names - set(known)))}; known: {', '.join(known)}")

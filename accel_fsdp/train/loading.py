@@ -35,11 +35,13 @@ def leave_nf4_unsharded(accelerator, model: torch.nn.Module, settings: FsdpSetti
         accelerator.state.fsdp_plugin.ignored_modules = "|".join(re.escape(name) for name in names)
 
 
-def load_streamed(accelerator, model: torch.nn.Module, recipe, config, dtype: torch.dtype) -> dict[str, bytes]:
-    """After `prepare`: every rank's shards filled from global rank 0's reads (collective). The digests of the 4-bit
+def load_streamed(accelerator, model: torch.nn.Module, recipe, config, dtype: torch.dtype,
+                  block_elements: int | None = None) -> dict[str, bytes]:
+    """After `prepare`: every rank's shards filled from global rank 0's reads, large tensors a block of rows of at
+    most `block_elements` at a time (None: streaming_load.py's BLOCK_ELEMENTS; collective). The digests of the 4-bit
     weights, on rank 0."""
     source = weight_source(recipe, config, dtype) if accelerator.is_main_process else None
-    return stream_weights(model, source, where=recipe.where("model.name_or_path"))
+    return stream_weights(model, source, where=recipe.where("model.name_or_path"), block_elements=block_elements)
 
 
 def read_digests(accelerator, model: torch.nn.Module, recipe) -> dict[str, bytes] | None:

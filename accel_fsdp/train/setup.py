@@ -315,7 +315,7 @@ def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | No
         leave_nf4_unsharded(accelerator, model, settings)
         model, optimizer = accelerator.prepare(model, build_optimizer(model, recipe, settings))
     if streaming:
-        digests = load_streamed(accelerator, model, recipe, config, frozen_dtype)
+        digests = load_streamed(accelerator, model, recipe, config, frozen_dtype, block_elements=switches.load_block)
     loading.stop()
     knobs = after_sharding(knobs, recipe, model, optimizer, accelerator.device,
                            lossy_offload=switches.broken("offload-bf16"))

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.files import write_atomic
 from accel_fsdp.model.build import layout_differences, layout_of
-from accel_fsdp.model.nf4 import held_bytes, nf4_local_bytes
+from accel_fsdp.model.nf4 import held_bytes, is_nf4, nf4_local_bytes
 from accel_fsdp.train.accelerator import expected_shards
 from accel_fsdp.train.cpu_fsdp import local_numel
 
@@ -100,11 +100,25 @@ def layout_rows(layout: list[list[float]]) -> list[dict]:
             for r, row in enumerate(layout)]
 
 
+SUM_BLOCK = 2**20
+"""Elements summed at once in float64 by `local_sum`: 8 MiB."""
+
+
+def local_sum(tensor: torch.Tensor) -> float:
+    """The sum of a tensor in float64, a block of SUM_BLOCK elements at a time: torch's CPU sum with a wider dtype
+    first casts the whole input to it (aten/src/ATen/native/ReduceOps.cpp, make_reduction_from_out_ty), and a whole
+    float64 copy of the embeddings' shard (196 MiB on each of 2 ranks of the 355M GPT-2) was the machine's peak just
+    after streaming loading. A 4-bit weight is summed whole (dequantized: one projection's shard)."""
+    tensor = tensor.detach()
+    if is_nf4(tensor) or not tensor.is_contiguous():
+        return float(tensor.double().sum())
+    return sum(float(block.double().sum()) for block in tensor.reshape(-1).split(SUM_BLOCK))
+
+
 def shard_layout(acc, model) -> list[list[float]]:
     """Per rank: parameters held, a checksum of them, and its (replica, shard) coordinates in the device mesh.
     Replicas of one shard hold identical values; the ranks of a shard group hold different pieces."""
-    checksum = sum(float((p.to_local() if isinstance(p, DTensor) else p).detach().double().sum())
-                   for p in model.parameters())
+    checksum = sum(local_sum(p.to_local() if isinstance(p, DTensor) else p) for p in model.parameters())
     mesh = getattr(acc, "torch_device_mesh", None)
     if mesh is not None and "dp_replicate" in (mesh.mesh_dim_names or ()):
         coordinate = mesh.get_coordinate()
