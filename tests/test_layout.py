@@ -115,7 +115,7 @@ def test_owned_names_come_from_the_layout():
     assert set(OWNED) == {layout.RUN_FILE, layout.RECIPE_FILE, layout.SETTINGS_FILE, layout.SHARDING_FILE,
                           layout.METRICS_FILE, layout.CHECKPOINTS_DIR, layout.FINAL_DIR, layout.LOGS_DIR,
                           layout.TRACE_DIR, layout.LOSS_CURVE_FILE, layout.REPORT_FILE, layout.PREEMPTED_FILE,
-                          layout.RUN_PARAMETERS_FILE, layout.REFERENCE_DIR}
+                          layout.RUN_PARAMETERS_FILE, layout.REFERENCE_DIR, layout.SCRATCH_BASE_DIR}
 
 
 # ------------------------------------------------------------------------------------------------ records
@@ -126,7 +126,7 @@ def test_manifest_round_trips_the_json_keys_and_names_damage():
 
     data = {"format": FORMAT, "step": 7, "epoch": 0, "world_size": 2, "state_dict_type": "SHARDED_STATE_DICT",
             "fsdp_version": 2, "lora": False, "recipe_fingerprint": "f", "run_id": "r", "parameters": 10,
-            "trainable_parameters": 10, "created": "now", "versions": {"torch": "x"},
+            "trainable_parameters": 10, "created": "now", "versions": {"torch": "x"}, "quantized_base": None,
             "data": {"d": {"key": "data.path", "identity": {"file": "/d.jsonl", "size": 3, "mtime_ns": 1}}},
             "files": {"a": 1}, "crc32": {"a": "00000000"}}
     m = Manifest.from_dict(data)

@@ -164,7 +164,7 @@ def test_eval_loss_weights_each_source_by_its_share_of_what_the_training_loss_av
     data = prepare_data(recipe, build_tokenizer())
     tokens = {s.name: float(np.mean(s.train.labels)) for s in data.sources}
     assert tokens["long"] > 4 * tokens["short"]  # what makes rows and tokens differ
-    shares = {name: share["tokens"] for name, share in loss_shares(data, NextToken(NoReference())).items()}
+    shares = {name: share["tokens"] for name, share in loss_shares(data, NextToken(NoReference(), loss_path=None)).items()}
     if mix_by == "tokens":
         expected = {"short": 0.75, "long": 0.25}
     else:
@@ -172,7 +172,7 @@ def test_eval_loss_weights_each_source_by_its_share_of_what_the_training_loss_av
         expected = {"short": 0.75 * tokens["short"] / total, "long": 0.25 * tokens["long"] / total}
     assert shares == pytest.approx(expected, rel=1e-12)
     held = {"short": {"loss": 30.0, "tokens": 10.0}, "long": {"loss": 100.0, "tokens": 50.0}}  # 3.0 and 2.0 a token
-    loss = mixture_loss(NextToken.eval_terms, held, loss_shares(data, NextToken(NoReference())))
+    loss = mixture_loss(NextToken.eval_terms, held, loss_shares(data, NextToken(NoReference(), loss_path=None)))
     assert loss == pytest.approx(3.0 * expected["short"] + 2.0 * expected["long"], rel=1e-12)
 
 
