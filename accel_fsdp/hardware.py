@@ -54,7 +54,8 @@ def cuda_capability() -> tuple[int, int] | None:
         return None
     import torch
 
-    return min(torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))
+    capabilities = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+    return min(capabilities) if capabilities else None
 
 
 def usable_cores() -> int:

@@ -36,7 +36,7 @@ from accel_fsdp.layout import RunLayout
 from accel_fsdp.model import checks as model_checks
 from accel_fsdp.model import facts as model_facts
 from accel_fsdp.model.compile import compile_problems
-from accel_fsdp.model.fp8 import fp8_problems
+from accel_fsdp.model.fp8 import FP8, fp8_problems
 from accel_fsdp.model.hub import hub_problems
 from accel_fsdp.model.tokenizer import offline_tokenizer
 from accel_fsdp.run.folder import Decision, decide, lock_problems, writable_problems
@@ -152,13 +152,15 @@ def model_problems(recipe, settings: FsdpSettings, view) -> list[Problem]:
     and whether the knobs the recipe turns on (compile, fp8) can run on this model and machine."""
     detect_wrap_classes(settings, view.no_split_modules)
     here = settings.device.value == "cuda" and settings.device.source != Source.TARGET_HARDWARE
+    # The GPUs' capability only where fp8 asks for it: reading it initializes CUDA, which nothing else here needs.
+    capability = hardware.cuda_capability() if here and settings.mixed_precision.value == FP8 else None
     return (model_checks.context_problems(recipe, view.context)
             + wrap_class_problems(settings, view, recipe)
             + model_checks.lora_target_problems(view, recipe)
             + model_checks.quantize_problems(view, recipe, shard_group_size(settings),
                                              remote_code=recipe.model.trust_remote_code)
             + compile_problems(recipe, settings, view)
-            + fp8_problems(recipe, settings, view, hardware.cuda_capability() if here else None))
+            + fp8_problems(recipe, settings, view, capability))
 
 
 VERIFY_BEFORE_LAUNCH_BYTES = 2 << 30
