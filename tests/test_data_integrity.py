@@ -245,6 +245,7 @@ print(json.dumps({"rank": rank, "units": len(data)}), flush=True)
 """
 
 
+@pytest.mark.slow
 def test_a_build_longer_than_the_collective_timeout_is_waited_for_in_the_store(tmp_path, cache):
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
                PYTHONPATH=str(REPO))

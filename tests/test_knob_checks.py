@@ -45,6 +45,7 @@ def report_of(folder) -> dict:
 FP32 = ["--set", "training.mixed_precision=fp32"]  # the tightest bounds: a rounding to bf16 shows
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_verify_proves_compile_and_offload_where_the_recipe_turns_them_on(tmp_path):
     out = tmp_path / "verify"

@@ -44,6 +44,7 @@ def run_both(tmp_path, model, **model_keys):
     return streamed, everywhere
 
 
+@pytest.mark.slow
 def test_a_streamed_4bit_base_is_the_base_every_rank_would_read(tmp_path, tiny_llama):
     """The 4-bit base rank 0 quantizes and streams has the fingerprint of the one each rank quantizes itself, and
     trains alike (fp32: the same sums, in the same orders, give the same losses up to reordering)."""

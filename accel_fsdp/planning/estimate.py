@@ -221,7 +221,8 @@ def format_report(target: Target, rows: list[Row], *, gpus: int, nodes: int, pre
     if logits:
         lines.append(f"  (activations include the {logits})")
     one, each = simple_bytes(target.params, 1, False), simple_bytes(target.params, world, True)
-    lines.append(f"fp32 AdamW at 16 bytes/parameter: {one:,.2f} GiB on 1 GPU; "
+    full = "a full fine-tune of every parameter, " if target.trainable < target.params else ""  # LoRA, QLoRA
+    lines.append(f"{full}fp32 AdamW at 16 bytes/parameter: {one:,.2f} GiB on 1 GPU; "
                  f"{each:,.2f} GiB per GPU with FSDP on {world}")
     head = (f"{'strategy':<24}{'params':>9}{'grads':>9}{'optim':>9}{'gathered':>10}{'activ.':>9}{'GPU total':>11}"
             f"{'CPU':>9}  fits {gib(gpu_memory)} GiB")
