@@ -237,8 +237,8 @@ def gloo_interface(env, interfaces: dict[str, list[str]]) -> tuple[str | None, s
         for want in (w.strip() for w in nccl.lstrip("=").split(",") if w.strip()):
             for name in usable:
                 if name == want or (not exact and name.startswith(want)):
-                    return name, f"gloo (barriers, object collectives) binds {name}: GLOO_SOCKET_IFNAME derived from " \
-                                 f"NCCL_SOCKET_IFNAME={nccl}"
+                    return name, (f"gloo (barriers, object collectives) binds {name}: GLOO_SOCKET_IFNAME derived "
+                                  f"from NCCL_SOCKET_IFNAME={nccl}")
         return None, (f"NCCL_SOCKET_IFNAME={nccl} names no interface with an address on this machine "
                       f"({', '.join(usable) or 'none'}): gloo binds the address of this machine's name; set "
                       "GLOO_SOCKET_IFNAME to the interface the machines share")
@@ -246,8 +246,8 @@ def gloo_interface(env, interfaces: dict[str, list[str]]) -> tuple[str | None, s
         where = socket.gethostbyname(socket.gethostname())
     except OSError:
         where = "nothing (gloo falls back to 127.0.0.1)"
-    why = f"NCCL_SOCKET_IFNAME={nccl} excludes interfaces rather than naming one" if nccl else \
-        "neither GLOO_SOCKET_IFNAME nor NCCL_SOCKET_IFNAME is set"
+    why = (f"NCCL_SOCKET_IFNAME={nccl} excludes interfaces rather than naming one" if nccl
+           else "neither GLOO_SOCKET_IFNAME nor NCCL_SOCKET_IFNAME is set")
     loop = ", a loopback address the other machines cannot reach" if where.startswith("127.") else ""
     return None, (f"{why}: gloo (barriers, object collectives) binds the address this machine's name resolves to "
                   f"({where}{loop}); set GLOO_SOCKET_IFNAME (or NCCL_SOCKET_IFNAME) to the interface the machines "

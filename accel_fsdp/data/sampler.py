@@ -170,8 +170,9 @@ class GlobalBatchSampler:
         if self._cache is not None and self._cache[0] == step - 1:
             self._step, self._state = step, self._cache[2]
         if step < self._step:
-            self._step, self._state = (self._restored[0], self._restored[1]) if self._restored and \
-                self._restored[0] <= step else (0, _State.start(len(self.sizes)))
+            restart_here = self._restored is not None and self._restored[0] <= step
+            self._step, self._state = ((self._restored[0], self._restored[1]) if restart_here
+                                       else (0, _State.start(len(self.sizes))))
         while self._step < step:
             _, self._state = self._draw(self._state)
             self._step += 1

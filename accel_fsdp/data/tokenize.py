@@ -175,8 +175,8 @@ class ExampleTokenizer:
                     continue
                 value = row[column]
                 if not isinstance(value, str) or not value.strip():
-                    what = "is missing or empty" if value is None or (isinstance(value, str) and not value.strip()) \
-                        else f"is not text ({type(value).__name__} {str(value)[:40]!r})"
+                    what = ("is missing or empty" if value is None or (isinstance(value, str) and not value.strip())
+                            else f"is not text ({type(value).__name__} {str(value)[:40]!r})")
                     self.reader.bad(f"{role} value", n, f"field {column!r} {what}",
                                     "every row needs an instruction and an output")
                     ok = False
@@ -321,8 +321,8 @@ class ExampleTokenizer:
             return self._conversations(n, prompt, chosen, rejected)
         for column, value in ((s.chosen_field, chosen), (s.rejected_field, rejected)):
             if not isinstance(value, str) or not value.strip():
-                what = "is empty" if isinstance(value, str) or value is None else \
-                    f"is not text ({type(value).__name__})"
+                what = ("is empty" if isinstance(value, str) or value is None
+                        else f"is not text ({type(value).__name__})")
                 self.reader.bad("empty answer", n, f"answer {column!r} {what}",
                                 "every pair needs two non-empty answers")
                 return None
@@ -338,8 +338,8 @@ class ExampleTokenizer:
     def _conversations(self, n: int, prompt, chosen, rejected):
         s = self.source
         prefix = prompt if isinstance(prompt, list) else []
-        if isinstance(prompt, str) and isinstance(chosen, list) and chosen and isinstance(chosen[0], dict) \
-                and chosen[0].get("role") == "assistant":
+        if (isinstance(prompt, str) and isinstance(chosen, list) and chosen and isinstance(chosen[0], dict)
+                and chosen[0].get("role") == "assistant"):
             prefix = [{"role": "user", "content": prompt}]  # the prompt as text, the answers as assistant turns
         full = []
         for column, messages in ((s.chosen_field, chosen), (s.rejected_field, rejected)):
