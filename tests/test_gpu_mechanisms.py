@@ -232,8 +232,8 @@ def test_a_checkpoint_rank0_reads_differently_from_the_config_is_one_message(tmp
                    cpu_config(tmp_path / "c.yaml", fsdp={"fsdp_cpu_ram_efficient_loading": True}),
                    "--output-dir", tmp_path / "run")
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert ("rank 0 reads the weights and the other ranks build the model from its config, and they differ"
-            in proc.stderr)
+    assert ("rank 0 streams the weights to the ranks that hold their shards, and the model files differ from the "
+            "model the config builds" in proc.stderr)
     assert "tied parameters" in proc.stderr and "fsdp_cpu_ram_efficient_loading: false" in proc.stderr
     assert proc.stderr.count("error:") == 1
 

@@ -63,3 +63,26 @@ def test_a_streamed_full_model_trains_as_one_every_rank_read(tmp_path, tiny_gpt2
     assert losses(streamed) == pytest.approx(losses(everywhere), rel=STEPS * reordered(8 * 64))
     record = json.loads((streamed / "sharding.json").read_text())
     assert record["rank0_only_loading"] is True
+
+
+@pytest.mark.parametrize("quantize", [None, "nf4"])
+def test_the_adapters_of_an_unwritten_base_are_drawn_as_those_of_a_read_one(tmp_path, tiny_llama, quantize):
+    """Under streamed loading every rank builds the base unwritten (on meta, then allocated), and PEFT puts the
+    adapters on their base layer's device: they must still get their first values, the same as a read base's (they
+    were memory nothing wrote: NaN losses on a plain LoRA base)."""
+    import torch
+    from transformers import AutoConfig
+
+    from accel_fsdp.config.recipe import load_recipe
+    from accel_fsdp.model.build import build_model
+
+    recipe = load_recipe(tiny_recipe(tmp_path / "r.yaml", tiny_llama, "builtin:quickstart", model={
+        "quantize": quantize, "lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}}))
+    config = AutoConfig.from_pretrained(tiny_llama)
+    read = dict(build_model(recipe, config).named_parameters())
+    unwritten = dict(build_model(recipe, config, empty=True).named_parameters())
+    adapters = [name for name in read if ".lora_" in name]
+    assert adapters and all(unwritten[name].device.type == "cpu" for name in adapters)
+    for name in adapters:
+        assert torch.equal(unwritten[name], read[name]), name
+        assert bool((read[name] == 0).all()) is (".lora_B" in name), name

@@ -335,10 +335,30 @@ def apply_lora(model, recipe):
     # The adapters' first values from the recipe's seed alone, whatever building the base drew before: each rank of
     # a run builds them itself, with the base read or not (model/streaming_load.py sends the base only). A stream of
     # their own (seed + 1), not the one a from-scratch base's initialization began with.
-    torch.manual_seed((recipe.training.seed + 1) % 2**32)
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    model = get_peft_model(model, config)
+    draw_adapters(model, (recipe.training.seed + 1) % 2**32)
+    return model
+
+
+def draw_adapters(model, seed: int) -> None:
+    """Give every LoRA adapter its first values, drawn from `seed` in module order, on a model whose base was read
+    or was built unwritten alike. PEFT creates an adapter on its base layer's device (peft 0.21.2 lora/layer.py,
+    `_move_adapter_to_device_of_base_layer`): on an unwritten (meta) base the adapters are meta too, and would
+    otherwise become memory that nothing ever wrote (NaN losses under streamed loading). Drawn again here on every
+    path, the values do not depend on how the base was loaded."""
+    from peft.tuners.lora import LoraLayer
+
+    torch.manual_seed(seed)
+    for module in model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        for adapter in list(module.lora_A):
+            for part in (module.lora_A[adapter], module.lora_B[adapter]):
+                if any(p.device.type == "meta" for p in part.parameters()):
+                    part.to_empty(device="cpu")
+            module.reset_lora_parameters(adapter, True)  # A as nn.Linear's default (Kaiming), B zeros
 
 
 def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:
