@@ -414,7 +414,11 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path, default=None, help="also write the report as markdown here")
     parser.add_argument("--table-only", action="store_true", help="only the knobs' throughput table")
     parser.add_argument("--no-table", action="store_true", help="only the checks, not the throughput table")
+    parser.add_argument("--table-steps", type=int, default=None, help="optimizer steps of each row of the table "
+                        "(default: knob_throughput.STEPS; at least 2, the first is warm-up)")
     args = parser.parse_args()
+    if args.table_steps is not None and args.table_steps < 2:
+        parser.error("--table-steps must be at least 2 (tokens/s is measured after the first step)")
     from accel_fsdp.quiet import quiet_libraries
 
     quiet_libraries()  # transformers' progress bars while the models are written and read
@@ -429,9 +433,10 @@ def main() -> None:
     print(f"accel-fsdp GPU check: {ranks} x {device}, torch {torch.__version__}, work folder {work}", flush=True)
     sections = [] if args.table_only else [run_checks(machine, set(args.only or ()))]
     if not args.no_table and not args.only:
-        from knob_throughput import throughput_section  # benchmarks/ is this script's folder, first on sys.path
+        from knob_throughput import STEPS, throughput_section  # benchmarks/ is this script's folder, first on sys.path
 
-        sections.append(throughput_section(work, args.cpu, 2 if args.cpu else 1, device, Section))
+        sections.append(throughput_section(work, args.cpu, 2 if args.cpu else 1, device, Section,
+                                           args.table_steps or STEPS))
     results = [row[s.columns.index("result")] for s in sections for row in s.rows]
     print(f"{results.count('PASS')} passed, {results.count('FAIL')} failed, {results.count('SKIP')} skipped")
     if args.markdown:

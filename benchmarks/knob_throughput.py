@@ -3,11 +3,12 @@
     python benchmarks/gpu_check.py --table-only --markdown table.md    # the table alone, one GPU
     python benchmarks/gpu_check.py --cpu                               # with the checks, tiny models on CPU ranks
 
-Each model is trained for STEPS optimizer steps, from random weights built from its config (no download; the
-shapes of model/architectures.py), on packed built-in stories, once per row, each row adding a knob to the row
-above: eager, +compile, +chunked loss, +activation offload, +FP8 (Llama on GPUs of compute capability 8.9+). A row
-reports tokens/s (after the first step), MFU against the card's dense bf16 peak (hardware.py PEAK_FLOPS), the peak
-memory of a rank, and its loss after STEPS steps against eager's. A row that cannot run here says why, as SKIP.
+Each model is trained for STEPS optimizer steps (gpu_check's `--table-steps` changes it), from random weights built
+from its config (no download; the shapes of model/architectures.py), on packed built-in stories, once per row, each
+row adding a knob to the row above: eager, +compile, +chunked loss, +activation offload, +FP8 (Llama on GPUs of
+compute capability 8.9+). A row reports tokens/s (after the first step), MFU against the card's dense bf16 peak
+(hardware.py PEAK_FLOPS), the peak memory of a rank, and its loss after those steps against eager's. A row that
+cannot run here says why, as SKIP.
 
 On GPUs: llama-3.2-1b at 2,048 and 8,192 tokens, gpt2-xl at 1,024, full fine-tunes in bf16 on one GPU. On CPU ranks
 (--cpu) the same rows on tiny models of the same families (2 blocks, the real vocabularies) at 128 tokens, where FP8
@@ -83,7 +84,7 @@ def skipped_because(model: Model, variant: Variant, cpu: bool, known_keys: set[s
     return None
 
 
-def recipe_for(model: Model, work: Path, cpu: bool, ranks: int) -> Path:
+def recipe_for(model: Model, work: Path, cpu: bool, ranks: int, steps: int = STEPS) -> Path:
     overrides = dict(model.cpu_overrides if cpu else {}, vocab_size=model.vocab)
     data = {"name": f"throughput-{model.architecture}-{model.seq_len}",
             "model": {"architecture": model.architecture, "tokenizer": "builtin:quickstart",
@@ -91,7 +92,7 @@ def recipe_for(model: Model, work: Path, cpu: bool, ranks: int) -> Path:
             "data": {"path": "builtin:quickstart", "seq_len": model.seq_len, "eval_fraction": 0, "packing": True,
                      "max_rows": 6000},
             "training": {"micro_batch_size": model.micro_batch, "global_batch_size": model.micro_batch * ranks,
-                         "max_steps": STEPS, "lr": 1e-4, "warmup_steps": 0, "mixed_precision": "bf16"},
+                         "max_steps": steps, "lr": 1e-4, "warmup_steps": 0, "mixed_precision": "bf16"},
             "checkpoint": {"export_final": False}, "logging": {"every_steps": 1, "sample_prompt": None}}
     path = work / f"{data['name']}.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -130,14 +131,16 @@ def row_figures(rows: list[dict], eager_loss: float | None) -> list[str]:
             f"{loss:.4f}{versus}"]
 
 
-def throughput_section(work: Path, cpu: bool, ranks: int, device: str, section_type):
-    """The table, as gpu_check's Section; each row printed as it is measured."""
-    section = section_type(f"Knob throughput: {STEPS} steps on {ranks} x {device}, bf16",
+def throughput_section(work: Path, cpu: bool, ranks: int, device: str, section_type, steps: int = STEPS):
+    """The table, as gpu_check's Section; each row printed as it is measured. `steps` below STEPS (at least 2: the
+    first step is warm-up) gives the same rows for less time: tests/test_knob_throughput.py checks the mechanism, not
+    the figures."""
+    section = section_type(f"Knob throughput: {steps} steps on {ranks} x {device}, bf16",
                            ["model", "tokens", "variant", "result", "tokens/s", "MFU", "peak memory",
-                            f"loss after {STEPS} steps"])
+                            f"loss after {steps} steps"])
     keys = known_recipe_keys()
     for model in CPU_MODELS if cpu else GPU_MODELS:
-        recipe, sets, eager_loss = recipe_for(model, work, cpu, ranks), [], None
+        recipe, sets, eager_loss = recipe_for(model, work, cpu, ranks, steps), [], None
         for variant in VARIANTS:
             sets += [s for s in variant.sets if s.split("=")[0] in keys]
             why = skipped_because(model, variant, cpu, keys)
@@ -148,7 +151,7 @@ def throughput_section(work: Path, cpu: bool, ranks: int, device: str, section_t
                 started = time.monotonic()
                 folder = work / f"throughput-{model.architecture}-{model.seq_len}-{len(section.rows)}"
                 proc, rows = train(recipe, folder, sets, cpu, ranks)
-                if proc.returncode != 0 or len(rows) < STEPS:
+                if proc.returncode != 0 or len(rows) < steps:
                     tail = (proc.stderr or proc.stdout).strip().splitlines()
                     cells = [*head, "FAIL", f"exit {proc.returncode}: {tail[-1][:200] if tail else 'no output'}",
                              "", "", ""]
