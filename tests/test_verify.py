@@ -55,12 +55,7 @@ INSTRUCTION = ["--set", "data.path=builtin:quickstart-instruct", "--set", "data.
 
 @pytest.mark.parametrize("broken,check,extra,expected", [
     ("unsharded", "sharding", [], "not sharded over 2 ranks"),  # one probe: the fast tier's verify run
-    pytest.param("bf16-reduce", "precision", ["--set", "training.mixed_precision=bf16"],
-                 "gradients reduced in torch.bfloat16", marks=pytest.mark.slow),
     pytest.param("mean-loss", "equivalence", INSTRUCTION, "split: loss", marks=pytest.mark.slow),
-    pytest.param("skip-batch", "resume", [], "largest weight difference after resuming from step 2",
-                 marks=pytest.mark.slow),
-    pytest.param("mask-leak", "packing", [], "largest logit difference to each document alone", marks=pytest.mark.slow),
     pytest.param("ac-rng", "activation-checkpointing", [], "with dropout 0.1, with vs without", marks=pytest.mark.slow),
     pytest.param("mix-weights", "data", ["quickstart-mix"], "a source's share is 0.2", marks=pytest.mark.slow),
     pytest.param("chunked-loss", "chunked-loss", ["--set", "training.mixed_precision=fp32"],
@@ -77,6 +72,29 @@ def test_each_check_fails_when_its_property_is_broken(tmp_path, broken, check, e
     assert expected in result["measured"], result["measured"]
     assert "0 passed, 1 failed" in proc.stdout
     assert (out / "reference" / "final").exists() == (check == "resume")  # only the resume check reads an export
+
+
+@pytest.mark.slow
+def test_the_precision_packing_and_resume_checks_fail_when_their_properties_are_broken_together(tmp_path):
+    """Three properties broken in one verify (one reference probe and one resume probe, not three references): each
+    check reads evidence the other breaks leave alone (the gradient dtypes the reference recorded; the packing
+    probe's logits of one forward; the weights of two runs that reduce in the same dtype and read the same packed
+    rows), so each fails on its own break, with its own measurement."""
+    out = tmp_path / "verify"
+    proc = run_cli("verify", "quickstart", "--quick", "--only", "precision", "--only", "packing", "--only", "resume",
+                   "--output-dir", out, "--set", "training.mixed_precision=bf16",
+                   env={"ACCEL_FSDP_BREAK": "bf16-reduce,mask-leak,skip-batch"})
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = {c["name"]: c for c in report_of(out)["checks"]}
+    expected = {"precision": "gradients reduced in torch.bfloat16",
+                "packing": "largest logit difference to each document alone",
+                "resume": "largest weight difference after resuming from step 2"}
+    assert set(results) == set(expected)
+    for check, measured in expected.items():
+        assert results[check]["status"] == "FAIL", results[check]
+        assert measured in results[check]["measured"], results[check]["measured"]
+    assert "0 passed, 3 failed" in proc.stdout
+    assert (out / "reference" / "final").exists()  # the resume check reads the export
 
 
 @pytest.mark.slow
