@@ -78,20 +78,24 @@ def damage(checkpoint: Path, how: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("how", ["changed", "truncated"])
-def test_resume_auto_goes_back_past_a_damaged_newest_checkpoint_and_says_why(tmp_path, recipe, uninterrupted, how):
+def test_resume_auto_goes_back_past_damaged_newest_checkpoints_and_says_why(tmp_path, recipe, uninterrupted):
+    """Both kinds of damage in one run: the newest checkpoint changed in place (only its CRC-32 tells), the one
+    before it cut short (its size tells); the run goes back past both to step 3, naming each and why."""
     run = tmp_path / "run"
     shutil.copytree(uninterrupted, run)
-    name = damage(run / "checkpoints" / "step-000008", how)
+    changed = damage(run / "checkpoints" / "step-000008", "changed")
+    truncated = damage(run / "checkpoints" / "step-000006", "truncated")
     proc = run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", "auto", check=0)
     said = proc.stdout + proc.stderr
-    reason = "changed since it was saved (CRC-32 differs" if how == "changed" else "bytes, the manifest says"
-    assert f"step-000008 is newer but not usable ({name}" in said and reason in said, said[-3000:]
-    assert "continuing from step-000006" in said
-    assert f"resume: continuing from {run / 'checkpoints' / 'step-000006'} at step 6" in said
+    for name, step, reason in ((changed, 8, "changed since it was saved (CRC-32 differs"),
+                               (truncated, 6, "bytes, the manifest says")):
+        assert f"step-{step:06d} is newer but not usable ({name}" in said, said[-3000:]
+        note = next(line for line in said.splitlines() if f"step-{step:06d} is newer but not usable" in line)
+        assert reason in note and "continuing from step-000003" in note, note
+    assert f"resume: continuing from {run / 'checkpoints' / 'step-000003'} at step 3" in said
     weights, expected = load_weights(run / "final"), load_weights(uninterrupted / "final")
     assert weights.keys() == expected.keys()
-    for key, tensor in weights.items():  # steps 7 and 8 again, computed as the first time (CPU kernels)
+    for key, tensor in weights.items():  # steps 4 to 8 again, computed as the first time (CPU kernels)
         assert tensor.equal(expected[key]), key
     assert_rows_average_the_same_steps(run, uninterrupted)
 
