@@ -41,10 +41,10 @@ class Model:
     cpu_overrides: dict
 
 
-GPU_MODELS = (
+GPU_MODELS = (  # in the order of what matters most when a time budget cuts the table short
     Model("llama-3.2-1b", "llama-3.2-1b", 2048, 4, 128256, True, {}),
-    Model("llama-3.2-1b", "llama-3.2-1b", 8192, 1, 128256, True, {}),
     Model("gpt2-xl", "gpt2-xl", 1024, 8, 50257, False, {}),
+    Model("llama-3.2-1b", "llama-3.2-1b", 8192, 1, 128256, True, {}),
 )
 CPU_MODELS = (
     Model("llama (2 blocks, width 128)", "llama-3.2-1b", 128, 2, 128256, True,
@@ -104,15 +104,19 @@ def known_recipe_keys() -> set[str]:
     return {key for key, *_ in key_reference()}
 
 
-def train(recipe: Path, folder: Path, sets: list[str], cpu: bool, ranks: int) -> tuple[subprocess.CompletedProcess,
-                                                                                       list[dict]]:
+def train(recipe: Path, folder: Path, sets: list[str], cpu: bool, ranks: int, run=None) -> tuple[
+        subprocess.CompletedProcess, list[dict]]:
+    """One row's run; `run` is gpu_check's subprocess runner under its time budget (plain subprocess.run if None)."""
     import json
 
     argv = [sys.executable, "-m", "accel_fsdp", "recipe", "run", str(recipe), "--output-dir", str(folder),
             "--overwrite", "--benchmark", "--num-processes", str(ranks), *(["--cpu"] if cpu else [])]
     for item in sets:
         argv += ["--set", item]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1200, cwd=REPO)
+    if run is None:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=1200, cwd=REPO)
+    else:
+        proc = run(argv, 1200, cwd=REPO)
     metrics = folder / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
     return proc, [r for r in rows if r.get("kind") == "train"]
@@ -130,24 +134,27 @@ def row_figures(rows: list[dict], eager_loss: float | None) -> list[str]:
             f"{loss:.4f}{versus}"]
 
 
-def throughput_section(work: Path, cpu: bool, ranks: int, device: str, section_type):
-    """The table, as gpu_check's Section; each row printed as it is measured."""
+def throughput_section(work: Path, cpu: bool, ranks: int, device: str, section_type, budget=None, run=None,
+                       on_row=lambda: None, on_start=lambda section: None):
+    """The table, as gpu_check's Section; each row printed as it is measured, then `on_row()`. `budget` (gpu_check's
+    Budget): a row that would start after it is spent is a SKIP that says so."""
     section = section_type(f"Knob throughput: {STEPS} steps on {ranks} x {device}, bf16",
                            ["model", "tokens", "variant", "result", "tokens/s", "MFU", "peak memory",
                             f"loss after {STEPS} steps"])
+    on_start(section)
     keys = known_recipe_keys()
     for model in CPU_MODELS if cpu else GPU_MODELS:
         recipe, sets, eager_loss = recipe_for(model, work, cpu, ranks), [], None
         for variant in VARIANTS:
             sets += [s for s in variant.sets if s.split("=")[0] in keys]
-            why = skipped_because(model, variant, cpu, keys)
+            why = skipped_because(model, variant, cpu, keys) or (budget.spent() if budget else None)
             head = [model.label, f"{model.seq_len:,}", variant.name]
             if why:
                 cells = [*head, "SKIP", why, "", "", ""]
             else:
                 started = time.monotonic()
                 folder = work / f"throughput-{model.architecture}-{model.seq_len}-{len(section.rows)}"
-                proc, rows = train(recipe, folder, sets, cpu, ranks)
+                proc, rows = train(recipe, folder, sets, cpu, ranks, run)
                 if proc.returncode != 0 or len(rows) < STEPS:
                     tail = (proc.stderr or proc.stdout).strip().splitlines()
                     cells = [*head, "FAIL", f"exit {proc.returncode}: {tail[-1][:200] if tail else 'no output'}",
@@ -160,4 +167,5 @@ def throughput_section(work: Path, cpu: bool, ranks: int, device: str, section_t
             print(f"{cells[3]:<5} {' '.join(c for c in cells[:3])}: {' | '.join(c for c in cells[4:] if c)}",
                   flush=True)
             section.rows.append(cells)
+            on_row()
     return section
