@@ -117,6 +117,8 @@ def train(recipe: Path, folder: Path, sets: list[str], cpu: bool, ranks: int, ru
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=1200, cwd=REPO)
     else:
         proc = run(argv, 1200, cwd=REPO)
+    # The run's own output beside its folder, for a row that failed (its cell holds only the last line).
+    folder.parent.joinpath(f"{folder.name}.output.txt").write_text(f"$ {' '.join(argv)}\n{proc.stdout}\n{proc.stderr}")
     metrics = folder / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
     return proc, [r for r in rows if r.get("kind") == "train"]
