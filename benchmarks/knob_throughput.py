@@ -6,8 +6,9 @@
 Each model is trained for STEPS optimizer steps, from random weights built from its config (no download; the
 shapes of model/architectures.py), on packed built-in stories, once per row, each row adding a knob to the row
 above: eager, +compile, +chunked loss, +activation offload, +FP8 (Llama on GPUs of compute capability 8.9+). A row
-reports tokens/s (after the first step), MFU against the card's dense bf16 peak (hardware.py PEAK_FLOPS), the peak
-memory of a rank, and its loss after STEPS steps against eager's. A row that cannot run here says why, as SKIP.
+reports tokens/s and MFU (medians of the steps after the first; MFU against the card's dense bf16 peak, hardware.py
+PEAK_FLOPS), the peak memory of a rank, and its loss after STEPS steps against eager's. A row that cannot run here
+says why, as SKIP.
 
 On GPUs: llama-3.2-1b at 2,048 and 8,192 tokens, gpt2-xl at 1,024, full fine-tunes in bf16 on one GPU. On CPU ranks
 (--cpu) the same rows on tiny models of the same families (2 blocks, the real vocabularies) at 128 tokens, where FP8
@@ -16,6 +17,7 @@ is skipped and MFU not measured: the mechanism runs, the figures are not the GPU
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 import time
@@ -125,14 +127,15 @@ def train(recipe: Path, folder: Path, sets: list[str], cpu: bool, ranks: int, ru
 
 
 def row_figures(rows: list[dict], eager_loss: float | None) -> list[str]:
-    """tokens/s (steps after the first), MFU, peak memory of a rank, the last loss and its difference to eager's."""
+    """tokens/s and MFU (medians of the steps after the first, which compiles and warms up), peak memory of a rank,
+    the last loss and its difference to eager's."""
     later = rows[1:] or rows
-    tokens_per_s = sum(r["tokens_per_s"] for r in later) / len(later)
+    tokens_per_s = statistics.median(r["tokens_per_s"] for r in later)
     mfu = [r["mfu"] for r in later if r.get("mfu") is not None]
     peak = max(max(r["peak_memory_bytes"]) for r in rows)
     loss = rows[-1]["loss"]
     versus = "" if eager_loss is None else f" ({(loss - eager_loss) / eager_loss:+.2%} vs eager)"
-    return [f"{tokens_per_s:,.0f}", f"{sum(mfu) / len(mfu):.1%}" if mfu else "-", f"{peak / 2**30:.2f} GiB",
+    return [f"{tokens_per_s:,.0f}", f"{statistics.median(mfu):.1%}" if mfu else "-", f"{peak / 2**30:.2f} GiB",
             f"{loss:.4f}{versus}"]
 
 
