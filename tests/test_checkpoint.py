@@ -131,13 +131,21 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path, reference
     assert_same_weights(run / "final", reference / "final")
 
 
-@pytest.mark.slow
-def test_resume_on_one_rank_from_a_two_rank_checkpoint(tmp_path, reference, tiny_gpt2, stories):
-    recipe = make_recipe(tmp_path, tiny_gpt2, stories, training={"micro_batch_size": 8})  # same global batch
-    run = tmp_path / "run"
-    proc = run_cli("recipe", "run", recipe, "--output-dir", run, "--accelerate-config", "fsdp_1gpu", "--cpu",
+@pytest.fixture(scope="module")
+def resumed_on_one_rank(tmp_path_factory, reference, tiny_gpt2, stories) -> tuple[Path, str]:
+    """The reference's step-6 checkpoint resumed on 1 rank to the end: its run folder and output. Its own checkpoints
+    (steps 9 and 12) are 1-rank checkpoints, which the 1 -> 2 test resumes on 2 ranks."""
+    folder = tmp_path_factory.mktemp("one-rank")
+    recipe = make_recipe(folder, tiny_gpt2, stories, training={"micro_batch_size": 8})  # same global batch
+    proc = run_cli("recipe", "run", recipe, "--output-dir", folder / "run", "--accelerate-config", "fsdp_1gpu", "--cpu",
                    "--resume-from", reference / "checkpoints" / "step-000006", env=TRACE_UNITS, check=0)
-    assert "resharding from 2 to 1 ranks" in proc.stdout
+    return folder / "run", proc.stdout
+
+
+@pytest.mark.slow
+def test_resume_on_one_rank_from_a_two_rank_checkpoint(resumed_on_one_rank, reference, stories):
+    run, stdout = resumed_on_one_rank
+    assert "resharding from 2 to 1 ranks" in stdout
     expected = {s: units for s, units in units_by_step(reference).items() if s > 6}
     assert units_by_step(run) == expected
     # Model and optimizer state arrive intact on one rank: training carries on where it was. (Not bitwise: the
@@ -153,17 +161,16 @@ def test_resume_on_one_rank_from_a_two_rank_checkpoint(tmp_path, reference, tiny
 
 
 @pytest.mark.slow
-def test_resume_on_two_ranks_from_a_one_rank_checkpoint(tmp_path, reference, tiny_gpt2, stories):
+def test_resume_on_two_ranks_from_a_one_rank_checkpoint(tmp_path, reference, resumed_on_one_rank, tiny_gpt2, stories):
     """1 -> 2: a 1-rank run's checkpoint continues on 2 ranks with the same rows per step."""
-    one = tmp_path / "one"
-    recipe = make_recipe(tmp_path, tiny_gpt2, stories, training={"micro_batch_size": 8, "max_steps": 6})
-    run_cli("recipe", "run", recipe, "--output-dir", one, "--accelerate-config", "fsdp_1gpu", "--cpu", check=0)
-    assert json.loads((one / "checkpoints" / "step-000006" / "manifest.json").read_text())["world_size"] == 1
+    one = resumed_on_one_rank[0]
+    recipe = make_recipe(tmp_path, tiny_gpt2, stories, training={"micro_batch_size": 8})
+    assert json.loads((one / "checkpoints" / "step-000009" / "manifest.json").read_text())["world_size"] == 1
     two = tmp_path / "two"
-    proc = run_cli("recipe", "run", recipe, "--output-dir", two, "--resume-from", one / "checkpoints" / "step-000006",
-                   "--set", "training.micro_batch_size=4", "--set", "training.max_steps=9", env=TRACE_UNITS, check=0)
+    proc = run_cli("recipe", "run", recipe, "--output-dir", two, "--resume-from", one / "checkpoints" / "step-000009",
+                   "--set", "training.micro_batch_size=4", env=TRACE_UNITS, check=0)
     assert "resharding from 1 to 2 ranks" in proc.stdout
-    assert units_by_step(two) == {s: units for s, units in units_by_step(reference).items() if 6 < s <= 9}
+    assert units_by_step(two) == {s: units for s, units in units_by_step(reference).items() if 9 < s <= STEPS}
 
 
 @pytest.mark.slow
