@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import REPO, run_cli, tiny_recipe, write_jsonl
+from conftest import REPO, run_cli, run_in_process, tiny_recipe, write_jsonl
 
 from accel_fsdp.cli.main import main
 from accel_fsdp.config.recipe import recipe_from_text
@@ -342,7 +342,7 @@ def test_a_run_resumed_after_rows_were_appended_is_refused_then_goes_on_when_tol
     with data.open("a") as f:
         f.write('{"text": "alice has a red cat ."}\n' * 10)
     r2 = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, data, training={"max_steps": 6})
-    refused = run_cli("recipe", "run", r2, "--output-dir", run, "--resume", "--num-processes", "1", check=2)
+    refused = run_in_process("recipe", "run", r2, "--output-dir", run, "--resume", "--num-processes", "1", check=2)
     assert "the data changed since this checkpoint was saved" in refused.stderr and "data.path (d)" in refused.stderr
     assert "Traceback" not in refused.stderr
     went_on = run_cli("recipe", "run", r2, "--output-dir", run, "--resume", "--num-processes", "1",

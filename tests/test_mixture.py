@@ -11,7 +11,8 @@ import sys
 import pytest
 import yaml
 from click.testing import CliRunner
-from conftest import REPO, TRACE_UNITS, read_metrics, run_cli, tiny_recipe, units_by_step, write_jsonl
+from conftest import (REPO, TRACE_UNITS, read_metrics, run_cli, run_in_process, tiny_recipe, units_by_step,
+                      write_jsonl)
 
 from accel_fsdp.cli import main
 from accel_fsdp.config.shipped import shipped_recipes
@@ -107,7 +108,7 @@ def test_two_builders_of_one_shared_cache_build_it_once(tmp_path, tiny_gpt2):
     assert sum(o.count("tokenized in") for o in outs) == 2 and sum(o.count("already in the cache") for o in outs) == 2
     stats = next((tmp_path / "shared" / "tokenized").glob("*/stats.json"))
     stats.unlink()  # as a build killed before its last write would leave it (were it not built under a temporary name)
-    rebuilt = run_cli("data", "prepare", recipe, env={"ACCEL_FSDP_CACHE": str(tmp_path / "shared")}, check=0).stdout
+    rebuilt = run_in_process("data", "prepare", recipe, env={"ACCEL_FSDP_CACHE": str(tmp_path / "shared")}, check=0).stdout
     assert rebuilt.count("tokenized in") == 1 and stats.exists()
 
 
@@ -195,8 +196,8 @@ def test_a_mixture_resumes_exactly_from_two_ranks_to_one_and_refuses_a_changed_m
     assert units_by_step(one) == expected and sorted(expected) == [5, 6, 7, 8]
     tokens = {r["step"]: r["source_tokens"] for r in read_metrics(two) if r["kind"] == "train"}
     assert all(tokens[r["step"]] == r["source_tokens"] for r in read_metrics(one) if r["kind"] == "train")
-    changed = run_cli("recipe", "run", recipe, "--output-dir", tmp_path / "changed", "--resume-from",
-                      two / "checkpoints" / "step-000004", "--set", "data.sources.1.weight=0.5")
+    changed = run_in_process("recipe", "run", recipe, "--output-dir", tmp_path / "changed", "--resume-from",
+                             two / "checkpoints" / "step-000004", "--set", "data.sources.1.weight=0.5")
     assert changed.returncode == 2, changed.stderr[-2000:]
     assert "data.sources.1.weight: checkpoint has 0.3, this run has 0.5" in changed.stderr
     assert yaml.safe_load((two / "recipe.yaml").read_text())["data"]["sources"][1]["weight"] == 0.3

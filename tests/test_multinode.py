@@ -165,7 +165,7 @@ def test_slurm_script_runs_and_resumes_when_requeued(tmp_path, tiny_gpt2, storie
                          checkpoint={"every_steps": 3, "dir": str(scratch)})
     script = tmp_path / "job.sbatch"
     run = tmp_path / "run"
-    run_cli("slurm", recipe, "--nodes", "1", "--gpus-per-node", "2", "--accelerate-config", "fsdp_cpu",
+    run_in_process("slurm", recipe, "--nodes", "1", "--gpus-per-node", "2", "--accelerate-config", "fsdp_cpu",
             "--output-dir", run, "--set", "logging.sample_prompt=alice has a", "-o", script, check=0)
     env, requeues = slurm_stand_ins(tmp_path)
     crashed = subprocess.run(["bash", str(script)], env=dict(env, ACCEL_FSDP_FAULT="kill:5"), capture_output=True,
@@ -192,7 +192,7 @@ def test_slurm_warning_signal_checkpoints_and_requeues(tmp_path, tiny_gpt2, stor
                          checkpoint={"every_steps": 100})
     script = tmp_path / "job.sbatch"
     run = tmp_path / "run"
-    run_cli("slurm", recipe, "--nodes", "1", "--gpus-per-node", "2", "--accelerate-config", "fsdp_cpu",
+    run_in_process("slurm", recipe, "--nodes", "1", "--gpus-per-node", "2", "--accelerate-config", "fsdp_cpu",
             "--output-dir", run, "-o", script, check=0)
     env, requeues = slurm_stand_ins(tmp_path)
     first = subprocess.run(["bash", str(script)], env=dict(env, ACCEL_FSDP_FAULT="sigusr1-launcher:3"),

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_cli, run_in_process
 
 from accel_fsdp.tools.noise import reordered
 
@@ -61,7 +61,7 @@ def test_quickstart_qlora_merges_with_merge_alone_into_what_training_saw(tmp_pat
     adapter = json.loads((quickstart / "final" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(quickstart / "base")
     out = tmp_path / "export"
-    proc = run_cli("checkpoint", "consolidate", quickstart, out, "--merge", "--dtype", "fp32", check=0)
+    proc = run_in_process("checkpoint", "consolidate", quickstart, out, "--merge", "--dtype", "fp32", check=0)
     assert "wrote" in proc.stdout
     merged = AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.float32)
     ours = {k: v.detach() for k, v in merged.state_dict().items()}
@@ -80,7 +80,7 @@ def test_base_model_merges_into_the_original_weights_and_a_changed_base_is_refus
     from safetensors.torch import load_file, save_file
 
     out = tmp_path / "original"
-    run_cli("checkpoint", "consolidate", quickstart, out, "--merge", "--dtype", "fp32", "--base-model",
+    run_in_process("checkpoint", "consolidate", quickstart, out, "--merge", "--dtype", "fp32", "--base-model",
             quickstart / "base", check=0)
     ours = load_file(out / "merged" / "model.safetensors")
     theirs = peft_merge(quickstart / "base", out, dequantized=False)
@@ -102,7 +102,7 @@ def test_base_model_merges_into_the_original_weights_and_a_changed_base_is_refus
     (quickstart / "base").rename(quickstart / "base.orig")
     base.rename(quickstart / "base")
     try:
-        proc = run_cli("checkpoint", "consolidate", quickstart, tmp_path / "refused", "--merge")
+        proc = run_in_process("checkpoint", "consolidate", quickstart, tmp_path / "refused", "--merge")
     finally:
         (quickstart / "base").rename(tmp_path / "changed-again")
         (quickstart / "base.orig").rename(quickstart / "base")

@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, run_cli, tiny_recipe
+from conftest import REPO, run_cli, run_in_process, tiny_recipe
 
 from accel_fsdp.config.accelerate import CONFIG_PATH_ENV
 from accel_fsdp.launch.launcher import ended_early, hang_problem
@@ -61,7 +61,7 @@ def test_under_stock_accelerate_launch_the_rank_that_found_it_says_it(tmp_path, 
 @pytest.mark.slow
 def test_a_stalled_rank_is_named_with_where_the_others_waited_for_it(tmp_path, tiny_gpt2, stories):
     recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, stories, fsdp={"collective_timeout_minutes": 0.25})
-    run_cli("data", "prepare", recipe, check=0)  # so the start waits on nothing near the 15 s
+    run_in_process("data", "prepare", recipe, check=0)  # so the start waits on nothing near the 15 s
     started = time.monotonic()
     proc = run_cli("recipe", "run", recipe, "--output-dir", tmp_path / "run", env={"ACCEL_FSDP_FAULT": "hang:2@1"})
     assert proc.returncode == 1, proc.stderr[-3000:]

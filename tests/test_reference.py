@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import cli_process, cpu_config, free_port, read_metrics, run_cli, save_tiny_model
+from conftest import (cli_process, cpu_config, free_port, read_metrics, run_cli, run_in_process,
+                      save_tiny_model)
 
 from accel_fsdp.config.recipe import recipe_from_text
 from accel_fsdp.data import identity
@@ -89,7 +90,7 @@ def test_a_prepared_cache_that_cannot_be_written_does_not_stop_a_dpo_run(tmp_pat
     """`data prepare` on one machine, then the run where the cache cannot be written. As root, chmod stops nothing:
     a file where the reference's folder must go makes the cache refuse it the same way."""
     env = {"ACCEL_FSDP_CACHE": str(tmp_path / "cache")}
-    run_cli("data", "prepare", "quickstart-dpo", *SMALL, env=env, check=0)
+    run_in_process("data", "prepare", "quickstart-dpo", *SMALL, env=env, check=0)
     [entry] = [p for p in (tmp_path / "cache" / "tokenized").iterdir() if p.is_dir() and not p.name.startswith(".")]
     (entry / "reference").write_text("not a folder")
     run = tmp_path / "run"
