@@ -20,8 +20,11 @@ def bench_recipe(tmp_path_factory, tiny_gpt2, stories):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_bench_reports_throughput_memory_and_baseline_ratio(bench_recipe):
-    out = json.loads(run_cli("bench", bench_recipe, "--steps", "4", "--warmup", "1", "--compare-baseline",
-                             "--rounds", "1", "--json", check=0).stdout)
+    """On a GPU config run on CPU ranks (--cpu), so the one pair of runs holds `bench --cpu` too (the promise of
+    tests/test_gpu_config_on_cpu_ranks.py); the other bench tests run the default CPU config."""
+    out = json.loads(run_cli("bench", bench_recipe, "--accelerate-config", "fsdp_2gpu", "--cpu", "--steps", "4",
+                             "--warmup", "1", "--compare-baseline", "--rounds", "1", "--json", check=0).stdout)
+    assert out["config"] == "accelerate_configs/fsdp_2gpu.yaml"
     ours, base = out["ours"][0], out["baseline"][0]
     assert ours["tokens_per_s"] > 0 and base["tokens_per_s"] > 0 and ours["step_time_s"] > 0
     assert len(ours["peak_memory_bytes"]) == 2 and all(b > 0 for b in ours["peak_memory_bytes"])
