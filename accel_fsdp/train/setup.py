@@ -52,7 +52,7 @@ from accel_fsdp.model.build import (
 )
 from accel_fsdp.model.checks import human_count
 from accel_fsdp.model.quantize import QuantizedBase
-from accel_fsdp.model.tokenizer import build_tokenizer
+from accel_fsdp.model.tokenizer import build_tokenizer, built_once_per_machine
 from accel_fsdp.preflight import model_problems, settings_for_launch
 from accel_fsdp.run.folder import Decision, FolderLock, apply_decision, decide
 from accel_fsdp.train.accelerator import (
@@ -259,9 +259,14 @@ def start_engine(recipe, *, run_dir: Path | None, trackers=(), switches: TestSwi
 
 def describe_model(recipe, engine: Engine):
     """The tokenizer and the model's config; the model is checked on the meta device before any weight is read."""
-    # A tokenizer trained on the data (bpe:N) is trained once per machine, by its first rank, for as long as that
-    # takes: the others wait for it in the store (train/waiting.py), not in a collective that it could outlast.
+    # A tokenizer trained on the data (bpe:N) or downloaded is made once per machine, by its first rank, for as long
+    # as that takes: the others wait for it in the store (train/waiting.py), not in a collective that it could
+    # outlast. One that is only read (built in, a local folder) every rank loads at once: waiting there serialized
+    # the ranks' first import of transformers' tokenizer machinery (a second or more) for nothing. A mistake found
+    # there is found by every rank alike, and said once (train/lifetime.py `end_with_user_error`).
     acc, tokenizer, error = engine.accelerator, None, None
+    if not built_once_per_machine(recipe):
+        return _described(recipe, engine, build_tokenizer(recipe))
     if acc.is_local_main_process:
         try:
             tokenizer = build_tokenizer(recipe)
@@ -270,6 +275,11 @@ def describe_model(recipe, engine: Engine):
     wait_for_every_rank(acc, "tokenizer", "build the tokenizer", error)
     if tokenizer is None:
         tokenizer = build_tokenizer(recipe)  # from the cache this machine's first rank wrote
+    return _described(recipe, engine, tokenizer)
+
+
+def _described(recipe, engine: Engine, tokenizer):
+    """The tokenizer and the model's config, once the model built from it on the meta device passed the checks."""
     config = model_config(recipe, tokenizer=tokenizer)
     problems = model_problems(recipe, engine.settings, view_of(meta_model(config, recipe.model.trust_remote_code),
                                                                config))
