@@ -80,3 +80,23 @@ def test_a_command_that_imported_torch_freezes_the_collector_before_the_interpre
             "atexit._run_exitfuncs(); print(gc.get_freeze_count())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
     assert int(out) > 100_000  # torch's objects among them
+
+
+def test_a_machine_started_before_the_main_one_launches_promptly_once_the_main_one_listens(monkeypatch):
+    """The main machine's ranks wait at the rendezvous for as long as another machine's launcher is late to notice
+    that the main process came up (a second, with a look every second)."""
+    import contextlib
+
+    from accel_fsdp.launch import launcher
+
+    clock, up_at = FakeClock(), 1.3
+
+    def connect(address, timeout):
+        if clock.now < up_at:
+            raise ConnectionRefusedError(111, "Connection refused")
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(launcher, "time", SimpleNamespace(monotonic=clock.monotonic, sleep=clock.sleep))
+    monkeypatch.setattr(launcher.socket, "create_connection", connect)
+    launcher.wait_for_main("10.0.0.1", 29500, timeout=300)
+    assert 0 <= clock.now - up_at <= 0.25 + 1e-9, clock.now
