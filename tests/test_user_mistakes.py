@@ -539,14 +539,14 @@ def test_a_moved_run_folder_uses_its_own_checkpoints(tmp_path):
 def test_a_newer_damaged_checkpoint_passed_over_is_named(tmp_path):
     """Given a run folder, consolidate and --resume take the newest complete checkpoint; a newer one that is damaged
     is said, not skipped in silence."""
-    from accel_fsdp.checkpoint.index import resolve_checkpoint, skipped_newer
+    from accel_fsdp.checkpoint.index import resolve_checkpoint
 
     run = fake_run(tmp_path / "run", "hhhh", checkpoint_steps=(3, 6))
     manifest = run / "checkpoints" / "step-000006" / "manifest.json"
     manifest.write_text(manifest.read_text().replace('"step": 6', '"step": "six"'))
-    info = resolve_checkpoint(run)
-    assert info.name == "step-000003"
-    assert [(c.name, "step 'six' is not a step number" in c.reason) for c in skipped_newer(info)] == [
+    point = resolve_checkpoint(run)
+    assert point.checkpoint.name == "step-000003"
+    assert [(c.name, "step 'six' is not a step number" in c.reason) for c in point.passed_over] == [
         ("step-000006", True)]
 
 
@@ -650,6 +650,30 @@ def test_resume_from_an_older_checkpoint_sets_the_abandoned_ones_aside(tmp_path)
     (aside,) = (run / "checkpoints").glob("abandoned-*")
     assert sorted(p.name for p in aside.iterdir()) == ["step-000006", "step-000008"]
     assert set_aside_newer(layout, run / "checkpoints" / "step-000004") == []
+
+
+def test_resume_auto_without_a_complete_checkpoint_starts_again_and_keeps_the_damaged_ones(tmp_path, capsys):
+    """As a resume keeps the damaged checkpoints it goes back past: the run's only record of how far it got."""
+    from types import SimpleNamespace
+
+    from accel_fsdp.config.recipe import load_recipe
+    from accel_fsdp.layout import RunLayout
+    from accel_fsdp.run.folder import Decision, apply_decision, decide
+
+    run = fake_run(tmp_path / "run", "a" * 16, checkpoint_steps=(3, 6))
+    for step in (3, 6):
+        (run / "checkpoints" / f"step-{step:06d}" / "weights").write_bytes(b"cut")
+    (run / "checkpoints" / ".tmp-step-000009").mkdir()  # a save that never finished: nothing to keep
+    recipe, layout = load_recipe(shipped_recipes()["quickstart"]), RunLayout.at(run)
+    decision = decide(layout, recipe, resume="auto")
+    assert decision == Decision.RESTART
+    apply_decision(layout, recipe, SimpleNamespace(to_dict=dict), decision)
+    (aside,) = (run / "checkpoints").glob("damaged-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["step-000003", "step-000006"]
+    assert (aside / "step-000006" / "weights").read_bytes() == b"cut"
+    assert not list((run / "checkpoints").glob("*step-*"))
+    assert (f"--resume auto: no complete checkpoint (step-000003, step-000006 damaged or cut short): starting the "
+            f"run again; they are kept in {aside}") in capsys.readouterr().err
 
 
 def test_a_preemption_signal_after_the_run_finished_ends_it_with_0(tmp_path, capsys):

@@ -22,11 +22,12 @@ from accel_fsdp.checkpoint.index import latest_complete
 from accel_fsdp.checkpoint.records import Manifest
 from accel_fsdp.config.recipe import incompatible_keys, read_saved_recipe
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.files import FileLock, write_atomic
+from accel_fsdp.files import FileLock, fsync_dir, write_atomic
 
 # The paths of a run are layout.py's; this module decides what a start may do with them.
 from accel_fsdp.layout import (
     CHECKPOINT_PREFIXES,
+    CHECKPOINTS_DIR,
     LOCK_FILE,
     OWNER_FILE,
     RUN_FOLDER_ENTRIES,
@@ -172,7 +173,10 @@ def apply_decision(layout: RunLayout, recipe, settings, decision: Decision, *,
     root = layout.root
     old = RunIdentity.read(layout.run_file) if layout.run_file.is_file() else None
     if decision in (Decision.OVERWRITE, Decision.RESTART) and old is not None:
+        keep_damaged = decision == Decision.RESTART
         for name in RUN_FOLDER_ENTRIES:
+            if keep_damaged and name == CHECKPOINTS_DIR:
+                continue  # its step folders are cleared below, the damaged ones kept aside in it
             target = root / name
             if target.is_dir() and not target.is_symlink():
                 shutil.rmtree(target)
@@ -184,9 +188,7 @@ def apply_decision(layout: RunLayout, recipe, settings, decision: Decision, *,
         for folder in folders:
             owner = read_owner(folder) if folder.is_dir() else None
             if owner is not None and owner.get("run_id") == old.run_id:
-                for entry in folder.iterdir():
-                    if entry.name.startswith(CHECKPOINT_PREFIXES) and entry.is_dir():
-                        shutil.rmtree(entry)
+                _clear_checkpoints(folder, keep_damaged=keep_damaged)
     root.mkdir(parents=True, exist_ok=True)
     if decision == Decision.RESUME and old is not None:
         identity = old
@@ -208,6 +210,21 @@ def apply_decision(layout: RunLayout, recipe, settings, decision: Decision, *,
     return identity
 
 
+def _clear_checkpoints(folder: Path, *, keep_damaged: bool) -> None:
+    """--overwrite: delete the replaced run's step folders (and the temporary ones of its saves). --resume auto with no
+    complete checkpoint (`keep_damaged`): its step folders are all damaged or cut short, the run's only record of
+    what it reached; they are moved aside and kept, as a resume keeps a damaged checkpoint it goes back past."""
+    entries = sorted(e for e in folder.iterdir() if e.name.startswith(CHECKPOINT_PREFIXES) and e.is_dir())
+    damaged = [e for e in entries if checkpoint_step(e.name) is not None] if keep_damaged else []
+    for entry in entries:
+        if entry not in damaged:
+            shutil.rmtree(entry)
+    if damaged:
+        aside = move_aside(folder, damaged, DAMAGED)
+        print(f"--resume auto: no complete checkpoint ({', '.join(e.name for e in damaged)} damaged or cut short): "
+              f"starting the run again; they are kept in {aside}", file=sys.stderr, flush=True)
+
+
 def set_aside_newer(layout: RunLayout, resume_from: Path) -> list[str]:
     """--resume-from an older checkpoint of this run: its newer checkpoints belong to the abandoned continuation.
     Left in place they would outlive every checkpoint this run writes (rotation keeps the highest steps) and a later
@@ -221,14 +238,27 @@ def set_aside_newer(layout: RunLayout, resume_from: Path) -> list[str]:
                    key=lambda p: checkpoint_step(p.name))
     if not newer:
         return []
-    aside = layout.checkpoints / time.strftime("abandoned-%Y%m%d-%H%M%S")
-    aside.mkdir(exist_ok=True)
-    for p in newer:
-        os.replace(p, aside / p.name)
+    aside = move_aside(layout.checkpoints, newer, ABANDONED)
     names = [p.name for p in newer]
     print(f"resume: {len(names)} newer checkpoint(s) of the continuation abandoned by --resume-from "
           f"({names[0]} to {names[-1]}) moved to {aside}", file=sys.stderr, flush=True)
     return names
+
+
+ABANDONED, DAMAGED = "abandoned", "damaged"
+"""The kinds of step folders a start moves aside, and the first word of the folder they go into."""
+
+
+def move_aside(checkpoints: Path, folders: list[Path], kind: str) -> Path:
+    """Move step folders into `<checkpoints>/<kind>-<time>/` (kind: ABANDONED or DAMAGED), and return that folder. They
+    are kept there, never deleted by accel-fsdp: rotation and resume look only at the step folders at the top,
+    and --overwrite deletes only those (layout.CHECKPOINT_PREFIXES). A rename in the same folder: atomic, no copy."""
+    aside = checkpoints / time.strftime(f"{kind}-%Y%m%d-%H%M%S")
+    aside.mkdir(exist_ok=True)
+    for folder in folders:
+        os.replace(folder, aside / folder.name)
+    fsync_dir(checkpoints)
+    return aside
 
 
 # ---------------------------------------------------------------------------------------------------- lock
