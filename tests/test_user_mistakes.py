@@ -676,6 +676,18 @@ def test_resume_auto_without_a_complete_checkpoint_starts_again_and_keeps_the_da
             f"run again; they are kept in {aside}") in capsys.readouterr().err
 
 
+def test_step_folders_set_aside_twice_within_a_second_are_both_kept(tmp_path):
+    from accel_fsdp.run.folder import DAMAGED, move_aside
+
+    kept = []
+    for content in (b"first", b"second"):
+        (tmp_path / "step-000004").mkdir()
+        (tmp_path / "step-000004" / "weights").write_bytes(content)
+        kept.append(move_aside(tmp_path, [tmp_path / "step-000004"], DAMAGED))
+    assert kept[0] != kept[1]
+    assert [(k / "step-000004" / "weights").read_bytes() for k in kept] == [b"first", b"second"]
+
+
 def test_a_preemption_signal_after_the_run_finished_ends_it_with_0(tmp_path, capsys):
     import time
 

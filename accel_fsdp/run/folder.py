@@ -251,10 +251,15 @@ ABANDONED, DAMAGED = "abandoned", "damaged"
 
 def move_aside(checkpoints: Path, folders: list[Path], kind: str) -> Path:
     """Move step folders into `<checkpoints>/<kind>-<time>/` (kind: ABANDONED or DAMAGED), and return that folder. They
-    are kept there, never deleted by accel-fsdp: rotation and resume look only at the step folders at the top,
-    and --overwrite deletes only those (layout.CHECKPOINT_PREFIXES). A rename in the same folder: atomic, no copy."""
-    aside = checkpoints / time.strftime(f"{kind}-%Y%m%d-%H%M%S")
-    aside.mkdir(exist_ok=True)
+    are kept there: rotation and resume look only at the step folders at the top, and nothing of accel-fsdp deletes
+    them but an --overwrite of the run (which replaces the run folder's checkpoints/ whole; in a checkpoint.dir of its
+    own, only the step folders: layout.CHECKPOINT_PREFIXES). A rename in the same folder: atomic, no copy."""
+    stamp = time.strftime(f"{kind}-%Y%m%d-%H%M%S")
+    aside, again = checkpoints / stamp, 1
+    while aside.exists():  # set aside twice within a second: a folder of its own, nothing replaced
+        again += 1
+        aside = checkpoints / f"{stamp}-{again}"
+    aside.mkdir()
     for folder in folders:
         os.replace(folder, aside / folder.name)
     fsync_dir(checkpoints)
