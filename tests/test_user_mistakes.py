@@ -9,7 +9,9 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import socket
+import zlib
 from pathlib import Path
 
 import pytest
@@ -652,28 +654,32 @@ def test_resume_from_an_older_checkpoint_sets_the_abandoned_ones_aside(tmp_path)
     assert set_aside_newer(layout, run / "checkpoints" / "step-000004") == []
 
 
-def test_resume_auto_without_a_complete_checkpoint_starts_again_and_keeps_the_damaged_ones(tmp_path, capsys):
-    """As a resume keeps the damaged checkpoints it goes back past: the run's only record of how far it got."""
-    from types import SimpleNamespace
-
+@pytest.mark.parametrize("how", ["changed", "truncated"])
+def test_resume_auto_with_every_checkpoint_damaged_stops_naming_each_and_changes_nothing(tmp_path, how):
+    """A checkpoint cut short and one whose bytes changed end alike (it started the run again over the first, deleting
+    it, and stopped at the second); a run that never saved a checkpoint starts again."""
     from accel_fsdp.config.recipe import load_recipe
     from accel_fsdp.layout import RunLayout
-    from accel_fsdp.run.folder import Decision, apply_decision, decide
+    from accel_fsdp.run.folder import Decision, decide
 
     run = fake_run(tmp_path / "run", "a" * 16, checkpoint_steps=(3, 6))
     for step in (3, 6):
-        (run / "checkpoints" / f"step-{step:06d}" / "weights").write_bytes(b"cut")
-    (run / "checkpoints" / ".tmp-step-000009").mkdir()  # a save that never finished: nothing to keep
-    recipe, layout = load_recipe(shipped_recipes()["quickstart"]), RunLayout.at(run)
-    decision = decide(layout, recipe, resume="auto")
-    assert decision == Decision.RESTART
-    apply_decision(layout, recipe, SimpleNamespace(to_dict=dict), decision)
-    (aside,) = (run / "checkpoints").glob("damaged-*")
-    assert sorted(p.name for p in aside.iterdir()) == ["step-000003", "step-000006"]
-    assert (aside / "step-000006" / "weights").read_bytes() == b"cut"
-    assert not list((run / "checkpoints").glob("*step-*"))
-    assert (f"--resume auto: no complete checkpoint (step-000003, step-000006 damaged or cut short): starting the "
-            f"run again; they are kept in {aside}") in capsys.readouterr().err
+        weights = run / "checkpoints" / f"step-{step:06d}" / "weights"
+        weights.write_bytes(b"w" * 9 + b"x" if how == "changed" else b"cut")
+        if how == "changed":  # fake_run's manifests have no CRC-32s: give them the original bytes'
+            manifest = json.loads((weights.parent / "manifest.json").read_text())
+            manifest["crc32"] = {"weights": format(zlib.crc32(b"w" * 10), "08x")}
+            (weights.parent / "manifest.json").write_text(json.dumps(manifest))
+    before = snapshot(run)
+    msg = user_error("recipe", "run", "quickstart", "--output-dir", run, "--resume", "auto")
+    reason = "changed since it was saved" if how == "changed" else "weights has 3 bytes, the manifest says 10"
+    assert "--resume found no complete checkpoint; not usable: step-000003 (weights" in msg and reason in msg, msg
+    assert "step-000006 (weights" in msg
+    assert snapshot(run) == before
+    for step in (3, 6):
+        shutil.rmtree(run / "checkpoints" / f"step-{step:06d}")
+    (run / "checkpoints" / ".tmp-step-000009").mkdir()  # a save that never finished: not a checkpoint saved
+    assert decide(RunLayout.at(run), load_recipe(shipped_recipes()["quickstart"]), resume="auto") == Decision.RESTART
 
 
 def test_step_folders_set_aside_twice_within_a_second_are_both_kept(tmp_path):

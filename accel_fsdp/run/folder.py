@@ -18,7 +18,7 @@ import time
 from enum import Enum
 from pathlib import Path
 
-from accel_fsdp.checkpoint.index import latest_complete
+from accel_fsdp.checkpoint.index import list_checkpoints
 from accel_fsdp.checkpoint.records import Manifest
 from accel_fsdp.config.recipe import incompatible_keys, read_saved_recipe
 from accel_fsdp.errors import Problem, UserError
@@ -27,7 +27,6 @@ from accel_fsdp.files import FileLock, fsync_dir, write_atomic
 # The paths of a run are layout.py's; this module decides what a start may do with them.
 from accel_fsdp.layout import (
     CHECKPOINT_PREFIXES,
-    CHECKPOINTS_DIR,
     LOCK_FILE,
     OWNER_FILE,
     RUN_FOLDER_ENTRIES,
@@ -48,7 +47,9 @@ class Decision(str, Enum):
     OVERWRITE = "overwrite"
     """Replace the run here with a new one (its own files are deleted first)."""
     RESTART = "restart"
-    """--resume auto on a run that never completed a checkpoint: start it again from step 0 (same id)."""
+    """--resume auto on a run that never saved a checkpoint (no step folder): start it again from step 0 (same id).
+    One whose checkpoints are all damaged is resumed, and the resume stops, naming each and why: nothing is
+    deleted, and the user chooses (restore one, or --overwrite)."""
 
 
 # ------------------------------------------------------------------------------------------- the decision
@@ -98,7 +99,9 @@ def decide(layout: RunLayout, recipe, *, resume: str | None = None, resume_from:
                                     "give another --output-dir, or resume it with the recipe that made it "
                                     "(its copy is in recipe.yaml) (nothing was changed)"))
         check_checkpoint_folder(layout, owner=identity)
-        return Decision.RESUME if latest_complete(layout.checkpoints) else Decision.RESTART
+        # Any step folder, intact or not: a checkpoint cut short and one whose bytes changed (the same size: only
+        # reading it tells) end alike, in the resume: from the newest intact one, or a stop naming each.
+        return Decision.RESUME if list_checkpoints(layout.checkpoints) else Decision.RESTART
     same = identity.recipe_fingerprint == recipe.fingerprint()
     what = ("a run of this same recipe" if same else
             f"a different run (recipe {identity.recipe_name!r}, fingerprint {identity.recipe_fingerprint})")
@@ -173,10 +176,7 @@ def apply_decision(layout: RunLayout, recipe, settings, decision: Decision, *,
     root = layout.root
     old = RunIdentity.read(layout.run_file) if layout.run_file.is_file() else None
     if decision in (Decision.OVERWRITE, Decision.RESTART) and old is not None:
-        keep_damaged = decision == Decision.RESTART
         for name in RUN_FOLDER_ENTRIES:
-            if keep_damaged and name == CHECKPOINTS_DIR:
-                continue  # its step folders are cleared below, the damaged ones kept aside in it
             target = root / name
             if target.is_dir() and not target.is_symlink():
                 shutil.rmtree(target)
@@ -188,7 +188,9 @@ def apply_decision(layout: RunLayout, recipe, settings, decision: Decision, *,
         for folder in folders:
             owner = read_owner(folder) if folder.is_dir() else None
             if owner is not None and owner.get("run_id") == old.run_id:
-                _clear_checkpoints(folder, keep_damaged=keep_damaged)
+                for entry in folder.iterdir():
+                    if entry.name.startswith(CHECKPOINT_PREFIXES) and entry.is_dir():
+                        shutil.rmtree(entry)
     root.mkdir(parents=True, exist_ok=True)
     if decision == Decision.RESUME and old is not None:
         identity = old
@@ -208,21 +210,6 @@ def apply_decision(layout: RunLayout, recipe, settings, decision: Decision, *,
     write_atomic(layout.recipe_file, recipe.to_yaml())
     write_atomic(layout.settings_file, json.dumps(settings.to_dict(), indent=1, default=str) + "\n")
     return identity
-
-
-def _clear_checkpoints(folder: Path, *, keep_damaged: bool) -> None:
-    """--overwrite: delete the replaced run's step folders (and the temporary ones of its saves). --resume auto with no
-    complete checkpoint (`keep_damaged`): its step folders are all damaged or cut short, the run's only record of
-    what it reached; they are moved aside and kept, as a resume keeps a damaged checkpoint it goes back past."""
-    entries = sorted(e for e in folder.iterdir() if e.name.startswith(CHECKPOINT_PREFIXES) and e.is_dir())
-    damaged = [e for e in entries if checkpoint_step(e.name) is not None] if keep_damaged else []
-    for entry in entries:
-        if entry not in damaged:
-            shutil.rmtree(entry)
-    if damaged:
-        aside = move_aside(folder, damaged, DAMAGED)
-        print(f"--resume auto: no complete checkpoint ({', '.join(e.name for e in damaged)} damaged or cut short): "
-              f"starting the run again; they are kept in {aside}", file=sys.stderr, flush=True)
 
 
 def set_aside_newer(layout: RunLayout, resume_from: Path) -> list[str]:
