@@ -261,25 +261,18 @@ def describe_model(recipe, engine: Engine):
     """The tokenizer and the model's config; the model is checked on the meta device before any weight is read."""
     # A tokenizer trained on the data (bpe:N) or downloaded is made once per machine, by its first rank, for as long
     # as that takes: the others wait for it in the store (train/waiting.py), not in a collective that it could
-    # outlast. One that is only read (built in, a local folder) every rank loads at once: waiting there serialized
-    # the ranks' first import of transformers' tokenizer machinery (a second or more) for nothing. A mistake found
-    # there is found by every rank alike, and said once (train/lifetime.py `end_with_user_error`).
+    # outlast. One only read (built in, a local folder) every rank loads at once: waiting for it serialized the ranks'
+    # first import of transformers' tokenizer code (a second or more); its mistakes every rank finds, said once.
     acc, tokenizer, error = engine.accelerator, None, None
-    if not built_once_per_machine(recipe):
-        return _described(recipe, engine, build_tokenizer(recipe))
-    if acc.is_local_main_process:
-        try:
-            tokenizer = build_tokenizer(recipe)
-        except UserError as e:
-            e.rank_local, error = not acc.is_main_process, e
-    wait_for_every_rank(acc, "tokenizer", "build the tokenizer", error)
+    if built_once_per_machine(recipe):
+        if acc.is_local_main_process:
+            try:
+                tokenizer = build_tokenizer(recipe)
+            except UserError as e:
+                e.rank_local, error = not acc.is_main_process, e
+        wait_for_every_rank(acc, "tokenizer", "build the tokenizer", error)
     if tokenizer is None:
-        tokenizer = build_tokenizer(recipe)  # from the cache this machine's first rank wrote
-    return _described(recipe, engine, tokenizer)
-
-
-def _described(recipe, engine: Engine, tokenizer):
-    """The tokenizer and the model's config, once the model built from it on the meta device passed the checks."""
+        tokenizer = build_tokenizer(recipe)  # read, or from the cache this machine's first rank wrote
     config = model_config(recipe, tokenizer=tokenizer)
     problems = model_problems(recipe, engine.settings, view_of(meta_model(config, recipe.model.trust_remote_code),
                                                                config))
