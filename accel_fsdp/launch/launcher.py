@@ -229,9 +229,10 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
 
 
-def wait_for_main(host: str, port: int, *, timeout: float, interval: float = 1.0) -> None:
+def wait_for_main(host: str, port: int, *, timeout: float, interval: float = 0.25) -> None:
     """Before a non-main machine launches: the main process must be reachable, else one clear error instead of a
-    silent wait. The main machine may start later, so keep trying until `timeout`."""
+    silent wait. The main machine may start later, so keep trying until `timeout`, every `interval` seconds: a refused
+    connection costs nothing, and the main machine's ranks wait at the rendezvous for as long as this one is late."""
     deadline = time.monotonic() + timeout
     last: OSError | None = None
     while True:

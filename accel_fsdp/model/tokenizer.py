@@ -54,6 +54,18 @@ def build_tokenizer(recipe):
     return tokenizer
 
 
+def built_once_per_machine(recipe) -> bool:
+    """Whether making the recipe's tokenizer writes to this machine's caches, so that its first rank makes it while
+    the others wait (train/setup.py `describe_model`): a `bpe:N` tokenizer is trained, a hub tokenizer downloaded, a
+    tokenizer with remote code has that code copied into transformers' module cache. The built-in tokenizer and a
+    local folder's are only read: every rank loads its own at once."""
+    m = recipe.model
+    source = m.tokenizer or m.name_or_path
+    if source == BUILTIN_TOKENIZER:
+        return False
+    return bpe_vocab_size(source) is not None or not is_local(source) or m.trust_remote_code
+
+
 def offline_tokenizer(recipe):
     """The recipe's tokenizer if it is on this machine (built-in, a local folder, the hub cache), else None."""
     m = recipe.model

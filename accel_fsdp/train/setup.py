@@ -52,7 +52,7 @@ from accel_fsdp.model.build import (
 )
 from accel_fsdp.model.checks import human_count
 from accel_fsdp.model.quantize import QuantizedBase
-from accel_fsdp.model.tokenizer import build_tokenizer
+from accel_fsdp.model.tokenizer import build_tokenizer, built_once_per_machine
 from accel_fsdp.preflight import model_problems, settings_for_launch
 from accel_fsdp.run.folder import Decision, FolderLock, apply_decision, decide
 from accel_fsdp.train.accelerator import (
@@ -259,17 +259,20 @@ def start_engine(recipe, *, run_dir: Path | None, trackers=(), switches: TestSwi
 
 def describe_model(recipe, engine: Engine):
     """The tokenizer and the model's config; the model is checked on the meta device before any weight is read."""
-    # A tokenizer trained on the data (bpe:N) is trained once per machine, by its first rank, for as long as that
-    # takes: the others wait for it in the store (train/waiting.py), not in a collective that it could outlast.
+    # A tokenizer trained on the data (bpe:N) or downloaded is made once per machine, by its first rank, for as long
+    # as that takes: the others wait for it in the store (train/waiting.py), not in a collective that it could
+    # outlast. One only read (built in, a local folder) every rank loads at once: waiting for it serialized the ranks'
+    # first import of transformers' tokenizer code (a second or more); its mistakes every rank finds, said once.
     acc, tokenizer, error = engine.accelerator, None, None
-    if acc.is_local_main_process:
-        try:
-            tokenizer = build_tokenizer(recipe)
-        except UserError as e:
-            e.rank_local, error = not acc.is_main_process, e
-    wait_for_every_rank(acc, "tokenizer", "build the tokenizer", error)
+    if built_once_per_machine(recipe):
+        if acc.is_local_main_process:
+            try:
+                tokenizer = build_tokenizer(recipe)
+            except UserError as e:
+                e.rank_local, error = not acc.is_main_process, e
+        wait_for_every_rank(acc, "tokenizer", "build the tokenizer", error)
     if tokenizer is None:
-        tokenizer = build_tokenizer(recipe)  # from the cache this machine's first rank wrote
+        tokenizer = build_tokenizer(recipe)  # read, or from the cache this machine's first rank wrote
     config = model_config(recipe, tokenizer=tokenizer)
     problems = model_problems(recipe, engine.settings, view_of(meta_model(config, recipe.model.trust_remote_code),
                                                                config))
@@ -399,7 +402,7 @@ def open_run_folder(request: RunRequest, engine: Engine, layout: RunLayout, deci
     accelerator.wait_for_everyone()
     terminal = Terminal(accelerator)
     what = {Decision.NEW: "new run", Decision.OVERWRITE: "replacing the run there", Decision.RESUME: "resuming",
-            Decision.RESTART: "starting it again: no complete checkpoint"}[decision]
+            Decision.RESTART: "starting it again: it saved no checkpoint"}[decision]
     terminal.say(f"accel-fsdp: {recipe.name} ({recipe.source}) -> {request.run_dir} ({what})")
     for note in engine.notes:
         terminal.say(note)

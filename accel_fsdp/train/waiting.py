@@ -21,6 +21,18 @@ WAIT_LIMIT_S = 24 * 3600
 fails or dies ends the job at once: its error is shared here, its death ends the launcher)."""
 NOTE_EVERY_S = 600
 """How often the main process, waiting on other machines, says what it waits for."""
+POLL_LATE_FRACTION = 0.05
+"""A waiting rank looks at the store again after this fraction of the time it has waited (at least `POLL_MIN_S`, at
+most `POLL_MAX_S`): it learns that the others are done at most 5% late. A wait of seconds (the first rank loading a
+tokenizer while the others wait) ends within a few tenths; a fixed growth to 2 s between looks made a rank that
+waited 4 s up to 2 s late, and the rank ahead then waited for it at the next collective. A look is one round trip to
+the store."""
+POLL_MIN_S, POLL_MAX_S = 0.02, 2.0
+
+
+def poll_pause(waited_s: float) -> float:
+    """Seconds until the next look at the store, after `waited_s` of waiting."""
+    return min(POLL_MAX_S, max(POLL_MIN_S, waited_s * POLL_LATE_FRACTION))
 
 
 def wait_for_every_rank(accelerator, stage: str, what: str, error: UserError | None, *,
@@ -42,7 +54,7 @@ def wait_for_every_rank(accelerator, stage: str, what: str, error: UserError | N
         store.add(failed, 1)  # before arriving: once everyone has arrived, every failure is counted
     if store.add(arrived, 1) == world:
         store.set(everyone, "1")
-    start, pause, noted = time.monotonic(), 0.05, 0.0
+    start, noted = time.monotonic(), 0.0
     while not store.check([everyone]):  # polled: a blocking wait on the store logs a line at each timeout
         waited = time.monotonic() - start
         if waited > limit_s:
@@ -55,8 +67,7 @@ def wait_for_every_rank(accelerator, stage: str, what: str, error: UserError | N
             noted = waited
             say(f"waiting for the other ranks to {what}: {store.add(arrived, 0)} of {world} done after "
                 f"{waited / 60:.0f} min")
-        time.sleep(pause)
-        pause = min(2.0, pause * 1.5)
+        time.sleep(poll_pause(waited))
     if error is not None:
         raise error
     if store.add(failed, 0):  # the rank that failed says why (lifetime.py): this one ends quietly, as a peer's
