@@ -61,8 +61,8 @@ def test_a_full_model_is_read_in_blocks_and_loaded_exactly(tiny_gpt2, reads):
 
 
 def test_a_4bit_base_reads_its_plain_tensors_in_blocks(tiny_llama, reads):
-    """With model.quantize the embeddings, norms and head stream in blocks; each 4-bit projection is read whole
-    (double quantization needs the whole weight's mean scale) and quantizes to the bytes of the whole-model path."""
+    """With model.quantize the embeddings, norms and head stream in blocks, and the 4-bit projections quantize to
+    the bytes of the whole-model path (how they are read: tests/test_streamed_quantization.py)."""
     from transformers import AutoModelForCausalLM
 
     model = unwritten(tiny_llama, quantize=True)
