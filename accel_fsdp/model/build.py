@@ -8,6 +8,7 @@ the context?) and the dry run. Loading is the only place that may reach the hub.
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from accel_fsdp.files import atomic_folder
 from accel_fsdp.model import architectures
 from accel_fsdp.model.checks import ModelView, lora_target_problems, override_problems, raise_problems
 from accel_fsdp.model.nf4 import layers_to_quantize, quantize_model
+from accel_fsdp.model.quantize import known_layers
 from accel_fsdp.model.streaming_load import ModuleTensors, SafetensorsFiles, model_folder
 from accel_fsdp.model.tokenizer import is_local
 
@@ -183,6 +185,21 @@ def _target_name(name: str) -> str:
 def no_split_modules(model: torch.nn.Module) -> list[str]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return sorted(getattr(base, "_no_split_modules", None) or [])
+
+
+def load_model_code(recipe, config, dtype: torch.dtype) -> None:
+    """Build a one-block copy of the model unwritten (nothing read, nothing allocated but its adapters) and drop it,
+    before the loading's memory is measured: it imports and first runs the code the real build needs (the model
+    class's module, torchao's NF4, PEFT's model for causal LMs), about 70 MiB a process holds whatever the model's
+    size (measured on the 355M GPT-2 with QLoRA, 2026-11-26), the per-process overhead the loading target excludes
+    (issue 24). The loading figures (`PeakMemory` in train/setup.py, benchmarks/loading_memory.py) then count what
+    the model allocates. Only for the model types model/facts.py knows (a remote-code model's config may not take
+    another depth)."""
+    if recipe.model.trust_remote_code or known_layers(getattr(config, "model_type", None)) is None:
+        return
+    one_block = copy.deepcopy(config)
+    one_block.num_hidden_layers = 1
+    build_model(recipe, one_block, dtype=dtype, empty=True)
 
 
 def build_model(recipe, config, *, dtype: torch.dtype = torch.float32, empty: bool = False):

@@ -18,18 +18,18 @@ import hashlib
 
 import torch
 
-from accel_fsdp.model.quantize import BLOCK_SIZE, QuantizedLayer, file_name, known_layers, scale_group
+from accel_fsdp.model.quantize import BLOCK_SIZE, QuantizedLayer, file_name, known_layers, nf4_bytes, scale_group
 
 NF4_PARTS = ("quantized_data", "quantized_scalers", "quantization_factor")
 """The inner tensors of an NF4Tensor that FSDP2 shards with its rows (torchao's _INNER_TENSOR_NAMES_FOR_SHARDING);
 `scaler_mean` (one number) and `nf4` (the 16 levels) are whole on every rank."""
 
 
-QUANTIZE_CHUNK = 2**18
-"""Elements torchao matches against the 16 levels at once (its CHUNK_SIZE, 1M in 0.18.0): each chunk makes a chunk x
-16 difference and its absolute value, 64 MiB in bf16 at 1M, the largest part of the reading rank's peak while it
-quantizes a projection (model/streaming_load.py); 16 MiB at this size. The codes are the same: each element's
-nearest level."""
+QUANTIZE_CHUNK = 2**16
+"""Elements matched against the 16 levels at once (torchao's CHUNK_SIZE, 1M in 0.18.0, and `StreamedNF4`'s): each
+chunk makes a chunk x 16 difference and its absolute value, 64 MiB in bf16 at 1M, the largest part of the reading
+rank's peak while it quantizes (model/streaming_load.py); 4 MiB at this size (8 in fp32). The codes are the same:
+each element's nearest level."""
 
 
 def to_nf4(weight: torch.Tensor):
@@ -241,3 +241,15 @@ def nf4_local_bytes(model: torch.nn.Module) -> tuple[int, int]:
         quantized += sharded
         other += held_bytes(p) - sharded
     return quantized, other
+
+
+def nf4_whole_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the codes and scales of every whole 4-bit weight (their shards on all the ranks of a shard group add
+    up to it): half a byte a weight, a byte a block, a factor per group of scales (model/quantize.py nf4_bytes, less
+    the mean every rank keeps)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen and is_nf4(p):
+            seen.add(id(p))
+            total += nf4_bytes(p.numel(), p.element_size()) - p.element_size()
+    return total

@@ -43,6 +43,7 @@ from accel_fsdp.layout import SCRATCH_BASE_DIR, RunLayout
 from accel_fsdp.model.build import (
     build_model,
     count_parameters,
+    load_model_code,
     meta_model,
     model_config,
     turn_off_dropout,
@@ -291,6 +292,7 @@ def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | No
     # With fsdp_cpu_ram_efficient_loading only global rank 0 reads the weights: under FSDP2 it streams each rank its
     # shards once `prepare` has cut them (train/loading.py); under FSDP1 `prepare` broadcasts (sync_module_states).
     rank0_only, streaming = bool(settings.cpu_ram_efficient_loading.value), streams_weights(settings)
+    load_model_code(recipe, config, frozen_dtype)  # the code's memory before the loading's is measured
     loading = PeakMemory()
     model = build_model(recipe, config, dtype=frozen_dtype,
                         empty=streaming or (rank0_only and not accelerator.is_main_process))
