@@ -13,6 +13,13 @@ waits for all the block scales, 1/64 of the weight), then its codes and scales a
 its shards; rank 0 by its shards and one block, plus one projection's codes (half a byte a weight) where the base is
 4-bit. LoRA adapters are not read: every rank initialized them alike (build.py `apply_lora`).
 
+Across machines the reader is still global rank 0 alone: the ranks of the other machines receive their rows over
+the network. Every rank receives its shards once whatever reads them, so the network carries (machines - 1) /
+machines of one copy (35 GB of a 70B NF4 base at most: seconds on a cluster's network), and only machine 0 needs
+the model files and holds a block besides its shards; a reader per machine would need the files on every machine and
+a block in each, for a saving of loading time alone (tests/test_multinode.py streams a 4-bit base to a second
+"machine" on loopback).
+
 Accelerate's own rank-0 loading (accelerate/utils/fsdp_utils.py, fsdp2_prepare_model with cpu_ram_efficient_loading,
 checked with 1.15.0) keeps rank 0's whole state dict while it broadcasts every full tensor to every rank, and cannot
 send torchao's NF4Tensor; this replaces it for FSDP2 (train/accelerator.py leaves it off).
