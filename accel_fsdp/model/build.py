@@ -202,7 +202,7 @@ def load_model_code(recipe, config, dtype: torch.dtype) -> None:
     build_model(recipe, one_block, dtype=dtype, empty=True)
 
 
-def build_model(recipe, config, *, dtype: torch.dtype = torch.float32, empty: bool = False):
+def build_model(recipe, config, *, dtype: torch.dtype = torch.float32, empty: bool = False, draw: bool = True):
     """Weights: pretrained (hub id or folder) or freshly initialized from `config` under the recipe's seed.
 
     `empty`: build the structure with its parameters allocated but never written, and load nothing: the rank will
@@ -211,6 +211,9 @@ def build_model(recipe, config, *, dtype: torch.dtype = torch.float32, empty: bo
     and the like are computed, not loaded) and LoRA adapters are initialized as usual. transformers 5.x would
     otherwise read every weight on every rank (modeling_utils.py, `_load_pretrained_model`, checked with 5.23.0):
     N copies of the model in the host memory of one machine.
+
+    `draw` False (with `empty`): the LoRA adapters are left unwritten too; the reading rank sends them
+    (model/streaming_load.py `stream_adapters`), so no other rank holds every adapter whole.
 
     `model.quantize`: the decoder blocks' linear weights become 4-bit (model/nf4.py), quantized from `dtype`.
     """
@@ -238,7 +241,7 @@ def build_model(recipe, config, *, dtype: torch.dtype = torch.float32, empty: bo
     if m.quantize:
         quantize_model(model, dtype, empty=empty)  # before LoRA: PEFT wraps the 4-bit layers like any Linear
     if m.lora.enabled:
-        model = apply_lora(model, recipe)
+        model = apply_lora(model, recipe, draw=draw or not empty)
     return _unwritten_parameters(model) if empty else model
 
 
@@ -248,7 +251,7 @@ def weight_source(recipe, config, dtype: torch.dtype):
     draw: there are no files to read)."""
     m = recipe.model
     if m.architecture:
-        return ModuleTensors(scratch_model(recipe, config, dtype))
+        return ModuleTensors(scratch_model(recipe, config, dtype).state_dict())
     return SafetensorsFiles(model_folder(m.name_or_path))
 
 
@@ -344,7 +347,9 @@ def turn_off_dropout_layers(model: torch.nn.Module) -> dict[str, float]:
     return off
 
 
-def apply_lora(model, recipe):
+def apply_lora(model, recipe, *, draw: bool = True):
+    """PEFT's LoRA on the model, its adapters drawn from the recipe's seed (`draw` False: left as PEFT makes them,
+    on the meta device over an unwritten base, to be sent by the reading rank)."""
     from peft import LoraConfig, get_peft_model
 
     lora = recipe.model.lora
@@ -355,7 +360,8 @@ def apply_lora(model, recipe):
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
     model = get_peft_model(model, config)
-    draw_adapters(model, (recipe.training.seed + 1) % 2**32)
+    if draw:
+        draw_adapters(model, (recipe.training.seed + 1) % 2**32)
     return model
 
 

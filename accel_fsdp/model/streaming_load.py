@@ -11,7 +11,8 @@ hybrid sharding the same rows) straight into the shard FSDP2 holds. A 4-bit weig
 at a time too (`quantize_streamed`: the codes of a block need only its elements; the scales' double quantization
 waits for all the block scales, 1/64 of the weight), then its codes and scales are sent the same way. A rank grows by
 its shards; rank 0 by its shards and one block, plus one projection's codes (half a byte a weight) where the base is
-4-bit. LoRA adapters are not read: every rank initialized them alike (build.py `apply_lora`).
+4-bit. LoRA adapters are not read: the reading rank draws them (model/build.py `apply_lora`) and sends them the
+same way (`stream_adapters`); the other ranks build them unwritten.
 
 Across machines the reader is still global rank 0 alone: the ranks of the other machines receive their rows over
 the network. Every rank receives its shards once whatever reads them, so the network carries (machines - 1) /
@@ -96,10 +97,11 @@ class SafetensorsFiles:
 
 
 class ModuleTensors:
-    """The tensors of a model built in rank 0's memory (from scratch: there are no files to read)."""
+    """Tensors in rank 0's memory by name: a model built from scratch (there are no files to read: its state dict),
+    or the LoRA adapters rank 0 drew (`adapters_to_send`)."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.tensors = model.state_dict()
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
 
     def names(self) -> set[str]:
         return set(self.tensors)
@@ -330,6 +332,23 @@ def send_nf4(parameter, quantized, name: str) -> bytes | None:
     with torch.no_grad():
         local.scaler_mean.copy_(mean)
     return tensor_digest(name, quantized) if quantized is not None else None
+
+
+def adapters_to_send(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """On the reading rank, before `prepare`: its drawn LoRA adapters, whole, by parameter name (FSDP2 replaces the
+    parameters by shards; these references keep the whole tensors until `stream_adapters` has sent them)."""
+    return {name: parameter.detach() for name, parameter in model.named_parameters() if ".lora_" in name}
+
+
+def stream_adapters(model: torch.nn.Module, adapters: dict[str, torch.Tensor] | None, block_elements: int) -> None:
+    """Fill every rank's shards of the LoRA adapters from the reading rank's (`adapters`; None elsewhere): the other
+    ranks built them unwritten (model/build.py `apply_lora`, draw=False), so a rank never holds every adapter whole,
+    and every adapter is the reading rank's draw (from the recipe's seed: what every rank would have drawn).
+    Collective."""
+    source = ModuleTensors(adapters) if adapters is not None else None
+    for name, parameter in model.named_parameters():
+        if ".lora_" in name:
+            send_plain(parameter, source, name, block_elements)
 
 
 def stream_weights(model: torch.nn.Module, source, *, where: str,
