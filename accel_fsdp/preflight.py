@@ -101,8 +101,8 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
                 if decision == Decision.RESUME or resume_from:
                     report.notes += _check_resume(recipe, settings, layout, resume_from, accept_data_change)
                 elif decision == Decision.RESTART:
-                    report.notes.append(f"--resume auto: {layout.root} holds this run without a complete checkpoint; "
-                                        "starting it again")
+                    report.notes.append(f"--resume auto: {layout.root} holds this run, which saved no "
+                                        "checkpoint; starting it again")
             except UserError as e:
                 problems += e.problems
 

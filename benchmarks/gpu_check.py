@@ -3,6 +3,7 @@
     python benchmarks/gpu_check.py                       # every visible GPU (1, 2, 8...)
     python benchmarks/gpu_check.py --cpu                 # 2 CPU ranks: the checks whose mechanism runs there
     python benchmarks/gpu_check.py --markdown out.md     # also write the results as a markdown table
+    python benchmarks/gpu_check.py --budget-s 480        # start nothing after 8 minutes (the rest: SKIP)
 
 It runs the real CLI (`recipe run` with a GPU accelerate config; with --cpu, that config on CPU ranks through
 `recipe run --cpu`) on tiny or small models made here (no downloads), and prints one line per check, PASS / FAIL /
@@ -28,9 +29,11 @@ loss, +activation offload, +FP8 on llama-3.2-1b and gpt2-xl; `--table-only` for 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -165,9 +168,52 @@ class Machine:
         return self.runs[name]
 
 
+class Budget:
+    """The wall-clock time the whole report may take (--budget-s; None: unbounded). A check or a table row that
+    would start after it is spent is reported as SKIP, and a run in flight is stopped when it runs out, so a report
+    made on a lent machine of limited time still comes back whole, with the rows it could not measure named."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self.ends = None if seconds is None else time.monotonic() + seconds
+
+    def left(self, cap: float) -> float:
+        return cap if self.ends is None else max(1.0, min(cap, self.ends - time.monotonic()))
+
+    def spent(self) -> str | None:
+        if self.ends is not None and time.monotonic() >= self.ends:
+            return f"not started: the time budget (--budget-s {self.seconds:.0f}) was spent"
+        return None
+
+
+BUDGET = Budget(None)
+
+
+def run_within_budget(argv: list[str], cap: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run under the budget: a run stopped by it returns exit 124 and says so, as `timeout` would. The
+    run is a process group of its own and the whole group is stopped (the launcher's ranks too, which would otherwise
+    hold the GPU through the next check)."""
+    limit = BUDGET.left(cap)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kwargs)
+    try:
+        out, err = proc.communicate(timeout=limit)
+        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                out, err = proc.communicate(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return subprocess.CompletedProcess(argv, 124, "", f"stopped after {limit:.0f} s (the time budget)")
+
+
 def cli(*args, env=None, timeout=900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "accel_fsdp", *map(str, args)], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), timeout=timeout)
+    return run_within_budget([sys.executable, "-m", "accel_fsdp", *map(str, args)], timeout,
+                             env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -347,9 +393,8 @@ def check_too_many_processes(m: Machine) -> list[Result]:
 
 def check_offloaded_step(m: Machine) -> list[Result]:
     size = ["--params", "4e6", "--steps", "5"] if m.cpu else []
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(m.ranks),
-                           str(REPO / "benchmarks" / "offload_optimizer_step.py"), *size],
-                          capture_output=True, text=True, timeout=900)
+    proc = run_within_budget([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(m.ranks),
+                              str(REPO / "benchmarks" / "offload_optimizer_step.py"), *size], 900)
     figures = " | ".join(line.strip() for line in proc.stdout.splitlines()[1:])
     return [Result("8 offloaded optimizer step", "INFO" if proc.returncode == 0 and figures else "FAIL",
                    figures or Ran(proc, m.work).failure())]
@@ -381,13 +426,21 @@ CHECKS = [
 ]
 
 
-def run_checks(m: Machine, only: set[int] | None = None) -> Section:
-    section = Section(f"GPU-path checks: {m.ranks} x {m.device}", ["check", "result", "figures"])
+def checks_section(m: Machine) -> Section:
+    return Section(f"GPU-path checks: {m.ranks} x {m.device}", ["check", "result", "figures"])
+
+
+def run_checks(m: Machine, only: set[int] | None = None, section: Section | None = None,
+               on_row: Callable[[], None] = lambda: None) -> Section:
+    """The checks, each row added to `section` (a new one if None) and `on_row` called after each check."""
+    section = section or checks_section(m)
     for check in CHECKS:
         if only and check.number not in only:
             continue
         started = time.monotonic()
-        if m.cpu and check.gpu_only:
+        if BUDGET.spent():
+            results = [Result(f"{check.number} {check.title}", "SKIP", BUDGET.spent())]
+        elif m.cpu and check.gpu_only:
             results = [Result(f"{check.number} {check.title}", "SKIP", f"on CPU ranks: {check.gpu_only}")]
         else:
             try:
@@ -398,6 +451,7 @@ def run_checks(m: Machine, only: set[int] | None = None) -> Section:
             print(f"{r.status:<5} {r.check:<34} {r.figures}", flush=True)
             section.rows.append([r.check, r.status, r.figures])
         print(f"      ({time.monotonic() - started:.0f} s)", flush=True)
+        on_row()
     return section
 
 
@@ -414,7 +468,12 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path, default=None, help="also write the report as markdown here")
     parser.add_argument("--table-only", action="store_true", help="only the knobs' throughput table")
     parser.add_argument("--no-table", action="store_true", help="only the checks, not the throughput table")
+    parser.add_argument("--budget-s", type=float, default=None, help="start no check or table row after this many "
+                        "seconds (they are reported as SKIP) and stop a run in flight when they are spent; the "
+                        "markdown is rewritten after every row, so a report cut short still has what it measured")
     args = parser.parse_args()
+    global BUDGET
+    BUDGET = Budget(args.budget_s)
     from accel_fsdp.quiet import quiet_libraries
 
     quiet_libraries()  # transformers' progress bars while the models are written and read
@@ -423,19 +482,29 @@ def main() -> None:
     ranks = args.ranks or (2 if args.cpu else torch.cuda.device_count())
     work = args.work or Path(tempfile.mkdtemp(prefix="accel-fsdp-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
-    device = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)" if args.cpu else \
-        torch.cuda.get_device_name(0)
+    device = (f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)" if args.cpu
+              else torch.cuda.get_device_name(0))
     machine = Machine(work=work, ranks=ranks, cpu=args.cpu, device=device)
     print(f"accel-fsdp GPU check: {ranks} x {device}, torch {torch.__version__}, work folder {work}", flush=True)
-    sections = [] if args.table_only else [run_checks(machine, set(args.only or ()))]
+    sections: list[Section] = []
+
+    def write_markdown() -> None:
+        if args.markdown:
+            args.markdown.write_text("\n".join(s.markdown() for s in sections))
+
+    if not args.table_only:
+        sections.append(checks_section(machine))
+        run_checks(machine, set(args.only or ()), sections[-1], on_row=write_markdown)
     if not args.no_table and not args.only:
         from knob_throughput import throughput_section  # benchmarks/ is this script's folder, first on sys.path
 
-        sections.append(throughput_section(work, args.cpu, 2 if args.cpu else 1, device, Section))
+        # The section joins the report as it begins, so that the markdown written after each row holds it.
+        throughput_section(work, args.cpu, 2 if args.cpu else 1, device, Section, budget=BUDGET, run=run_within_budget,
+                           on_row=write_markdown, on_start=sections.append)
     results = [row[s.columns.index("result")] for s in sections for row in s.rows]
     print(f"{results.count('PASS')} passed, {results.count('FAIL')} failed, {results.count('SKIP')} skipped")
+    write_markdown()
     if args.markdown:
-        args.markdown.write_text("\n".join(s.markdown() for s in sections))
         print(f"markdown: {args.markdown}")
     sys.exit(1 if "FAIL" in results else 0)
 

@@ -6,8 +6,9 @@
 Each model is trained for STEPS optimizer steps, from random weights built from its config (no download; the
 shapes of model/architectures.py), on packed built-in stories, once per row, each row adding a knob to the row
 above: eager, +compile, +chunked loss, +activation offload, +FP8 (Llama on GPUs of compute capability 8.9+). A row
-reports tokens/s (after the first step), MFU against the card's dense bf16 peak (hardware.py PEAK_FLOPS), the peak
-memory of a rank, and its loss after STEPS steps against eager's. A row that cannot run here says why, as SKIP.
+reports tokens/s and MFU (medians of the steps after the first; MFU against the card's dense bf16 peak, hardware.py
+PEAK_FLOPS), the peak memory of a rank, and its loss after STEPS steps against eager's. A row that cannot run here
+says why, as SKIP.
 
 On GPUs: llama-3.2-1b at 2,048 and 8,192 tokens, gpt2-xl at 1,024, full fine-tunes in bf16 on one GPU. On CPU ranks
 (--cpu) the same rows on tiny models of the same families (2 blocks, the real vocabularies) at 128 tokens, where FP8
@@ -16,6 +17,7 @@ is skipped and MFU not measured: the mechanism runs, the figures are not the GPU
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 import time
@@ -41,10 +43,10 @@ class Model:
     cpu_overrides: dict
 
 
-GPU_MODELS = (
+GPU_MODELS = (  # in the order of what matters most when a time budget cuts the table short
     Model("llama-3.2-1b", "llama-3.2-1b", 2048, 4, 128256, True, {}),
-    Model("llama-3.2-1b", "llama-3.2-1b", 8192, 1, 128256, True, {}),
     Model("gpt2-xl", "gpt2-xl", 1024, 8, 50257, False, {}),
+    Model("llama-3.2-1b", "llama-3.2-1b", 8192, 1, 128256, True, {}),
 )
 CPU_MODELS = (
     Model("llama (2 blocks, width 128)", "llama-3.2-1b", 128, 2, 128256, True,
@@ -104,50 +106,60 @@ def known_recipe_keys() -> set[str]:
     return {key for key, *_ in key_reference()}
 
 
-def train(recipe: Path, folder: Path, sets: list[str], cpu: bool, ranks: int) -> tuple[subprocess.CompletedProcess,
-                                                                                       list[dict]]:
+def train(recipe: Path, folder: Path, sets: list[str], cpu: bool, ranks: int, run=None) -> tuple[
+        subprocess.CompletedProcess, list[dict]]:
+    """One row's run; `run` is gpu_check's subprocess runner under its time budget (plain subprocess.run if None)."""
     import json
 
     argv = [sys.executable, "-m", "accel_fsdp", "recipe", "run", str(recipe), "--output-dir", str(folder),
             "--overwrite", "--benchmark", "--num-processes", str(ranks), *(["--cpu"] if cpu else [])]
     for item in sets:
         argv += ["--set", item]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1200, cwd=REPO)
+    if run is None:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=1200, cwd=REPO)
+    else:
+        proc = run(argv, 1200, cwd=REPO)
+    # The run's own output beside its folder, for a row that failed (its cell holds only the last line).
+    folder.parent.joinpath(f"{folder.name}.output.txt").write_text(f"$ {' '.join(argv)}\n{proc.stdout}\n{proc.stderr}")
     metrics = folder / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
     return proc, [r for r in rows if r.get("kind") == "train"]
 
 
 def row_figures(rows: list[dict], eager_loss: float | None) -> list[str]:
-    """tokens/s (steps after the first), MFU, peak memory of a rank, the last loss and its difference to eager's."""
+    """tokens/s and MFU (medians of the steps after the first, which compiles and warms up), peak memory of a rank,
+    the last loss and its difference to eager's."""
     later = rows[1:] or rows
-    tokens_per_s = sum(r["tokens_per_s"] for r in later) / len(later)
+    tokens_per_s = statistics.median(r["tokens_per_s"] for r in later)
     mfu = [r["mfu"] for r in later if r.get("mfu") is not None]
     peak = max(max(r["peak_memory_bytes"]) for r in rows)
     loss = rows[-1]["loss"]
     versus = "" if eager_loss is None else f" ({(loss - eager_loss) / eager_loss:+.2%} vs eager)"
-    return [f"{tokens_per_s:,.0f}", f"{sum(mfu) / len(mfu):.1%}" if mfu else "-", f"{peak / 2**30:.2f} GiB",
+    return [f"{tokens_per_s:,.0f}", f"{statistics.median(mfu):.1%}" if mfu else "-", f"{peak / 2**30:.2f} GiB",
             f"{loss:.4f}{versus}"]
 
 
-def throughput_section(work: Path, cpu: bool, ranks: int, device: str, section_type):
-    """The table, as gpu_check's Section; each row printed as it is measured."""
+def throughput_section(work: Path, cpu: bool, ranks: int, device: str, section_type, budget=None, run=None,
+                       on_row=lambda: None, on_start=lambda section: None):
+    """The table, as gpu_check's Section; each row printed as it is measured, then `on_row()`. `budget` (gpu_check's
+    Budget): a row that would start after it is spent is a SKIP that says so."""
     section = section_type(f"Knob throughput: {STEPS} steps on {ranks} x {device}, bf16",
                            ["model", "tokens", "variant", "result", "tokens/s", "MFU", "peak memory",
                             f"loss after {STEPS} steps"])
+    on_start(section)
     keys = known_recipe_keys()
     for model in CPU_MODELS if cpu else GPU_MODELS:
         recipe, sets, eager_loss = recipe_for(model, work, cpu, ranks), [], None
         for variant in VARIANTS:
             sets += [s for s in variant.sets if s.split("=")[0] in keys]
-            why = skipped_because(model, variant, cpu, keys)
+            why = skipped_because(model, variant, cpu, keys) or (budget.spent() if budget else None)
             head = [model.label, f"{model.seq_len:,}", variant.name]
             if why:
                 cells = [*head, "SKIP", why, "", "", ""]
             else:
                 started = time.monotonic()
                 folder = work / f"throughput-{model.architecture}-{model.seq_len}-{len(section.rows)}"
-                proc, rows = train(recipe, folder, sets, cpu, ranks)
+                proc, rows = train(recipe, folder, sets, cpu, ranks, run)
                 if proc.returncode != 0 or len(rows) < STEPS:
                     tail = (proc.stderr or proc.stdout).strip().splitlines()
                     cells = [*head, "FAIL", f"exit {proc.returncode}: {tail[-1][:200] if tail else 'no output'}",
@@ -160,4 +172,5 @@ def throughput_section(work: Path, cpu: bool, ranks: int, device: str, section_t
             print(f"{cells[3]:<5} {' '.join(c for c in cells[:3])}: {' | '.join(c for c in cells[4:] if c)}",
                   flush=True)
             section.rows.append(cells)
+            on_row()
     return section

@@ -8,6 +8,7 @@ launches 2 real FSDP ranks on the CPU over gloo.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -249,6 +250,27 @@ LOGIT_PATH = 2**11
 """Products summed on the way to one logit of the tests' 2-layer, width-64 models (GPT-2 at 128 positions:
 2 x (64 + 16 + 128 + 64 + 64 + 256) + 64 = 1,248; Llama 1,088). Layer norms keep every stage at the logits' scale, so
 two computations of the same logits that round differently agree within reordered(LOGIT_PATH) of the logit scale."""
+
+
+def precomputed_reference_start(beta: float, seq_len: int, logp_scale: float, pairs: int,
+                                logit_path: int = LOGIT_PATH) -> tuple[float, float]:
+    """How far DPO's first step may be from policy == reference, fp32, where the reference's log-probabilities are the
+    policy's own computed before the first step in batches of other shapes (train/reference.py groups the pairs its own
+    way, so rows are padded to other lengths and kernels may add up in other orders: equal, but not bitwise by
+    construction). Returns (bound on |reward_margin|, bound on |loss - ln 2|), absolute.
+
+    A token's log-prob z_y - logsumexp(z) moves by at most twice its logits' error, each within reordered(logit_path)
+    of the logit scale, below `logp_scale` (a token's |log-prob|) at a start from scratch: logits near 0, log-probs
+    near -ln V. A sequence's log-prob adds up to `seq_len` of them (independent errors: sqrt(seq_len) of one's bound),
+    in another order too (reordered(seq_len) of its size). A pair's margin z = beta ((pc - rc) - (pr - rr)) moves by
+    beta x two sequences' errors; the loss -log sigmoid(z) = ln 2 - z / 2 + O(z^2) by half that, plus one fp32 rounding
+    of ln 2 and the mean over the step's `pairs` added in some order."""
+    from accel_fsdp.tools.noise import ROUNDOFF, reordered
+
+    sequence = (math.sqrt(seq_len) * 2 * reordered(logit_path) * logp_scale
+                + reordered(seq_len) * seq_len * logp_scale)
+    margin = 2 * beta * sequence
+    return margin, margin / 2 + math.log(2) * (ROUNDOFF["fp32"] + reordered(pairs))
 
 
 def assert_adam_runs_agree(weights: dict, reference: dict, lrs: list[float], gradient_noise: float) -> None:

@@ -1,6 +1,6 @@
 """A resumed run goes on as the uninterrupted one would: from the newest intact checkpoint when a newer one is damaged
-(a file changed in place, or cut short), and with a metrics.jsonl whose rows average the same steps. Also what
-rotation does with damaged step folders (no ranks needed)."""
+(a file changed in place, or cut short), keeping the damaged one aside, and with a metrics.jsonl whose rows average
+the same steps. Also what an export of a run folder and rotation do with damaged step folders (no ranks needed)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import fabricate_checkpoint, load_weights, read_metrics, run_cli, tiny_recipe
 
+from accel_fsdp.checkpoint.index import inspect_checkpoint
 from accel_fsdp.tools.noise import reordered
 
 STEPS = 8
@@ -83,12 +84,18 @@ def test_resume_auto_goes_back_past_a_damaged_newest_checkpoint_and_says_why(tmp
     run = tmp_path / "run"
     shutil.copytree(uninterrupted, run)
     name = damage(run / "checkpoints" / "step-000008", how)
+    damaged = (run / "checkpoints" / "step-000008" / name).read_bytes()
     proc = run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", "auto", check=0)
     said = proc.stdout + proc.stderr
     reason = "changed since it was saved (CRC-32 differs" if how == "changed" else "bytes, the manifest says"
     assert f"step-000008 is newer but not usable ({name}" in said and reason in said, said[-3000:]
     assert "continuing from step-000006" in said
     assert f"resume: continuing from {run / 'checkpoints' / 'step-000006'} at step 6" in said
+    # The damaged one is kept aside as it was, not replaced by the run's own step 8 (nor counted by rotation).
+    (aside,) = (run / "checkpoints").glob("damaged-*")
+    assert f"resume: step-000008 kept in {aside} (accel-fsdp never deletes it" in said
+    assert (aside / "step-000008" / name).read_bytes() == damaged
+    assert inspect_checkpoint(run / "checkpoints" / "step-000008", verify=True).complete
     weights, expected = load_weights(run / "final"), load_weights(uninterrupted / "final")
     assert weights.keys() == expected.keys()
     for key, tensor in weights.items():  # steps 7 and 8 again, computed as the first time (CPU kernels)
@@ -117,6 +124,22 @@ def test_the_checkpoint_to_resume_is_the_newest_intact_one(tmp_path, how):
         "step-000009" if how == "changed" else "step-000006")  # unread, a changed file is not seen (the ranks read it)
 
 
+@pytest.mark.parametrize("how", ["changed", "truncated"])
+def test_an_export_of_a_run_folder_takes_its_newest_intact_checkpoint_as_a_resume_does(tmp_path, how):
+    """`checkpoint consolidate RUN` goes back past a newest checkpoint with a file changed since as past one cut short
+    (it stopped at the first, while passing over the second), naming it."""
+    from accel_fsdp.checkpoint.index import resolve_checkpoint
+
+    for step in (3, 6):
+        fabricate_checkpoint(tmp_path, step)
+    weights = tmp_path / "step-000006" / "weights"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-1] + b"\xff" if how == "changed" else data[:-1])
+    point = resolve_checkpoint(tmp_path, verify=True)
+    assert point.checkpoint.name == "step-000003"
+    assert [(c.name, c.reason.split(" ")[0]) for c in point.passed_over] == [("step-000006", "weights")]
+
+
 def test_rotation_removes_damaged_step_folders_older_than_the_checkpoints_it_keeps(tmp_path):
     from accel_fsdp.checkpoint.store import rotate
 
@@ -128,6 +151,31 @@ def test_rotation_removes_damaged_step_folders_older_than_the_checkpoints_it_kee
     removed = rotate(tmp_path, keep_last=2)
     assert sorted(p.name for p in removed) == ["step-000002", "step-000004", "step-000006"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000008", "step-000010", "step-000012"]
+
+
+def test_rotation_removes_a_damaged_step_folder_between_the_checkpoints_it_keeps(tmp_path):
+    """Never resumable (a newer complete checkpoint is read first, and one past it only if that one is damaged
+    too), so gone with the next save, not kept until the checkpoints around it have rotated away."""
+    from accel_fsdp.checkpoint.store import rotate
+
+    for step in (2, 4, 6):
+        fabricate_checkpoint(tmp_path, step)
+    (tmp_path / "step-000004" / "weights").write_bytes(b"short")  # cut short
+    assert [p.name for p in rotate(tmp_path, keep_last=3, newest=6)] == ["step-000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002", "step-000006"]
+
+
+def test_rotation_never_removes_the_checkpoint_just_saved_for_a_newer_one(tmp_path):
+    """A newer checkpoint whose bytes changed has the manifest's sizes: complete, as far as rotation reads. Counted
+    among the newest, it would rotate away the intact one just written (and with it a run's only good state)."""
+    from accel_fsdp.checkpoint.store import rotate
+
+    for step in (6, 7, 8):
+        fabricate_checkpoint(tmp_path, step)
+    weights = tmp_path / "step-000008" / "weights"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\xff")  # changed in place: its CRC-32 tells, its size does not
+    assert [p.name for p in rotate(tmp_path, keep_last=1, newest=7)] == ["step-000006"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000007", "step-000008"]
 
 
 def test_a_trainer_state_keeps_its_logging_window():

@@ -9,7 +9,9 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import socket
+import zlib
 from pathlib import Path
 
 import pytest
@@ -539,14 +541,14 @@ def test_a_moved_run_folder_uses_its_own_checkpoints(tmp_path):
 def test_a_newer_damaged_checkpoint_passed_over_is_named(tmp_path):
     """Given a run folder, consolidate and --resume take the newest complete checkpoint; a newer one that is damaged
     is said, not skipped in silence."""
-    from accel_fsdp.checkpoint.index import resolve_checkpoint, skipped_newer
+    from accel_fsdp.checkpoint.index import resolve_checkpoint
 
     run = fake_run(tmp_path / "run", "hhhh", checkpoint_steps=(3, 6))
     manifest = run / "checkpoints" / "step-000006" / "manifest.json"
     manifest.write_text(manifest.read_text().replace('"step": 6', '"step": "six"'))
-    info = resolve_checkpoint(run)
-    assert info.name == "step-000003"
-    assert [(c.name, "step 'six' is not a step number" in c.reason) for c in skipped_newer(info)] == [
+    point = resolve_checkpoint(run)
+    assert point.checkpoint.name == "step-000003"
+    assert [(c.name, "step 'six' is not a step number" in c.reason) for c in point.passed_over] == [
         ("step-000006", True)]
 
 
@@ -650,6 +652,46 @@ def test_resume_from_an_older_checkpoint_sets_the_abandoned_ones_aside(tmp_path)
     (aside,) = (run / "checkpoints").glob("abandoned-*")
     assert sorted(p.name for p in aside.iterdir()) == ["step-000006", "step-000008"]
     assert set_aside_newer(layout, run / "checkpoints" / "step-000004") == []
+
+
+@pytest.mark.parametrize("how", ["changed", "truncated"])
+def test_resume_auto_with_every_checkpoint_damaged_stops_naming_each_and_changes_nothing(tmp_path, how):
+    """A checkpoint cut short and one whose bytes changed end alike (it started the run again over the first, deleting
+    it, and stopped at the second); a run that never saved a checkpoint starts again."""
+    from accel_fsdp.config.recipe import load_recipe
+    from accel_fsdp.layout import RunLayout
+    from accel_fsdp.run.folder import Decision, decide
+
+    run = fake_run(tmp_path / "run", "a" * 16, checkpoint_steps=(3, 6))
+    for step in (3, 6):
+        weights = run / "checkpoints" / f"step-{step:06d}" / "weights"
+        weights.write_bytes(b"w" * 9 + b"x" if how == "changed" else b"cut")
+        if how == "changed":  # fake_run's manifests have no CRC-32s: give them the original bytes'
+            manifest = json.loads((weights.parent / "manifest.json").read_text())
+            manifest["crc32"] = {"weights": format(zlib.crc32(b"w" * 10), "08x")}
+            (weights.parent / "manifest.json").write_text(json.dumps(manifest))
+    before = snapshot(run)
+    msg = user_error("recipe", "run", "quickstart", "--output-dir", run, "--resume", "auto")
+    reason = "changed since it was saved" if how == "changed" else "weights has 3 bytes, the manifest says 10"
+    assert "--resume found no complete checkpoint; not usable: step-000003 (weights" in msg and reason in msg, msg
+    assert "step-000006 (weights" in msg
+    assert snapshot(run) == before
+    for step in (3, 6):
+        shutil.rmtree(run / "checkpoints" / f"step-{step:06d}")
+    (run / "checkpoints" / ".tmp-step-000009").mkdir()  # a save that never finished: not a checkpoint saved
+    assert decide(RunLayout.at(run), load_recipe(shipped_recipes()["quickstart"]), resume="auto") == Decision.RESTART
+
+
+def test_step_folders_set_aside_twice_within_a_second_are_both_kept(tmp_path):
+    from accel_fsdp.run.folder import DAMAGED, move_aside
+
+    kept = []
+    for content in (b"first", b"second"):
+        (tmp_path / "step-000004").mkdir()
+        (tmp_path / "step-000004" / "weights").write_bytes(content)
+        kept.append(move_aside(tmp_path, [tmp_path / "step-000004"], DAMAGED))
+    assert kept[0] != kept[1]
+    assert [(k / "step-000004" / "weights").read_bytes() for k in kept] == [b"first", b"second"]
 
 
 def test_a_preemption_signal_after_the_run_finished_ends_it_with_0(tmp_path, capsys):

@@ -120,14 +120,10 @@ def latest_complete(root: Path) -> CheckpointInfo | None:
     return complete[-1] if complete else None
 
 
-def skipped_newer(info: CheckpointInfo) -> list[CheckpointInfo]:
-    """Checkpoints next to `info` that are newer but incomplete or damaged: passed over when a run folder was given,
-    which the user should hear about."""
-    return [c for c in list_checkpoints(info.path.parent) if c.name > info.name and not c.complete]
-
-
-def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint", verify: bool = False) -> CheckpointInfo:
-    """A checkpoint folder, or a run folder / checkpoints folder (its newest complete checkpoint)."""
+def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint", verify: bool = False) -> ResumePoint:
+    """A checkpoint folder (refused when damaged: it was asked for), or a run folder / checkpoints folder: its newest
+    complete checkpoint, with `verify` its newest whose files also match their CRC-32s, and the newer ones passed
+    over (a file missing, cut short or, with `verify`, changed since), as a resume goes back past them."""
     p = existing_folder(path, what=what)
     if checkpoint_step(p.name) is not None or p.name.startswith(TMP_PREFIX + STEP_PREFIX) or (p / MANIFEST).exists():
         info = inspect_checkpoint(p, verify=verify)
@@ -135,12 +131,10 @@ def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint", verify: bo
             raise UserError(Problem(str(p), f"incomplete or corrupt checkpoint: {info.reason}",
                                     "use an earlier complete checkpoint (see `accel-fsdp checkpoint inspect` "
                                     "on the run folder)"))
-        return info
+        return ResumePoint(info, [])
     for candidate in checkpoint_folders_of(p):
-        found = latest_complete(candidate)
-        if found:
-            if verify:
-                verify_files(found)
+        found = newest_intact(candidate, verify_up_to=float("inf") if verify else -1)
+        if found.checkpoint is not None:
             return found
     seen = [c for r in checkpoint_folders_of(p) for c in list_checkpoints(r)]
     detail = "; ".join(f"{c.name}: {c.reason}" for c in seen) or "no step-NNNNNN folders"
@@ -157,9 +151,9 @@ def checkpoint_folders_of(path: Path) -> list[Path]:
 
 @dataclass
 class ResumePoint:
-    """The checkpoint a resume reads, and the newer ones it passed over, each with why it is not usable."""
+    """The checkpoint a resume reads (None: none is usable), and the newer ones it passed over, each with why."""
 
-    checkpoint: CheckpointInfo
+    checkpoint: CheckpointInfo | None
     passed_over: list[CheckpointInfo]
 
     def notes(self) -> list[str]:
@@ -173,18 +167,31 @@ def checkpoint_to_resume(root: Path, resume_from: str | None, *, accelerator=Non
     """--resume-from PATH (a damaged one is refused: it was asked for), or --resume / --resume auto: the newest
     checkpoint under the run's checkpoint folder that is complete and whose files match their CRC-32s. A newer one
     that is not is passed over and said, whether a save never finished (a file missing or short) or a file changed
-    since (same size, other bytes): both are damage the run survives by going back to the previous checkpoint.
+    since (same size, other bytes): both are damage the run survives by going back to the previous checkpoint (and
+    the ranks keep the damaged one aside: train/checkpointing.py).
 
     The files of a checkpoint larger than `verify_up_to` bytes are not read here (the ranks read them, in parallel).
     With an `accelerator` (collective), the ranks share the reading."""
     if resume_from:
-        info = resolve_checkpoint(resume_from)
+        info = resolve_checkpoint(resume_from).checkpoint
         if info.manifest.total_bytes <= verify_up_to:
             verify_files(info, accelerator)
         return ResumePoint(info, [])
-    checkpoints = list_checkpoints(root)
+    found = newest_intact(root, accelerator=accelerator, verify_up_to=verify_up_to)
+    if found.checkpoint is not None:
+        return found
+    skipped = [f"{c.name} ({c.reason})" for c in reversed(found.passed_over)]
+    raise UserError(Problem(str(root), "--resume found no complete checkpoint" +
+                            (f"; not usable: {', '.join(skipped)}" if skipped else ""),
+                            "restore a damaged checkpoint, or drop --resume and add --overwrite to start over"))
+
+
+def newest_intact(root: Path, *, accelerator=None, verify_up_to: float = float("inf")) -> ResumePoint:
+    """The newest checkpoint under `root` that is complete and whose files match their CRC-32s (not read for one
+    larger than `verify_up_to` bytes; None when there is none), with the newer ones passed over and why. With an
+    `accelerator` (collective), the ranks share the reading."""
     passed_over = []
-    for info in reversed(checkpoints):
+    for info in reversed(list_checkpoints(root)):
         if info.complete and info.manifest.total_bytes <= verify_up_to:
             bad = damaged_files(info, accelerator)
             if bad:
@@ -192,10 +199,7 @@ def checkpoint_to_resume(root: Path, resume_from: str | None, *, accelerator=Non
         if info.complete:
             return ResumePoint(info, passed_over)
         passed_over.append(info)
-    skipped = [f"{c.name} ({c.reason})" for c in reversed(passed_over)]
-    raise UserError(Problem(str(root), "--resume found no complete checkpoint" +
-                            (f"; not usable: {', '.join(skipped)}" if skipped else ""),
-                            "restore a damaged checkpoint, or drop --resume and add --overwrite to start over"))
+    return ResumePoint(None, passed_over)
 
 
 def check_resume(info: CheckpointInfo, recipe, settings, total_steps: int | None = None, *,

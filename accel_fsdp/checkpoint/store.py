@@ -147,7 +147,7 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, ste
     if main:
         # After the barrier, and in the background: deleting large old checkpoints must not hold the other ranks
         # at a barrier (into the collective timeout), nor this one at the next step.
-        rotate(root, keep_last, background=True)
+        rotate(root, keep_last, newest=step, background=True)
     return final
 
 
@@ -215,21 +215,28 @@ def _save_hf_files(accelerator, model, tokenizer, folder: Path) -> None:
 _ROTATIONS: list = []
 
 
-def rotate(root: Path, keep_last: int | None, *, background: bool = False) -> list[Path]:
-    """Delete all but the newest `keep_last` complete checkpoints, and the step folders older than the oldest one
-    kept that are not complete (damaged, or a save that lost its manifest: never resumable, so kept forever
-    otherwise). A step folder newer than that is left alone. Returns what was removed.
+def rotate(root: Path, keep_last: int | None, *, newest: int | None = None, background: bool = False) -> list[Path]:
+    """Delete all but the newest `keep_last` complete checkpoints up to step `newest` (the one just saved, always
+    kept), and the step folders older than the newest one kept that are not complete (damaged, or a save that lost
+    its manifest: never resumable, as a newer complete one is read first, so kept forever otherwise). A step folder
+    newer than that is left alone, and so is a checkpoint newer than `newest`: complete here means its files have the
+    manifest's sizes, and a newer one whose bytes changed since (which a resume goes back past, and keeps aside) must
+    not count among the kept, or the checkpoint just written, checked as it was written, would go for it. Returns
+    what was removed.
 
     Each one is first renamed to `.trash-step-N` (atomic: never again seen as a checkpoint), then deleted; with
     `background`, the deletion runs in a thread (`wait_for_rotations` joins it before the process ends)."""
     if not keep_last:
         return []
     checkpoints = list_checkpoints(root)
-    kept = {c.name for c in [c for c in checkpoints if c.complete][-keep_last:]}
+    just_saved = checkpoint_name(newest) if newest is not None else None
+    upto = [c for c in checkpoints if newest is None or checkpoint_step(c.name) <= newest]
+    kept = {c.name for c in [c for c in upto if c.complete or c.name == just_saved][-keep_last:]}
     oldest_kept = min((checkpoint_step(name) for name in kept), default=-1)
+    newest_kept = max((checkpoint_step(name) for name in kept), default=-1)
     trashed = []
     for c in checkpoints:
-        if c.name in kept or checkpoint_step(c.name) >= oldest_kept:
+        if c.name in kept or checkpoint_step(c.name) >= (oldest_kept if c.complete else newest_kept):
             continue
         trash = c.path.with_name(TRASH_PREFIX + c.path.name)
         try:

@@ -14,7 +14,6 @@ from accel_fsdp.checkpoint.index import (
     inspect_checkpoint,
     list_checkpoints,
     resolve_checkpoint,
-    skipped_newer,
 )
 from accel_fsdp.config.precision import PRECISIONS
 from accel_fsdp.config.recipe import read_saved_recipe
@@ -56,8 +55,9 @@ def checkpoint_consolidate(checkpoint_or_run, out_dir, dtype, max_shard_size, me
         size = parse_bytes(max_shard_size)
     except ValueError:
         raise UserError(size_problem("--max-shard-size", max_shard_size, "2GB or 500MB")) from None
-    info = resolve_checkpoint(checkpoint_or_run, verify=True)
-    for newer in skipped_newer(info):
+    point = resolve_checkpoint(checkpoint_or_run, verify=True)
+    info = point.checkpoint
+    for newer in point.passed_over:
         click.echo(f"note: {newer.path} is newer but not usable ({newer.reason}): exporting {info.name}", err=True)
     if out_dir.resolve().is_relative_to(info.path.resolve()):
         raise UserError(Problem(str(out_dir), f"is inside the checkpoint {info.path}", "write the export elsewhere"))

@@ -154,8 +154,8 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--output-dir", type=click.Path(path_type=Path), help="Run folder. Default: runs/<recipe name>.")
 @click.option("--resume", type=click.Choice(["latest", "auto"]), is_flag=False, flag_value="latest", default=None,
-              help="Continue this run from its newest complete checkpoint. --resume auto: continue if the run folder "
-              "holds this run with a complete checkpoint, else start it; refuse a folder of another run (what "
+              help="Continue this run from its newest intact checkpoint. --resume auto: continue if the run folder "
+              "holds this run with a checkpoint, start it if it saved none; refuse a folder of another run (what "
               "requeued SLURM jobs use).")
 @click.option("--resume-from", type=click.Path(), help="Continue from this checkpoint folder.")
 @click.option("--overwrite", is_flag=True, help="Replace a run already in the run folder.")

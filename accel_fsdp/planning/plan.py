@@ -216,10 +216,12 @@ def reference_cost(recipe) -> str | None:
     if not spec.reference:
         return f"{spec.name} needs no reference model" if spec.pairs else None
     if recipe.model.lora.enabled:
-        return (f"{spec.name.upper()} reference: the base model with the LoRA adapters switched off, one more forward per micro-step "
-                "(no gradients kept; about +50% compute over LoRA's forward and backward), no second model in memory")
-    return (f"{spec.name.upper()} reference: before the first step, one forward over every training and held-out pair (about a third "
-            "of one epoch's compute, in the activations above), cached with the data; no second model in memory")
+        return (f"{spec.name.upper()} reference: the base model with the LoRA adapters switched off, one more "
+                "forward per micro-step (no gradients kept; about +50% compute over LoRA's forward and backward), no "
+                "second model in memory")
+    return (f"{spec.name.upper()} reference: before the first step, one forward over every training and held-out pair "
+            "(about a third of one epoch's compute, in the activations above), cached with the data; no second model "
+            "in memory")
 
 
 def print_plan(recipe, accelerate_config: str | None, gpu_memory: str | None) -> None:

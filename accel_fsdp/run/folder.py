@@ -18,11 +18,11 @@ import time
 from enum import Enum
 from pathlib import Path
 
-from accel_fsdp.checkpoint.index import latest_complete
+from accel_fsdp.checkpoint.index import list_checkpoints
 from accel_fsdp.checkpoint.records import Manifest
 from accel_fsdp.config.recipe import incompatible_keys, read_saved_recipe
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.files import FileLock, write_atomic
+from accel_fsdp.files import FileLock, fsync_dir, write_atomic
 
 # The paths of a run are layout.py's; this module decides what a start may do with them.
 from accel_fsdp.layout import (
@@ -47,7 +47,9 @@ class Decision(str, Enum):
     OVERWRITE = "overwrite"
     """Replace the run here with a new one (its own files are deleted first)."""
     RESTART = "restart"
-    """--resume auto on a run that never completed a checkpoint: start it again from step 0 (same id)."""
+    """--resume auto on a run that never saved a checkpoint (no step folder): start it again from step 0 (same id).
+    One whose checkpoints are all damaged is resumed, and the resume stops, naming each and why: nothing is
+    deleted, and the user chooses (restore one, or --overwrite)."""
 
 
 # ------------------------------------------------------------------------------------------- the decision
@@ -97,7 +99,9 @@ def decide(layout: RunLayout, recipe, *, resume: str | None = None, resume_from:
                                     "give another --output-dir, or resume it with the recipe that made it "
                                     "(its copy is in recipe.yaml) (nothing was changed)"))
         check_checkpoint_folder(layout, owner=identity)
-        return Decision.RESUME if latest_complete(layout.checkpoints) else Decision.RESTART
+        # Any step folder, intact or not: a checkpoint cut short and one whose bytes changed (the same size: only
+        # reading it tells) end alike, in the resume: from the newest intact one, or a stop naming each.
+        return Decision.RESUME if list_checkpoints(layout.checkpoints) else Decision.RESTART
     same = identity.recipe_fingerprint == recipe.fingerprint()
     what = ("a run of this same recipe" if same else
             f"a different run (recipe {identity.recipe_name!r}, fingerprint {identity.recipe_fingerprint})")
@@ -221,14 +225,32 @@ def set_aside_newer(layout: RunLayout, resume_from: Path) -> list[str]:
                    key=lambda p: checkpoint_step(p.name))
     if not newer:
         return []
-    aside = layout.checkpoints / time.strftime("abandoned-%Y%m%d-%H%M%S")
-    aside.mkdir(exist_ok=True)
-    for p in newer:
-        os.replace(p, aside / p.name)
+    aside = move_aside(layout.checkpoints, newer, ABANDONED)
     names = [p.name for p in newer]
     print(f"resume: {len(names)} newer checkpoint(s) of the continuation abandoned by --resume-from "
           f"({names[0]} to {names[-1]}) moved to {aside}", file=sys.stderr, flush=True)
     return names
+
+
+ABANDONED, DAMAGED = "abandoned", "damaged"
+"""The kinds of step folders a start moves aside, and the first word of the folder they go into."""
+
+
+def move_aside(checkpoints: Path, folders: list[Path], kind: str) -> Path:
+    """Move step folders into `<checkpoints>/<kind>-<time>/` (kind: ABANDONED or DAMAGED), and return that folder. They
+    are kept there: rotation and resume look only at the step folders at the top, and nothing of accel-fsdp deletes
+    them but an --overwrite of the run (which replaces the run folder's checkpoints/ whole; in a checkpoint.dir of its
+    own, only the step folders: layout.CHECKPOINT_PREFIXES). A rename in the same folder: atomic, no copy."""
+    stamp = time.strftime(f"{kind}-%Y%m%d-%H%M%S")
+    aside, again = checkpoints / stamp, 1
+    while aside.exists():  # set aside twice within a second: a folder of its own, nothing replaced
+        again += 1
+        aside = checkpoints / f"{stamp}-{again}"
+    aside.mkdir()
+    for folder in folders:
+        os.replace(folder, aside / folder.name)
+    fsync_dir(checkpoints)
+    return aside
 
 
 # ---------------------------------------------------------------------------------------------------- lock

@@ -6,7 +6,8 @@ differs: one global batch collated once and fed again every step, no loss normal
 metrics files, no checkpoints, and the global loss all-reduced every step (as `bench` makes our loop log every
 step). Whatever our loop costs on top of Accelerate shows up as the ratio.
 
-Run inside a launch: `python -m accel_fsdp.tools.baseline RECIPE_PATH OUT_JSON --steps N --warmup W [--set ...] [--cpu]`.
+Run inside a launch:
+    python -m accel_fsdp.tools.baseline RECIPE_PATH OUT_JSON --steps N --warmup W [--set ...] [--cpu]
 """
 
 from __future__ import annotations

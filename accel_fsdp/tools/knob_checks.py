@@ -40,12 +40,12 @@ from typing import Callable
 
 from accel_fsdp.config.precision import FP8
 from accel_fsdp.model.facts import facts_for, loss_chunk_tokens
-from accel_fsdp.tools.noise import compare_rows, equivalence_tolerance
+from accel_fsdp.tools.noise import FLOAT8_ROUNDOFF, compare_rows, equivalence_tolerance
 
 PROBE_STEPS = 2
-FP8_LOSS_BOUND = 2.0**-4
+FP8_LOSS_BOUND = FLOAT8_ROUNDOFF["e4m3"]
 """Relative loss difference of fp8 to bf16 per optimizer step: e4m3's unit roundoff (3 mantissa bits)."""
-FP8_GRAD_BOUND = 2.0**-3
+FP8_GRAD_BOUND = FLOAT8_ROUNDOFF["e5m2"]
 """Relative gradient-norm difference of fp8 to bf16 per optimizer step: e5m2's unit roundoff (2 mantissa bits)."""
 FP8_BASELINE = "bf16"
 """The precision fp8 computes in outside the blocks' float8 products (config/precision.py), and is compared with."""

@@ -15,6 +15,10 @@ ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}
 """Unit roundoff of each compute precision (24, 8, 11 significant bits): one rounding moves a value by at most this
 fraction of it. The numeric checks' tolerances follow from it, never from one machine's run: machines differ in
 kernels, so in the order they add numbers up."""
+FLOAT8_ROUNDOFF = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}
+"""Unit roundoffs of the float8 formats (3 and 2 mantissa bits). fp8 training (model/fp8.py) rounds the forward's
+matrix operands to e4m3 and the backward's gradients to e5m2, each tensor on a grid scaled to its own absolute
+maximum; everything else computes in bf16."""
 SIGMAS = 7.0
 """Rounding errors add up like independent zero-mean draws (Higham and Mary, SIAM J. Sci. Comput. 41(5), 2019): n of
 them stay within SIGMAS x sqrt(n) roundoffs, except with probability below 2n exp(-SIGMAS^2 / 2), about 5e-11 n."""
@@ -47,9 +51,15 @@ def equivalence_tolerance(precision: str, tokens: int, micro_steps: int, steps: 
     optimizer steps; a step's difference carries into the next one's weights, so they add up. fp32: each step sums
     `tokens` token losses, and as many products in each gradient element, in other orders. bf16, fp16: products still
     add in fp32, but every matmul's output is rounded to the format, a unit apart at most in the two runs: a token's
-    loss once, a gradient element once per micro-step it accumulates over (independent, so sqrt(micro_steps) units)."""
+    loss once, a gradient element once per micro-step it accumulates over (independent, so sqrt(micro_steps) units).
+    fp8: each operand's scale is set by the largest element of the tensor a micro-step holds, so two splits round
+    every operand on other grids, each within a unit of the exact value: a token's loss (a sum of same-sign terms each
+    off by at most u relative is off by at most u) within 2 e4m3 units, a gradient element within 2 e5m2 units per
+    micro-step. Loose (12.5% a step): the loop's exactness is best proven at bf16 (docs/VERIFY.md)."""
     if precision == "fp32":
         loss = norm = reordered(tokens)
+    elif precision == "fp8":
+        loss, norm = 2 * FLOAT8_ROUNDOFF["e4m3"], 2 * math.sqrt(micro_steps) * FLOAT8_ROUNDOFF["e5m2"]
     else:
         loss, norm = 2 * ROUNDOFF[precision], 2 * math.sqrt(micro_steps) * ROUNDOFF[precision]
     return {"loss": steps * loss, "grad_norm": steps * norm}

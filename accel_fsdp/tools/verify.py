@@ -41,7 +41,7 @@ from accel_fsdp.model.facts import facts_for
 from accel_fsdp.planning.knob_advice import recipe_settings
 from accel_fsdp.planning.memory import MemoryInputs, estimate
 from accel_fsdp.preflight import preflight
-from accel_fsdp.tools.knob_checks import KNOBS, Knob
+from accel_fsdp.tools.knob_checks import FP8_BASELINE, KNOBS, Knob
 from accel_fsdp.tools.noise import ROUNDOFF, adam_step_bound, compare_rows, equivalence_tolerance, reordered
 from accel_fsdp.tools.verify_runs import (  # noqa: F401 (format_table: the CLI's, from here)
     DROPOUT_KEYS,
@@ -70,7 +70,12 @@ PACKING_LIMIT = {"fp32": reordered(2**23), "bf16": 8 * ROUNDOFF["bf16"], "fp16":
 """Largest logit difference (relative to the logit scale) of a packed document to it alone. fp32: the same products
 summed in other orders, up to 2^23 of them on a logit's path (an 80-layer, 8192-wide model at 8K tokens has 7M), 2.4e-3.
 16 bits: the layouts round the same fp32 sums and land a unit apart where one straddles a rounding boundary; 8 units.
-A leak between documents moves logits by a large part of their scale (0.3 to 1 in the tests' models)."""
+A leak between documents moves logits by a large part of their scale (0.3 to 1 in the tests' models). fp8: float8
+rounds each layer's input on a grid set by the largest element of the batch it sees (2^-4 a layer, packed or alone),
+as large as a leak; the layouts do not depend on how the linear layers multiply, so an fp8 recipe's packing is measured
+in its bf16 twin (FP8_TWIN) against bf16's limit."""
+FP8_TWIN = "fp8-off"
+"""The fp8 knob's probe at bf16 (tools/knob_checks.py): an fp8 recipe's packing is measured there."""
 STATE_MARGIN = 0.10
 """Model state measured against the estimate: within 10%."""
 PEAK_MARGIN = 1.30
@@ -253,20 +258,33 @@ def check_knob(v: Verification, knob: Knob) -> Check:
     return Check(knob.check, *knob.judge(on.train_rows(), off.train_rows(), v.recipe, v.precision, v.device))
 
 
+def knob_probe_plan(recipe, precision_name: str, wanted: set[str]) -> list[tuple[str, list[str], bool]]:
+    """(name, what it sets, whether it measures packing) of the knob probes verify runs: each knob's pair where its
+    check is wanted, and an fp8 recipe's bf16 twin where packing is (its packing is measured there: PACKING_LIMIT)."""
+    plan = []
+    for knob in KNOBS:
+        for name, knob_sets in knob.probes(recipe, precision_name):
+            packing_here = name == FP8_TWIN and "packing" in wanted
+            if knob.check in wanted or packing_here:
+                plan.append((name, knob_sets, packing_here))
+    return plan
+
+
 def check_packing(v: Verification) -> Check:
     """What the reference probe's `packing` probe measured inside the trainer (accel_fsdp/train/probes.py): packed
     sequences laid out by the run's own collate for its attention kernel, against each document run alone."""
-    ref = v.probes["reference"]
+    measured_in, at = ("reference", v.precision) if v.precision != precision.FP8 else (FP8_TWIN, FP8_BASELINE)
+    ref = v.probes[measured_in]
     records = ref.trace("packing")
     if not records:
         return Check("packing", "FAIL", ref.failure() if not ref.ok else "no packing record was written")
     worst = max(r["relative_difference"] for r in records)
     first = records[0]
-    limit = PACKING_LIMIT[v.precision]
+    limit = PACKING_LIMIT[at]
     return Check("packing", "PASS" if worst <= limit else "FAIL",
                  f"{first['documents']} documents in {first['sequences']} sequences ({first['layout']} batch, "
                  f"{first['attention']}): largest logit difference to each document alone {worst:.1e} of the logit "
-                 "scale", f"{limit:g} ({v.precision})",
+                 f"scale{'' if at == v.precision else f' (in the {at} probe {FP8_TWIN})'}", f"{limit:g} ({at})",
                  {"documents": first["documents"], "relative_difference": worst, "layout": first["layout"],
                   "attention": first["attention"]})
 
@@ -425,9 +443,9 @@ def verify(recipe, config, num_processes: int | None, overrides: list[str], *, o
             dropout = [f"model.config_overrides.{k}=0.1" for k in keys] + ["training.max_steps=2"]
             for name, on in (("ac-on", "true"), ("ac-off", "false")):
                 run_probe(v, name, sets + dropout + [f"model.activation_checkpointing={on}"], extra_args=extra)
-    for knob in KNOBS:
-        for name, knob_sets in (knob.probes(recipe, v.precision) if knob.check in wanted else ()):
-            run_probe(v, name, sets + knob_sets, extra_args=extra)
+    for name, knob_sets, packing_here in knob_probe_plan(recipe, v.precision, wanted):
+        run_probe(v, name, sets + knob_sets, extra_args=extra,
+                  env={PROBE_ENV: "packing", **traced} if packing_here else None)
     runners = {"sharding": check_sharding, "precision": check_precision, "equivalence": check_equivalence,
                "resume": check_resume, "packing": check_packing, "data": check_data, "activation-checkpointing":
                check_activation_checkpointing, "memory": check_memory, "throughput": check_throughput,

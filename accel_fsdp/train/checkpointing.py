@@ -14,6 +14,7 @@ from accel_fsdp.checkpoint.records import TrainerState
 from accel_fsdp.errors import UserError
 from accel_fsdp.files import write_atomic
 from accel_fsdp.layout import RunIdentity, RunLayout, checkpoint_name
+from accel_fsdp.run.folder import DAMAGED, move_aside
 from accel_fsdp.train.faults import Faults
 from accel_fsdp.train.lifetime import Preempted, Preemption, doing
 from accel_fsdp.train.observe import Terminal, TrainLogger
@@ -82,6 +83,7 @@ class Checkpointer:
         for note in point.notes() + checkpoint_index.check_resume(info, recipe, self.settings, self.total_steps,
                                                                   accept_data_change=accept_data_change):
             say(f"resume: {note}")
+        self._keep_aside(point.passed_over)
         checkpoint_index.check_quantized_base(info, self.quantized_base)
         state = ckpt.load_checkpoint(acc, self.model, self.optimizer, self.scheduler, info,
                                      lora=recipe.model.lora.enabled)
@@ -93,6 +95,17 @@ class Checkpointer:
         say(f"resume: continuing from {info.path} at step {training.step} of {self.total_steps} "
             f"(epoch {state.epoch}, {state.rows_consumed or 0:,} units drawn)")
         return training
+
+    def _keep_aside(self, passed_over: list) -> None:
+        """Collective. The damaged or cut-short checkpoints a resume went back past are moved aside, kept: left in
+        place, the run's own save of the same step would replace one, and rotation would count a changed one (its
+        sizes are right) among the newest it keeps, deleting the intact ones this run writes."""
+        if passed_over and self.accelerator.is_main_process:
+            aside = move_aside(self.layout.checkpoints, [c.path for c in passed_over], DAMAGED)
+            self.terminal.say(f"resume: {', '.join(c.name for c in passed_over)} kept in {aside} (accel-fsdp never "
+                              "deletes it: look at it, or delete it yourself)")
+        if passed_over:
+            self.accelerator.wait_for_everyone()  # every rank agreed on passed_over: the CRC-32s were shared
 
     def stop_preempted(self, state: TrainingState) -> None:
         """Every rank agreed to stop after this step: checkpoint it (unless just saved), say so, and leave

@@ -407,7 +407,7 @@ def open_run_folder(request: RunRequest, engine: Engine, layout: RunLayout, deci
     accelerator.wait_for_everyone()
     terminal = Terminal(accelerator)
     what = {Decision.NEW: "new run", Decision.OVERWRITE: "replacing the run there", Decision.RESUME: "resuming",
-            Decision.RESTART: "starting it again: no complete checkpoint"}[decision]
+            Decision.RESTART: "starting it again: it saved no checkpoint"}[decision]
     terminal.say(f"accel-fsdp: {recipe.name} ({recipe.source}) -> {request.run_dir} ({what})")
     for note in engine.notes:
         terminal.say(note)
