@@ -41,12 +41,12 @@ from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model.nf4 import NF4_PARTS, NF4Linear, StreamedNF4, is_nf4, streams_in_blocks, tensor_digest, to_nf4
 from accel_fsdp.model.quantize import BLOCK_SIZE, file_name
 
-BLOCK_ELEMENTS = 2**20
-"""The most elements of a plain tensor rank 0 reads, converts and sends at once (4 MiB in fp32, and its copy in the
+BLOCK_ELEMENTS = 2**19
+"""The most elements of a plain tensor rank 0 reads, converts and sends at once (2 MiB in fp32, and its copy in the
 compute dtype): a large tensor streams in blocks of rows, so rank 0 holds its shards and one block, not a whole
 tensor (GPT-2 355M's embeddings are 51M elements, 196 MiB in fp32). 4M elements made rank 0 the machine's largest
-term after the shards under a 4-bit base (16 + 8 MiB against a 255 MiB copy); the sends stay few (49 blocks for
-those embeddings)."""
+term after the shards under a 4-bit base (16 + 8 MiB against a 255 MiB copy); the sends stay few enough (98 blocks
+for those embeddings, each a few milliseconds of sending)."""
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -288,8 +288,8 @@ def send_plain(parameter, source, name: str | None, block_elements: int) -> None
         del read
 
 
-QUANTIZE_BLOCK_ELEMENTS = 2**18
-"""The most elements of a 4-bit weight the reading rank reads and quantizes at once (1 MiB in fp32): quantizing
+QUANTIZE_BLOCK_ELEMENTS = 2**17
+"""The most elements of a 4-bit weight the reading rank reads and quantizes at once (512 KiB in fp32): quantizing
 makes several copies of a block (its compute-dtype copy, the scaled copy, the codes, the level matching), so its
 block is a quarter of a plain tensor's."""
 
