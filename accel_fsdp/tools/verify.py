@@ -6,7 +6,8 @@ in a folder of its own. The checks read what the probes wrote (metrics, sharding
 accel_fsdp/train/probes.py, the exported weights) and compare:
 
   sharding       every rank holds 1/shard-group of the parameters, of the optimizer state and of a 4-bit base's
-                 bytes (model.quantize); trainable weights are fp32 masters, frozen (LoRA) ones stay frozen in their dtype
+                 bytes (model.quantize); trainable weights are fp32 masters, frozen (LoRA) ones stay frozen in
+                 their dtype
   precision      the weights a layer multiplies with are in the configured dtype; gradients are reduced in fp32
   equivalence    the same global batch split differently (micro batch x ranks x accumulation; and on fewer ranks)
                  gives the same loss and gradient norm, within a tolerance set by the precision
@@ -16,8 +17,9 @@ accel_fsdp/train/probes.py, the exported weights) and compare:
   data           the mixture as the run draws it: each unit once per epoch of its source, each source's share over
                  any 100 steps within 0.01 of its weight, the same sequences per step on 1 rank and on several
   activation checkpointing   with dropout on, losses and gradient norms with and without it agree
-  chunked-loss, compile, activation-offload, fp8, quantize   the knobs (tools/knob_checks.py): for each the recipe turns on, 2
-                 steps as it is and 2 without it, losses and gradient norms within the knob's bound
+  chunked-loss, compile, activation-offload, fp8, quantize   the knobs (tools/knob_checks.py): for each the
+                 recipe turns on, 2 steps as it is and 2 without it, losses and gradient norms within the knob's
+                 bound
   memory         the model state each rank holds against `estimate`'s prediction (and the peak on GPUs)
   throughput     tokens/s per rank (and MFU on GPUs), for the record
 
