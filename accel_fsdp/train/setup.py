@@ -43,6 +43,7 @@ from accel_fsdp.layout import SCRATCH_BASE_DIR, RunLayout
 from accel_fsdp.model.build import (
     build_model,
     count_parameters,
+    load_model_code,
     meta_model,
     model_config,
     turn_off_dropout,
@@ -52,6 +53,7 @@ from accel_fsdp.model.build import (
 )
 from accel_fsdp.model.checks import human_count
 from accel_fsdp.model.quantize import QuantizedBase
+from accel_fsdp.model.streaming_load import adapters_to_send
 from accel_fsdp.model.tokenizer import build_tokenizer, built_once_per_machine
 from accel_fsdp.preflight import model_problems, settings_for_launch
 from accel_fsdp.run.folder import Decision, FolderLock, apply_decision, decide
@@ -294,9 +296,11 @@ def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | No
     # With fsdp_cpu_ram_efficient_loading only global rank 0 reads the weights: under FSDP2 it streams each rank its
     # shards once `prepare` has cut them (train/loading.py); under FSDP1 `prepare` broadcasts (sync_module_states).
     rank0_only, streaming = bool(settings.cpu_ram_efficient_loading.value), streams_weights(settings)
+    load_model_code(recipe, config, frozen_dtype)  # the code's memory before the loading's is measured
     loading = PeakMemory()
     model = build_model(recipe, config, dtype=frozen_dtype,
-                        empty=streaming or (rank0_only and not accelerator.is_main_process))
+                        empty=streaming or (rank0_only and not accelerator.is_main_process),
+                        draw=not streaming or accelerator.is_main_process)
     if rank0_only and not streaming and accelerator.num_processes > 1:
         check_same_layout(accelerator, model, recipe)  # before rank 0 sends a single weight
     digests = None if streaming else read_digests(accelerator, model, recipe)
@@ -309,6 +313,8 @@ def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | No
     model = apply_activation_checkpointing(model, settings, preserve_rng_state=not switches.broken("ac-rng"))
     if clock is not None:
         clock.mark("model")
+    # rank 0's drawn adapters, whole, for the stream (the other ranks' are unwritten)
+    adapters = adapters_to_send(model) if streaming and accelerator.is_main_process else None
     if settings.fsdp_version.value == 1:
         # FSDP1 replaces the parameters when it wraps the model: the optimizer is built from the wrapped one.
         model = accelerator.prepare(model)
@@ -318,7 +324,9 @@ def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | No
         leave_nf4_unsharded(accelerator, model, settings)
         model, optimizer = accelerator.prepare(model, build_optimizer(model, recipe, settings))
     if streaming:
-        digests = load_streamed(accelerator, model, recipe, config, frozen_dtype, block_elements=switches.load_block)
+        digests = load_streamed(accelerator, model, recipe, config, frozen_dtype, block_elements=switches.load_block,
+                                adapters=adapters)
+        del adapters
     loading.stop()
     knobs = after_sharding(knobs, recipe, model, optimizer, accelerator.device,
                            lossy_offload=switches.broken("offload-bf16"))
