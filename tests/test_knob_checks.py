@@ -11,7 +11,7 @@ import pytest
 from conftest import run_cli
 
 from accel_fsdp.config.recipe import recipe_from_text
-from accel_fsdp.tools.knob_checks import FP8_GRAD_BOUND, FP8_LOSS_BOUND, KNOBS
+from accel_fsdp.tools.knob_checks import FP8_GRAD_BOUND, FP8_LOSS_BOUND, KNOBS, NF4_RMS_ERROR, QUANTIZE_BOUND
 
 TINY = """
 model: {architecture: gpt2, tokenizer: "builtin:quickstart", config_overrides: {n_layer: 2, n_embd: 64, n_head: 4}}
@@ -33,6 +33,8 @@ def test_each_knob_states_its_bound():
     assert KNOB["chunked-loss"].tolerance(recipe, "bf16", "cuda")[0] == compiled
     chunked = recipe_from_text(TINY, source="r.yaml", overrides=["training.loss_chunk_tokens=16"])
     assert KNOB["chunked-loss"].tolerance(chunked, "bf16", "cuda")[0]["grad_norm"] == 2 * 2 * 32**0.5 * 2**-8
+    nf4, stated = KNOB["quantize"].tolerance(recipe, "bf16", "cpu")
+    assert nf4 == {"loss": 2 * QUANTIZE_BOUND, "grad_norm": 2 * QUANTIZE_BOUND} and "NF4 vs the 16-bit base" in stated
     # an exact knob of an fp8 recipe is held to bf16's model (the precision outside the float8 products)
     assert KNOB["compile"].tolerance(recipe, "fp8", "cuda")[0] == KNOB["chunked-loss"].tolerance(recipe, "fp8",
                                                                                                 "cuda")[0] == compiled
@@ -71,3 +73,40 @@ def test_a_knob_check_fails_when_the_knobs_arithmetic_is_broken(tmp_path, broken
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     (result,) = report_of(out)["checks"]
     assert result["status"] == "FAIL" and f"{key}=true vs false over 2 steps" in result["measured"], result
+
+
+def test_nf4_moves_normal_weights_by_at_most_its_stated_rms_error():
+    """The quantize knob's bound rests on NF4's relative rms error on normally distributed weights (QLoRA's premise):
+    torchao's quantization of the tests' block and group sizes, in both compute dtypes, stays under NF4_RMS_ERROR; a
+    4-bit base whose codes or scales were scrambled would move its weights by their whole size."""
+    import torch
+
+    from accel_fsdp.model.nf4 import to_nf4
+
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.randn(1024, 1024, generator=generator) * 0.02
+    for dtype in (torch.bfloat16, torch.float32):
+        dequantized = to_nf4(weights.to(dtype)).get_original_weight().float()
+        error = ((dequantized - weights).pow(2).mean() / weights.pow(2).mean()).sqrt().item()
+        assert 0.05 < error < NF4_RMS_ERROR, (dtype, error)
+        shuffled = dequantized.reshape(-1)[torch.randperm(weights.numel(), generator=generator)].view_as(weights)
+        assert ((shuffled - weights).pow(2).mean() / weights.pow(2).mean()).sqrt().item() > 1
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("broken", [None, "nf4-scales"])
+def test_verify_holds_a_4bit_base_to_its_bound_against_the_16bit_one(tmp_path, broken):
+    """quickstart-qlora's NF4 base against the bf16 one under the same adapters, 2 steps each on 2 ranks: within the
+    quantize knob's bound; 4-bit weights dequantized 16 times too large (their block scales misread) fail it."""
+    out = tmp_path / "verify"
+    proc = run_cli("verify", "quickstart-qlora", "--quick", "--only", "quantize", "--output-dir", out,
+                   env={"ACCEL_FSDP_BREAK": broken} if broken else None, check=None)
+    (result,) = report_of(out)["checks"]
+    assert set(report_of(out)["probes"]) == {"quantize-on", "quantize-off"}
+    assert "model.quantize=nf4 vs null over 2 steps" in result["measured"], result
+    if broken is None:
+        assert proc.returncode == 0 and result["status"] == "PASS", proc.stdout[-2000:]
+        assert max(result["data"].values()) < 2 * QUANTIZE_BOUND
+    else:
+        assert proc.returncode == 1 and result["status"] == "FAIL", result

@@ -93,3 +93,14 @@ def test_the_dry_run_says_which_knobs_would_make_a_recipe_fit():
     assert "does NOT fit in 0.02 GiB per GPU" in result.output
     assert "  fits with model.activation_checkpointing: true (" in result.output
     assert "training.activation_offload" not in result.output  # 2 blocks: one computing, the prefetch: none moves
+
+
+def test_a_lora_recipe_that_does_not_fit_is_offered_a_4bit_base():
+    """llama-3.1-8b with LoRA (about 0.5% of it trainable) on one 16 GiB GPU: its bf16 base alone is 15 GiB; in NF4
+    it fits. A full fine-tune is never offered it (model.quantize needs LoRA)."""
+    lora = inputs("llama-3.1-8b", trainable=40_000_000, frozen_bytes=2, micro_batch=1, seq_len=1024,
+                  activation_checkpointing=True)
+    fitting, _ = fitting_knobs(lora, 16 * 2**30)
+    assert [s for s, _ in fitting] == ["model.quantize: nf4"]
+    assert fitting[0][1] < 0.5 * estimate(lora).total
+    assert "model.quantize" not in str(fitting_knobs(inputs("llama-3.1-8b", micro_batch=1, seq_len=1024), 16 * 2**30))

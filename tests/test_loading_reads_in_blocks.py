@@ -61,8 +61,8 @@ def test_a_full_model_is_read_in_blocks_and_loaded_exactly(tiny_gpt2, reads):
 
 
 def test_a_4bit_base_reads_its_plain_tensors_in_blocks(tiny_llama, reads):
-    """With model.quantize the embeddings, norms and head stream in blocks; each 4-bit projection is read whole
-    (double quantization needs the whole weight's mean scale) and quantizes to the bytes of the whole-model path."""
+    """With model.quantize the embeddings, norms and head stream in blocks, and the 4-bit projections quantize to
+    the bytes of the whole-model path (how they are read: tests/test_streamed_quantization.py)."""
     from transformers import AutoModelForCausalLM
 
     model = unwritten(tiny_llama, quantize=True)
@@ -118,3 +118,30 @@ def test_the_shard_checksum_after_loading_copies_no_shard_whole(monkeypatch):
     (row,) = shard_layout(acc, model)
     assert row[1] == pytest.approx(float(double(model.weight.detach()).sum()), rel=1e-12)
     assert max(widened) <= 2**20, f"a float64 copy of {max(widened):,} elements"
+
+
+def test_the_adapters_are_sent_from_the_reading_ranks_draw_into_unwritten_ones(tmp_path, tiny_llama):
+    """Under streamed loading only the reading rank draws the LoRA adapters (the others build them unwritten, so no
+    rank but it ever holds them whole): what `stream_adapters` puts in the unwritten ones is its draw, the adapters
+    every rank would have drawn."""
+    from conftest import tiny_recipe
+    from transformers import AutoConfig
+
+    from accel_fsdp.config.recipe import load_recipe
+    from accel_fsdp.model.build import build_model
+
+    recipe = load_recipe(tiny_recipe(tmp_path / "r.yaml", tiny_llama, "builtin:quickstart", model={
+        "quantize": "nf4", "lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}}))
+    config = AutoConfig.from_pretrained(tiny_llama)
+    drawn = build_model(recipe, config, empty=True)
+    unwritten = build_model(recipe, config, empty=True, draw=False)
+    adapters = streaming_load.adapters_to_send(drawn)
+    assert len(adapters) == 2 * 2 * 2 and all(".lora_" in name for name in adapters)
+    with torch.no_grad():
+        for name, parameter in unwritten.named_parameters():
+            if ".lora_" in name:
+                parameter.fill_(float("nan"))  # what an unwritten allocation may hold
+    streaming_load.stream_adapters(unwritten, adapters, BLOCK)
+    for name, parameter in unwritten.named_parameters():
+        if ".lora_" in name:
+            assert torch.equal(parameter, adapters[name]), name

@@ -206,3 +206,27 @@ def test_slurm_warning_signal_checkpoints_and_requeues(tmp_path, tiny_gpt2, stor
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"at step {step}" in second.stdout and (run / "final" / "model.safetensors").exists()
     assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"][-1] == 8
+
+
+@pytest.mark.slow
+def test_two_machines_receive_a_streamed_4bit_base_from_global_rank_0(tmp_path, tiny_llama, stories):
+    """Streaming loading across machines: global rank 0 (machine 0) reads and quantizes, and sends machine 1's rank
+    the rows of its shards over the network; the base, each rank's half of its 4-bit bytes and the losses are those
+    of the same 2 ranks on one machine."""
+    streamed = {"fsdp_cpu_ram_efficient_loading": True}
+    two = cpu_config(tmp_path / "two.yaml", streamed, num_machines=2, num_processes=2, main_process_ip="127.0.0.1",
+                     main_process_port=free_port(), rdzv_backend="static", same_network=True)
+    one = cpu_config(tmp_path / "one.yaml", streamed, num_processes=2)
+    recipe = tiny_recipe(tmp_path / "r.yaml", tiny_llama, stories, training={"max_steps": 2},
+                         model={"quantize": "nf4", "lora": {"enabled": True, "target_modules": ["q_proj", "v_proj"]}})
+    for code, _, stderr in two_machines(two, "recipe", "run", recipe, "--output-dir", tmp_path / "two"):
+        assert code == 0, stderr[-3000:]
+    run_cli("recipe", "run", recipe, "--accelerate-config", one, "--output-dir", tmp_path / "one", check=0)
+    across, within = (json.loads((tmp_path / name / "sharding.json").read_text()) for name in ("two", "one"))
+    assert across["rank0_only_loading"] and within["rank0_only_loading"]
+    assert across["quantized_base"] == within["quantized_base"]
+    half, other_half = across["quantized_bytes"]
+    assert half == other_half and half + other_half == across["quantized_whole_bytes"]
+    # the same 2 ranks adding the same numbers in the same order: only the machine ranks differ
+    losses = [[r["loss"] for r in read_metrics(tmp_path / name) if r["kind"] == "train"] for name in ("two", "one")]
+    assert losses[0] == losses[1] and len(losses[0]) == 2

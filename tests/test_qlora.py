@@ -57,6 +57,7 @@ def test_qlora_on_two_ranks_holds_half_the_4bit_bytes_and_trains_as_one_process_
     half, other_half = two_record["quantized_bytes"]
     (whole,) = one_record["quantized_bytes"]
     assert half == other_half and half + other_half == whole > 0
+    assert two_record["quantized_whole_bytes"] == one_record["quantized_whole_bytes"] == whole  # verify's share
     assert two_record["quantized_base"] == one_record["quantized_base"]  # one base, whatever the ranks
     assert two_record["quantized_base"]["layers"] == 14 and two_record["quantized_base"]["method"] == "nf4"
     summary = (two_ranks.parent / "stdout.txt").read_text()

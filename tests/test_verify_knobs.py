@@ -18,7 +18,7 @@ def probes_of(knob: Knob, text: str, precision: str = "fp32", *overrides: str) -
 
 
 def test_every_knob_is_a_check_of_verify_in_one_table():
-    assert list(KNOB) == ["chunked-loss", "compile", "activation-offload", "fp8"]
+    assert list(KNOB) == ["chunked-loss", "compile", "activation-offload", "fp8", "quantize"]
     assert all(check in verify.CHECKS for check in KNOB)
 
 
@@ -56,3 +56,15 @@ def test_a_knob_whose_off_is_a_choice_is_compared_with_that_choice():
     dpo = "model: {architecture: llama-3.2-1b}\ndata: {path: builtin:quickstart-pref, format: preference}\n"
     ran = probes_of(knob, dpo + "training: {method: dpo}")
     assert ran["method-off"] == ["training.method=sft", "training.max_steps=2"]
+
+
+def test_a_4bit_base_is_compared_with_the_16bit_base_under_the_same_adapters():
+    """model.quantize: nf4 runs its probes against model.quantize=null (LoRA kept: the same adapters on the bf16
+    base); a recipe without it runs none."""
+    lora = "model: {architecture: llama-3.2-1b, lora: {enabled: true}%s}\ndata: {path: builtin:quickstart}\n"
+    assert probes_of(KNOB["quantize"], lora % "", "bf16") == {}
+    ran = probes_of(KNOB["quantize"], lora % ", quantize: nf4", "bf16")
+    assert ran == {"quantize-on": ["training.max_steps=2"],
+                   "quantize-off": ["model.quantize=null", "training.max_steps=2"]}
+    off = recipe_from_text(lora % ", quantize: nf4", source="r.yaml", overrides=ran["quantize-off"])
+    assert off.model.quantize is None and off.model.lora.enabled

@@ -8,6 +8,7 @@ the context?) and the dry run. Loading is the only place that may reach the hub.
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from accel_fsdp.files import atomic_folder
 from accel_fsdp.model import architectures
 from accel_fsdp.model.checks import ModelView, lora_target_problems, override_problems, raise_problems
 from accel_fsdp.model.nf4 import layers_to_quantize, quantize_model
+from accel_fsdp.model.quantize import known_layers
 from accel_fsdp.model.streaming_load import ModuleTensors, SafetensorsFiles, model_folder
 from accel_fsdp.model.tokenizer import is_local
 
@@ -185,7 +187,22 @@ def no_split_modules(model: torch.nn.Module) -> list[str]:
     return sorted(getattr(base, "_no_split_modules", None) or [])
 
 
-def build_model(recipe, config, *, dtype: torch.dtype = torch.float32, empty: bool = False):
+def load_model_code(recipe, config, dtype: torch.dtype) -> None:
+    """Build a one-block copy of the model unwritten (nothing read, nothing allocated but its adapters) and drop it,
+    before the loading's memory is measured: it imports and first runs the code the real build needs (the model
+    class's module, torchao's NF4, PEFT's model for causal LMs), about 70 MiB a process holds whatever the model's
+    size (measured on the 355M GPT-2 with QLoRA, 2026-11-26), the per-process overhead the loading target excludes
+    (issue 24). The loading figures (`PeakMemory` in train/setup.py, benchmarks/loading_memory.py) then count what
+    the model allocates. Only for the model types model/facts.py knows (a remote-code model's config may not take
+    another depth)."""
+    if recipe.model.trust_remote_code or known_layers(getattr(config, "model_type", None)) is None:
+        return
+    one_block = copy.deepcopy(config)
+    one_block.num_hidden_layers = 1
+    build_model(recipe, one_block, dtype=dtype, empty=True)
+
+
+def build_model(recipe, config, *, dtype: torch.dtype = torch.float32, empty: bool = False, draw: bool = True):
     """Weights: pretrained (hub id or folder) or freshly initialized from `config` under the recipe's seed.
 
     `empty`: build the structure with its parameters allocated but never written, and load nothing: the rank will
@@ -194,6 +211,9 @@ def build_model(recipe, config, *, dtype: torch.dtype = torch.float32, empty: bo
     and the like are computed, not loaded) and LoRA adapters are initialized as usual. transformers 5.x would
     otherwise read every weight on every rank (modeling_utils.py, `_load_pretrained_model`, checked with 5.23.0):
     N copies of the model in the host memory of one machine.
+
+    `draw` False (with `empty`): the LoRA adapters are left unwritten too; the reading rank sends them
+    (model/streaming_load.py `stream_adapters`), so no other rank holds every adapter whole.
 
     `model.quantize`: the decoder blocks' linear weights become 4-bit (model/nf4.py), quantized from `dtype`.
     """
@@ -221,7 +241,7 @@ def build_model(recipe, config, *, dtype: torch.dtype = torch.float32, empty: bo
     if m.quantize:
         quantize_model(model, dtype, empty=empty)  # before LoRA: PEFT wraps the 4-bit layers like any Linear
     if m.lora.enabled:
-        model = apply_lora(model, recipe)
+        model = apply_lora(model, recipe, draw=draw or not empty, on_meta=empty)
     return _unwritten_parameters(model) if empty else model
 
 
@@ -231,7 +251,7 @@ def weight_source(recipe, config, dtype: torch.dtype):
     draw: there are no files to read)."""
     m = recipe.model
     if m.architecture:
-        return ModuleTensors(scratch_model(recipe, config, dtype))
+        return ModuleTensors(scratch_model(recipe, config, dtype).state_dict())
     return SafetensorsFiles(model_folder(m.name_or_path))
 
 
@@ -327,7 +347,15 @@ def turn_off_dropout_layers(model: torch.nn.Module) -> dict[str, float]:
     return off
 
 
-def apply_lora(model, recipe):
+def apply_lora(model, recipe, *, draw: bool = True, on_meta: bool = False):
+    """PEFT's LoRA on the model, its adapters drawn from the recipe's seed (`draw` False: left as PEFT makes them,
+    on the meta device over an unwritten base, to be sent by the reading rank). `on_meta`: PEFT creates the adapters
+    on the meta device (over an unwritten base): it would otherwise initialize each on the CPU before moving it to
+    its base layer's meta device (peft 0.21.2 lora/layer.py update_layer), freed blocks of up to 96 KiB that the
+    heap keeps (6 MiB a rank of the 355M GPT-2's, measured while streaming)."""
+    from contextlib import nullcontext
+
+    from accelerate import init_empty_weights
     from peft import LoraConfig, get_peft_model
 
     lora = recipe.model.lora
@@ -337,8 +365,10 @@ def apply_lora(model, recipe):
     # their own (seed + 1), not the one a from-scratch base's initialization began with.
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
-    model = get_peft_model(model, config)
-    draw_adapters(model, (recipe.training.seed + 1) % 2**32)
+    with init_empty_weights(include_buffers=False) if on_meta else nullcontext():
+        model = get_peft_model(model, config)
+    if draw:
+        draw_adapters(model, (recipe.training.seed + 1) % 2**32)
     return model
 
 

@@ -18,18 +18,18 @@ import hashlib
 
 import torch
 
-from accel_fsdp.model.quantize import BLOCK_SIZE, QuantizedLayer, file_name, known_layers, scale_group
+from accel_fsdp.model.quantize import BLOCK_SIZE, QuantizedLayer, file_name, known_layers, nf4_bytes, scale_group
 
 NF4_PARTS = ("quantized_data", "quantized_scalers", "quantization_factor")
 """The inner tensors of an NF4Tensor that FSDP2 shards with its rows (torchao's _INNER_TENSOR_NAMES_FOR_SHARDING);
 `scaler_mean` (one number) and `nf4` (the 16 levels) are whole on every rank."""
 
 
-QUANTIZE_CHUNK = 2**18
-"""Elements torchao matches against the 16 levels at once (its CHUNK_SIZE, 1M in 0.18.0): each chunk makes a chunk x
-16 difference and its absolute value, 64 MiB in bf16 at 1M, the largest part of the reading rank's peak while it
-quantizes a projection (model/streaming_load.py); 16 MiB at this size. The codes are the same: each element's
-nearest level."""
+QUANTIZE_CHUNK = 2**16
+"""Elements matched against the 16 levels at once (torchao's CHUNK_SIZE, 1M in 0.18.0, and `StreamedNF4`'s): each
+chunk makes a chunk x 16 difference and its absolute value, 64 MiB in bf16 at 1M, the largest part of the reading
+rank's peak while it quantizes (model/streaming_load.py); 4 MiB at this size (8 in fp32). The codes are the same:
+each element's nearest level."""
 
 
 def to_nf4(weight: torch.Tensor):
@@ -41,6 +41,72 @@ def to_nf4(weight: torch.Tensor):
     nf4_tensor.CHUNK_SIZE = min(nf4_tensor.CHUNK_SIZE, QUANTIZE_CHUNK)
     weight = weight.detach().contiguous()
     return torchao_to_nf4(weight, BLOCK_SIZE, scale_group(weight.numel()))
+
+
+def nf4_levels(dtype: torch.dtype, device="cpu") -> torch.Tensor:
+    """torchao's 16 NormalFloat levels in `dtype`, as its to_nf4 makes them (from a one-block quantization: the
+    levels are a literal inside torchao's NF4Tensor.from_tensor)."""
+    return to_nf4(torch.zeros(BLOCK_SIZE, dtype=dtype)).nf4.to(device)
+
+
+def streams_in_blocks(shape: tuple[int, int]) -> bool:
+    """A weight of this shape (out x in) can be quantized a block of rows or of columns at a time
+    (`StreamedNF4`): its rows hold whole blocks of 64. Every model we know; else it is read whole."""
+    return shape[1] % BLOCK_SIZE == 0
+
+
+class StreamedNF4:
+    """torchao's `to_nf4` of an out x in weight, given a piece at a time, bit for bit: the same codes, scales,
+    factors and mean (tests/test_streamed_quantization.py compares them). Pieces are whole rows, or whole
+    columns in multiples of 64 (GPT-2's Conv1D stores the weight transposed: a block of its rows in the files is
+    a block of the weight's columns).
+
+    What makes it exact, in torchao 0.18.0's nf4_tensor.py: a 4-bit code depends on its element and its block's
+    absmax alone (convert_to_norm_float_weight scales each block by its absmax, then quantize_tensor_nearest picks
+    each element's nearest level: elementwise, whatever the chunks); only the scales' double quantization needs the
+    whole weight (double_quantize_scalers subtracts the mean of all block absmaxes), and it needs the absmaxes
+    alone, 1/64 of the weight, kept here until `finish` hands them to torchao's own double_quantize_scalers with a
+    block size of 1 (each "block" one absmax: its absmax is itself), so the mean is torch's mean of the same
+    tensor. Holds the packed codes (half a byte a weight) and the absmaxes, never the weight."""
+
+    def __init__(self, shape: tuple[int, int], dtype: torch.dtype):
+        if not streams_in_blocks(shape):
+            raise ValueError(f"a weight of {shape[0]} x {shape[1]} does not hold whole blocks of {BLOCK_SIZE} a row")
+        self.shape, self.dtype = (int(shape[0]), int(shape[1])), dtype
+        self.codes = torch.empty(self.shape[0], self.shape[1] // 2, dtype=torch.uint8)
+        self.absmax = torch.empty(self.shape[0], self.shape[1] // BLOCK_SIZE, dtype=dtype)
+        self.levels = nf4_levels(dtype)
+
+    def add(self, rows: tuple[int, int], columns: tuple[int, int], values: torch.Tensor) -> None:
+        """The weight's rows x columns (end excluded), `values` of that shape in any float dtype."""
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+
+        if columns[0] % BLOCK_SIZE or (columns[1] - columns[0]) % BLOCK_SIZE:
+            raise ValueError(f"columns {columns} do not hold whole blocks of {BLOCK_SIZE}")
+        blocks = values.detach().to(self.dtype).contiguous().view(-1, BLOCK_SIZE)
+        absmax = blocks.abs().max(dim=1).values  # torchao's get_block_absmax
+        scaled = (blocks / absmax.unsqueeze(-1).expand(blocks.shape)).flatten()
+        del blocks
+        codes = torch.empty(scaled.numel(), dtype=torch.uint8)
+        for start in range(0, scaled.numel(), QUANTIZE_CHUNK):
+            end = min(start + QUANTIZE_CHUNK, scaled.numel())
+            codes[start:end] = NF4Tensor.quantize_tensor_nearest(scaled[start:end], self.levels).to(torch.uint8)
+        del scaled
+        height = rows[1] - rows[0]
+        self.codes[rows[0]:rows[1], columns[0] // 2:columns[1] // 2] = (codes[::2] << 4 | codes[1::2]).view(height, -1)
+        self.absmax[rows[0]:rows[1], columns[0] // BLOCK_SIZE:columns[1] // BLOCK_SIZE] = absmax.view(height, -1)
+
+    def finish(self):
+        """The NF4Tensor, once every piece was added."""
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs
+
+        numel = self.shape[0] * self.shape[1]
+        group = scale_group(numel)
+        scalers, factors, mean = NF4Tensor.double_quantize_scalers(self.absmax.reshape(-1), 1, group)
+        meta = SubclassTensorArgs(torch.Size(self.shape), (self.shape[1], 1), 0, self.dtype, torch.device("cpu"),
+                                  False)
+        return NF4Tensor(meta, BLOCK_SIZE, numel // BLOCK_SIZE, group, scalers, factors, mean,
+                         self.codes.reshape(-1), self.levels)
 
 
 def is_nf4(tensor) -> bool:
@@ -60,7 +126,7 @@ def empty_nf4(shape: tuple[int, int], dtype: torch.dtype, device="cpu"):
 
     numel = shape[0] * shape[1]
     blocks, group = numel // BLOCK_SIZE, scale_group(numel)
-    levels = to_nf4(torch.zeros(BLOCK_SIZE, dtype=dtype)).nf4.to(device)  # torchao's 16 NormalFloat levels
+    levels = nf4_levels(dtype, device)
     meta = SubclassTensorArgs(torch.Size(shape), (shape[1], 1), 0, dtype, torch.device(device), False)
     return NF4Tensor(meta, BLOCK_SIZE, blocks, group, torch.empty(blocks, dtype=torch.int8, device=device),
                      torch.empty(blocks // group, dtype=dtype, device=device), torch.zeros((), dtype=dtype,
@@ -175,3 +241,15 @@ def nf4_local_bytes(model: torch.nn.Module) -> tuple[int, int]:
         quantized += sharded
         other += held_bytes(p) - sharded
     return quantized, other
+
+
+def nf4_whole_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the codes and scales of every whole 4-bit weight (their shards on all the ranks of a shard group add
+    up to it): half a byte a weight, a byte a block, a factor per group of scales (model/quantize.py nf4_bytes, less
+    the mean every rank keeps)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen and is_nf4(p):
+            seen.add(id(p))
+            total += nf4_bytes(p.numel(), p.element_size()) - p.element_size()
+    return total

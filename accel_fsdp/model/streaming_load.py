@@ -7,11 +7,19 @@ lets FSDP2 shard it (`accelerator.prepare`), so each holds its shards and nothin
 parameter of the base in the model's order: rank 0 reads the tensor from the safetensors files with plain reads (no
 memory map, whose pages would stay resident) a block of rows at a time (BLOCK_ELEMENTS), converts the block to the
 parameter's dtype and sends it: each rank receives the block's rows its shard holds (replicas of a shard under
-hybrid sharding the same rows) straight into the shard FSDP2 holds. A 4-bit weight is read whole (its double
-quantization needs all of it: `send_nf4`), transposed where GPT-2's Conv1D stores it so, quantized to NF4
-(model/nf4.py) and sent the same way. A rank grows by its shards; rank 0 by its shards and one block, or one decoder
-projection where the base is 4-bit. LoRA adapters are not read: every rank initialized them alike (build.py
-`apply_lora`).
+hybrid sharding the same rows) straight into the shard FSDP2 holds. A 4-bit weight is read and quantized a block
+at a time too (`quantize_streamed`: the codes of a block need only its elements; the scales' double quantization
+waits for all the block scales, 1/64 of the weight), then its codes and scales are sent the same way. A rank grows by
+its shards; rank 0 by its shards and one block, plus one projection's codes (half a byte a weight) where the base is
+4-bit. LoRA adapters are not read: the reading rank draws them (model/build.py `apply_lora`) and sends them the
+same way (`stream_adapters`); the other ranks build them unwritten.
+
+Across machines the reader is still global rank 0 alone: the ranks of the other machines receive their rows over
+the network. Every rank receives its shards once whatever reads them, so the network carries (machines - 1) /
+machines of one copy (35 GB of a 70B NF4 base at most: seconds on a cluster's network), and only machine 0 needs
+the model files and holds a block besides its shards; a reader per machine would need the files on every machine and
+a block in each, for a saving of loading time alone (tests/test_multinode.py streams a 4-bit base to a second
+"machine" on loopback).
 
 Accelerate's own rank-0 loading (accelerate/utils/fsdp_utils.py, fsdp2_prepare_model with cpu_ram_efficient_loading,
 checked with 1.15.0) keeps rank 0's whole state dict while it broadcasts every full tensor to every rank, and cannot
@@ -30,13 +38,15 @@ import torch
 import torch.distributed as dist
 
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.model.nf4 import NF4_PARTS, NF4Linear, is_nf4, tensor_digest, to_nf4
-from accel_fsdp.model.quantize import file_name
+from accel_fsdp.model.nf4 import NF4_PARTS, NF4Linear, StreamedNF4, is_nf4, streams_in_blocks, tensor_digest, to_nf4
+from accel_fsdp.model.quantize import BLOCK_SIZE, file_name
 
-BLOCK_ELEMENTS = 4 * 2**20
-"""The most elements of a plain tensor rank 0 reads, converts and sends at once (16 MiB in fp32): a large tensor
-streams in blocks of rows, so rank 0 holds its shards and one block, not a whole tensor (GPT-2 355M's embeddings are
-51M elements, 196 MiB in fp32). Large enough that the sends stay few (13 blocks for those embeddings)."""
+BLOCK_ELEMENTS = 2**19
+"""The most elements of a plain tensor rank 0 reads, converts and sends at once (2 MiB in fp32, and its copy in the
+compute dtype): a large tensor streams in blocks of rows, so rank 0 holds its shards and one block, not a whole
+tensor (GPT-2 355M's embeddings are 51M elements, 196 MiB in fp32). 4M elements made rank 0 the machine's largest
+term after the shards under a 4-bit base (16 + 8 MiB against a 255 MiB copy); the sends stay few enough (98 blocks
+for those embeddings, each a few milliseconds of sending)."""
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -87,10 +97,11 @@ class SafetensorsFiles:
 
 
 class ModuleTensors:
-    """The tensors of a model built in rank 0's memory (from scratch: there are no files to read)."""
+    """Tensors in rank 0's memory by name: a model built from scratch (there are no files to read: its state dict),
+    or the LoRA adapters rank 0 drew (`adapters_to_send`)."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.tensors = model.state_dict()
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
 
     def names(self) -> set[str]:
         return set(self.tensors)
@@ -223,10 +234,10 @@ def send_rows(local: torch.Tensor, pieces: list[torch.Tensor] | None, index: lis
             dist.send(piece.contiguous(), dst=rank)
 
 
-def row_blocks(rows: int, row_elements: int, block_elements: int) -> list[tuple[int, int]]:
+def row_blocks(rows: int, row_elements: int, block_elements: int, multiple: int = 1) -> list[tuple[int, int]]:
     """(begin, end) of the blocks of rows read, converted and sent at once: as many whole rows as `block_elements`
-    holds, one at least."""
-    step = max(1, block_elements // max(1, row_elements))
+    holds, in a multiple of `multiple` rows, `multiple` at least."""
+    step = max(multiple, block_elements // max(1, row_elements) // multiple * multiple)
     return [(begin, min(rows, begin + step)) for begin in range(0, rows, step)]
 
 
@@ -277,17 +288,39 @@ def send_plain(parameter, source, name: str | None, block_elements: int) -> None
         del read
 
 
-def send_nf4(parameter, full: torch.Tensor | None, name: str) -> bytes | None:
-    """One 4-bit weight: rank 0 quantizes the whole weight, each rank receives its rows' codes and scales into the
-    NF4 shard it holds. Returns the weight's digest on rank 0. Read whole, not in blocks: torchao's double
-    quantization subtracts the mean of all the weight's block scales before it quantizes them (nf4_tensor.py,
-    NF4Tensor.double_quantize_scalers), so no block's bytes are known before the whole weight is read; a decoder
-    projection is small beside the embeddings (GPT-2 355M: 4M elements against 51M)."""
+QUANTIZE_BLOCK_ELEMENTS = 2**17
+"""The most elements of a 4-bit weight the reading rank reads and quantizes at once (512 KiB in fp32): quantizing
+makes several copies of a block (its compute-dtype copy, the scaled copy, the codes, the level matching), so its
+block is a quarter of a plain tensor's."""
+
+
+def quantize_streamed(source, name: str, shape: tuple[int, int], dtype: torch.dtype, transposed: bool,
+                      block_elements: int):
+    """On the reading rank: the NF4Tensor of one weight (out x in) read a block at a time, torchao's `to_nf4` of the
+    whole weight bit for bit (model/nf4.py `StreamedNF4`): blocks of rows, or where the files hold the weight
+    transposed (GPT-2's Conv1D, in x out) blocks of the file's rows, which are the weight's columns, 64 at least. A
+    weight whose rows do not hold whole blocks of 64 is read whole."""
+    if not streams_in_blocks(shape):
+        full = source.read(name).to(dtype)
+        return to_nf4(full.t() if transposed else full)
+    builder = StreamedNF4(shape, dtype)
+    if not transposed:
+        for rows in row_blocks(shape[0], shape[1], block_elements):
+            builder.add(rows, (0, shape[1]), source.read(name, rows))
+        return builder.finish()
+    for columns in row_blocks(shape[1], shape[0], block_elements, multiple=BLOCK_SIZE):
+        builder.add((0, shape[0]), columns, source.read(name, columns).to(dtype).t())
+    return builder.finish()
+
+
+def send_nf4(parameter, quantized, name: str) -> bytes | None:
+    """One 4-bit weight: `quantized` (on the reading rank; None elsewhere) cut into the rows of every rank's shard,
+    each rank receiving its rows' codes and scales into the NF4 shard it holds. Returns the weight's digest on the
+    reading rank."""
     from torch.distributed.tensor import DTensor
 
     local = parameter._local_tensor if isinstance(parameter, DTensor) else parameter
     shards, index = shard_rows(parameter)
-    quantized = to_nf4(full.to(local.dtype)) if full is not None else None
     for part in NF4_PARTS:  # every rank holds an equal part of each (model/quantize.py layer_problems)
         mine = getattr(local, part)
         pieces = list(getattr(quantized, part).reshape(-1).split(mine.numel())) if quantized is not None else None
@@ -299,6 +332,23 @@ def send_nf4(parameter, full: torch.Tensor | None, name: str) -> bytes | None:
     with torch.no_grad():
         local.scaler_mean.copy_(mean)
     return tensor_digest(name, quantized) if quantized is not None else None
+
+
+def adapters_to_send(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """On the reading rank, before `prepare`: its drawn LoRA adapters, whole, by parameter name (FSDP2 replaces the
+    parameters by shards; these references keep the whole tensors until `stream_adapters` has sent them)."""
+    return {name: parameter.detach() for name, parameter in model.named_parameters() if ".lora_" in name}
+
+
+def stream_adapters(model: torch.nn.Module, adapters: dict[str, torch.Tensor] | None, block_elements: int) -> None:
+    """Fill every rank's shards of the LoRA adapters from the reading rank's (`adapters`; None elsewhere): the other
+    ranks built them unwritten (model/build.py `apply_lora`, draw=False), so a rank never holds every adapter whole,
+    and every adapter is the reading rank's draw (from the recipe's seed: what every rank would have drawn).
+    Collective."""
+    source = ModuleTensors(adapters) if adapters is not None else None
+    for name, parameter in model.named_parameters():
+        if ".lora_" in name:
+            send_plain(parameter, source, name, block_elements)
 
 
 def stream_weights(model: torch.nn.Module, source, *, where: str,
@@ -323,12 +373,11 @@ def stream_weights(model: torch.nn.Module, source, *, where: str,
         if not is_nf4(parameter):
             send_plain(parameter, source, plan.get(parameter_name), block_elements)
             continue
-        # in the compute dtype before the transposed copy and the quantization: the fp32 read freed first
-        full = source.read(plan[parameter_name]).to(parameter.dtype) if reading else None
-        if full is not None and name in transposed:
-            full = full.t()
-        digest = send_nf4(parameter, full, name)
+        quantized = (quantize_streamed(source, plan[parameter_name], tuple(parameter.shape), parameter.dtype,
+                                       name in transposed, min(block_elements, QUANTIZE_BLOCK_ELEMENTS))
+                     if reading else None)
+        digest = send_nf4(parameter, quantized, name)
         if digest is not None:
             digests[name] = digest
-        del full
+        del quantized
     return digests

@@ -13,7 +13,9 @@ from typing import Callable
 
 from accel_fsdp.config.methods import METHODS
 from accel_fsdp.config.precision import FP8
-from accel_fsdp.planning.memory import MemoryInputs, estimate, gib
+from accel_fsdp.model.facts import ModelFacts
+from accel_fsdp.model.quantize import quantized_terms
+from accel_fsdp.planning.memory import MemoryInputs, compute_bytes, estimate, gib
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,20 @@ def _fp8_only_for(m: MemoryInputs) -> str | None:
     return None if m.shape is not None and m.shape.gated_mlp and m.precision != "fp32" else "not this model"
 
 
+def _quantize_only_for(m: MemoryInputs) -> str | None:
+    # 4 bits for a frozen base under LoRA, of a model whose blocks we know (model/quantize.py)
+    return None if m.shape is not None and m.trainable < m.params else "a LoRA recipe's base only"
+
+
+def _quantized(m: MemoryInputs) -> MemoryInputs:
+    """The memory inputs with the base's block projections in NF4 (model/quantize.py quantized_terms, from the
+    model's shape)."""
+    facts = ModelFacts("llama" if m.shape.gated_mlp else "gpt2", layers=m.shape.layers, hidden=m.shape.hidden,
+                       heads=m.shape.heads, kv_heads=m.shape.kv_heads, head_dim=m.shape.hidden // m.shape.heads,
+                       intermediate=m.shape.intermediate, vocab=m.shape.vocab, context=0, tied=False)
+    return replace(m, quantized=quantized_terms(facts, compute_bytes(m.precision)))
+
+
 def recipe_settings(recipe, run_precision: str) -> dict:
     """The MemoryInputs fields a recipe's knobs and its loss set (`run_precision`: the run's, resolved from the recipe
     and the accelerate config). The one place they are read from a recipe."""
@@ -49,9 +65,11 @@ MEMORY_KNOBS = (
                lambda m: replace(m, activation_offload=True)),
     MemoryKnob("training.mixed_precision: fp8 (GPUs of compute capability 8.9+)", lambda m: m.fp8,
                lambda m: replace(m, fp8=True), _fp8_only_for),
+    MemoryKnob("model.quantize: nf4", lambda m: m.quantized is not None, _quantized, _quantize_only_for),
 )
 """The knobs the advice may name, cheapest in speed first (the chunked loss: a third more head work on text, at most;
-docs/PERFORMANCE.md)."""
+docs/PERFORMANCE.md); the 4-bit base last, the one that changes the numbers (verify's quantize check bounds how
+far)."""
 
 
 def fitting_knobs(m: MemoryInputs, limit: float) -> tuple[list[tuple[str, float]], tuple[list[str], float] | None]:

@@ -16,6 +16,16 @@ Each bound says how far the knob can put two runs apart:
                        (unit roundoff 2^-4) in the forward, e5m2 (2^-3) for the gradients. A sum of same-sign terms each
                        off by at most u relative is off by at most u, so FP8_LOSS_BOUND and FP8_GRAD_BOUND per step; a
                        bug (a layer skipped in the backward, a wrong scale) moves the loss by its whole size or more.
+  quantize             not exact (model/quantize.py): the base's block projections in NF4 against the same LoRA on
+                       the 16-bit base. NF4 moves a normally distributed weight by NF4_RMS_ERROR of the weights' rms
+                       (QLoRA's premise: pretrained weights are normal; the 16 levels and blocks of 64 fix it). Such
+                       errors, zero-mean and independent of a product's input, move its output by the same fraction;
+                       a block's two products in sequence (attention's input projections then its output one; the
+                       MLP's in, then out) by sqrt(2) of it, and the blocks' updates add to the residual stream
+                       independently, so the logits, and the activations the adapters' gradients are made of, move
+                       by sqrt(2) x NF4_RMS_ERROR whatever the depth; the loss and the gradient norm by as much
+                       (first order), per step: QUANTIZE_BOUND a step. A scrambled code or scale moves a weight by its
+                       whole size.
 The exact knobs of an fp8 recipe are held to bf16's noise model, the precision of everything outside the blocks'
 float8 products; that a float8 rounding downstream can widen a bf16 unit of difference is not modelled.
 
@@ -39,6 +49,14 @@ FP8_GRAD_BOUND = FLOAT8_ROUNDOFF["e5m2"]
 """Relative gradient-norm difference of fp8 to bf16 per optimizer step: e5m2's unit roundoff (2 mantissa bits)."""
 FP8_BASELINE = "bf16"
 """The precision fp8 computes in outside the blocks' float8 products (config/precision.py), and is compared with."""
+
+NF4_RMS_ERROR = 0.1
+"""Relative rms error of NF4 on normally distributed weights: 0.092 for blocks of 64 with torchao's levels and
+double-quantized scales (tests/test_knob_checks.py quantizes normal weights with torchao and holds it under 0.1); a
+property of the format, not of a machine."""
+QUANTIZE_BOUND = math.sqrt(2) * NF4_RMS_ERROR
+"""Relative loss and gradient-norm difference of a 4-bit base to the 16-bit one per optimizer step (the module
+docstring derives it)."""
 
 
 @dataclass(frozen=True)
@@ -120,10 +138,17 @@ def fp8_tolerance(recipe, precision: str, device: str) -> tuple[dict[str, float]
                  f"2^-4 and 2^-3 a step)")
 
 
+def quantize_tolerance(recipe, precision: str, device: str) -> tuple[dict[str, float], str]:
+    bound = PROBE_STEPS * QUANTIZE_BOUND
+    return {"loss": bound, "grad_norm": bound}, (f"loss and grad norm {bound:.2g} (NF4 vs the 16-bit base: sqrt(2) x "
+                                                 f"NF4's relative rms error {NF4_RMS_ERROR:g} a step)")
+
+
 KNOBS = (
     Knob("chunked-loss", "training.chunked_loss", chunked_loss_tolerance),
     Knob("compile", "training.compile", compile_tolerance),
     Knob("activation-offload", "training.activation_offload", offload_tolerance),
     Knob("fp8", "training.mixed_precision", fp8_tolerance, off=FP8_BASELINE, on=FP8),
+    Knob("quantize", "model.quantize", quantize_tolerance, off="null"),
 )
 """The knobs `verify` proves, each with its own probes and bound, in the order its table shows them."""

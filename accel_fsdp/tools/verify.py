@@ -5,8 +5,9 @@ optimizer steps on a slice of its data; optionally a depth-reduced copy of the a
 in a folder of its own. The checks read what the probes wrote (metrics, sharding.json, the traces of
 accel_fsdp/train/probes.py, the exported weights) and compare:
 
-  sharding       every rank holds 1/shard-group of the parameters and of the optimizer state; trainable weights are
-                 fp32 masters, frozen (LoRA) ones stay frozen in their dtype
+  sharding       every rank holds 1/shard-group of the parameters, of the optimizer state and of a 4-bit base's
+                 bytes (model.quantize); trainable weights are fp32 masters, frozen (LoRA) ones stay frozen in
+                 their dtype
   precision      the weights a layer multiplies with are in the configured dtype; gradients are reduced in fp32
   equivalence    the same global batch split differently (micro batch x ranks x accumulation; and on fewer ranks)
                  gives the same loss and gradient norm, within a tolerance set by the precision
@@ -16,8 +17,9 @@ accel_fsdp/train/probes.py, the exported weights) and compare:
   data           the mixture as the run draws it: each unit once per epoch of its source, each source's share over
                  any 100 steps within 0.01 of its weight, the same sequences per step on 1 rank and on several
   activation checkpointing   with dropout on, losses and gradient norms with and without it agree
-  chunked-loss, compile, activation-offload, fp8   the knobs (tools/knob_checks.py): for each the recipe turns on, 2
-                 steps as it is and 2 without it, losses and gradient norms within the knob's bound
+  chunked-loss, compile, activation-offload, fp8, quantize   the knobs (tools/knob_checks.py): for each the
+                 recipe turns on, 2 steps as it is and 2 without it, losses and gradient norms within the knob's
+                 bound
   memory         the model state each rank holds against `estimate`'s prediction (and the peak on GPUs)
   throughput     tokens/s per rank (and MFU on GPUs), for the record
 
@@ -30,30 +32,35 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import statistics
-import subprocess
-import sys
-import time
-from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from accel_fsdp.checkpoint.records import Manifest
 from accel_fsdp.config import precision
 from accel_fsdp.config.settings import FsdpSettings
-from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.files import write_atomic
-from accel_fsdp.layout import CHECKPOINTS_DIR, MANIFEST, STEP_PREFIX, RunLayout, checkpoint_name
-from accel_fsdp.model.facts import base_values, facts_for
+from accel_fsdp.errors import UserError
+from accel_fsdp.layout import checkpoint_name
+from accel_fsdp.model.facts import facts_for
 from accel_fsdp.planning.knob_advice import recipe_settings
 from accel_fsdp.planning.memory import MemoryInputs, estimate
 from accel_fsdp.preflight import preflight
 from accel_fsdp.tools.knob_checks import FP8_BASELINE, KNOBS, Knob
 from accel_fsdp.tools.noise import ROUNDOFF, adam_step_bound, compare_rows, equivalence_tolerance, reordered
-from accel_fsdp.train.metrics import read_metrics
+from accel_fsdp.tools.verify_runs import (  # noqa: F401 (format_table: the CLI's, from here)
+    DROPOUT_KEYS,
+    Check,
+    Probe,
+    RunParameters,
+    Verification,
+    base_sets,
+    claim_folder,
+    format_table,
+    model_type,
+    record_counts,
+    run_probe,
+    split_micro_batch,
+    write_report,
+)
 
-MARKER = "verify.json"
 CHECKS = ("sharding", "precision", "equivalence", "resume", "packing", "data", "activation-checkpointing",
           *(knob.check for knob in KNOBS), "memory", "throughput")
 EXPORTED = ["checkpoint.export_final=true"]
@@ -75,156 +82,6 @@ STATE_MARGIN = 0.10
 """Model state measured against the estimate: within 10%."""
 PEAK_MARGIN = 1.30
 """GPU peak memory against the estimate: at most 30% above (allocator caching, temporaries the formula leaves out)."""
-DROPOUT_KEYS = {"gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"), "llama": ("attention_dropout",)}
-
-
-@dataclass
-class Check:
-    name: str
-    status: str
-    """PASS, FAIL, SKIP (cannot be measured here, with the reason) or INFO (for the record)."""
-    measured: str
-    tolerance: str = ""
-    data: dict = field(default_factory=dict)
-
-
-@dataclass
-class RunParameters:
-    """A probe run's parameter counts (run_parameters.json), from its checkpoint manifest: the run's own count."""
-
-    parameters: int
-    trainable: int
-
-    @classmethod
-    def read(cls, path: Path) -> RunParameters | None:
-        """None where the probe wrote none (it failed before its first checkpoint)."""
-        if not path.exists():
-            return None
-        saved = json.loads(path.read_text())
-        return cls(parameters=saved["parameters"], trainable=saved["trainable"])
-
-    def write(self, path: Path) -> None:
-        write_atomic(path, json.dumps(asdict(self)))
-
-
-@dataclass
-class Probe:
-    name: str
-    folder: Path
-    returncode: int
-    stderr_tail: str
-    seconds: float
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0
-
-    @property
-    def layout(self) -> RunLayout:
-        return RunLayout.at(self.folder)
-
-    def train_rows(self) -> list:
-
-        return [r for r in read_metrics(self.layout.metrics_file, strict=False) if r.kind == "train"]
-
-    def sharding(self):
-        from accel_fsdp.train.sharding import ShardingRecord
-
-        return ShardingRecord.read(self.layout.sharding_file)
-
-    def counts(self) -> RunParameters | None:
-        return RunParameters.read(self.layout.run_parameters_file)
-
-    def settings(self) -> FsdpSettings:
-        return FsdpSettings.read(self.layout.settings_file)
-
-    def trace(self, name: str) -> list[dict]:
-        out = []
-        for path in sorted(self.layout.trace.glob(f"{name}-rank*.json")):
-            out.append(json.loads(path.read_text()))
-        return out
-
-    def failure(self) -> str:
-        return f"the {self.name} run failed (exit {self.returncode}): {self.stderr_tail}"
-
-
-@dataclass
-class Verification:
-    recipe: object
-    config: object
-    world: int
-    precision: str
-    device: str
-    steps: int
-    out_dir: Path
-    overrides: list[str]
-    layers: int | None = None
-    cpu: bool = False
-    """--cpu: every probe runs the config on CPU ranks, whatever it was written for."""
-    probes: dict[str, Probe] = field(default_factory=dict)
-    checks: list[Check] = field(default_factory=list)
-
-    def sets(self, *extra: str) -> list[str]:
-        return list(self.overrides) + list(extra)
-
-
-# ------------------------------------------------------------------------------------------------- running
-
-
-def run_probe(v: Verification, name: str, sets: list[str], *, extra_args=(), env: dict | None = None) -> Probe:
-    folder = v.out_dir / name
-    argv = [sys.executable, "-m", "accel_fsdp", "recipe", "run", str(Path(v.recipe.source).absolute()),
-            "--accelerate-config", str(v.config.path), "--output-dir", str(folder), *extra_args,
-            *(["--cpu"] if v.cpu else [])]
-    if folder.exists():
-        argv.append("--overwrite")
-    for item in sets:
-        argv += ["--set", item]
-    start = time.monotonic()
-    proc = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1",
-                                                                          **(env or {})))
-    lines = [x for x in proc.stderr.strip().splitlines() if x.strip() and not x.startswith(("training:", "W1", "["))]
-    probe = Probe(name, folder, proc.returncode, " / ".join(lines[-3:])[-600:], time.monotonic() - start)
-    v.probes[name] = probe
-    print(f"  probe {name:<14} {'ok' if probe.ok else 'FAILED'} in {probe.seconds:.0f}s", flush=True)
-    return probe
-
-
-def base_sets(v: Verification, steps: int) -> list[str]:
-    """What every probe changes in the recipe: a few steps on a slice of the data, no evaluation, no sample, no
-    trackers (the user's wandb stays clean), a checkpoint every other step kept, and no export (EXPORTED adds the
-    fp32 export to the probes whose weights the resume check compares)."""
-    t = v.recipe.training
-    rows = max(64, t.global_batch_size * (steps + 2) * 4)
-    sets = list(v.overrides) + [f"training.max_steps={steps}", "training.epochs=null", "training.warmup_steps=0",
-            "training.eval_every_steps=null",
-            "data.eval_fraction=0", f"data.max_rows={min(rows, v.recipe.data.max_rows or rows)}",
-            "logging.every_steps=1", "logging.sample_prompt=null", "logging.trackers=[]",
-            "checkpoint.every_steps=2", "checkpoint.keep_last=null", "checkpoint.export_final=false",
-            "checkpoint.export_dtype=fp32", f"checkpoint.dir={CHECKPOINTS_DIR}", "output_dir=null"]
-    if v.layers:
-        sets.append(f"model.config_overrides.{layer_key(v.recipe)}={v.layers}")
-    # Without dropout: two splits of a batch, or two ranks, would draw different masks and could not agree.
-    sets += [f"model.config_overrides.{k}=0.0" for k in DROPOUT_KEYS.get(_model_type(v.recipe), ())]
-    if v.recipe.model.lora.enabled:
-        sets.append("model.lora.dropout=0.0")
-    return sets
-
-
-def layer_key(recipe) -> str:
-    base = base_values(recipe)
-    return "n_layer" if base and base[0] == "gpt2" else "num_hidden_layers"
-
-
-def split_micro_batch(recipe, world: int) -> int | None:
-    """A different micro batch for the same global batch on the same ranks (so accumulation changes), or None."""
-    t = recipe.training
-    for micro in (t.micro_batch_size // 2, t.micro_batch_size * 2):
-        if micro >= 1 and micro != t.micro_batch_size and replace(t, micro_batch_size=micro).splits_evenly(world):
-            return micro
-    return None
-
-
 # ------------------------------------------------------------------------------------------------- checks
 
 
@@ -256,12 +113,28 @@ def check_sharding(v: Verification) -> Check:
             problems.append(f"rank {rank}: frozen parameters are {d['frozen']}, not {compute_dtype(v.precision)}")
     if dtypes:
         measured += f"; trainable {dtypes[0]['trainable']}, frozen {dtypes[0]['frozen'] or 'none'}"
+    if info.quantized_bytes and info.quantized_whole_bytes:
+        text, over = quantized_shares(info.quantized_bytes, info.quantized_whole_bytes, shards)
+        measured += f"; {text}"
+        problems += over
     if not ok:
         problems.insert(0, f"not sharded over {shards} ranks")
     status = "PASS" if not problems else "FAIL"
     return Check("sharding", status, measured + ("; " + "; ".join(problems) if problems else ""),
-                 f"each rank 1/{shards} (+-2%); optimizer state +-10%; masters fp32",
+                 f"each rank 1/{shards} (+-2%; of 4-bit bytes at most 1/{shards}); optimizer state +-10%; masters fp32",
                  {"fractions": fractions, "dtypes": dtypes, "state_bytes": state})
+
+
+def quantized_shares(held: list[int], whole: int, shards: int) -> tuple[str, list[str]]:
+    """What each rank holds of the 4-bit base (codes and scales, sharding.json) against its share, 1/`shards` of one
+    copy (`whole` bytes): FSDP2 cuts each 4-bit weight's codes and scales with its rows, into equal parts
+    (model/quantize.py layer_problems), so a rank holding more than its share holds another rank's."""
+    share = whole / shards
+    text = (f"4-bit bytes per rank {', '.join(f'{b / 2**20:,.2f}' for b in held)} MiB of {whole / 2**20:,.2f} "
+            f"({', '.join(f'{b / whole:.3f}' for b in held)})")
+    over = [rank for rank, b in enumerate(held) if b > share]
+    return text, ([f"rank(s) {', '.join(map(str, over))} hold more than 1/{shards} of the 4-bit bytes "
+                   f"({share / 2**20:,.2f} MiB)"] if over else [])
 
 
 def compute_dtype(name: str) -> str:
@@ -567,7 +440,7 @@ def verify(recipe, config, num_processes: int | None, overrides: list[str], *, o
         step_dir = v.probes["reference"].layout.checkpoints / checkpoint_name(2)  # resume needs the reference
         run_probe(v, "resume", sets + EXPORTED, extra_args=[*extra, "--resume-from", str(step_dir)])
     if "activation-checkpointing" in wanted:
-        keys = DROPOUT_KEYS.get(_model_type(recipe))
+        keys = DROPOUT_KEYS.get(model_type(recipe))
         if keys:
             dropout = [f"model.config_overrides.{k}=0.1" for k in keys] + ["training.max_steps=2"]
             for name, on in (("ac-on", "true"), ("ac-off", "false")):
@@ -589,53 +462,3 @@ def verify(recipe, config, num_processes: int | None, overrides: list[str], *, o
                 v.checks.append(Check(name, "FAIL", f"could not be measured: {type(e).__name__}: {e}"))
     write_report(v)
     return v
-
-
-def _model_type(recipe) -> str | None:
-    base = base_values(recipe)
-    return base[0] if base else None
-
-
-def record_counts(probe: Probe) -> None:
-    """Parameter counts of the probe run, from its checkpoint manifest (the run's own count)."""
-    manifests = sorted(probe.layout.checkpoints.glob(f"{STEP_PREFIX}*/{MANIFEST}"))
-    if manifests:
-        m = Manifest.read(manifests[-1].parent)
-        RunParameters(parameters=m.parameters, trainable=m.trainable_parameters).write(probe.layout.run_parameters_file)
-
-
-def claim_folder(out_dir: Path) -> None:
-    """The verify folder is ours alone: created, or an earlier verify's replaced; anything else is refused."""
-    if out_dir.exists():
-        if not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / MARKER).exists()):
-            raise UserError(Problem(str(out_dir), "exists and is not an earlier verify folder",
-                                    "give another --output-dir (nothing was changed)"))
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
-    write_atomic(out_dir / MARKER, json.dumps({"started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
-
-
-def write_report(v: Verification) -> Path:
-    path = v.out_dir / "report.json"
-    report = {"recipe": v.recipe.name, "config": v.config.label, "ranks": v.world, "device": v.device,
-              "precision": v.precision, "steps": v.steps, "layers": v.layers,
-              "probes": {n: {"exit": p.returncode, "seconds": round(p.seconds, 1), "folder": str(p.folder)}
-                         for n, p in v.probes.items()},
-              "checks": [asdict(c) for c in v.checks],
-              "passed": not any(c.status == "FAIL" for c in v.checks)}
-    write_atomic(path, json.dumps(report, indent=1, default=str) + "\n")
-    write_atomic(v.out_dir / MARKER, json.dumps({"report": str(path)}))
-    return path
-
-
-def format_table(v: Verification) -> str:
-    width = max(len(c.name) for c in v.checks)
-    lines = [f"{'CHECK':<{width}}  RESULT  MEASURED (TOLERANCE)"]
-    for c in v.checks:
-        lines.append(f"{c.name:<{width}}  {c.status:<6}  {c.measured}" + (f"  ({c.tolerance})" if c.tolerance else ""))
-    failed = sum(c.status == "FAIL" for c in v.checks)
-    passed = sum(c.status == "PASS" for c in v.checks)
-    lines.append(f"{passed} passed, {failed} failed" + (f", {sum(c.status == 'SKIP' for c in v.checks)} skipped"
-                                                        if any(c.status == "SKIP" for c in v.checks) else "")
-                 + f"; report: {v.out_dir / 'report.json'}")
-    return "\n".join(lines)

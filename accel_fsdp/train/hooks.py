@@ -35,6 +35,7 @@ import torch
 
 from accel_fsdp.data.store import Sequence
 from accel_fsdp.layout import RunLayout
+from accel_fsdp.model.nf4 import is_nf4
 from accel_fsdp.train import probes
 from accel_fsdp.train.faults import KINDS, Faults
 from accel_fsdp.train.methods.logps import ChunkedPath
@@ -60,6 +61,7 @@ BREAKS = {
     "offload-bf16": "keep offloaded activations in bf16 host buffers (a copy that rounds)",
     "compile-skew": "scale each compiled block's output by 1 + 2^-8 (a compiled graph a bf16 unit off)",
     "chunked-loss": "the chunked loss leaves out the last loss-carrying token of every micro-batch",
+    "nf4-scales": "dequantize every 4-bit weight 16 times too large (its block scales misread)",
 }
 
 
@@ -168,7 +170,7 @@ def substituted(run, switches: TestSwitches):
     """The run with the parts that the switches break replaced by broken ones, so the code that trains has no switch
     for them: `mix-weights` draws the sources in equal shares, `mean-loss` lets each micro-step take its own mean,
     `mask-leak` numbers packed documents' positions straight through, `chunked-loss` drops a token from the chunked
-    loss. The run as it is without those switches."""
+    loss, `nf4-scales` scales every 4-bit weight's block scales by 16. The run as it is without those switches."""
     if switches.broken("mix-weights"):
         run.sampler.weights = [1.0 / len(run.sampler.weights)] * len(run.sampler.weights)
     if switches.broken("chunked-loss") and isinstance(run.loss_path, ChunkedPath):
@@ -178,11 +180,24 @@ def substituted(run, switches: TestSwitches):
         run = dataclasses.replace(run, loss_path=broken)
     if switches.broken("mean-loss"):
         run = dataclasses.replace(run, objective=_PerMicroStepMean(run.objective))
+    if switches.broken("nf4-scales"):
+        _misscale_nf4(run.model, 16.0)
     if switches.broken("mask-leak"):
         collate = run.collator
         run = dataclasses.replace(run, collator=lambda sequences: collate(
             [Sequence(s.ids, s.labels, np.arange(len(s), dtype=np.int64)) for s in sequences]))
     return run
+
+
+def _misscale_nf4(model, factor: float) -> None:
+    """Every 4-bit weight dequantizes `factor` times too large: torchao's block scale is code / quantization_factor
+    + scaler_mean (nf4_tensor.py dequantize_scalers), so both scale by `factor`. Every rank its own shards."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            local = parameter._local_tensor if hasattr(parameter, "_local_tensor") else parameter
+            if is_nf4(local):
+                local.quantization_factor.div_(factor)
+                local.scaler_mean.mul_(factor)
 
 
 class _DropsLastToken(ChunkedPath):

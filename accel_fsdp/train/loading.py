@@ -16,7 +16,7 @@ from accel_fsdp.config.settings import FsdpSettings, shard_group_size
 from accel_fsdp.model.build import weight_source
 from accel_fsdp.model.nf4 import NF4Linear, digests_of
 from accel_fsdp.model.quantize import QuantizedBase
-from accel_fsdp.model.streaming_load import stream_weights
+from accel_fsdp.model.streaming_load import BLOCK_ELEMENTS, stream_adapters, stream_weights
 
 
 def streams_weights(settings: FsdpSettings) -> bool:
@@ -36,12 +36,16 @@ def leave_nf4_unsharded(accelerator, model: torch.nn.Module, settings: FsdpSetti
 
 
 def load_streamed(accelerator, model: torch.nn.Module, recipe, config, dtype: torch.dtype,
-                  block_elements: int | None = None) -> dict[str, bytes]:
+                  block_elements: int | None = None, adapters: dict | None = None) -> dict[str, bytes]:
     """After `prepare`: every rank's shards filled from global rank 0's reads, large tensors a block of rows of at
-    most `block_elements` at a time (None: streaming_load.py's BLOCK_ELEMENTS; collective). The digests of the 4-bit
-    weights, on rank 0."""
+    most `block_elements` at a time (None: streaming_load.py's BLOCK_ELEMENTS; collective), then the LoRA adapters
+    rank 0 drew (`adapters`, from streaming_load.py `adapters_to_send` before `prepare`; None elsewhere). The digests
+    of the 4-bit weights, on rank 0."""
     source = weight_source(recipe, config, dtype) if accelerator.is_main_process else None
-    return stream_weights(model, source, where=recipe.where("model.name_or_path"), block_elements=block_elements)
+    digests = stream_weights(model, source, where=recipe.where("model.name_or_path"), block_elements=block_elements)
+    if recipe.model.lora.enabled:
+        stream_adapters(model, adapters, block_elements or BLOCK_ELEMENTS)
+    return digests
 
 
 def read_digests(accelerator, model: torch.nn.Module, recipe) -> dict[str, bytes] | None:

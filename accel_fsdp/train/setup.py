@@ -32,7 +32,7 @@ from accel_fsdp.config.accelerate import (
 from accel_fsdp.config.binder import flatten
 from accel_fsdp.config.methods import trains_with_dropout
 from accel_fsdp.config.precision import compute_dtype
-from accel_fsdp.config.settings import FsdpSettings, Source, cpu_guess_note
+from accel_fsdp.config.settings import FsdpSettings, cpu_guess_note
 from accel_fsdp.data import batches
 from accel_fsdp.data import prepare as data_lib
 from accel_fsdp.data.sampler import GlobalBatchSampler, total_steps
@@ -43,6 +43,7 @@ from accel_fsdp.layout import SCRATCH_BASE_DIR, RunLayout
 from accel_fsdp.model.build import (
     build_model,
     count_parameters,
+    load_model_code,
     meta_model,
     model_config,
     turn_off_dropout,
@@ -50,8 +51,8 @@ from accel_fsdp.model.build import (
     view_of,
     write_scratch_base,
 )
-from accel_fsdp.model.checks import human_count
 from accel_fsdp.model.quantize import QuantizedBase
+from accel_fsdp.model.streaming_load import adapters_to_send
 from accel_fsdp.model.tokenizer import build_tokenizer, built_once_per_machine
 from accel_fsdp.preflight import model_problems, settings_for_launch
 from accel_fsdp.run.folder import Decision, FolderLock, apply_decision, decide
@@ -76,6 +77,7 @@ from accel_fsdp.train.observe import Terminal, TrainLogger
 from accel_fsdp.train.optimizer import build_optimizer, lr_schedule, offload_threads
 from accel_fsdp.train.reference import build_reference
 from accel_fsdp.train.sharding import ShardingRecord, check_same_layout
+from accel_fsdp.train.start_summary import quantize_summary, startup_summary
 from accel_fsdp.train.state import TrainingState
 from accel_fsdp.train.waiting import wait_for_every_rank
 
@@ -294,9 +296,11 @@ def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | No
     # With fsdp_cpu_ram_efficient_loading only global rank 0 reads the weights: under FSDP2 it streams each rank its
     # shards once `prepare` has cut them (train/loading.py); under FSDP1 `prepare` broadcasts (sync_module_states).
     rank0_only, streaming = bool(settings.cpu_ram_efficient_loading.value), streams_weights(settings)
+    load_model_code(recipe, config, frozen_dtype)  # the code's memory before the loading's is measured
     loading = PeakMemory()
     model = build_model(recipe, config, dtype=frozen_dtype,
-                        empty=streaming or (rank0_only and not accelerator.is_main_process))
+                        empty=streaming or (rank0_only and not accelerator.is_main_process),
+                        draw=not streaming or accelerator.is_main_process)
     if rank0_only and not streaming and accelerator.num_processes > 1:
         check_same_layout(accelerator, model, recipe)  # before rank 0 sends a single weight
     digests = None if streaming else read_digests(accelerator, model, recipe)
@@ -309,6 +313,8 @@ def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | No
     model = apply_activation_checkpointing(model, settings, preserve_rng_state=not switches.broken("ac-rng"))
     if clock is not None:
         clock.mark("model")
+    # rank 0's drawn adapters, whole, for the stream (the other ranks' are unwritten)
+    adapters = adapters_to_send(model) if streaming and accelerator.is_main_process else None
     if settings.fsdp_version.value == 1:
         # FSDP1 replaces the parameters when it wraps the model: the optimizer is built from the wrapped one.
         model = accelerator.prepare(model)
@@ -318,7 +324,9 @@ def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | No
         leave_nf4_unsharded(accelerator, model, settings)
         model, optimizer = accelerator.prepare(model, build_optimizer(model, recipe, settings))
     if streaming:
-        digests = load_streamed(accelerator, model, recipe, config, frozen_dtype, block_elements=switches.load_block)
+        digests = load_streamed(accelerator, model, recipe, config, frozen_dtype, block_elements=switches.load_block,
+                                adapters=adapters)
+        del adapters
     loading.stop()
     knobs = after_sharding(knobs, recipe, model, optimizer, accelerator.device,
                            lossy_offload=switches.broken("offload-bf16"))
@@ -467,38 +475,6 @@ def build_components(run: Run, switches: TestSwitches) -> Components:
     return Components(logger=logger, evaluator=Evaluator(run, metrics), checkpointer=checkpointer, hooks=hooks)
 
 
-def startup_summary(recipe, settings, layout: RunLayout, data, built: ShardedModel, held: list[int],
-                    total_steps: int, sampler, objective: Objective | None = None,
-                    dropout_off: dict[str, float] | None = None) -> str:
-    """What a person checks before walking away: model, data, batch arithmetic, sharding, where files go. Every
-    setting with its source is in fsdp_settings.json (and printed by --verbose)."""
-    s, t = settings, recipe.training
-    parameters, trainable = built.parameters, built.trainable_parameters
-    source = ("from scratch" if recipe.model.architecture else
-              "read by rank 0 only, shards sent to the others" if built.rank0_only_loading else "read by every rank")
-    trained = "all trainable" if trainable == parameters else f"{trainable:,} trainable (LoRA)"
-    epochs = total_steps * t.global_batch_size / max(1, len(data))
-    every = recipe.checkpoint.every_steps
-    lines = [
-        f"  model     {built.model_class}, {human_count(parameters)} parameters ({trained}); weights {source}",
-        *data_summary(recipe, data, sampler, total_steps),
-        *([objective.summary()] if objective is not None and objective.summary() else []),
-        *([objective.loss_path.describe()] if objective is not None else []),
-        *dropout_summary(recipe, dropout_off or {}),
-        *built.knobs.summary(),
-        f"  batch     global {t.global_batch_size}{' pairs' if data.pairs else ''} = micro {t.micro_batch_size} x "
-        f"{s.num_processes.value} rank(s) x "
-        f"{sampler.accumulation_steps} accumulation step(s); {total_steps:,} optimizer steps ({epochs:.2f} epochs)",
-        f"  sharding  FSDP{s.fsdp_version.value} {s.sharding_strategy.value} on {s.device.value}: ranks hold "
-        f"{' / '.join(f'{n:,}' for n in held)} of {parameters:,} parameters; units "
-        f"{', '.join(s.wrap_classes.value) or s.wrap_policy.value}; {s.mixed_precision.value} compute"
-        + (f" ({s.mixed_precision.source_text})" if s.mixed_precision.source == Source.DETECTED else "")
-        + (", CPU offload" if s.cpu_offload.value else "") + (", activation checkpointing"
-                                                              if s.activation_checkpointing.value else ""),
-        f"  files     {layout.root}: recipe.yaml, fsdp_settings.json (every setting and its source), metrics.jsonl; "
-        f"checkpoints {'every ' + str(every) + ' steps and ' if every else ''}at the end in {layout.checkpoints}",
-    ]
-    return "\n".join(lines)
 
 
 def name_scratch_base(engine: Engine, recipe, config, tokenizer, model, folder: Path) -> None:
@@ -513,38 +489,10 @@ def name_scratch_base(engine: Engine, recipe, config, tokenizer, model, folder: 
         unwrapped.peft_config["default"].base_model_name_or_path = str(folder)
 
 
-def quantize_summary(recipe, sharding: ShardingRecord) -> str:
-    """The line saying what the 4-bit base is and what each rank holds of it (model.quantize), or nothing."""
-    base, held = sharding.quantized_base, sharding.quantized_bytes
-    if not base or not held:
-        return ""
-    copy = sum(held) * sharding.expected_shards / len(held)  # replicas (hybrid sharding) hold the same shards
-    each = " / ".join(f"{h / 2**20:,.2f}" for h in held)
-    return (f"\n  quantize  {base['method']}: {base['layers']} decoder-block linear layers in 4 bits, "
-            f"{copy / 2**20:,.2f} MiB of codes and scales; ranks hold {each} MiB; base fingerprint "
-            f"{base['fingerprint'][:12]}")
 
 
-def dropout_summary(recipe, dropout_off: dict[str, float]) -> list[str]:
-    """The line saying which dropout a method that trains without it turned off."""
-    if not dropout_off:
-        return []
-    each = ", ".join(f"{key} {p:g}" for key, p in dropout_off.items())
-    return [f"  dropout   off for {recipe.training.method} (preference.keep_dropout: true keeps it): {each} -> 0"]
 
 
-def data_summary(recipe, data, sampler, steps: int) -> list[str]:
-    """The data lines of the start summary: each source, its share of the mixture and the epochs of it the run
-    reads."""
-    if len(data.sources) == 1:
-        return [f"  data      {data.sources[0].config.path}: {data.stats.summary()}"]
-    epochs = sampler.epochs(steps, data.mean_costs())
-    lines = [f"  data      a mixture of {len(data.sources)} sources by {recipe.data.mix_by} "
-             f"({'loss-carrying tokens' if recipe.data.mix_by == 'tokens' else 'sequences'} shared by weight):"]
-    for s, w, e in zip(data.sources, sampler.weights, epochs):
-        lines.append(f"    {s.name:<16} {w:.2f} of the mixture, about {e:.2f} epochs of it: {s.config.path}: "
-                     f"{s.stats.summary()}")
-    return lines
 
 
 def prepare_run_data(recipe, tokenizer, accelerator, terminal: Terminal,

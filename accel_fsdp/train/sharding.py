@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.files import write_atomic
 from accel_fsdp.model.build import layout_differences, layout_of
-from accel_fsdp.model.nf4 import held_bytes, is_nf4, nf4_local_bytes
+from accel_fsdp.model.nf4 import NF4_PARTS, held_bytes, is_nf4, nf4_local_bytes, nf4_whole_bytes
 from accel_fsdp.train.accelerator import expected_shards
 from accel_fsdp.train.cpu_fsdp import local_numel
 
@@ -44,6 +44,9 @@ class ShardingRecord:
     """Per rank, after `prepare`: bytes of the parameters it holds (its shards; 4-bit weights at their real size)."""
     quantized_bytes: list[int] | None = None
     """Per rank: bytes of the 4-bit weights it holds, codes and scales (model.quantize; 1/W of them each)."""
+    quantized_whole_bytes: int | None = None
+    """Bytes of one copy of the 4-bit weights' codes and scales: each rank of a shard group holds 1/expected_shards
+    of them (`verify` checks it)."""
     quantized_base: dict | None = None
     """What the 4-bit base is (model/quantize.py QuantizedBase: method, layers, fingerprint)."""
     loading_rss_baseline_bytes: list[int] | None = None
@@ -64,6 +67,7 @@ class ShardingRecord:
                    loading_rss_baseline_bytes=gather_ints(acc, [built.loading_baseline]),
                    weight_bytes=[q + o for q, o in zip(held[::2], held[1::2])],
                    quantized_bytes=held[::2] if built.quantized_base is not None else None,
+                   quantized_whole_bytes=nf4_whole_bytes(built.model) if built.quantized_base is not None else None,
                    quantized_base=built.quantized_base.to_dict() if built.quantized_base is not None else None)
 
     def record_state_bytes(self, per_rank: list[dict]) -> None:
@@ -100,17 +104,23 @@ def layout_rows(layout: list[list[float]]) -> list[dict]:
             for r, row in enumerate(layout)]
 
 
-SUM_BLOCK = 2**20
-"""Elements summed at once in float64 by `local_sum`: 8 MiB."""
+SUM_BLOCK = 2**18
+"""Elements summed at once in float64 by `local_sum`: 2 MiB (every rank sums at once, right after loading: at 8 MiB
+a block the 355M GPT-2 with a 4-bit base on 4 ranks peaked at 1.24 x one copy, against 1.21 x at this size;
+benchmarks/loading_memory.py samples until sharding.json is written)."""
 
 
 def local_sum(tensor: torch.Tensor) -> float:
     """The sum of a tensor in float64, a block of SUM_BLOCK elements at a time: torch's CPU sum with a wider dtype
     first casts the whole input to it (aten/src/ATen/native/ReduceOps.cpp, make_reduction_from_out_ty), and a whole
     float64 copy of the embeddings' shard (196 MiB on each of 2 ranks of the 355M GPT-2) was the machine's peak just
-    after streaming loading. A 4-bit weight is summed whole (dequantized: one projection's shard)."""
+    after streaming loading. A 4-bit weight's shard is summed by what it stores, its codes and scales (those of its
+    rows: the mean, on every rank, is left out), never dequantized: that made a float64 copy of a projection's shard
+    and torchao's int64 codes on every rank at once, the machine's peak after 4-bit loading."""
     tensor = tensor.detach()
-    if is_nf4(tensor) or not tensor.is_contiguous():
+    if is_nf4(tensor):
+        return sum(local_sum(getattr(tensor, part)) for part in NF4_PARTS)
+    if not tensor.is_contiguous():
         return float(tensor.double().sum())
     return sum(float(block.double().sum()) for block in tensor.reshape(-1).split(SUM_BLOCK))
 
