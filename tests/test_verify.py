@@ -24,7 +24,7 @@ def test_verify_quickstart_passes_every_check(tmp_path):
     assert status == {"sharding": "PASS", "precision": "PASS", "equivalence": "PASS", "resume": "PASS",
                       "packing": "PASS", "data": "PASS", "activation-checkpointing": "PASS",
                       "chunked-loss": "PASS", "compile": "SKIP", "activation-offload": "SKIP", "fp8": "SKIP",
-                      "memory": "PASS", "throughput": "INFO"}
+                      "quantize": "SKIP", "memory": "PASS", "throughput": "INFO"}
     assert report["passed"] and set(report["probes"]) == {"reference", "split", "fewer-ranks", "resume", "ac-on",
                                                           "ac-off", "chunked-loss-on", "chunked-loss-off"}
     assert "9 passed, 0 failed" in proc.stdout
