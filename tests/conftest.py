@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from accel_fsdp.config.accelerate import CONFIG_PATH_ENV
 from accel_fsdp.layout import COMPILE_CACHE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,6 +55,20 @@ def run_cli(*args, cwd=None, env=None, timeout=600, check=None):
         raise AssertionError(f"exit status {proc.returncode} (expected {check})\n--- stdout ---\n{proc.stdout[-6000:]}"
                              f"\n--- stderr ---\n{proc.stderr[-6000:]}")
     return proc
+
+
+def stock_accelerate_launch(recipe: Path, run_dir: Path, *, env=None, timeout=300) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file accelerate_configs/fsdp_cpu.yaml -m accel_fsdp recipe run RECIPE`: the stock
+    spelling, with no launcher of ours before it (its config path is not exported), as a user on a cluster types it."""
+    import shutil
+
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    full_env.pop(CONFIG_PATH_ENV, None)  # our launcher sets it; the stock one does not
+    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or "accelerate"
+    return subprocess.run([accelerate, "launch", "--config_file", str(REPO / "accelerate_configs" / "fsdp_cpu.yaml"),
+                           "--main_process_port", "0", "-m", "accel_fsdp", "recipe", "run", str(recipe),
+                           "--output-dir", str(run_dir)], env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def run_in_process(*args, env=None, check=None) -> subprocess.CompletedProcess:

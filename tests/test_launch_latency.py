@@ -106,21 +106,14 @@ def test_a_machine_started_before_the_main_one_launches_promptly_once_the_main_o
 def test_a_tokenizer_mistake_every_rank_finds_at_once_is_said_once(tmp_path, tiny_gpt2, stories):
     """Every rank loads a local folder's tokenizer at once (no rank waits for another): under a launcher that is not
     ours, which preflight does not run before, both ranks find the missing files, and the user reads it once."""
-    import os
     import shutil
 
-    from conftest import tiny_recipe
+    from conftest import stock_accelerate_launch, tiny_recipe
 
     model = shutil.copytree(tiny_gpt2, tmp_path / "model")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (model / name).unlink(missing_ok=True)
     recipe = tiny_recipe(tmp_path / "r.yaml", model, stories)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("ACCEL_FSDP_ACCELERATE_CONFIG", None)
-    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or "accelerate"
-    proc = subprocess.run([accelerate, "launch", "--config_file", str(REPO / "accelerate_configs" / "fsdp_cpu.yaml"),
-                           "--main_process_port", "0", "-m", "accel_fsdp", "recipe", "run", str(recipe),
-                           "--output-dir", str(tmp_path / "run")], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = stock_accelerate_launch(recipe, tmp_path / "run", timeout=300)
     assert proc.returncode != 0
     assert proc.stderr.count("has no tokenizer files") == 1, proc.stderr[-4000:]

@@ -7,16 +7,11 @@ The faults are injected through ACCEL_FSDP_FAULT (train/faults.py), on rank 1 on
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 import time
 
 import pytest
-from conftest import REPO, run_cli, run_in_process, tiny_recipe
+from conftest import run_cli, run_in_process, stock_accelerate_launch, tiny_recipe
 
-from accel_fsdp.config.accelerate import CONFIG_PATH_ENV
 from accel_fsdp.launch.launcher import ended_early, hang_problem
 from accel_fsdp.train.lifetime import STOPPED, TIMED_OUT, USER_ERROR, RankRecord
 
@@ -45,13 +40,7 @@ def test_under_stock_accelerate_launch_the_rank_that_found_it_says_it(tmp_path, 
     """No record folder there: rank 1 says its message itself (it was said by no one: only each machine's first rank
     spoke), rank 0 one line that another rank left, and no traceback of a rank."""
     recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, stories)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", ACCEL_FSDP_FAULT="user-error:2@1")
-    env.pop(CONFIG_PATH_ENV, None)
-    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or "accelerate"
-    proc = subprocess.run([accelerate, "launch", "--config_file", str(REPO / "accelerate_configs" / "fsdp_cpu.yaml"),
-                           "--main_process_port", "0", "-m", "accel_fsdp", "recipe", "run", str(recipe),
-                           "--output-dir", str(tmp_path / "run")], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = stock_accelerate_launch(recipe, tmp_path / "run", env={"ACCEL_FSDP_FAULT": "user-error:2@1"}, timeout=600)
     assert proc.returncode != 0
     assert proc.stderr.count("error: (injected fault): a mistake found by one rank alone after optimizer step 2") == 1
     assert "[rank 0] stopped in " in proc.stderr and "another rank left (its output says why)" in proc.stderr

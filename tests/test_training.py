@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 import time
 
 import pytest
-from conftest import REPO, assert_adam_runs_agree, load_weights, read_metrics, run_cli, tiny_recipe, write_jsonl
+from conftest import (
+    assert_adam_runs_agree,
+    load_weights,
+    read_metrics,
+    run_cli,
+    stock_accelerate_launch,
+    tiny_recipe,
+    write_jsonl,
+)
 
 from accel_fsdp.tools.noise import reordered
 
@@ -147,13 +151,7 @@ def test_stock_accelerate_launch_spelling(tmp_path, tiny_gpt2, stories):
     """`accelerate launch --config_file ... -m accel_fsdp recipe run ...`: the ranks take the settings Accelerate
     exported from the file."""
     recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, stories, training={"max_steps": 4})
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("ACCEL_FSDP_ACCELERATE_CONFIG", None)
-    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or "accelerate"
-    proc = subprocess.run([accelerate, "launch", "--config_file", str(REPO / "accelerate_configs" / "fsdp_cpu.yaml"),
-                           "--main_process_port", "0", "-m", "accel_fsdp", "recipe", "run", str(recipe),
-                           "--output-dir", str(tmp_path / "run")], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = stock_accelerate_launch(recipe, tmp_path / "run", timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     import torch
 
