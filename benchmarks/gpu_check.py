@@ -45,6 +45,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from accel_fsdp.files import write_atomic
+
 REPO = Path(__file__).resolve().parents[1]
 GPU_CONFIG = REPO / "accelerate_configs" / "fsdp_2gpu.yaml"
 """The GPU config every check runs (num_processes set to the ranks); on CPU ranks through `recipe run --cpu`."""
@@ -494,7 +496,8 @@ def main() -> None:
 
     def write_markdown() -> None:
         if args.markdown:
-            args.markdown.write_text("\n".join(s.markdown() for s in sections))
+            # Whole or not at all: the lease can end the script between two rows' writes.
+            write_atomic(args.markdown, "\n".join(s.markdown() for s in sections))
 
     if not args.table_only:
         sections.append(checks_section(machine))

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import yaml
 
+from accel_fsdp.files import write_atomic
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 20
 
@@ -120,7 +122,7 @@ def train(recipe: Path, folder: Path, sets: list[str], cpu: bool, ranks: int, ru
     else:
         proc = run(argv, 1200, cwd=REPO)
     # The run's own output beside its folder, for a row that failed (its cell holds only the last line).
-    folder.parent.joinpath(f"{folder.name}.output.txt").write_text(f"$ {' '.join(argv)}\n{proc.stdout}\n{proc.stderr}")
+    write_atomic(folder.parent / f"{folder.name}.output.txt", f"$ {' '.join(argv)}\n{proc.stdout}\n{proc.stderr}")
     metrics = folder / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
     return proc, [r for r in rows if r.get("kind") == "train"]

@@ -46,6 +46,15 @@ def test_dry_run_says_when_it_does_not_fit():
     assert "does NOT fit in 80.00 GiB" in out and "try: " in out
 
 
+def test_dry_run_names_a_local_data_file_this_machine_lacks_and_still_plans(tmp_path):
+    args = ["recipe", "run", "quickstart", "--dry-run", "--set", f"data.path={tmp_path / 'elsewhere.jsonl'}"]
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 0, out.output
+    assert "per-rank memory (GiB)" in out.output
+    assert re.search(r"note: --set data.path: \S+elsewhere.jsonl is not on this machine", out.output), out.output
+    assert "not on this machine" not in CliRunner().invoke(main, ["recipe", "run", "quickstart", "--dry-run"]).output
+
+
 @pytest.mark.parametrize("name", sorted(KNOWN))
 def test_architecture_facts_match_transformers(name):
     from transformers import AutoConfig

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import click
 
@@ -234,3 +235,19 @@ def print_plan(recipe, accelerate_config: str | None, gpu_memory: str | None) ->
             raise UserError(size_problem("--gpu-memory", gpu_memory)) from None
     config, n, _ = load_config_or_default(accelerate_config)
     click.echo(format_plan(build_plan(recipe, config, num_processes=n), budget))
+    for note in missing_data_notes(recipe):
+        click.echo(f"note: {note}")
+
+
+def missing_data_notes(recipe) -> list[str]:
+    """The local data files a run would stop for: a plan is made for another machine as often as for this one, so
+    a missing file is said, not refused (`recipe validate` and the run itself refuse it)."""
+    from accel_fsdp.data.sources import locate, source_key
+
+    notes = []
+    for i, source in enumerate(recipe.data.resolved_sources()):
+        found = locate(recipe, source, source_key(recipe, i))
+        if found.kind == "file" and not Path(found.path).exists():
+            notes.append(f"{recipe.where(source_key(recipe, i))}: {found.path} is not on this machine; a run here "
+                         "would stop before launch (`accel-fsdp recipe validate` checks the data)")
+    return notes
