@@ -128,28 +128,51 @@ def test_a_run_of_changing_shapes_compiles_the_blocks_at_most_twice(tmp_path, mo
     assert statistics["graphs"] == graphs
 
 
-@pytest.mark.multiprocess
-def test_compiled_blocks_train_like_eager_on_two_ranks(tmp_path, tiny_gpt2, stories):
-    """The core promise: the same losses and gradient norms within the noise model of fp32 sums added in other orders,
-    at most two graphs and no graph break, the compile time in the start summary."""
-    recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, stories, training={"max_steps": 3, "mixed_precision": "fp32",
-                                                                          "eval_every_steps": 1},
+def compile_line(stdout: str) -> str:
+    """The start summary's line about the compile (compiled blocks, time, the cache and its hits and misses)."""
+    return next(line for line in stdout.splitlines() if line.startswith("  compile "))
+
+
+@pytest.fixture(scope="module")
+def compiled_and_eager_runs(tmp_path_factory, tiny_gpt2, stories):
+    """An eager and a compiled run of one recipe on 2 ranks, the compiled one with a cache folder of its own that
+    starts empty (not the tests' shared compile cache): the first run of that cache, which
+    test_the_compilers_cache_is_kept_in_the_cache_folder_between_runs runs a second time."""
+    folder = tmp_path_factory.mktemp("compiled-and-eager")
+    recipe = tiny_recipe(folder / "r.yaml", tiny_gpt2, stories, training={"max_steps": 3, "mixed_precision": "fp32",
+                                                                        "eval_every_steps": 1},
                          checkpoint={"export_final": False})
+    cache = folder / "cache"
     runs = {}
     for compiled in (False, True):
-        folder = tmp_path / f"compiled-{compiled}"
-        proc = run_cli("recipe", "run", recipe, "--output-dir", folder, "--set", f"training.compile={compiled}",
-                       env={"ACCEL_FSDP_PROBE": "knobs"}, check=0)
-        runs[compiled] = [r for r in read_metrics(folder) if r["kind"] == "train"]
-    assert "  compile   2 GPT2Block blocks compiled (inductor) in" in proc.stdout
-    assert "compile" in proc.stdout.split("first optimizer step after", 1)[1].splitlines()[0]  # the startup clock
+        with pytest.MonkeyPatch.context() as env:
+            if compiled:
+                env.delenv(COMPILE_CACHE_ENV)
+                env.setenv("ACCEL_FSDP_CACHE", str(cache))
+            run = folder / f"compiled-{compiled}"
+            proc = run_cli("recipe", "run", recipe, "--output-dir", run, "--set", f"training.compile={compiled}",
+                           env={"ACCEL_FSDP_PROBE": "knobs"}, check=0)
+        runs[compiled] = types.SimpleNamespace(folder=run, stdout=proc.stdout)
+    return types.SimpleNamespace(recipe=recipe, cache=cache, eager=runs[False], compiled=runs[True])
+
+
+@pytest.mark.multiprocess
+def test_compiled_blocks_train_like_eager_on_two_ranks(compiled_and_eager_runs):
+    """The core promise: the same losses and gradient norms within the noise model of fp32 sums added in other orders,
+    at most two graphs and no graph break, the compile time in the start summary."""
+    runs = compiled_and_eager_runs
+    stdout = runs.compiled.stdout
+    assert "  compile   2 GPT2Block blocks compiled (inductor) in" in stdout
+    assert "compile" in stdout.split("first optimizer step after", 1)[1].splitlines()[0]  # the startup clock
+    train = {name: [r for r in read_metrics(run.folder) if r["kind"] == "train"]
+             for name, run in (("eager", runs.eager), ("compiled", runs.compiled))}
     # 8 sequences of 64 tokens a step, 2 micro-steps of 4 a rank
     tolerance = equivalence_tolerance("fp32", 8 * 64, 2, 3)
-    for eager, compiled in zip(runs[False], runs[True], strict=True):
+    for eager, compiled in zip(train["eager"], train["compiled"], strict=True):
         assert compiled["loss"] == pytest.approx(eager["loss"], rel=tolerance["loss"])
         assert compiled["grad_norm"] == pytest.approx(eager["grad_norm"], rel=tolerance["grad_norm"])
     for rank in (0, 1):
-        lines = [json.loads(x) for x in (tmp_path / "compiled-True" / "trace" / f"knobs-rank{rank}.jsonl")
+        lines = [json.loads(x) for x in (runs.compiled.folder / "trace" / f"knobs-rank{rank}.jsonl")
                  .read_text().splitlines()]
         assert [x["step"] for x in lines] == [1, 2, 3]
         assert lines[-1]["compile"]["graphs"] <= 2 and lines[-1]["compile"]["graph_breaks"] == 0  # after evaluations
@@ -157,16 +180,16 @@ def test_compiled_blocks_train_like_eager_on_two_ranks(tmp_path, tiny_gpt2, stor
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_the_compilers_cache_is_kept_in_the_cache_folder_between_runs(tmp_path, tiny_gpt2, stories, monkeypatch):
+def test_the_compilers_cache_is_kept_in_the_cache_folder_between_runs(tmp_path, compiled_and_eager_runs, monkeypatch):
+    """The first run of an empty cache folder (the fixture's compiled run) says where the cache is and hits nothing;
+    a second run of the same recipe finds every graph there (0 misses)."""
+    runs = compiled_and_eager_runs
     monkeypatch.delenv(COMPILE_CACHE_ENV)
-    monkeypatch.setenv("ACCEL_FSDP_CACHE", str(tmp_path / "cache"))
-    recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, stories, training={"max_steps": 1, "compile": True},
-                         data={"eval_fraction": 0}, checkpoint={"export_final": False})
-    said = []
-    for attempt in (1, 2):
-        proc = run_cli("recipe", "run", recipe, "--output-dir", tmp_path / f"run{attempt}", check=0)
-        said.append(next(line for line in proc.stdout.splitlines() if line.startswith("  compile ")))
-    where = f"cache {tmp_path / 'cache' / 'compile'}:"
+    monkeypatch.setenv("ACCEL_FSDP_CACHE", str(runs.cache))
+    proc = run_cli("recipe", "run", runs.recipe, "--output-dir", tmp_path / "run2", "--set", "training.compile=true",
+                   env={"ACCEL_FSDP_PROBE": "knobs"}, check=0)
+    said = [compile_line(runs.compiled.stdout), compile_line(proc.stdout)]
+    where = f"cache {runs.cache / 'compile'}:"
     assert where in said[0] and "0 hit(s)" in said[0]
     assert where in said[1] and " 0 miss(es)" in said[1] and "0 hit(s)" not in said[1]
 
