@@ -9,7 +9,8 @@ It runs the real CLI (`recipe run` with a GPU accelerate config; with --cpu, tha
 `recipe run --cpu`) on tiny or small models made here (no downloads), and prints one line per check, PASS / FAIL /
 SKIP / INFO, with its figures; a skipped check says why. What each check proves is in docs/PERFORMANCE.md ("The GPU
 path"); tests/test_gpu_path.py and tests/test_gpu_mechanisms.py hold the same properties on CPU ranks, and
-tests/test_gpu_check.py runs this script with --cpu.
+tests/test_gpu_check.py runs this script with --cpu once a session (tests/conftest.py gpu_check_on_cpu_ranks), whose
+runs of checks 2, 4 and 5 tests/test_gpu_path.py reads with bounds of its own.
 
   1  CPU offload and FULL_STATE_DICT asked for by the recipe train, and checkpoint, on the launch's process group
   2  rank-0-only loading: host memory growth of each rank while loading a model
@@ -139,7 +140,12 @@ class Machine:
         if folder.exists():
             return folder
         tok = build_tokenizer()
-        cfg = AutoConfig.for_model("gpt2", n_layer=layers, n_embd=width, n_head=max(1, width // 64), n_positions=1024,
+        # On CPU ranks as many positions as the checks' sequences have (128), as in the tests' models: with 1,024
+        # the position table is 38% of the tiny model, and rank 1 was measured holding 31% of its fp32 gradient
+        # bytes between micro-steps, not about half (its shard of the table, positions 512-1023, never used).
+        positions = 128 if self.cpu else 1024
+        cfg = AutoConfig.for_model("gpt2", n_layer=layers, n_embd=width, n_head=max(1, width // 64),
+                                   n_positions=positions,
                                    vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                                    bos_token_id=tok.eos_token_id, resid_pdrop=dropout, embd_pdrop=dropout,
                                    attn_pdrop=dropout)
@@ -161,11 +167,13 @@ class Machine:
         return path
 
     def run(self, name: str, recipe: Path, config: Path, *options, env=None) -> Ran:
-        """`recipe run` into <work>/<name> (once per name)."""
+        """`recipe run` into <work>/<name> (once per name); what it printed is kept in <work>/<name>.out (stdout,
+        then stderr), for whoever reads the run afterwards (tests/test_gpu_path.py reads the start summary)."""
         if name not in self.runs:
             folder = self.work / name
             proc = cli("recipe", "run", recipe, "--accelerate-config", config, "--output-dir", folder, "--overwrite",
                        *(["--cpu"] if self.cpu else []), *options, env=env)
+            write_atomic(self.work / f"{name}.out", (proc.stdout or "") + (proc.stderr or ""))
             self.runs[name] = Ran(proc, folder)
         return self.runs[name]
 
@@ -276,7 +284,8 @@ def check_loading(m: Machine) -> list[Result]:
     size = sum(f.stat().st_size for f in big.glob("*.safetensors"))
     growth, out = {}, []
     for label, efficient in (("rank 0 reads", True), ("every rank reads", False)):
-        run = m.run(f"load-{efficient}", m.recipe(f"load-{efficient}", big, training={"max_steps": 1}),
+        # 2 steps: the second step's loss shows that the shards received train like the ones read
+        run = m.run(f"load-{efficient}", m.recipe(f"load-{efficient}", big, training={"max_steps": 2}),
                     m.config(f"load-{efficient}", fsdp_cpu_ram_efficient_loading=efficient), "--benchmark",
                     env={"MALLOC_MMAP_THRESHOLD_": "131072"})  # glibc returns freed broadcast buffers at once
         if not run.ok:
@@ -344,15 +353,29 @@ def check_packing(m: Machine) -> list[Result]:
                    else "FAIL", f"max logit difference {diff:.2e} ({precision}; tolerance {tolerance:.2e}){seen}")]
 
 
+def dropout_run(m: Machine, name: str, **sections) -> Ran:
+    """The tiny GPT-2 with dropout 0.1, in fp32, 4 steps of 4 micro-steps a rank, the gradient bytes traced, its final
+    weights exported in fp32; `sections` changes one knob of it. Check 5's runs, and on CPU ranks check 4's, so that
+    the reference without a knob is one run for both; tests/test_gpu_path.py reads these runs too (their losses and
+    gradient norms bit for bit or within the noise model, the gradient bytes of rank 1, the exported weights)."""
+    recipe = m.recipe(name, m.model("tiny", dropout=0.1), **sections,
+                      training={"mixed_precision": "fp32"}, checkpoint={"export_final": True, "export_dtype": "fp32"})
+    return m.run(name, recipe, m.config("full"), env={"ACCEL_FSDP_PROBE": "grad-bytes"})
+
+
 def check_gradients(m: Machine) -> list[Result]:
     """Before every forward but a step's first: no unsharded gradient unless the reduction is deferred (what one
-    rank can show: its shard is the whole model), and with several ranks, the shard alone."""
+    rank can show: its shard is the whole model), and with several ranks, the shard alone. On GPUs the big model (the
+    figures are its memory), on CPU ranks check 5's runs."""
     held, unsharded = {}, {}
-    model = m.model("tiny" if m.cpu else "big")
     for deferred in (False, True):
-        run = m.run(f"grads-{deferred}", m.recipe(f"grads-{deferred}", model, training={"max_steps": 2},
-                                                  fsdp={"reduce_every_micro_step": not deferred}),
-                    m.config("full"), "--benchmark", env={"ACCEL_FSDP_PROBE": "grad-bytes"})
+        reduce = {"reduce_every_micro_step": not deferred}
+        if m.cpu:
+            run = dropout_run(m, "dropout-deferred", fsdp=reduce) if deferred else dropout_run(m, "dropout")
+        else:
+            run = m.run(f"grads-{deferred}", m.recipe(f"grads-{deferred}", m.model("big"), training={"max_steps": 2},
+                                                      fsdp=reduce),
+                        m.config("full"), "--benchmark", env={"ACCEL_FSDP_PROBE": "grad-bytes"})
         if not run.ok:
             return [Result("4 gradients between micro-steps", "FAIL", run.failure())]
         lines = [json.loads(x) for x in (run.folder / "trace" / "grad-bytes-rank0.jsonl").read_text().splitlines()]
@@ -368,11 +391,10 @@ def check_gradients(m: Machine) -> list[Result]:
 def check_activation_checkpointing(m: Machine) -> list[Result]:
     from accel_fsdp.tools.noise import equivalence_tolerance
 
-    drop = m.model("tiny", dropout=0.1)
     losses = {}
     for ac in (False, True):
-        run = m.run(f"ac-{ac}", m.recipe(f"ac-{ac}", drop, training={"mixed_precision": "fp32"},
-                                         model={"activation_checkpointing": ac}), m.config("full"), "--benchmark")
+        run = (dropout_run(m, "dropout-ac", model={"activation_checkpointing": True}) if ac
+               else dropout_run(m, "dropout"))
         if not run.ok:
             return [Result("5 AC with dropout", "FAIL", run.failure())]
         losses[ac] = [r["loss"] for r in run.metrics() if r["kind"] == "train"]

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -187,6 +188,19 @@ def stories(tmp_path_factory) -> Path:
     rng = random.Random(1)
     rows = [{"text": story(rng)[0]} for _ in range(2000)]
     return write_jsonl(tmp_path_factory.mktemp("data") / "stories.jsonl", rows)
+
+
+@pytest.fixture(scope="session")
+def gpu_check_on_cpu_ranks(tmp_path_factory) -> SimpleNamespace:
+    """`python benchmarks/gpu_check.py --cpu --no-table`, run once a session with its work folder kept: its report
+    (proc, markdown), and the run folders its checks left in `work` (<work>/<run name>/, what the run printed in
+    <work>/<run name>.out), which tests of the same mechanisms read instead of launching the same runs again."""
+    folder = tmp_path_factory.mktemp("gpu-check")
+    report, work = folder / "report.md", folder / "work"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--cpu", "--no-table",
+                           "--work", str(work), "--markdown", str(report)], capture_output=True, text=True,
+                          timeout=1800, cwd=REPO)
+    return SimpleNamespace(proc=proc, report=report, work=work)
 
 
 TRACE_UNITS = {"ACCEL_FSDP_TRACE_UNITS": "1"}

@@ -17,11 +17,8 @@ GPU_ONLY = {6: "it counts visible GPUs", 9: "MFU is measured against a GPU's pea
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_the_gpu_check_runs_every_check_cpu_ranks_can_and_names_the_others(tmp_path):
-    report = tmp_path / "report.md"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--cpu", "--no-table",
-                           "--work", str(tmp_path / "work"), "--markdown", str(report)], capture_output=True, text=True,
-                          timeout=1800, cwd=REPO)
+def test_the_gpu_check_runs_every_check_cpu_ranks_can_and_names_the_others(gpu_check_on_cpu_ranks):
+    proc, report = gpu_check_on_cpu_ranks.proc, gpu_check_on_cpu_ranks.report
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     results = {}
     for status, number in re.findall(r"^(PASS|FAIL|SKIP|INFO) +(\d) ", proc.stdout, re.M):

@@ -16,12 +16,9 @@ from click.testing import CliRunner
 from conftest import (
     LOGIT_PATH,
     assert_adam_runs_agree,
-    cpu_config,
     load_weights,
     read_metrics,
-    run_cli,
     save_tiny_model,
-    tiny_recipe,
 )
 
 from accel_fsdp.cli import main
@@ -267,78 +264,49 @@ def test_a_packed_row_gives_each_document_the_logits_it_has_alone(tmp_path, kind
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_only_rank0_reads_pretrained_weights_and_training_is_unchanged(tmp_path):
+def test_only_rank0_reads_pretrained_weights_and_training_is_unchanged(gpu_check_on_cpu_ranks):
     """A 100 MB pretrained folder on 2 CPU ranks: with fsdp_cpu_ram_efficient_loading, rank 1 builds the model
     empty and receives its shard, and rank 0 streams the weights a block of rows at a time (model/streaming_load.py):
     each grows by about half the model (its shard) and one block in flight, never the whole model; loading on every
-    rank grows both by the model. Same losses."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from accel_fsdp.data.synthetic import build_tokenizer
-
-    tok = build_tokenizer()
-    config = AutoConfig.for_model("gpt2", n_layer=8, n_embd=512, n_head=8, n_positions=128, vocab_size=len(tok),
-                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                  bos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
-    size = sum(p.numel() for p in model.parameters()) * 4
-    del model
-    recipe = tiny_recipe(tmp_path / "r.yaml", tmp_path / "model", "builtin:quickstart",
-                         data={"eval_fraction": 0, "seq_len": 32, "max_rows": 200},
-                         training={"max_steps": 2, "mixed_precision": "fp32", "micro_batch_size": 1,
-                                   "global_batch_size": 2})
-    # glibc keeps freed mid-size blocks in its heap once its mmap threshold has grown (the broadcast buffers of
-    # the loading would then look resident): a fixed threshold returns them, so RSS shows live memory only.
-    env = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+    rank grows both by the model. Same losses over 2 steps. The runs are the GPU check's check 2 (the GPU config on
+    CPU ranks, 8 layers of width 512, --benchmark, a fixed malloc mmap threshold so that RSS shows live memory only),
+    read from its work folder; this test holds tighter bounds than the check's."""
+    work = gpu_check_on_cpu_ranks.work
+    size = sum(t.numel() for t in load_weights(work / "model-big-0.0").values()) * 4  # fp32
+    assert size > 90e6, size
     growth, losses = {}, {}
     for name, efficient in (("rank0", True), ("every", False)):
-        config_path = cpu_config(tmp_path / f"{name}.yaml", fsdp={"fsdp_cpu_ram_efficient_loading": efficient})
-        proc = run_cli("recipe", "run", recipe, "--accelerate-config", config_path, "--output-dir", tmp_path / name,
-                       "--benchmark", env=env, check=0)  # --benchmark: no final checkpoint of 300 MB to write
-        assert ("read by rank 0 only" in proc.stdout) is efficient
-        info = json.loads((tmp_path / name / "sharding.json").read_text())
+        run = work / f"load-{efficient}"
+        said = (work / f"load-{efficient}.out").read_text()
+        assert ("read by rank 0 only" in said) is efficient, said[-3000:]
+        info = json.loads((run / "sharding.json").read_text())
         assert info["rank0_only_loading"] is efficient
         growth[name] = info["loading_peak_rss_growth_bytes"]
-        losses[name] = [r["loss"] for r in read_metrics(tmp_path / name) if r["kind"] == "train"]
+        losses[name] = [r["loss"] for r in read_metrics(run) if r["kind"] == "train"]
     rank0, rank1 = growth["rank0"]
     assert rank1 < 0.7 * size, (rank1, size)  # its half shard and one parameter in flight
     assert rank0 < 0.7 * size, (rank0, size)  # its half shard and one block read from disk, not the whole model
     assert min(growth["every"]) > 0.9 * size, (growth["every"], size)
-    assert losses["rank0"] == losses["every"]
-
-
-@pytest.fixture(scope="module")
-def dropout_recipe(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("dropout")
-    model = save_tiny_model(folder / "model", "gpt2")
-    return tiny_recipe(folder / "r.yaml", model, "builtin:quickstart",
-                       model={"config_overrides": {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}},
-                       training={"max_steps": 3, "mixed_precision": "fp32", "micro_batch_size": 1},
-                       checkpoint={"export_dtype": "fp32"})
-
-
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory, dropout_recipe):
-    """Dropout on, 4 micro-steps per optimizer step, no activation checkpointing, default reduction."""
-    run = tmp_path_factory.mktemp("reference") / "run"
-    run_cli("recipe", "run", dropout_recipe, "--output-dir", run, env={"ACCEL_FSDP_PROBE": "grad-bytes"}, check=0)
-    return run
+    assert len(losses["rank0"]) == 2 and losses["rank0"] == losses["every"]
 
 
 def train_rows(run: Path) -> list[tuple[float, float]]:
     return [(r["loss"], r["grad_norm"]) for r in read_metrics(run) if r["kind"] == "train"]
 
 
+# The runs of the GPU check's checks 4 and 5 on CPU ranks (benchmarks/gpu_check.py dropout_run): a tiny GPT-2 with
+# dropout 0.1 in fp32, 4 optimizer steps of 4 micro-steps a rank, gradient bytes traced, final weights exported in
+# fp32; "dropout" as configured (the reference), "dropout-ac" with activation checkpointing, "dropout-deferred" with
+# the reduction deferred to a step's last micro-step.
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_activation_checkpointing_recomputes_the_same_dropout(tmp_path, dropout_recipe, reference_run):
-    run = tmp_path / "ac"
-    run_cli("recipe", "run", dropout_recipe, "--output-dir", run, "--set", "model.activation_checkpointing=true",
-            check=0)
+def test_activation_checkpointing_recomputes_the_same_dropout(gpu_check_on_cpu_ranks):
+    reference_run, run = gpu_check_on_cpu_ranks.work / "dropout", gpu_check_on_cpu_ranks.work / "dropout-ac"
     assert json.loads((run / "fsdp_settings.json").read_text())["activation_checkpointing"]["value"] is True
+    assert json.loads((reference_run / "fsdp_settings.json").read_text())["activation_checkpointing"]["value"] is False
+    assert len(train_rows(reference_run)) == 4
     assert train_rows(run) == train_rows(reference_run)  # bit for bit: the same masks in forward and recompute
     for key, tensor in load_weights(reference_run / "final").items():
         assert torch.equal(load_weights(run / "final")[key], tensor), key
@@ -346,14 +314,13 @@ def test_activation_checkpointing_recomputes_the_same_dropout(tmp_path, dropout_
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_gradients_are_reduced_every_micro_step_unless_deferred(tmp_path, dropout_recipe, reference_run):
-    deferred = tmp_path / "deferred"
-    run_cli("recipe", "run", dropout_recipe, "--output-dir", deferred, "--set", "fsdp.reduce_every_micro_step=false",
-            env={"ACCEL_FSDP_PROBE": "grad-bytes"}, check=0)
+def test_gradients_are_reduced_every_micro_step_unless_deferred(gpu_check_on_cpu_ranks):
+    reference_run, deferred = gpu_check_on_cpu_ranks.work / "dropout", gpu_check_on_cpu_ranks.work / "dropout-deferred"
 
     def between_micro_steps(run: Path) -> list[int]:
         lines = (run / "trace" / "grad-bytes-rank1.jsonl").read_text().splitlines()
         rows = [json.loads(line)["bytes"] for line in lines]
+        assert len(rows) == 4 * 4, len(rows)  # 4 micro-steps a rank in each of the 4 steps
         return [b for i, b in enumerate(rows) if i % 4]  # before micro-steps 2..4 of each optimizer step
 
     parameters = json.loads((reference_run / "sharding.json").read_text())["parameters"]
@@ -362,10 +329,11 @@ def test_gradients_are_reduced_every_micro_step_unless_deferred(tmp_path, dropou
     # uneven) by default; the whole model's unsharded fp32 gradients when the reduction is deferred.
     assert all(0.4 * 4 * parameters <= b <= 0.55 * 4 * parameters for b in sharded), (sharded, parameters)
     assert all(b >= 4 * parameters for b in unsharded), (unsharded, parameters)
-    # The same update either way: each step adds its sequences' gradients (micro batch 1) in another order, and a
-    # step's rounding carries into the next one's weights.
+    # The same update either way: each step adds its sequences' gradients in another order (at most one term per
+    # sequence of the global batch), and a step's rounding carries into the next one's weights.
     lrs = [r["lr"] for r in read_metrics(reference_run) if r["kind"] == "train"]
-    noise = len(lrs) * reordered(yaml.safe_load(dropout_recipe.read_text())["training"]["global_batch_size"])
+    global_batch = yaml.safe_load((reference_run / "recipe.yaml").read_text())["training"]["global_batch_size"]
+    noise = len(lrs) * reordered(global_batch)
     for (loss, norm), (loss2, norm2) in zip(train_rows(deferred), train_rows(reference_run), strict=True):
         assert loss == pytest.approx(loss2, rel=noise) and norm == pytest.approx(norm2, rel=noise)
     assert_adam_runs_agree(load_weights(deferred / "final"), load_weights(reference_run / "final"), lrs, noise)
