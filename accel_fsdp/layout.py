@@ -62,7 +62,7 @@ SCRATCH_BASE_DIR = "base"
 name as their base, and `checkpoint consolidate --merge` merges into."""
 RUN_FOLDER_ENTRIES = (RUN_FILE, RECIPE_FILE, SETTINGS_FILE, SHARDING_FILE, METRICS_FILE, CHECKPOINTS_DIR, FINAL_DIR,
                       LOGS_DIR, TRACE_DIR, LOSS_CURVE_FILE, REPORT_FILE, PREEMPTED_FILE, RUN_PARAMETERS_FILE,
-                      REFERENCE_DIR, SCRATCH_BASE_DIR)
+                      REFERENCE_DIR, SCRATCH_BASE_DIR, PROFILE_DIR)
 """Everything accel-fsdp writes into a run folder: an overwrite removes these and nothing else."""
 
 # The checkpoint folder, and each checkpoint in it (which also carries RECIPE_FILE and SETTINGS_FILE).

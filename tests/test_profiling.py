@@ -80,10 +80,13 @@ def test_the_window_is_recorded_and_every_file_is_written(tmp_path):
     assert str(tmp_path) in said[1]
 
 
-def test_a_run_that_ends_inside_the_window_writes_what_it_recorded(tmp_path):
+def test_a_run_that_ends_inside_the_window_writes_what_it_recorded_and_nothing_of_an_earlier_one(tmp_path):
+    (tmp_path / "rank1.summary.json").write_text("{}")  # an earlier segment of the run, on more ranks
     said = []
     fake_run(profiler_in(tmp_path, "2-9", said), 1, 3)
     assert json.loads((tmp_path / "rank0.summary.json").read_text())["steps"] == [2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.ops.txt", "rank0.summary.json",
+                                                         "rank0.trace.json.gz"]
 
 
 @pytest.mark.parametrize("first,last,window,note", [

@@ -96,6 +96,9 @@ class StepProfiler:
             return
         import torch
 
+        if self.rank == 0 and self.folder.is_dir():  # an earlier segment's files (other ranks write after a step)
+            for stale in self.folder.glob("rank*"):
+                stale.unlink()
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
