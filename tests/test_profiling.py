@@ -105,3 +105,58 @@ def test_without_a_window_nothing_is_recorded(tmp_path):
     profiler = profiler_in(tmp_path / "profile", None, said)
     fake_run(profiler, 1, 2)
     assert profiler.profiler is None and said == [] and not (tmp_path / "profile").exists()
+
+
+# ------------------------------------------------------------------------ on a GPU: the decisions, CUDA faked
+
+
+def event(key, cpu=0.0, device=0.0, self_cpu=0.0, self_device=0.0):
+    """A row of torch's key averages (microseconds over the whole window)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(key=key, cpu_time_total=cpu, device_time_total=device, self_cpu_time_total=self_cpu,
+                           self_device_time_total=self_device)
+
+
+def test_on_a_gpu_a_region_is_its_kernels_time_and_the_operators_are_ranked_by_their_own():
+    from accel_fsdp.train.profiling import step_split
+
+    averages = [event("ProfilerStep*", cpu=2_000_000),  # two steps of 1 s on the host
+                event(PREFIX + FORWARD_BACKWARD, cpu=300_000, device=1_600_000),  # queued fast, ran long
+                event(PREFIX + OPTIMIZER, cpu=100_000, device=200_000),
+                event("aten::mm", self_cpu=50_000, self_device=1_200_000),
+                event("nccl:all_gather", self_cpu=900_000, self_device=100_000)]
+    split = step_split(averages, [5, 6], rank=0, device="cuda")
+    assert split.step_wall_s == 1.0 and split.time_kind == "device"
+    assert split.regions_s == {FORWARD_BACKWARD: 0.8, CLIPPING: 0.0, OPTIMIZER: 0.1}
+    assert [name for name, _ in split.top_operators_s] == ["aten::mm", "nccl:all_gather"]
+    assert "(kernel time a step)" in split.line()
+
+
+def test_on_a_gpu_the_profiler_records_cuda_and_the_host_waits_for_the_gpu_at_the_windows_steps(tmp_path,
+                                                                                                monkeypatch):
+    made, synchronized = [], []
+
+    class FakeProfile:
+        def __init__(self, activities, schedule, on_trace_ready):
+            made.append(set(activities))
+            self.schedule, self.steps = schedule, 0
+
+        def start(self):
+            pass
+
+        def step(self):
+            self.steps += 1
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synchronized.append(profiler.step_number))
+    profiler = StepProfiler(ProfileWindow.parse("3-4"), folder=tmp_path, rank=0, device_type="cuda",
+                            say=lambda text: None)
+    profiler.start(1)
+    for _ in range(6):
+        profiler.step()
+    assert made == [{torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA}]
+    assert synchronized == [3, 4, 5]  # the window's start, and the end of each recorded step; nothing after it
