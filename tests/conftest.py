@@ -200,7 +200,15 @@ def gpu_check_on_cpu_ranks(tmp_path_factory) -> SimpleNamespace:
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--cpu", "--no-table",
                            "--work", str(work), "--markdown", str(report)], capture_output=True, text=True,
                           timeout=1800, cwd=REPO)
-    return SimpleNamespace(proc=proc, report=report, work=work)
+
+    def run(name: str) -> Path:
+        """The folder of the check's run `name`, which must have trained (else the GPU check's output says why)."""
+        folder = work / name
+        said = proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert (folder / "metrics.jsonl").exists(), f"no run {name} in {work}:\n{said}"
+        return folder
+
+    return SimpleNamespace(proc=proc, report=report, work=work, run=run)
 
 
 TRACE_UNITS = {"ACCEL_FSDP_TRACE_UNITS": "1"}

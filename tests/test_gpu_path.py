@@ -276,7 +276,7 @@ def test_only_rank0_reads_pretrained_weights_and_training_is_unchanged(gpu_check
     assert size > 90e6, size
     growth, losses = {}, {}
     for name, efficient in (("rank0", True), ("every", False)):
-        run = work / f"load-{efficient}"
+        run = gpu_check_on_cpu_ranks.run(f"load-{efficient}")
         said = (work / f"load-{efficient}.out").read_text()
         assert ("read by rank 0 only" in said) is efficient, said[-3000:]
         info = json.loads((run / "sharding.json").read_text())
@@ -303,7 +303,7 @@ def train_rows(run: Path) -> list[tuple[float, float]]:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_activation_checkpointing_recomputes_the_same_dropout(gpu_check_on_cpu_ranks):
-    reference_run, run = gpu_check_on_cpu_ranks.work / "dropout", gpu_check_on_cpu_ranks.work / "dropout-ac"
+    reference_run, run = gpu_check_on_cpu_ranks.run("dropout"), gpu_check_on_cpu_ranks.run("dropout-ac")
     assert json.loads((run / "fsdp_settings.json").read_text())["activation_checkpointing"]["value"] is True
     assert json.loads((reference_run / "fsdp_settings.json").read_text())["activation_checkpointing"]["value"] is False
     assert len(train_rows(reference_run)) == 4
@@ -315,7 +315,7 @@ def test_activation_checkpointing_recomputes_the_same_dropout(gpu_check_on_cpu_r
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_gradients_are_reduced_every_micro_step_unless_deferred(gpu_check_on_cpu_ranks):
-    reference_run, deferred = gpu_check_on_cpu_ranks.work / "dropout", gpu_check_on_cpu_ranks.work / "dropout-deferred"
+    reference_run, deferred = gpu_check_on_cpu_ranks.run("dropout"), gpu_check_on_cpu_ranks.run("dropout-deferred")
 
     def between_micro_steps(run: Path) -> list[int]:
         lines = (run / "trace" / "grad-bytes-rank1.jsonl").read_text().splitlines()
