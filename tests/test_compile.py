@@ -133,27 +133,32 @@ def compile_line(stdout: str) -> str:
     return next(line for line in stdout.splitlines() if line.startswith("  compile "))
 
 
+CACHE_TEST = "test_the_compilers_cache_is_kept_in_the_cache_folder_between_runs"
+
+
 @pytest.fixture(scope="module")
-def compiled_and_eager_runs(tmp_path_factory, tiny_gpt2, stories):
-    """An eager and a compiled run of one recipe on 2 ranks, the compiled one with a cache folder of its own that
-    starts empty (not the tests' shared compile cache): the first run of that cache, which
-    test_the_compilers_cache_is_kept_in_the_cache_folder_between_runs runs a second time."""
+def compiled_and_eager_runs(request, tmp_path_factory, tiny_gpt2, stories):
+    """An eager and a compiled run of one recipe on 2 ranks. Where CACHE_TEST runs too (the whole suite), the compiled
+    one has a cache folder of its own that starts empty: the first run of that cache, which CACHE_TEST runs a second
+    time. Elsewhere (the fast tier) it keeps the tests' shared compile cache, which spares it a cold compile."""
     folder = tmp_path_factory.mktemp("compiled-and-eager")
     recipe = tiny_recipe(folder / "r.yaml", tiny_gpt2, stories, training={"max_steps": 3, "mixed_precision": "fp32",
                                                                         "eval_every_steps": 1},
                          checkpoint={"export_final": False})
     cache = folder / "cache"
+    fresh = any(getattr(item, "originalname", None) == CACHE_TEST for item in request.session.items)
     runs = {}
     for compiled in (False, True):
         with pytest.MonkeyPatch.context() as env:
-            if compiled:
+            if compiled and fresh:
                 env.delenv(COMPILE_CACHE_ENV)
                 env.setenv("ACCEL_FSDP_CACHE", str(cache))
             run = folder / f"compiled-{compiled}"
             proc = run_cli("recipe", "run", recipe, "--output-dir", run, "--set", f"training.compile={compiled}",
                            env={"ACCEL_FSDP_PROBE": "knobs"}, check=0)
         runs[compiled] = types.SimpleNamespace(folder=run, stdout=proc.stdout)
-    return types.SimpleNamespace(recipe=recipe, cache=cache, eager=runs[False], compiled=runs[True])
+    return types.SimpleNamespace(recipe=recipe, cache=cache, fresh_cache=fresh, eager=runs[False],
+                                 compiled=runs[True])
 
 
 @pytest.mark.multiprocess
@@ -184,6 +189,7 @@ def test_the_compilers_cache_is_kept_in_the_cache_folder_between_runs(tmp_path, 
     """The first run of an empty cache folder (the fixture's compiled run) says where the cache is and hits nothing;
     a second run of the same recipe finds every graph there (0 misses)."""
     runs = compiled_and_eager_runs
+    assert runs.fresh_cache  # the fixture saw this test collected
     monkeypatch.delenv(COMPILE_CACHE_ENV)
     monkeypatch.setenv("ACCEL_FSDP_CACHE", str(runs.cache))
     proc = run_cli("recipe", "run", runs.recipe, "--output-dir", tmp_path / "run2", "--set", "training.compile=true",
