@@ -10,7 +10,6 @@ into a temporary folder and publishes it when complete) and imports no torch.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -18,7 +17,6 @@ import time
 import numpy as np
 
 from accel_fsdp.config.recipe import SourceConfig
-from accel_fsdp.data.encoder_pool import EncoderProcessFailed
 from accel_fsdp.data.mixture import SourceStats
 from accel_fsdp.data.sampler import held_out
 from accel_fsdp.data.sources import SourceReader, source_key
@@ -58,21 +56,11 @@ def build_source(recipe, tokenizer, index: int, source: SourceConfig, folder, *,
                                 f"{recipe.model.tokenizer or recipe.model.name_or_path!r} has none",
                                 "use an instruct/chat model's tokenizer (model.tokenizer), or format: instruction"))
     build = _Build(recipe, tokenizer, index, source, reader, folder)
-    # The next batches are read and rendered while earlier ones encode (tokenize.py ExampleTokenizer.stream), on a
-    # thread or, for conversations, in encoder processes (one a core): closed here, so that they end with the build.
-    stream = build.tokenize.stream(reader.batches(BATCH_ROWS, BATCH_BYTES),
-                                   processes=recipe.data.num_proc or usable_cores())
-    try:
-        with contextlib.closing(stream):
-            for numbers, batch, examples in stream:
-                if INTERRUPTED.is_set():
-                    raise KeyboardInterrupt
-                build.add(numbers, batch, examples)
-    except EncoderProcessFailed as e:
-        raise UserError(Problem(recipe.where(source_key(recipe, index)), f"{e} while preparing {source.path}; "
-                                "nothing of this source was kept in the cache",
-                                "run the command again; if the system ended it for lack of memory, set "
-                                "data.num_proc: 1 (encode in this process)")) from None
+    # The next batch is read and rendered while this one encodes (tokenize.py ExampleTokenizer.stream).
+    for numbers, batch, examples in build.tokenize.stream(reader.batches(BATCH_ROWS, BATCH_BYTES)):
+        if INTERRUPTED.is_set():
+            raise KeyboardInterrupt
+        build.add(numbers, batch, examples)
     stats = build.finish()
     stats.seconds = round(time.monotonic() - start, 3)
     return stats

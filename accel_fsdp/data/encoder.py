@@ -46,9 +46,9 @@ def encode_with_offsets(tokenizer, texts: list[str]) -> list[tuple[list[int], li
 
 
 def _backend(tokenizer):
-    """The Rust tokenizer of a fast tokenizer (or the Rust tokenizer itself: an encoder process's, encoder_pool.py),
-    set to neither truncate nor pad (as transformers sets it for a call without those options)."""
-    backend = tokenizer if hasattr(tokenizer, "encode_batch") else getattr(tokenizer, "backend_tokenizer", None)
+    """The Rust tokenizer of a fast tokenizer, set to neither truncate nor pad (as transformers sets it for a call
+    without those options)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "encode_batch"):
         return None
     if backend.truncation is not None:
@@ -145,30 +145,6 @@ class ChatEncoder:
                 self.added = np.zeros(len(self.byte_lengths), bool)
                 self.added[list(tokens)] = True
                 self.inner = {c for t in tokens.values() for c in t.content[1:]}
-
-    def portable(self) -> dict | None:
-        """What an encoder process needs to build this encoder again (`from_portable`, encoder_pool.py): the Rust
-        tokenizer's definition and the tables found from it, all picklable; None without a Rust backend. The
-        definition (`to_str`) does not hold `encode_special_tokens`: it travels beside it."""
-        if self.backend is None:
-            return None
-        return {"tokenizer": self.backend.to_str(),
-                "encode_special_tokens": bool(getattr(self.backend, "encode_special_tokens", False)),
-                "byte_lengths": self.byte_lengths, "normal_form": self.normal_form, "added": self.added,
-                "inner": self.inner}
-
-    @classmethod
-    def from_portable(cls, state: dict) -> ChatEncoder:
-        """The encoder `portable` described, on the Rust tokenizer alone (no transformers)."""
-        from tokenizers import Tokenizer
-
-        backend = Tokenizer.from_str(state["tokenizer"])
-        backend.encode_special_tokens = state["encode_special_tokens"]
-        self = cls.__new__(cls)
-        self.tokenizer = self.backend = _backend(backend)
-        self.byte_lengths, self.normal_form = state["byte_lengths"], state["normal_form"]
-        self.added, self.inner = state["added"], state["inner"]
-        return self
 
     def __call__(self, texts: list[str], spans: list[list[tuple[int, int]]]) -> list[tuple[np.ndarray, np.ndarray]]:
         if self.byte_lengths is None:

@@ -18,7 +18,6 @@ is reported through the `SourceReader` with its file and line. This module impor
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import chain
@@ -27,7 +26,6 @@ import numpy as np
 
 from accel_fsdp.config.recipe import SourceConfig
 from accel_fsdp.data.encoder import ChatEncoder, ChatTemplate, encode
-from accel_fsdp.data.encoder_pool import EncoderPool
 from accel_fsdp.data.sources import CHAT_ROLES, SourceReader, check_messages
 from accel_fsdp.errors import first_line
 
@@ -81,18 +79,6 @@ def no_examples() -> list[Example]:
     return []
 
 
-class ChatJob:
-    """A batch of rendered conversations waiting for the chat encoder: `job()` encodes it here; an encoder process
-    runs `getattr(encoder, method)(*args)` (picklable) instead, and `finish` turns its answer into examples."""
-
-    def __init__(self, encoder: ChatEncoder, method: str, args: tuple,
-                 finish: Callable[[list[tuple[np.ndarray, np.ndarray]]], list[Example]]):
-        self.encoder, self.method, self.args, self.finish = encoder, method, args, finish
-
-    def __call__(self) -> list[Example]:
-        return self.finish(getattr(self.encoder, self.method)(*self.args))
-
-
 class ExampleTokenizer:
     """Rows of one source -> `Example`s, checking each row for the source's format."""
 
@@ -123,42 +109,22 @@ class ExampleTokenizer:
         return self._chat([(n, row.get(self.source.messages_field)) for n, row in zip(numbers, rows)
                            if self._chat_row_ok(n, row)])
 
-    def stream(self, batches: Iterable[tuple[list[int], list[dict]]], *, processes: int = 1):
-        """(numbers, rows, examples) of each batch, in order, while the next batches are read, checked and rendered
-        here. Rendered conversations (`ChatJob`) go to `processes` encoder processes (encoder_pool.py) from the
-        second batch on, when `processes` > 1 and the tokenizer has a Rust backend; everything else (text, the
-        Alpaca prompt, a source of one batch, one core) is encoded on a second thread of this process, the Rust
-        encoder's own threads using the cores, one batch ahead. The first batch goes to the thread while the workers
-        start. In flight: one batch on the thread or one in each worker, and the one being rendered."""
+    def stream(self, batches: Iterable[tuple[list[int], list[dict]]]):
+        """(numbers, rows, examples) of each batch, in order. A batch is encoded on a second thread while this one
+        reads, checks and renders the next and the caller stores the one before: the Rust encoder keeps the cores
+        busy and the Python work of preparing a source (half of it, for chat data) hides behind it. At most two
+        batches are in flight."""
         from concurrent.futures import ThreadPoolExecutor
 
-        pooled = processes > 1 and self.chat_encoder is not None and self.chat_encoder.backend is not None
-        pool, ahead = None, deque()
-        try:
-            with ThreadPoolExecutor(1, thread_name_prefix="encoder") as thread:
-                for k, (numbers, rows) in enumerate(batches):
-                    job = self.check_and_render(numbers, rows)
-                    if isinstance(job, ChatJob) and pooled and k > 0:
-                        pool = pool or EncoderPool(self.chat_encoder, processes)
-                        ticket = pool.submit(job.method, job.args)
-                        ahead.append((numbers, rows, lambda job=job, ticket=ticket: job.finish(ticket.result())))
-                    else:
-                        future = thread.submit(job)
-                        ahead.append((numbers, rows, future.result))
-                    while len(ahead) > (pool.size if pool else 1):
-                        done_numbers, done_rows, result = ahead.popleft()
-                        yield done_numbers, done_rows, result()
-                while ahead:
-                    done_numbers, done_rows, result = ahead.popleft()
-                    yield done_numbers, done_rows, result()
-        except BaseException:
-            if pool is not None:
-                pool.close(now=True)
-                pool = None
-            raise
-        finally:
-            if pool is not None:
-                pool.close()
+        with ThreadPoolExecutor(1, thread_name_prefix="encoder") as pool:
+            ahead = None
+            for numbers, rows in batches:
+                job = pool.submit(self.check_and_render(numbers, rows))
+                if ahead is not None:
+                    yield ahead[0], ahead[1], ahead[2].result()
+                ahead = (numbers, rows, job)
+            if ahead is not None:
+                yield ahead[0], ahead[1], ahead[2].result()
 
     # ----------------------------------------------------------------------------------------------- text
 
@@ -274,8 +240,7 @@ class ExampleTokenizer:
                 spans.append(rendered[1])
         if self.reader.problems:
             return no_examples
-        return ChatJob(self.chat_encoder, "__call__", (texts, spans),
-                       lambda encoded: [Example(ids, mask, n) for n, (ids, mask) in zip(rows, encoded)])
+        return lambda: [Example(ids, mask, n) for n, (ids, mask) in zip(rows, self.chat_encoder(texts, spans))]
 
     def _render(self, n: int, render, *args):
         """render(*args), or None with the row reported when the chat template refuses it (a template may raise on a
@@ -324,14 +289,11 @@ class ExampleTokenizer:
                 spans += [[(len(start), len(text))] for text in pair]
         if self.reader.problems:
             return no_examples
-        if strings or not texts:  # strings: no chat template, so no conversations; encoded apart, here
-            return lambda: self._pairs(numbers, strings, [], [])
-        return ChatJob(self.chat_encoder, "pairs", (prompts, texts, spans),
-                       lambda encoded: self._pairs(numbers, [], rows_, encoded))
+        return lambda: self._pairs(numbers, strings, rows_, prompts, texts, spans)
 
-    def _pairs(self, numbers, strings, rows, encoded) -> list[Example]:
+    def _pairs(self, numbers, strings, rows, prompts, texts, spans) -> list[Example]:
         """The pairs' examples, in the rows' order: strings without a chat template (prompt and answer encoded apart,
-        an EOS after the answer), or rendered conversations (`encoded`: ChatEncoder.pairs's (ids, mask) of each)."""
+        an EOS after the answer), and rendered conversations."""
         out: dict[int, list[Example]] = {}
         if strings:
             eos = [self.eos] if self.eos is not None else []
@@ -341,6 +303,7 @@ class ExampleTokenizer:
                 out[n] = [Example(np.asarray(p + a + eos, dtype=np.int64),
                                   np.concatenate([np.zeros(len(p), bool), np.ones(len(a) + len(eos), bool)]), n)
                           for a in (answers[2 * k], answers[2 * k + 1])]
+        encoded = self.chat_encoder.pairs(prompts, texts, spans) if texts else []
         for k, n in enumerate(rows):
             out[n] = [Example(*encoded[2 * k], n), Example(*encoded[2 * k + 1], n)]
         return [ex for n in numbers if n in out for ex in out[n]]
