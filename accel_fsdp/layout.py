@@ -11,6 +11,7 @@ package but errors.py and files.py (how a file is written).
     <run>/final/               the consolidated Hugging Face export of the last step
     <run>/preempted.json       written when a run stopped on a preemption signal (step, checkpoint)
     <run>/logs/, trace/        tracker files (tensorboard); test traces
+    <run>/profile/             `recipe run --profile`: each rank's profiler trace and operator tables
     <run>/report.json, loss_curve.png   written by `accel-fsdp report`
     <run>/run_parameters.json  parameter counts of a `verify` probe run
     <run>/.accel-fsdp.lock     held (flock) by the live run; the kernel releases it when the holder dies
@@ -48,6 +49,7 @@ CHECKPOINTS_DIR = "checkpoints"
 FINAL_DIR = "final"
 LOGS_DIR = "logs"
 TRACE_DIR = "trace"
+PROFILE_DIR = "profile"
 PREEMPTED_FILE = "preempted.json"
 REPORT_FILE = "report.json"
 LOSS_CURVE_FILE = "loss_curve.png"
@@ -60,7 +62,7 @@ SCRATCH_BASE_DIR = "base"
 name as their base, and `checkpoint consolidate --merge` merges into."""
 RUN_FOLDER_ENTRIES = (RUN_FILE, RECIPE_FILE, SETTINGS_FILE, SHARDING_FILE, METRICS_FILE, CHECKPOINTS_DIR, FINAL_DIR,
                       LOGS_DIR, TRACE_DIR, LOSS_CURVE_FILE, REPORT_FILE, PREEMPTED_FILE, RUN_PARAMETERS_FILE,
-                      REFERENCE_DIR, SCRATCH_BASE_DIR)
+                      REFERENCE_DIR, SCRATCH_BASE_DIR, PROFILE_DIR)
 """Everything accel-fsdp writes into a run folder: an overwrite removes these and nothing else."""
 
 # The checkpoint folder, and each checkpoint in it (which also carries RECIPE_FILE and SETTINGS_FILE).
@@ -146,6 +148,7 @@ class RunLayout:
     final = property(lambda self: self.root / FINAL_DIR)
     logs = property(lambda self: self.root / LOGS_DIR)
     trace = property(lambda self: self.root / TRACE_DIR)
+    profile = property(lambda self: self.root / PROFILE_DIR)
     preempted_file = property(lambda self: self.root / PREEMPTED_FILE)
     report_file = property(lambda self: self.root / REPORT_FILE)
     loss_curve = property(lambda self: self.root / LOSS_CURVE_FILE)

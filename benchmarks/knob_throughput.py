@@ -108,13 +108,36 @@ def known_recipe_keys() -> set[str]:
     return {key for key, *_ in key_reference()}
 
 
-def train(recipe: Path, folder: Path, sets: list[str], cpu: bool, ranks: int, run=None) -> tuple[
+def profile_window(steps: int) -> str:
+    """The last two steps (the one before them is the profiler's warm-up): the row's median, over the steps after the
+    first, is not moved by the profiler's own cost in two of them."""
+    return f"{max(2, steps - 1)}-{steps}"
+
+
+def step_split(folder: Path) -> str:
+    """Rank 0's split of a profiled step (train/profiling.py): each region's share of the step's wall time (kernel
+    time on a GPU: what the optimizer step and the rest cost beside the forward and backward)."""
+    import json
+
+    path = folder / "profile" / "rank0.summary.json"
+    if not path.exists():
+        return "-"
+    summary = json.loads(path.read_text())
+    wall, regions = summary["step_wall_s"], summary["regions_s"]
+    if not wall:
+        return "-"
+    short = {"forward and backward": "fwd+bwd", "gradient clipping": "clip", "optimizer step": "optimizer"}
+    return " / ".join(f"{short.get(name, name)} {seconds / wall:.0%}" for name, seconds in regions.items())
+
+
+def train(recipe: Path, folder: Path, sets: list[str], cpu: bool, ranks: int, run=None, steps: int = STEPS) -> tuple[
         subprocess.CompletedProcess, list[dict]]:
     """One row's run; `run` is gpu_check's subprocess runner under its time budget (plain subprocess.run if None)."""
     import json
 
     argv = [sys.executable, "-m", "accel_fsdp", "recipe", "run", str(recipe), "--output-dir", str(folder),
-            "--overwrite", "--benchmark", "--num-processes", str(ranks), *(["--cpu"] if cpu else [])]
+            "--overwrite", "--benchmark", "--num-processes", str(ranks), *(["--cpu"] if cpu else []),
+            "--profile", profile_window(steps)]
     for item in sets:
         argv += ["--set", item]
     if run is None:
@@ -149,7 +172,7 @@ def throughput_section(work: Path, cpu: bool, ranks: int, device: str, section_t
     the figures."""
     section = section_type(f"Knob throughput: {steps} steps on {ranks} x {device}, bf16",
                            ["model", "tokens", "variant", "result", "tokens/s", "MFU", "peak memory",
-                            f"loss after {steps} steps"])
+                            f"loss after {steps} steps", "profiled step: share of its wall time"])
     on_start(section)
     keys = known_recipe_keys()
     for model in CPU_MODELS if cpu else GPU_MODELS:
@@ -159,19 +182,19 @@ def throughput_section(work: Path, cpu: bool, ranks: int, device: str, section_t
             why = skipped_because(model, variant, cpu, keys) or (budget.spent() if budget else None)
             head = [model.label, f"{model.seq_len:,}", variant.name]
             if why:
-                cells = [*head, "SKIP", why, "", "", ""]
+                cells = [*head, "SKIP", why, "", "", "", ""]
             else:
                 started = time.monotonic()
                 folder = work / f"throughput-{model.architecture}-{model.seq_len}-{len(section.rows)}"
-                proc, rows = train(recipe, folder, sets, cpu, ranks, run)
+                proc, rows = train(recipe, folder, sets, cpu, ranks, run, steps)
                 if proc.returncode != 0 or len(rows) < steps:
                     tail = (proc.stderr or proc.stdout).strip().splitlines()
                     cells = [*head, "FAIL", f"exit {proc.returncode}: {tail[-1][:200] if tail else 'no output'}",
-                             "", "", ""]
+                             "", "", "", ""]
                 else:
                     figures = row_figures(rows, eager_loss)
                     eager_loss = rows[-1]["loss"] if eager_loss is None else eager_loss
-                    cells = [*head, "INFO", *figures]
+                    cells = [*head, "INFO", *figures, step_split(folder)]
                 print(f"      ({time.monotonic() - started:.0f} s)", flush=True)
             print(f"{cells[3]:<5} {' '.join(c for c in cells[:3])}: {' | '.join(c for c in cells[4:] if c)}",
                   flush=True)

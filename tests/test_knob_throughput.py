@@ -50,6 +50,10 @@ def test_the_throughput_table_runs_on_cpu_ranks_and_names_what_it_skips(tmp_path
         assert by_row[(family, "+FP8")] == "SKIP"
     assert "0 failed" in proc.stdout
     markdown = report.read_text()
-    assert (f"| model | tokens | variant | result | tokens/s | MFU | peak memory | loss after {TEST_STEPS} steps |"
-            in markdown)
+    assert (f"| model | tokens | variant | result | tokens/s | MFU | peak memory | loss after {TEST_STEPS} steps "
+            "| profiled step: share of its wall time |" in markdown)
+    # each measured row profiled its last steps: the split of a step (MFU's breakdown on a GPU)
+    measured = [line for line in markdown.splitlines() if "| INFO |" in line]
+    assert len(measured) == 8 and all(re.search(r"\| fwd\+bwd \d+% / clip \d+% / optimizer \d+% \|$", line)
+                                      for line in measured), markdown
     assert STEPS == 20  # what the table runs without --table-steps

@@ -115,7 +115,7 @@ def test_owned_names_come_from_the_layout():
     assert set(OWNED) == {layout.RUN_FILE, layout.RECIPE_FILE, layout.SETTINGS_FILE, layout.SHARDING_FILE,
                           layout.METRICS_FILE, layout.CHECKPOINTS_DIR, layout.FINAL_DIR, layout.LOGS_DIR,
                           layout.TRACE_DIR, layout.LOSS_CURVE_FILE, layout.REPORT_FILE, layout.PREEMPTED_FILE,
-                          layout.RUN_PARAMETERS_FILE, layout.REFERENCE_DIR, layout.SCRATCH_BASE_DIR}
+                          layout.RUN_PARAMETERS_FILE, layout.REFERENCE_DIR, layout.SCRATCH_BASE_DIR, layout.PROFILE_DIR}
 
 
 # ------------------------------------------------------------------------------------------------ records

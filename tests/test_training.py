@@ -62,12 +62,19 @@ def test_tiny_gpt2_trains_and_each_rank_holds_only_its_shard(tmp_path, tiny_gpt2
 
 
 @pytest.mark.slow
-def test_tiny_llama_trains_with_its_decoder_layer_as_unit(tmp_path, tiny_llama, stories):
+def test_tiny_llama_trains_with_its_decoder_layer_as_unit_and_profiles_two_steps(tmp_path, tiny_llama, stories):
     recipe = tiny_recipe(tmp_path / "llama.yaml", tiny_llama, stories, training={"max_steps": 20},
                          logging={"every_steps": 5, "trackers": ["tensorboard"]})
     run = tmp_path / "run"
-    run_cli("recipe", "run", recipe, "--output-dir", run, "--accelerate-config", "fsdp_2gpu", "--cpu",
-            "--set", "fsdp.wrap_class=LlamaDecoderLayer", check=0)
+    proc = run_cli("recipe", "run", recipe, "--output-dir", run, "--accelerate-config", "fsdp_2gpu", "--cpu",
+                   "--set", "fsdp.wrap_class=LlamaDecoderLayer", "--profile", "4-5", check=0)
+    # --profile reaches every rank: each wrote its split, whose regions hold the decoder layers' collectives
+    for rank in (0, 1):
+        summary = json.loads((run / "profile" / f"rank{rank}.summary.json").read_text())
+        assert summary["steps"] == [4, 5] and all(s > 0 for s in summary["regions_s"].values()), summary
+        assert sum(summary["regions_s"].values()) <= summary["step_wall_s"]
+        assert "FSDP::all_gather (model.layers.1)" in (run / "profile" / f"rank{rank}.ops.txt").read_text()
+    assert "profile: steps 4-5 on rank 0, a step " in proc.stdout and "rank 1," not in proc.stdout
     # The tracker got the same numbers through Accelerate's tracker API.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -24,6 +24,7 @@ from accel_fsdp.preflight import load_config_or_default, preflight
 from accel_fsdp.quiet import quiet_libraries
 from accel_fsdp.train.lifetime import die_with_launcher, run_rank
 from accel_fsdp.train.metrics import START_ENV
+from accel_fsdp.train.profiling import ProfileWindow
 
 # ---------------------------------------------------------------------------------------------- recipe
 
@@ -177,12 +178,15 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
 @click.option("--cpu", is_flag=True, help=CPU_HELP)
 @click.option("--verbose", is_flag=True, help="Also print the resolved recipe and every FSDP setting with its source "
               "(they are always saved in the run folder: recipe.yaml, fsdp_settings.json).")
+@click.option("--profile", metavar="K-L", help="Profile optimizer steps K to L (or step K) with torch's profiler on "
+              "every rank: the time of the forward and backward, gradient clipping and optimizer step, the costliest "
+              "operators, and a trace for https://ui.perfetto.dev, in <run>/profile/.")
 @click.option("--benchmark", is_flag=True, hidden=True, help="(accel-fsdp bench) No final evaluation, checkpoint or "
               "export.")
 def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, resume_from, overwrite,
                accept_data_change, dry_run,
                gpu_memory, machine_rank, main_process_ip, main_process_port, num_machines, num_processes,
-               rendezvous_timeout, cpu, verbose, benchmark) -> None:
+               rendezvous_timeout, cpu, verbose, profile, benchmark) -> None:
     """Train a recipe on the hardware an accelerate config describes.
 
     Outside a distributed launch this launches itself through Accelerate's launcher (one process per rank);
@@ -213,8 +217,10 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     if gpu_memory and not dry_run:
         raise UserError(Problem("--gpu-memory", "only applies to --dry-run (the plan is checked against it)",
                                 "add --dry-run, or drop --gpu-memory"))
+    window = ProfileWindow.parse(profile) if profile is not None else None
+    if window and dry_run:
+        raise UserError(Problem("--profile", "a dry run trains no step to profile", "drop --profile or --dry-run"))
     if dry_run:
-
         quiet_libraries()
         print_plan(r, accelerate_config, gpu_memory)
         return
@@ -224,7 +230,7 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
         die_with_launcher()
         run_rank(lambda: run_training(RunRequest(recipe=r, run_dir=run_dir, resume=resume, resume_from=resume_from,
                                                  overwrite=overwrite, benchmark=benchmark, verbose=verbose, cpu=cpu,
-                                                 accept_data_change=accept_data_change)))
+                                                 accept_data_change=accept_data_change, profile=window)))
 
     config, n, why = load_config_or_default(accelerate_config)
     if num_processes is not None:

@@ -17,6 +17,7 @@ import click
 from accel_fsdp.config.accelerate import HYBRID_SHARD
 from accel_fsdp.config.methods import METHODS
 from accel_fsdp.config.precision import BYTES, MEMORY
+from accel_fsdp.data.sources import locate, source_key
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model.facts import facts_for, shape_of
 from accel_fsdp.model.quantize import quantized_terms
@@ -242,8 +243,6 @@ def print_plan(recipe, accelerate_config: str | None, gpu_memory: str | None) ->
 def missing_data_notes(recipe) -> list[str]:
     """The local data files a run would stop for: a plan is made for another machine as often as for this one, so
     a missing file is said, not refused (`recipe validate` and the run itself refuse it)."""
-    from accel_fsdp.data.sources import locate, source_key
-
     notes = []
     for i, source in enumerate(recipe.data.resolved_sources()):
         found = locate(recipe, source, source_key(recipe, i))

@@ -19,6 +19,7 @@ from accel_fsdp.quiet import quiet_libraries
 from accel_fsdp.train.accelerator import accumulate
 from accel_fsdp.train.evaluate import generate_sample
 from accel_fsdp.train.lifetime import doing
+from accel_fsdp.train.profiling import CLIPPING, FORWARD_BACKWARD, OPTIMIZER
 from accel_fsdp.train.setup import Components, Run, RunRequest, setup
 from accel_fsdp.train.state import TrainingState
 
@@ -28,7 +29,9 @@ def fit(run: Run, parts: Components, state: TrainingState) -> None:
     acc, model, optimizer, scheduler, sampler = run.accelerator, run.model, run.optimizer, run.scheduler, run.sampler
     objective, t = run.objective, run.recipe.training
     max_norm = t.max_grad_norm if t.max_grad_norm is not None else float("inf")
+    profiler = parts.profiler
     parts.logger.start(state)
+    profiler.start(state.step + 1)
     model.train()
     while state.step < run.total_steps:
         units, micro_batches = sampler.global_sequences(state.step), sampler.micro_batches(state.step)
@@ -37,24 +40,29 @@ def fit(run: Run, parts: Components, state: TrainingState) -> None:
         for part in micro_batches:
             batch = run.batch(part)
             with accumulate(acc, model, run.settings):
-                with acc.autocast(), run.knobs.saving_activations():  # saved tensors: offloaded, or kept
-                    loss, stats = objective(model, batch, norm)
-                acc.backward(loss)
+                with profiler.region(FORWARD_BACKWARD):
+                    with acc.autocast(), run.knobs.saving_activations():  # saved tensors: offloaded, or kept
+                        loss, stats = objective(model, batch, norm)
+                    acc.backward(loss)
                 if acc.sync_gradients:  # the last micro-step: gradients are now reduced over ranks
-                    grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
+                    with profiler.region(CLIPPING):
+                        grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
                     scale = acc.scaler.get_scale() if acc.scaler is not None else None  # fp16
-                optimizer.step()  # skipped by Accelerate until the last micro-step
-                optimizer.zero_grad(set_to_none=True)
+                with profiler.region(OPTIMIZER):
+                    optimizer.step()  # skipped by Accelerate until the last micro-step
+                    optimizer.zero_grad(set_to_none=True)
             parts.logger.add_loss(loss, stats)
         lr = advance_schedule(acc, scheduler, scale)
         tokens = run.step_tokens(units)
         state.advance(tokens)
+        profiler.step()
         doing(f"the logging, evaluation and checkpoint after optimizer step {state.step}")
 
         parts.hooks.after_step(state.step, micro_batches)
         parts.logger.after_step(state, lr, grad_norm, tokens, units)
         parts.evaluator.after_step(state)
         parts.checkpointer.after_step(state)
+    profiler.close()
     parts.logger.close()
     parts.hooks.close()
 

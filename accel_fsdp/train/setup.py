@@ -75,6 +75,7 @@ from accel_fsdp.train.methods import LossIndex, LossPath, Objective, build_loss_
 from accel_fsdp.train.metrics import MetricsWriter, StartupClock, flops_per_token
 from accel_fsdp.train.observe import Terminal, TrainLogger
 from accel_fsdp.train.optimizer import build_optimizer, lr_schedule, offload_threads
+from accel_fsdp.train.profiling import ProfileWindow, StepProfiler
 from accel_fsdp.train.reference import build_reference
 from accel_fsdp.train.sharding import ShardingRecord, check_same_layout
 from accel_fsdp.train.start_summary import quantize_summary, startup_summary
@@ -98,6 +99,8 @@ class RunRequest:
     """--cpu: run the accelerate config on CPU ranks whatever it was written for."""
     accept_data_change: bool = False
     """--accept-data-change: resume although a data source changed since the checkpoint."""
+    profile: ProfileWindow | None = None
+    """--profile K-L: torch's profiler over optimizer steps K to L (train/profiling.py)."""
 
 
 @dataclass
@@ -221,6 +224,7 @@ class Components:
     evaluator: Evaluator
     checkpointer: Checkpointer
     hooks: TestHooks
+    profiler: StepProfiler
 
 
 def current_accelerate_config() -> AccelerateConfig:
@@ -472,7 +476,10 @@ def build_components(run: Run, switches: TestSwitches) -> Components:
                                 preemption=run.preemption, total_steps=run.total_steps, parameters=run.parameters,
                                 trainable_parameters=run.trainable_parameters, data_identity=run.data.identity,
                                 faults=hooks.faults, quantized_base=run.sharding.quantized_base)
-    return Components(logger=logger, evaluator=Evaluator(run, metrics), checkpointer=checkpointer, hooks=hooks)
+    profiler = StepProfiler(run.request.profile, folder=run.layout.profile, rank=acc.process_index,
+                            device_type=acc.device.type, say=run.terminal.say)
+    return Components(logger=logger, evaluator=Evaluator(run, metrics), checkpointer=checkpointer, hooks=hooks,
+                      profiler=profiler)
 
 
 
