@@ -35,6 +35,36 @@ def test_the_quick_commands_import_neither_torch_nor_model_code(args):
     assert imported_by(*args) == set()
 
 
+def test_data_prepare_with_a_tokenizer_folder_imports_no_torch_and_loads_what_autotokenizer_loads(tmp_path):
+    """A folder of tokenizer files alone (what `accel-fsdp tokenizer train` writes) is loaded by its class, as
+    AutoTokenizer would load it (model/tokenizer.py `plain_tokenizer_folder`), without AutoTokenizer's import of
+    torch: about a second of `data prepare`'s start."""
+    from transformers import AutoTokenizer
+
+    from accel_fsdp.config.recipe import recipe_from_text
+    from accel_fsdp.data.identity import tokenizer_identity
+    from accel_fsdp.data.synthetic import build_tokenizer
+    from accel_fsdp.model.tokenizer import build_tokenizer as recipe_tokenizer
+    from accel_fsdp.model.tokenizer import plain_tokenizer_folder
+
+    folder = tmp_path / "tokenizer"
+    build_tokenizer().save_pretrained(folder)
+    rows = [{"messages": [{"role": "user", "content": "who has a cat ?"}, {"role": "assistant", "content": "alice ."}]}
+            for _ in range(40)]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(json.dumps({"model": {"architecture": "gpt2", "tokenizer": str(folder)},
+                                  "data": {"path": str(write_jsonl(tmp_path / "chat.jsonl", rows)), "format": "chat",
+                                           "eval_fraction": 0},
+                                  "training": {"micro_batch_size": 1, "global_batch_size": 1}}))
+    assert imported_by("data", "prepare", str(recipe)) == set()
+    ours = recipe_tokenizer(recipe_from_text(recipe.read_text(), source="r.yaml"))
+    auto = AutoTokenizer.from_pretrained(folder)
+    assert plain_tokenizer_folder(folder) and type(ours) is type(auto)
+    assert tokenizer_identity(ours) == tokenizer_identity(auto) and ours.special_tokens_map == auto.special_tokens_map
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))  # a model's folder: AutoTokenizer's
+    assert not plain_tokenizer_folder(folder)
+
+
 def test_recipe_list_counts_parameters_from_facts():
     out = CliRunner().invoke(main, ["recipe", "list"]).output
     line = next(x for x in out.splitlines() if x.startswith("llama-3.1-8b "))

@@ -5,6 +5,7 @@ and the data checks before launch use it.
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 from accel_fsdp.data.identity import digest, trained_tokenizer_identity
@@ -34,8 +35,6 @@ def build_tokenizer(recipe):
         raise UserError(Problem(recipe.where("model.tokenizer"), "a model built from scratch needs a tokenizer",
                                 f"set model.tokenizer to a hub id, a local folder or {BUILTIN_TOKENIZER}"))
     else:
-        from transformers import AutoTokenizer
-
         key = "model.tokenizer" if m.tokenizer else "model.name_or_path"
         missing = tokenizer_files_problem(Path(source).expanduser()) if is_local(source) else None
         if missing:
@@ -43,7 +42,14 @@ def build_tokenizer(recipe):
                                     "set model.tokenizer to a folder or hub id with a tokenizer, or "
                                     "builtin:quickstart"))
         try:
-            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=m.trust_remote_code)
+            if is_local(source) and not m.trust_remote_code and plain_tokenizer_folder(Path(source).expanduser()):
+                from transformers import PreTrainedTokenizerFast
+
+                tokenizer = PreTrainedTokenizerFast.from_pretrained(source)
+            else:
+                from transformers import AutoTokenizer  # imports torch (see plain_tokenizer_folder)
+
+                tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=m.trust_remote_code)
         except (OSError, ValueError) as e:
             key = "model.tokenizer" if m.tokenizer else "model.name_or_path"
             raise UserError(Problem(recipe.where(key), f"cannot load a tokenizer from {source!r}: "
@@ -52,6 +58,29 @@ def build_tokenizer(recipe):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+PLAIN_TOKENIZER_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+"""tokenizer_config.json's `tokenizer_class` of a tokenizer that is its tokenizer.json alone (what `accel-fsdp
+tokenizer train` and `bpe:N` write)."""
+
+
+def plain_tokenizer_folder(folder: Path) -> bool:
+    """A folder of tokenizer files alone (no config.json, whose model type could choose another class), a
+    tokenizer.json, and a tokenizer_config.json naming the plain class (`PLAIN_TOKENIZER_CLASSES`) and no code of its
+    own (`auto_map`). AutoTokenizer loads such a folder as that class's `from_pretrained` (models/auto/
+    tokenization_auto.py `AutoTokenizer.from_pretrained`: the model config falls back to an empty one, and
+    `tokenizer_class` decides; checked with 5.24.0), but it imports every model configuration first, which imports
+    torch (configuration_utils -> modeling_rope_utils): 1.1 to 1.4 s of `data prepare`'s start on 2 cores, saved by
+    loading the class directly (tests/test_where_users_wait.py holds both equal)."""
+    if (folder / "config.json").exists() or not (folder / "tokenizer.json").is_file():
+        return False
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(config, dict) and config.get("tokenizer_class") in PLAIN_TOKENIZER_CLASSES
+            and "auto_map" not in config)
 
 
 def built_once_per_machine(recipe) -> bool:
