@@ -11,9 +11,11 @@ each rank writes, into `<run>/profile/`:
     rank<R>.ops.txt         torch's table of the operators, by their own time on the device (CUDA) or the CPU
     rank<R>.summary.json    per step: the wall time, each region's time, the 15 most expensive operators
 
-A region's time is its kernels' time on CUDA (torch sums the kernels launched inside it, whatever stream ran them:
-communication that overlaps compute counts in full) and its CPU time on CPU ranks. Rank 0 prints the split. Nothing
-is recorded outside the window, and without `--profile` the regions are empty context managers.
+A step's wall time runs from the optimizer step before it to its own, so it holds the logging, evaluation and
+checkpoint that follow the step before (what the regions do not cover). A region's time is its kernels' time on CUDA
+(torch sums the kernels launched inside it, whatever stream ran them: communication that overlaps compute counts in
+full) and its CPU time on CPU ranks. Rank 0 prints the split. Nothing is recorded outside the window, and without
+`--profile` the regions are empty context managers.
 """
 
 from __future__ import annotations
