@@ -160,3 +160,13 @@ def test_on_a_gpu_the_profiler_records_cuda_and_the_host_waits_for_the_gpu_at_th
         profiler.step()
     assert made == [{torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA}]
     assert synchronized == [3, 4, 5]  # the window's start, and the end of each recorded step; nothing after it
+
+
+def test_a_profile_that_cannot_be_written_is_a_warning_and_the_run_goes_on(tmp_path, capfd):
+    blocked = tmp_path / "profile"
+    blocked.write_text("a file where the profile folder would go")
+    said = []
+    fake_run(profiler_in(blocked, "2-3", said), 1, 4)  # returns: the loop was not stopped
+    err = capfd.readouterr().err
+    assert f"warning: rank 0: the profile could not be written to {blocked} (" in err and "training goes on" in err
+    assert blocked.read_text().startswith("a file where") and said == []

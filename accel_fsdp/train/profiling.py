@@ -23,10 +23,11 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.errors import Problem, UserError, first_line
 from accel_fsdp.files import write_atomic
 
 FORWARD_BACKWARD, CLIPPING, OPTIMIZER = "forward and backward", "gradient clipping", "optimizer step"
@@ -99,8 +100,11 @@ class StepProfiler:
         import torch
 
         if self.rank == 0 and self.folder.is_dir():  # an earlier segment's files (other ranks write after a step)
-            for stale in self.folder.glob("rank*"):
-                stale.unlink()
+            try:
+                for stale in self.folder.glob("rank*"):
+                    stale.unlink()
+            except OSError as e:
+                self.folder_problem(e)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -152,6 +156,16 @@ class StepProfiler:
             profiler.stop()  # writes through on_trace_ready when it was recording
 
     def _write(self, profiler) -> None:
+        try:
+            self._export(profiler)
+        except OSError as e:  # a full disk, a folder it may not write: the run goes on without its profile
+            self.folder_problem(e)
+
+    def folder_problem(self, error: OSError) -> None:
+        print(f"warning: rank {self.rank}: the profile could not be written to {self.folder} ({first_line(error)}); "
+              "training goes on", file=sys.stderr, flush=True)
+
+    def _export(self, profiler) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(self.folder / f"rank{self.rank}.trace.json.gz"))
         averages = profiler.key_averages()
@@ -171,7 +185,6 @@ def kineto_quiet():
     profiler_start"), whatever KINETO_LOG_LEVEL says (torch 2.13): nothing a user can act on, so the process's
     stderr is closed to it for the length of those calls."""
     import os
-    import sys
 
     sys.stderr.flush()
     saved = os.dup(2)
