@@ -86,7 +86,7 @@ class StepProfiler:
     def __init__(self, window: ProfileWindow | None, *, folder: Path, rank: int, device_type: str, say):
         self.window, self.folder, self.rank, self.say = window, folder, rank, say
         self.cuda = device_type == "cuda"
-        self.profiler, self.recorded = None, []
+        self.profiler, self.recorded, self.pending = None, [], []
         self.step_number = 1
         """The optimizer step the loop runs next (1-based)."""
 
@@ -114,8 +114,7 @@ class StepProfiler:
                                            active=window.last - start + 1, repeat=1)
         self.recorded = list(range(start, window.last + 1))
         self.profiler = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=self._write)
-        with kineto_quiet():
-            self.profiler.start()
+        self._quietly(self.profiler.start)
 
     def region(self, name: str):
         if self.profiler is None:
@@ -134,8 +133,7 @@ class StepProfiler:
             import torch
 
             torch.cuda.synchronize()
-        with kineto_quiet():
-            self.profiler.step()
+        self._quietly(self.profiler.step)
         if self.step_number > self.window.last:
             self.close()
 
@@ -146,14 +144,12 @@ class StepProfiler:
         profiler, self.profiler = self.profiler, None
         done = [s for s in self.recorded if s < self.step_number]
         if not done:
-            with kineto_quiet():
-                profiler.stop()
+            self._quietly(profiler.stop)
             self.say(f"note: --profile {self.window}: the run ended at optimizer step {self.step_number - 1}: nothing "
                      "was profiled")
             return
         self.recorded = done
-        with kineto_quiet():
-            profiler.stop()  # writes through on_trace_ready when it was recording
+        self._quietly(profiler.stop)  # writes through on_trace_ready when it was recording
 
     def _write(self, profiler) -> None:
         try:
@@ -162,8 +158,16 @@ class StepProfiler:
             self.folder_problem(e)
 
     def folder_problem(self, error: OSError) -> None:
-        print(f"warning: rank {self.rank}: the profile could not be written to {self.folder} ({first_line(error)}); "
-              "training goes on", file=sys.stderr, flush=True)
+        """Said once the profiler's call is over: it runs with the process's stderr closed (`kineto_quiet`)."""
+        self.pending.append(f"warning: rank {self.rank}: the profile could not be written to {self.folder} "
+                            f"({first_line(error)}); training goes on")
+
+    def _quietly(self, call) -> None:
+        with kineto_quiet():
+            call()
+        for warning in self.pending:
+            print(warning, file=sys.stderr, flush=True)
+        self.pending.clear()
 
     def _export(self, profiler) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
