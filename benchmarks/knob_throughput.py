@@ -114,20 +114,15 @@ def profile_window(steps: int) -> str:
     return f"{max(2, steps - 1)}-{steps}"
 
 
-def step_split(folder: Path) -> str:
-    """Rank 0's split of a profiled step (train/profiling.py): each region's share of the step's wall time (kernel
-    time on a GPU: what the optimizer step and the rest cost beside the forward and backward)."""
-    import json
+def profiled_split(folder: Path) -> str:
+    """Rank 0's split of a profiled step (train/profiling.py `StepSplit`): each region's share of the step's wall time
+    (kernel time on a GPU: what the optimizer step and the rest cost beside the forward and backward)."""
+    from accel_fsdp.train.profiling import CLIPPING, FORWARD_BACKWARD, OPTIMIZER, StepSplit
 
     path = folder / "profile" / "rank0.summary.json"
-    if not path.exists():
-        return "-"
-    summary = json.loads(path.read_text())
-    wall, regions = summary["step_wall_s"], summary["regions_s"]
-    if not wall:
-        return "-"
-    short = {"forward and backward": "fwd+bwd", "gradient clipping": "clip", "optimizer step": "optimizer"}
-    return " / ".join(f"{short.get(name, name)} {seconds / wall:.0%}" for name, seconds in regions.items())
+    shares = StepSplit.read(path).shares() if path.exists() else {}
+    short = {FORWARD_BACKWARD: "fwd+bwd", CLIPPING: "clip", OPTIMIZER: "optimizer"}
+    return " / ".join(f"{short[name]} {share:.0%}" for name, share in shares.items()) or "-"
 
 
 def train(recipe: Path, folder: Path, sets: list[str], cpu: bool, ranks: int, run=None, steps: int = STEPS) -> tuple[
@@ -194,7 +189,7 @@ def throughput_section(work: Path, cpu: bool, ranks: int, device: str, section_t
                 else:
                     figures = row_figures(rows, eager_loss)
                     eager_loss = rows[-1]["loss"] if eager_loss is None else eager_loss
-                    cells = [*head, "INFO", *figures, step_split(folder)]
+                    cells = [*head, "INFO", *figures, profiled_split(folder)]
                 print(f"      ({time.monotonic() - started:.0f} s)", flush=True)
             print(f"{cells[3]:<5} {' '.join(c for c in cells[:3])}: {' | '.join(c for c in cells[4:] if c)}",
                   flush=True)

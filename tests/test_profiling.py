@@ -76,6 +76,7 @@ def test_the_window_is_recorded_and_every_file_is_written(tmp_path):
     # is not in the trace
     assert {"ProfilerStep#2", "ProfilerStep#3"} <= names and "ProfilerStep#1" not in names
     assert "aten::addmm" in (tmp_path / "rank0.ops.txt").read_text()
+    assert not list(tmp_path.glob(".*"))  # every file published whole (files.write_with), no temporary left
     assert said[0].startswith("profile: steps 3-4 on rank 0, a step ") and "forward and backward" in said[0]
     assert str(tmp_path) in said[1]
 

@@ -21,14 +21,17 @@ full) and its CPU time on CPU ranks. Rank 0 prints the split. Nothing is recorde
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import re
+import shutil
 import sys
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from accel_fsdp.errors import Problem, UserError, first_line
-from accel_fsdp.files import write_atomic
+from accel_fsdp.files import write_atomic, write_with
 
 FORWARD_BACKWARD, CLIPPING, OPTIMIZER = "forward and backward", "gradient clipping", "optimizer step"
 REGIONS = (FORWARD_BACKWARD, CLIPPING, OPTIMIZER)
@@ -71,6 +74,14 @@ class StepSplit:
     regions_s: dict[str, float]
     top_operators_s: list[tuple[str, float]] = field(default_factory=list)
 
+    @classmethod
+    def read(cls, path: Path) -> StepSplit:
+        return cls(**json.loads(Path(path).read_text()))
+
+    def shares(self) -> dict[str, float]:
+        """Each region's share of the step's wall time (empty where no wall time was recorded)."""
+        return {name: seconds / self.step_wall_s for name, seconds in self.regions_s.items()} if self.step_wall_s else {}
+
     def line(self) -> str:
         parts = ", ".join(f"{name} {seconds:.3f} s ({seconds / self.step_wall_s:.0%})" if self.step_wall_s else
                           f"{name} {seconds:.3f} s" for name, seconds in self.regions_s.items())
@@ -86,7 +97,7 @@ class StepProfiler:
     def __init__(self, window: ProfileWindow | None, *, folder: Path, rank: int, device_type: str, say):
         self.window, self.folder, self.rank, self.say = window, folder, rank, say
         self.cuda = device_type == "cuda"
-        self.profiler, self.recorded, self.pending = None, [], []
+        self.profiler, self.recorded, self.ready = None, [], None
         self.step_number = 1
         """The optimizer step the loop runs next (1-based)."""
 
@@ -152,26 +163,31 @@ class StepProfiler:
         self._quietly(profiler.stop)  # writes through on_trace_ready when it was recording
 
     def _write(self, profiler) -> None:
-        try:
-            self._export(profiler)
-        except OSError as e:  # a full disk, a folder it may not write: the run goes on without its profile
-            self.folder_problem(e)
-
-    def folder_problem(self, error: OSError) -> None:
-        """Said once the profiler's call is over: it runs with the process's stderr closed (`kineto_quiet`)."""
-        self.pending.append(f"warning: rank {self.rank}: the profile could not be written to {self.folder} "
-                            f"({first_line(error)}); training goes on")
+        """torch's on_trace_ready, called inside `profiler.step()` or `stop()`, which run with stderr closed
+        (`kineto_quiet`): the trace is written once that call is over (`_quietly`), so that nothing another thread says
+        on stderr meanwhile (a collective's watchdog) is lost while a large trace is written."""
+        self.ready = profiler
 
     def _quietly(self, call) -> None:
         with kineto_quiet():
             call()
-        for warning in self.pending:
-            print(warning, file=sys.stderr, flush=True)
-        self.pending.clear()
+        ready, self.ready = self.ready, None
+        if ready is not None:
+            try:
+                self._export(ready)
+            except OSError as e:  # a full disk, a folder it may not write: the run goes on without its profile
+                self.folder_problem(e)
+
+    def folder_problem(self, error: OSError) -> None:
+        print(f"warning: rank {self.rank}: the profile could not be written to {self.folder} ({first_line(error)}); "
+              "training goes on", file=sys.stderr, flush=True)
 
     def _export(self, profiler) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        profiler.export_chrome_trace(str(self.folder / f"rank{self.rank}.trace.json.gz"))
+        with tempfile.TemporaryDirectory(prefix="accel-fsdp-profile-") as scratch:
+            raw = Path(scratch) / "trace.json"  # torch writes the whole trace; it is then published gzipped, whole
+            profiler.export_chrome_trace(str(raw))
+            write_with(self.folder / f"rank{self.rank}.trace.json.gz", lambda temporary: gzip_file(raw, temporary))
         averages = profiler.key_averages()
         sort_by = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         write_atomic(self.folder / f"rank{self.rank}.ops.txt", averages.table(sort_by=sort_by, row_limit=40) + "\n")
@@ -181,6 +197,11 @@ class StepProfiler:
             self.say(split.line())
             self.say(f"profile: traces and operator tables of every rank in {self.folder} (open a trace in "
                      "https://ui.perfetto.dev)")
+
+
+def gzip_file(source: Path, target: Path) -> None:
+    with open(source, "rb") as raw, gzip.open(target, "wb") as packed:
+        shutil.copyfileobj(raw, packed)
 
 
 @contextlib.contextmanager
