@@ -80,7 +80,9 @@ class StepSplit:
 
     def shares(self) -> dict[str, float]:
         """Each region's share of the step's wall time (empty where no wall time was recorded)."""
-        return {name: seconds / self.step_wall_s for name, seconds in self.regions_s.items()} if self.step_wall_s else {}
+        if not self.step_wall_s:
+            return {}
+        return {name: seconds / self.step_wall_s for name, seconds in self.regions_s.items()}
 
     def line(self) -> str:
         parts = ", ".join(f"{name} {seconds:.3f} s ({seconds / self.step_wall_s:.0%})" if self.step_wall_s else
