@@ -7,6 +7,7 @@ launches 2 real FSDP ranks on the CPU over gloo.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -23,6 +24,75 @@ from accel_fsdp.config.accelerate import CONFIG_PATH_ENV
 from accel_fsdp.layout import COMPILE_CACHE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
+
+SHARED_RUN_MODULES = {"tests/test_gpu_check.py": "gpu_check_on_cpu_ranks",
+                      "tests/test_gpu_path.py": "gpu_check_on_cpu_ranks"}
+"""Test files that read one session fixture's runs (a launch of 2-rank runs; the other session fixtures are cheap: a
+tiny model, a data file): under pytest-xdist they go to one worker, which makes the runs once."""
+
+
+def _share_the_cores_among_workers() -> None:
+    """Under pytest-xdist (README's test command: `-n auto`) every worker launches 2-rank runs of its own: each rank
+    gets its share of the cores, as the launcher gives them when it is alone (launch/launcher.py, one thread a rank on
+    2 cores), instead of every worker's ranks using all the cores. A user's OMP_NUM_THREADS is kept."""
+    from accel_fsdp.hardware import usable_cores
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and not os.environ.get("OMP_NUM_THREADS"):
+        os.environ["OMP_NUM_THREADS"] = str(max(1, usable_cores() // (2 * workers)))
+
+
+_share_the_cores_among_workers()
+
+WORKER_MEMORY_GIB = 4
+"""What one pytest-xdist worker may hold at once: itself and the 2 ranks of the run it launched (the heaviest, the
+QLoRA and compiled runs, peak under 1.5 GiB a process on the tests' tiny models)."""
+
+if importlib.util.find_spec("xdist") is not None:  # its hooks: pytest refuses a hook no plugin declares
+    def pytest_xdist_auto_num_workers(config):
+        """`-n auto`: a worker per core, as many as the memory holds."""
+        from accel_fsdp.hardware import usable_cores
+
+        memory_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+        return max(1, min(usable_cores(), int(memory_gib // WORKER_MEMORY_GIB)))
+
+    def pytest_xdist_make_scheduler(config, log):
+        """Each worker runs whole work units (`work_unit`), handed out in the order the workers collected them
+        (heaviest first: pytest_collection_modifyitems), not reordered by their number of tests."""
+        from xdist.scheduler import LoadScopeScheduling
+
+        class WorkUnitScheduling(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return work_unit(nodeid)
+
+        config.option.loadscopereorder = False
+        return WorkUnitScheduling(config, log)
+
+
+def work_unit(nodeid: str) -> str:
+    """What one pytest-xdist worker runs whole: a test file (its module-scoped runs are made once), or the files that
+    read one shared session run."""
+    module = nodeid.split("::", 1)[0]
+    return SHARED_RUN_MODULES.get(module, module)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist: the work units (test files) in the order of what they cost, the heaviest first, so that the
+    light ones fill the end and no worker is left alone with a long run (a slow test, about half a minute of 2-rank
+    runs, counts 100 times a one-process test; a multi-process test of the fast tier 30 times)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    for item in items:
+        shared = set(SHARED_RUN_MODULES.values()).intersection(item.fixturenames)
+        if shared and work_unit(item.nodeid) not in shared:
+            raise pytest.UsageError(f"{item.nodeid} reads {shared.pop()}: add its file to tests/conftest.py "
+                                    "SHARED_RUN_MODULES, so that the runs are made once")
+    cost: dict[str, float] = {}
+    for item in items:
+        cost[work_unit(item.nodeid)] = cost.get(work_unit(item.nodeid), 0.0) + (
+            100 if item.get_closest_marker("slow") else 30 if item.get_closest_marker("multiprocess") else 1)
+    position = {item.nodeid: i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-cost[work_unit(item.nodeid)], work_unit(item.nodeid), position[item.nodeid]))
 
 
 @pytest.fixture(scope="session", autouse=True)
