@@ -198,9 +198,11 @@ class DataConfig:
 
 
 def default_source_name(path: str) -> str:
-    """`stories` for data/stories.jsonl, `ultrachat_200k` for HuggingFaceH4/ultrachat_200k, `quickstart` for
-    builtin:quickstart."""
+    """`stories` for data/stories.jsonl (and stories.jsonl.gz), `ultrachat_200k` for HuggingFaceH4/ultrachat_200k,
+    `quickstart` for builtin:quickstart."""
     text = path.removeprefix("hub:").removeprefix("builtin:").rstrip("/")
+    if text.lower().endswith(".gz"):  # stories.jsonl.gz, compressed: stories
+        text = text[:-3]
     return Path(text).stem if Path(text).suffix else (text.rsplit("/", 1)[-1] or path)
 
 

@@ -182,6 +182,7 @@ class _Build:
         nothing)."""
         stats = self.stats
         stats.empty_rows = self.tokenize.empty
+        stats.empty_turn_rows, stats.empty_turn_lines = self.tokenize.empty_turns, self.tokenize.empty_turn_lines
         table = self.train.close()
         if self.evaluation is not None:
             stats.eval_sequences = self.evaluation.close()["sequences"]

@@ -1,0 +1,153 @@
+"""Data files in the shapes users bring: encodings and stray bytes, JSON shapes, compressed files, each format's
+rows that train nothing. Each ends in a run that works, or one message naming the file and line, the value and the
+fix, exit status 2, the file untouched. One process each (`data prepare`, in-process): the fast tier.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import cli, user_error
+
+TEXT = "alice has a cat"
+ROWS = "".join(json.dumps({"text": TEXT}) + "\n" for _ in range(4))
+CHAT = json.dumps({"messages": [{"role": "user", "content": "alice has"}, {"role": "assistant", "content": "a cat"}]})
+PAIR = json.dumps({"prompt": "alice has", "chosen": "a cat", "rejected": "a dog"})
+
+
+def prepare(path: Path, fmt: str = "text", *more: str) -> list[str]:
+    """`data prepare` of the quickstart recipe on one file: a batch of one sequence, nothing held out."""
+    return ["data", "prepare", "quickstart", "--set", f"data.path={path}", "--set", f"data.format={fmt}",
+            "--set", "training.micro_batch_size=1", "--set", "training.global_batch_size=1",
+            "--set", "data.eval_fraction=0", *more]
+
+
+def messages(*turns) -> str:
+    return json.dumps({"messages": [{"role": role, "content": content} for role, content in turns]})
+
+
+DPO = ("--set", "training.method=dpo", "--set", "data.seq_len=64")
+
+# (case, file name, its bytes, format, recipe settings, what the message says)
+MISTAKES = [
+    # a JSON escape of half a surrogate pair is no character: the encoder raised TypeError (a traceback)
+    ("lone-surrogate-jsonl", "d.jsonl", ROWS + '{"text": "alice \\ud800 has"}\n', "text", (),
+     "line 5: field 'text' holds \\ud800, half of a UTF-16 surrogate pair"),
+    ("lone-surrogate-in-a-chat-turn", "d.jsonl", CHAT + "\n" + CHAT.replace("a cat", "a \\udc00") + "\n", "chat", (),
+     "line 2: field 'messages.1.content' holds \\udc00"),
+    ("lone-surrogate-json-list", "d.json", "[\n" + ",\n".join([json.dumps({"text": TEXT})] * 3
+                                                            + ['{"text": "a \\udbff b"}']) + "\n]", "text", (),
+     "line 5: field 'text' holds \\udbff"),
+    ("lone-surrogate-json-lines", "d.json", ROWS + '{"text": "a \\udc00 b"}\n', "text", (),
+     "line 5: field 'text' holds \\udc00"),
+    # NUL bytes: UTF-16 without its byte-order mark is UTF-8 to a decoder, and was read as text with a NUL every
+    # other character; a NUL pasted into a CSV went to the tokenizer
+    ("utf16-without-bom-txt", "d.txt", ((TEXT + "\n\n") * 3).encode("utf-16-le"), "text", (),
+     "line 1 holds a NUL byte (0x00 at column 2), every other byte; the file is probably UTF-16 without a "
+     "byte-order mark"),
+    ("utf16-without-bom-jsonl", "d.jsonl", ROWS.encode("utf-16-le"), "text", (), "probably UTF-16 without a"),
+    ("nul-in-a-csv", "d.csv", "text\n" + (TEXT + "\n") * 3 + "ali\x00ce\n", "text", (),
+     "line 5 holds a NUL byte (0x00 at column 4); text has none"),
+    ("nul-in-a-jsonl", "d.jsonl", ROWS.encode() + b'{"text": "a\x00"}\n', "text", (),
+     "line 5 holds a NUL byte (0x00 at column 12)"),
+    # a .json list whose element is not a row: datasets said "'int' object is not iterable", no line
+    ("json-list-element-a-number", "d.json", "[\n" + ",\n".join([json.dumps({"text": TEXT})] * 3 + ["3"]) + "\n]",
+     "text", (), "line 5: element 4 of the list is a number, not an object (a row)"),
+    ("json-list-element-a-string", "d.json", json.dumps([{"text": TEXT}, "alice"]), "text", (),
+     "line 1: element 2 of the list is a string, not an object"),
+    ("json-list-element-a-list", "d.json", json.dumps([{"text": TEXT}, [1]]), "text", (),
+     "element 2 of the list is a list"),
+    ("json-list-with-bom", "d.json", "\ufeff" + json.dumps([{"text": TEXT}, 3]), "text", (),
+     "element 2 of the list is a number"),
+    ("json-empty-list", "d.json", "[]", "text", (), "d.json): holds no rows"),
+    # compressed files that are not whole
+    ("gzip-not-gzip", "d.jsonl.gz", ROWS, "text", (), "cannot decompress it as gzip (BadGzipFile"),
+    ("gzip-cut-short", "d.jsonl.gz", gzip.compress(ROWS.encode() * 500)[:-40], "text", (),
+     "cannot decompress it as gzip (EOFError"),
+    ("gzip-parquet", "d.parquet.gz", gzip.compress(b"PAR1"), "text", (), "unsupported file type '.parquet.gz'"),
+    ("gzip-latin1", "d.txt.gz", gzip.compress("a\n\ncaf\u00e9\n".encode("latin-1")), "text", (),
+     "line 3 is not UTF-8 (byte 0xe9 at column 4)"),
+    # a message in another library's shape says which
+    ("chat-sharegpt-turns", "d.jsonl", json.dumps({"messages": [{"from": "human", "value": "a"},
+                                                                {"from": "gpt", "value": "b"}]}) + "\n", "chat", (),
+     "message 1 is not a {role, content} object (its keys: from, value; ShareGPT's form"),
+    ("chat-content-null", "d.jsonl", messages(("user", None), ("assistant", "a")) + "\n", "chat", (),
+     "message 1 content is not text (null)"),
+]
+
+
+@pytest.mark.parametrize("case,name,content,fmt,settings,expected", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_a_data_file_users_bring_gets_one_message_naming_file_line_and_fix(tmp_path, case, name, content, fmt,
+                                                                           settings, expected):
+    path = tmp_path / name
+    data = content.encode() if isinstance(content, str) else content
+    path.write_bytes(data)
+    msg = user_error(*prepare(path, fmt, *settings))
+    assert expected in msg, msg
+    assert str(path) in msg and "fix:" in msg and msg.count("error:") == 1, msg
+    assert path.read_bytes() == data  # nothing the user had is changed
+
+
+def _train_tables(output: str) -> dict[str, bytes]:
+    folder = Path(re.findall(r"(/\S+/tokenized/\w+)", output)[-1])
+    return {f.name: f.read_bytes() for f in sorted((folder / "train").iterdir()) if f.suffix == ".bin"}
+
+
+@pytest.mark.parametrize("name,content", [
+    ("stories.jsonl", ROWS + json.dumps({"text": "alice has a dog"}) + "\n"),
+    ("stories.json", json.dumps([{"text": TEXT}, {"text": "alice has a dog"}])),
+    ("stories.csv", f"text\n{TEXT}\nalice has a dog\n"),
+    ("stories.txt", f"{TEXT}\n\nalice has a dog\n"),
+], ids=["jsonl", "json", "csv", "txt"])
+def test_a_gzip_compressed_file_reads_as_the_file_it_compresses(tmp_path, name, content):
+    """name.jsonl.gz (and .json, .csv, .txt) is read as name.jsonl: the same tables, the source named `stories`."""
+    plain = tmp_path / name
+    plain.write_text(content)
+    packed = tmp_path / "packed" / (name + ".gz")
+    packed.parent.mkdir()
+    packed.write_bytes(gzip.compress(content.encode()))
+    code, out_plain = cli(*prepare(plain))
+    assert code == 0, out_plain
+    code, out_packed = cli(*prepare(packed))
+    assert code == 0, out_packed
+    assert f"stories (text, {packed})" in out_packed, out_packed
+    assert _train_tables(out_packed) == _train_tables(out_plain)
+
+
+def test_a_suffix_in_capitals_reads_as_its_type(tmp_path):
+    """DATA.PARQUET is Parquet (it was opened as Parquet, then read line by line as JSON Lines), and a row of
+    DATA.JSONL is named by its line."""
+    pyarrow = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    upper = tmp_path / "DATA.PARQUET"
+    pq.write_table(pyarrow.table({"text": [TEXT] * 4}), upper)
+    code, out = cli(*prepare(upper))
+    assert code == 0 and "4 rows read" in out, out
+    lines = tmp_path / "DATA.JSONL"
+    lines.write_text(ROWS + '{"text": 3}\n')
+    msg = user_error(*prepare(lines))
+    assert "DATA.JSONL line 5: field 'text' is not text (int)" in msg, msg
+
+
+def test_rows_that_teach_answering_nothing_are_warned_about_by_line(tmp_path):
+    """An assistant turn without text (or a pair's prompt without text) trains the model to answer nothing, or answers
+    to no question: most often a field named wrong or a conversation cut. Such rows are trained as they are (their
+    tokens do not change) and named in a warning; before, nothing was said."""
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join([CHAT + "\n"] * 3 + [messages(("user", "alice"), ("assistant", " "), ("user", "has"),
+                                                           ("assistant", "a cat")) + "\n"]))
+    code, out = cli(*prepare(chat, "chat"))
+    assert code == 0, out
+    assert "warning: 1 rows (4) have an empty assistant turn (or only whitespace)" in out, out
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join([PAIR + "\n"] * 6 + [json.dumps({"prompt": "", "chosen": "a", "rejected": "b"}) + "\n"]
+                             * 7))
+    code, out = cli(*prepare(pairs, "preference", *DPO))
+    assert code == 0, out
+    assert "warning: 7 rows (7, 8, 9, 10, 11, ...) have an empty prompt, or an assistant turn" in out, out
