@@ -151,3 +151,24 @@ def test_rows_that_teach_answering_nothing_are_warned_about_by_line(tmp_path):
     code, out = cli(*prepare(pairs, "preference", *DPO))
     assert code == 0, out
     assert "warning: 7 rows (7, 8, 9, 10, 11, ...) have an empty prompt, or an assistant turn" in out, out
+
+
+@pytest.mark.parametrize("name,content", [
+    ("d.txt", f"\ufeff{TEXT}\r\n\r\n{TEXT}\r\n"),
+    ("d.jsonl", "\ufeff" + ROWS.replace("\n", "\r\n")),
+    ("d.json", "\ufeff" + json.dumps([{"text": TEXT}] * 2)),
+    ("d.csv", f"\ufefftext\r\n{TEXT}\r\n{TEXT}\r\n"),
+], ids=["txt", "jsonl", "json", "csv"])
+def test_a_byte_order_mark_and_crlf_line_ends_are_not_text(tmp_path, name, content):
+    """A file saved by Windows tools: the mark is not the first example's first character (in a .txt file it was),
+    and a CR is not part of any example."""
+    from accel_fsdp.config.recipe import recipe_from_text
+    from accel_fsdp.data.sources import SourceReader
+
+    path = tmp_path / name
+    path.write_bytes(content.encode())
+    recipe = recipe_from_text(f"model: {{architecture: gpt2, tokenizer: 'builtin:quickstart'}}\n"
+                              f"data: {{path: '{path}', format: text}}\n", source="r.yaml")
+    reader = SourceReader(recipe, recipe.data.resolved_sources()[0], 0).open()
+    texts = [row["text"] for _, rows in reader.batches(100) for row in rows]
+    assert texts and all(text.strip() == TEXT and "\ufeff" not in text and "\r" not in text for text in texts), texts

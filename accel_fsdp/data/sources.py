@@ -244,7 +244,10 @@ class SourceReader:
         import datasets
 
         datasets.disable_progress_bars()
-        kwargs: dict[str, Any] = {"sample_by": "paragraph"} if builder == "text" else {}
+        # utf-8-sig: a byte-order mark is not text (datasets' text builder opens the file with its config's
+        # encoding, plain utf-8 by default, and the mark became the first example's first character: checked with
+        # datasets 5.2.0, packaged_modules/text/text.py); JSON and CSV readers drop it themselves.
+        kwargs: dict[str, Any] = {"sample_by": "paragraph", "encoding": "utf-8-sig"} if builder == "text" else {}
         try:
             with _library_logs_silenced():  # datasets logs its own error line before raising: one message per mistake
                 return datasets.load_dataset(builder, data_files=self.file.path, split="train", **kwargs)
