@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import re
 from pathlib import Path
 
@@ -172,3 +173,19 @@ def test_a_byte_order_mark_and_crlf_line_ends_are_not_text(tmp_path, name, conte
     reader = SourceReader(recipe, recipe.data.resolved_sources()[0], 0).open()
     texts = [row["text"] for _, rows in reader.batches(100) for row in rows]
     assert texts and all(text.strip() == TEXT and "\ufeff" not in text and "\r" not in text for text in texts), texts
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_ranks_train_on_a_gzip_compressed_corpus(tmp_path, tiny_gpt2, stories):
+    """The ranks prepare and read a .jsonl.gz source as the single process does: a run of 2 CPU ranks trains on it and
+    reports the source under the name of the file it compresses."""
+    from conftest import read_metrics, run_cli, tiny_recipe
+
+    packed = tmp_path / "stories.jsonl.gz"
+    packed.write_bytes(gzip.compress(stories.read_bytes()))
+    recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, packed, training={"max_steps": 3})
+    proc = run_cli("recipe", "run", recipe, "--output-dir", tmp_path / "run", check=0)
+    assert "stories" in proc.stdout and str(packed) in proc.stdout, proc.stdout
+    steps = [row for row in read_metrics(tmp_path / "run") if "loss" in row]
+    assert [row["step"] for row in steps][-1] == 3 and all(math.isfinite(row["loss"]) for row in steps)
