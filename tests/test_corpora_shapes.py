@@ -73,6 +73,16 @@ MISTAKES = [
     ("gzip-parquet", "d.parquet.gz", gzip.compress(b"PAR1"), "text", (), "unsupported file type '.parquet.gz'"),
     ("gzip-latin1", "d.txt.gz", gzip.compress("a\n\ncaf\u00e9\n".encode("latin-1")), "text", (),
      "line 3 is not UTF-8 (byte 0xe9 at column 4)"),
+    # a file that is not text under a text file's name: its first bytes were "not UTF-8, probably Latin-1"
+    ("gzip-named-jsonl", "d.jsonl", gzip.compress(ROWS.encode()), "text", (),
+     "the file is gzip-compressed, not .jsonl text"),
+    ("workbook-named-csv", "d.csv", b"PK\x03\x04" + bytes(40), "text", (), "the file is a zip archive (an .xlsx"),
+    ("parquet-named-json", "d.json", b"PAR1" + bytes(40), "text", (), "the file is a Parquet file, not .json text"),
+    # rows one level down, columns split by another separator: the fix says so (it said: set text_field to them)
+    ("json-one-object-holding-the-rows", "d.json", json.dumps({"data": [{"text": TEXT}] * 3}), "text", (),
+     "its field 'data' holds the rows: write them one per line (.jsonl), or as the file's JSON list"),
+    ("csv-separated-by-semicolons", "d.csv", f"text;id\n{TEXT};1\n", "text", (),
+     "its first line looks separated by ';'"),
     # a message in another library's shape says which
     ("chat-sharegpt-turns", "d.jsonl", json.dumps({"messages": [{"from": "human", "value": "a"},
                                                                 {"from": "gpt", "value": "b"}]}) + "\n", "chat", (),

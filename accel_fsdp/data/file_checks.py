@@ -50,6 +50,27 @@ def json_error(e: ValueError) -> str:
 UTF8_FIX = "save the file as UTF-8, e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8 (or -f utf-16)"
 
 
+MAGIC = {b"\x1f\x8b": "gzip-compressed", b"PK\x03\x04": "a zip archive (an .xlsx workbook is one)",
+         b"BZh": "bzip2-compressed", b"\xfd7zXZ\x00": "xz-compressed", b"\x28\xb5\x2f\xfd": "zstd-compressed",
+         b"PAR1": "a Parquet file", b"SQLite format 3\x00": "an SQLite database"}
+"""The first bytes of files that are not text, and what they are."""
+
+
+def not_text(path: str, kind: str) -> tuple[str, str] | None:
+    """(what, fix) when a file named as text (.jsonl, .json, .csv, .txt) starts as a file of another kind does: read
+    as text, its first bytes would be called "not UTF-8, probably Latin-1"."""
+    with open_bytes(path) as f:
+        head = f.read(16)
+    for magic, what in MAGIC.items():
+        if head.startswith(magic):
+            fix = (f"name it with .gz at the end (name{kind}.gz: read as it is decompressed), or decompress it"
+                   if what == "gzip-compressed" else
+                   "name it .parquet" if what == "a Parquet file" else
+                   f"export the rows as {kind} (or .parquet), or point the path at the file that holds them")
+            return f"the file is {what}, not {kind} text (its first bytes: {head[:len(magic)]!r})", fix
+    return None
+
+
 def utf16(path: Path) -> tuple[str, str] | None:
     """(what, fix) when the file starts with a UTF-16 byte-order mark, else None."""
     with open_bytes(str(path)) as f:

@@ -33,6 +33,7 @@ from accel_fsdp.data.file_checks import (
     json_error,
     json_type,
     lone_surrogate,
+    not_text,
     not_utf8,
     not_utf8_line,
     nul_line,
@@ -206,6 +207,8 @@ class SourceReader:
             check_gzip(p, self.where)
         if p.stat().st_size == 0 or (builder != "parquet" and not has_text(p)):
             raise UserError(Problem(self.where, f"data file {f.name!r} is empty", "put training rows in it"))
+        if builder != "parquet" and (problem := not_text(f.path, kind)):
+            raise UserError(Problem(f"{self.where} ({f.path})", *problem))
         if kind == ".jsonl":
             problem = utf16(p)  # the rest of a JSON Lines file is checked line by line as it streams
         else:
@@ -393,8 +396,18 @@ class SourceReader:
 
     def missing_field(self, number: int, row: dict, field: str) -> None:
         key = field_key(self.recipe, self.index, FIELD_KEYS.get(field, field))
-        self.bad(f"missing {field}", number, f"has no field {getattr(self.source, FIELD_KEYS.get(field, field))!r} "
-                 f"(its fields: {', '.join(sorted(map(str, row)))})", f"set {key} to one of them", key)
+        name = getattr(self.source, FIELD_KEYS.get(field, field))
+        fix = f"set {key} to one of them"
+        holder = next((k for k, v in row.items() if isinstance(v, list) and v and isinstance(v[0], dict)
+                       and name in v[0]), None)
+        if holder is not None and len(row) == 1:  # {"data": [rows]}: the rows are one level down
+            fix = (f"its field {holder!r} holds the rows: write them one per line (.jsonl), or as the file's JSON "
+                   "list (.json)")
+        elif len(row) == 1 and any(sep in str(k) for k in row for sep in ";\t|"):
+            fix = ("its first line looks separated by ';', a tab or '|', and a .csv file is read with commas: save it "
+                   "with commas")
+        self.bad(f"missing {field}", number, f"has no field {name!r} (its fields: {', '.join(sorted(map(str, row)))})",
+                 fix, key)
 
     def raise_problems(self) -> None:
         if self.problems:
