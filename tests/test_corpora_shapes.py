@@ -78,6 +78,13 @@ MISTAKES = [
      "the file is gzip-compressed, not .jsonl text"),
     ("workbook-named-csv", "d.csv", b"PK\x03\x04" + bytes(40), "text", (), "the file is a zip archive (an .xlsx"),
     ("parquet-named-json", "d.json", b"PAR1" + bytes(40), "text", (), "the file is a Parquet file, not .json text"),
+    ("jsonl-holding-an-indented-list", "d.jsonl", json.dumps([{"text": TEXT}] * 2, indent=2), "text", (),
+     "line 1: invalid JSON (Expecting value at column 1)\n    fix: the file looks like one JSON document over several "
+     "lines (a list, or objects written with an indent): name it .json"),
+    ("jsonl-holding-indented-objects", "d.jsonl", json.dumps({"text": TEXT}, indent=1), "text", (),
+     "name it .json, or write one object per line"),
+    ("jsonl-holding-a-list", "d.jsonl", json.dumps([{"text": TEXT}] * 2), "text", (), "found a list\n    fix: the "
+     "file looks like one JSON document"),
     # rows one level down, columns split by another separator: the fix says so (it said: set text_field to them)
     ("json-one-object-holding-the-rows", "d.json", json.dumps({"data": [{"text": TEXT}] * 3}), "text", (),
      "its field 'data' holds the rows: write them one per line (.jsonl), or as the file's JSON list"),

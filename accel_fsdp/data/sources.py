@@ -356,11 +356,11 @@ class SourceReader:
                         raise UserError(Problem(f"{self.where} ({self.file.path})", *nul_line(number, line))) from None
                     raise UserError(Problem(f"{self.where} ({self.file.path})",
                                             f"line {number}: invalid JSON ({json_error(e)})",
-                                            "fix the file: one JSON object per line (.jsonl)")) from None
+                                            _jsonl_fix(number, line))) from None
                 if not isinstance(row, dict):
                     raise UserError(Problem(f"{self.where} ({self.file.path})", f"line {number}: expected a JSON "
                                             f"object per line, found {json_type(row)}",
-                                            "fix the file: one JSON object per line (.jsonl)"))
+                                            _jsonl_fix(number, line)))
                 if (b"\\ud" in line or b"\\uD" in line) and (half := lone_surrogate(row)):
                     raise UserError(Problem(f"{self.where} ({self.file.path})", f"line {number}: {half}",
                                             SURROGATE_FIX))
@@ -412,6 +412,16 @@ class SourceReader:
     def raise_problems(self) -> None:
         if self.problems:
             raise UserError(self.problems, title=f"data {self.file.name} has {len(self.problems)} problems")
+
+
+def _jsonl_fix(number: int, line: bytes) -> str:
+    """The fix for a line of a .jsonl file that is not an object: a whole JSON document over several lines (a list,
+    objects written with an indent) is a .json file's shape."""
+    head = line.strip().lstrip(b"\xef\xbb\xbf")
+    if head in (b"[", b"{") or (number == 1 and head.startswith(b"[")):
+        return ("the file looks like one JSON document over several lines (a list, or objects written with an "
+                "indent): name it .json, or write one object per line")
+    return "fix the file: one JSON object per line (.jsonl)"
 
 
 FIELD_KEYS = {"text": "text_field", "instruction": "instruction_field", "input": "input_field",
