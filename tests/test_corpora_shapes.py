@@ -206,3 +206,27 @@ def test_two_ranks_train_on_a_gzip_compressed_corpus(tmp_path, tiny_gpt2, storie
     assert "stories" in proc.stdout and str(packed) in proc.stdout, proc.stdout
     steps = [row for row in read_metrics(tmp_path / "run") if "loss" in row]
     assert [row["step"] for row in steps][-1] == 3 and all(math.isfinite(row["loss"]) for row in steps)
+
+
+def _texts(path: Path, fmt: str = "text", field: str = "text") -> list:
+    from accel_fsdp.config.recipe import recipe_from_text
+    from accel_fsdp.data.sources import SourceReader
+
+    recipe = recipe_from_text(f"model: {{architecture: gpt2, tokenizer: 'builtin:quickstart'}}\n"
+                              f"data: {{path: '{path}', format: {fmt}}}\n", source="r.yaml")
+    reader = SourceReader(recipe, recipe.data.resolved_sources()[0], 0).open()
+    return [row[field] for _, rows in reader.batches(100) for row in rows]
+
+
+def test_a_csv_cell_is_the_text_it_holds(tmp_path):
+    """pandas made "NA", "None", "null" and "NaN" missing (a story of that text skipped as empty, an answer "None"
+    refused as missing) and a column of numbers numbers (an answer "42" refused as not text, "1.50" read as 1.5)."""
+    words = tmp_path / "words.csv"
+    words.write_text("text\nNA\nNone\nnull\nNaN\nalice has a cat\n")
+    assert _texts(words) == ["NA", "None", "null", "NaN", "alice has a cat"]
+    answers = tmp_path / "answers.csv"
+    answers.write_text("instruction,input,output\nhow many?,,42\nhow much?,,1.50\nwhich?,,None\n")
+    assert _texts(answers, "instruction", "output") == ["42", "1.50", "None"]
+    assert _texts(answers, "instruction", "input") == ["", "", ""]
+    code, out = cli(*prepare(answers, "instruction"))
+    assert code == 0 and "3 rows read; 3 train" in out, out

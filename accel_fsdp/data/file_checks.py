@@ -40,6 +40,27 @@ def csv_without_rows(path: str) -> bool:
         return sum(1 for line in f if line.strip()) <= 1
 
 
+def csv_as_text(path: str) -> dict:
+    """datasets' CSV options that read every cell as the text it is: pandas would make a column of numbers numbers (an
+    answer "42" refused as not text, "1.50" read as 1.5) and the words NA, N/A, null, None, NaN and an empty cell
+    missing (a story "None" skipped as empty). Every column typed string (datasets passes `features` to
+    pandas as dtype: packaged_modules/csv/csv.py, _generate_tables, checked with datasets 5.2.0) and pandas' own list
+    of missing-value words off: an empty cell is an empty string. A header of repeated or missing names (pandas renames
+    them) keeps pandas' types."""
+    import csv
+    import io
+
+    with open_bytes(path) as f:
+        first = f.readline(1 << 20).decode("utf-8", errors="replace").removeprefix("\ufeff")
+    names = next(csv.reader(io.StringIO(first)), [])
+    options: dict = {"keep_default_na": False}
+    if names and all(names) and len(set(names)) == len(names):
+        import datasets
+
+        options["features"] = datasets.Features({name: datasets.Value("string") for name in names})
+    return options
+
+
 def json_error(e: ValueError) -> str:
     """What json found wrong, and at which column (its `msg` alone may end in "at", the position cut off)."""
     if isinstance(e, json.JSONDecodeError):

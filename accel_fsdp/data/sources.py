@@ -26,6 +26,7 @@ from accel_fsdp.data.file_checks import (
     UTF8_FIX,
     check_gzip,
     count_lines,
+    csv_as_text,
     csv_without_rows,
     file_type,
     find_bad_json_line,
@@ -251,6 +252,8 @@ class SourceReader:
         # encoding, plain utf-8 by default, and the mark became the first example's first character: checked with
         # datasets 5.2.0, packaged_modules/text/text.py); JSON and CSV readers drop it themselves.
         kwargs: dict[str, Any] = {"sample_by": "paragraph", "encoding": "utf-8-sig"} if builder == "text" else {}
+        if builder == "csv":
+            kwargs = csv_as_text(self.file.path)
         try:
             with _library_logs_silenced():  # datasets logs its own error line before raising: one message per mistake
                 return datasets.load_dataset(builder, data_files=self.file.path, split="train", **kwargs)
