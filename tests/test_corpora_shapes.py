@@ -85,6 +85,8 @@ MISTAKES = [
      "name it .json, or write one object per line"),
     ("jsonl-holding-a-list", "d.jsonl", json.dumps([{"text": TEXT}] * 2), "text", (), "found a list\n    fix: the "
      "file looks like one JSON document"),
+    ("jsonl-with-carriage-returns-alone", "d.jsonl", ROWS.replace("\n", "\r"), "text", (),
+     "line 1: invalid JSON (Extra data at column 29)\n    fix: its lines end in a carriage return alone"),
     # rows one level down, columns split by another separator: the fix says so (it said: set text_field to them)
     ("json-one-object-holding-the-rows", "d.json", json.dumps({"data": [{"text": TEXT}] * 3}), "text", (),
      "its field 'data' holds the rows: write them one per line (.jsonl), or as the file's JSON list"),

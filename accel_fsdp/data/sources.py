@@ -421,6 +421,9 @@ def _jsonl_fix(number: int, line: bytes) -> str:
     """The fix for a line of a .jsonl file that is not an object: a whole JSON document over several lines (a list,
     objects written with an indent) is a .json file's shape."""
     head = line.strip().lstrip(b"\xef\xbb\xbf")
+    if b"}\r{" in head.replace(b" ", b""):
+        return ("its lines end in a carriage return alone (\\r, the old Mac OS line end), so it reads as one line: "
+                "convert them, e.g. tr '\\r' '\\n' < FILE > FILE.jsonl")
     if head in (b"[", b"{") or (number == 1 and head.startswith(b"[")):
         return ("the file looks like one JSON document over several lines (a list, or objects written with an "
                 "indent): name it .json, or write one object per line")
