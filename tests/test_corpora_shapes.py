@@ -232,3 +232,15 @@ def test_a_csv_cell_is_the_text_it_holds(tmp_path):
     assert _texts(answers, "instruction", "input") == ["", "", ""]
     code, out = cli(*prepare(answers, "instruction"))
     assert code == 0 and "3 rows read; 3 train" in out, out
+
+
+def test_a_txt_files_example_is_named_as_its_paragraph(tmp_path, monkeypatch):
+    """An example of a .txt file is a paragraph: a message counts paragraphs, and says so (it said "row 2", which a
+    person looks for as the second line)."""
+    from accel_fsdp.data import sources
+
+    monkeypatch.setattr(sources, "MAX_ROW_BYTES", 1000)
+    path = tmp_path / "t.txt"
+    path.write_text(f"{TEXT}\n{TEXT}\n\n" + "bob " * 400 + "\n")
+    msg = user_error(*prepare(path))
+    assert "t.txt): paragraph 2 holds 0 MiB of text, more than the 0 MiB a row may hold" in msg, msg

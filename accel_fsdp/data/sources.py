@@ -80,6 +80,12 @@ class SourceFile:
     def rows_are_lines(self) -> bool:
         return self.type == ".jsonl"
 
+    @property
+    def row_word(self) -> str:
+        """What a message calls a row of this file: a .jsonl file's line, a .txt file's paragraph (an example is one:
+        its number counts paragraphs, not lines), else a row."""
+        return "line" if self.rows_are_lines else "paragraph" if self.type == ".txt" else "row"
+
 
 def locate(recipe, source: SourceConfig, key: str) -> SourceFile:
     """Resolve a source's path: a local file (relative to the working directory, else to the recipe's folder),
@@ -337,7 +343,7 @@ class SourceReader:
             yield numbers[start:], rows[start:]
 
     def _too_long(self, number: int, what: str) -> UserError:
-        row = "line" if self.file.rows_are_lines else "row"
+        row = self.file.row_word
         return UserError(Problem(f"{self.where} ({self.file.path or self.file.name})",
                                  f"{row} {number} {what}, more than the {MAX_ROW_BYTES >> 20} MiB a row may hold "
                                  "(tokenizing it would take about 40 times that in memory)",
@@ -393,7 +399,7 @@ class SourceReader:
         if kind in self._kinds or len(self.problems) >= MAX_PROBLEMS:
             return
         self._kinds.add(kind)
-        row = "line" if self.file.rows_are_lines else "row"
+        row = self.file.row_word
         where = self.recipe.where(key) if key else self.where
         self.problems.append(Problem(where, f"{self.file.name} {row} {number}: {message}", fix))
 
