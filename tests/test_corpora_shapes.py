@@ -244,3 +244,16 @@ def test_a_txt_files_example_is_named_as_its_paragraph(tmp_path, monkeypatch):
     path.write_text(f"{TEXT}\n{TEXT}\n\n" + "bob " * 400 + "\n")
     msg = user_error(*prepare(path))
     assert "t.txt): paragraph 2 holds 0 MiB of text, more than the 0 MiB a row may hold" in msg, msg
+
+
+def test_a_mixture_names_the_source_whose_file_is_bad(tmp_path):
+    """One source fine, the other holding a lone surrogate: the message names the second by its key and file."""
+    good, bad = tmp_path / "good.jsonl.gz", tmp_path / "bad.jsonl"
+    good.write_bytes(gzip.compress(ROWS.encode()))
+    bad.write_text(ROWS + '{"text": "a \\ud800"}\n')
+    recipe = tmp_path / "mix.yaml"
+    recipe.write_text(f"model: {{architecture: gpt2, tokenizer: 'builtin:quickstart'}}\n"
+                      f"data:\n  sources:\n    - {{path: '{good}', weight: 0.5}}\n    - {{path: '{bad}', weight: 0.5}}\n"
+                      f"  eval_fraction: 0\ntraining: {{micro_batch_size: 1, global_batch_size: 1}}\n")
+    msg = user_error("data", "prepare", recipe)
+    assert f"mix.yaml:5: data.sources.1.path ({bad}): line 5: field 'text' holds \\ud800" in msg, msg
