@@ -12,7 +12,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import cli, user_error
 
 TEXT = "alice has a cat"
@@ -49,8 +48,8 @@ MISTAKES = [
     # NUL bytes: UTF-16 without its byte-order mark is UTF-8 to a decoder, and was read as text with a NUL every
     # other character; a NUL pasted into a CSV went to the tokenizer
     ("utf16-without-bom-txt", "d.txt", ((TEXT + "\n\n") * 3).encode("utf-16-le"), "text", (),
-     "line 1 holds a NUL byte (0x00 at column 2), every other byte; the file is probably UTF-16 without a "
-     "byte-order mark"),
+     ("line 1 holds a NUL byte (0x00 at column 2), every other byte; the file is probably UTF-16 without a "
+     "byte-order mark")),
     ("utf16-without-bom-jsonl", "d.jsonl", ROWS.encode("utf-16-le"), "text", (), "probably UTF-16 without a"),
     ("nul-in-a-csv", "d.csv", "text\n" + (TEXT + "\n") * 3 + "ali\x00ce\n", "text", (),
      "line 5 holds a NUL byte (0x00 at column 4); text has none"),
@@ -79,12 +78,12 @@ MISTAKES = [
     ("workbook-named-csv", "d.csv", b"PK\x03\x04" + bytes(40), "text", (), "the file is a zip archive (an .xlsx"),
     ("parquet-named-json", "d.json", b"PAR1" + bytes(40), "text", (), "the file is a Parquet file, not .json text"),
     ("jsonl-holding-an-indented-list", "d.jsonl", json.dumps([{"text": TEXT}] * 2, indent=2), "text", (),
-     "line 1: invalid JSON (Expecting value at column 1)\n    fix: the file looks like one JSON document over several "
-     "lines (a list, or objects written with an indent): name it .json"),
+     ("line 1: invalid JSON (Expecting value at column 1)\n    fix: the file looks like one JSON document over several "
+     "lines (a list, or objects written with an indent): name it .json")),
     ("jsonl-holding-indented-objects", "d.jsonl", json.dumps({"text": TEXT}, indent=1), "text", (),
      "name it .json, or write one object per line"),
-    ("jsonl-holding-a-list", "d.jsonl", json.dumps([{"text": TEXT}] * 2), "text", (), "found a list\n    fix: the "
-     "file looks like one JSON document"),
+    ("jsonl-holding-a-list", "d.jsonl", json.dumps([{"text": TEXT}] * 2), "text", (), ("found a list\n    fix: the "
+     "file looks like one JSON document")),
     ("jsonl-with-carriage-returns-alone", "d.jsonl", ROWS.replace("\n", "\r"), "text", (),
      "line 1: invalid JSON (Extra data at column 29)\n    fix: its lines end in a carriage return alone"),
     # rows one level down, columns split by another separator: the fix says so (it said: set text_field to them)
