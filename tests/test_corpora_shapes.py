@@ -256,3 +256,18 @@ def test_a_mixture_names_the_source_whose_file_is_bad(tmp_path):
                       f"  eval_fraction: 0\ntraining: {{micro_batch_size: 1, global_batch_size: 1}}\n")
     msg = user_error("data", "prepare", recipe)
     assert f"mix.yaml:5: data.sources.1.path ({bad}): line 5: field 'text' holds \\ud800" in msg, msg
+
+
+def test_many_rows_without_text_are_warned_about_by_row(tmp_path):
+    """A .json list whose rows hold their text under two keys: datasets fills the missing one with null, so those rows
+    read as empty and were skipped with a count alone. From 5% of the rows, a warning names them and the key."""
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{"text": TEXT}] * 3 + [{"body": TEXT}] * 2))
+    code, out = cli(*prepare(path))
+    assert code == 0, out
+    assert "warning: 2 of 5 rows (4, 5) have no text (the field empty, null, or missing from the row)" in out, out
+    assert "data.text_field" in out
+    few = tmp_path / "few.jsonl"
+    few.write_text(ROWS * 10 + '{"text": ""}\n')
+    code, out = cli(*prepare(few))
+    assert code == 0 and "1 empty rows skipped" in out and "have no text" not in out, out

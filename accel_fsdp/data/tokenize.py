@@ -89,8 +89,8 @@ class ExampleTokenizer:
         has_template = tokenizer is not None and bool(tokenizer.chat_template)
         self.template = ChatTemplate(tokenizer) if has_template else None
         self.chat_encoder = ChatEncoder(tokenizer) if has_template else None
-        self.empty = 0
-        """Rows of a text source whose text is empty (skipped, counted)."""
+        self.empty, self.empty_lines = 0, []
+        """Rows of a text source whose text is empty (skipped, counted), and the first few of them."""
         self.empty_turns, self.empty_turn_lines = 0, []
         """Rows kept whose preference prompt, or an assistant turn (not a pair's answer), is empty or whitespace, and
         the first few of them: they teach answers to nothing, or to answer nothing (a field named wrong, a conversation
@@ -146,6 +146,8 @@ class ExampleTokenizer:
                 continue
             if not value or not value.strip():
                 self.empty += 1
+                if len(self.empty_lines) < 5:
+                    self.empty_lines.append(n)
                 continue
             texts.append(value)
             kept.append(n)
