@@ -271,3 +271,15 @@ def test_many_rows_without_text_are_warned_about_by_row(tmp_path):
     few.write_text(ROWS * 10 + '{"text": ""}\n')
     code, out = cli(*prepare(few))
     assert code == 0 and "1 empty rows skipped" in out and "have no text" not in out, out
+
+
+def test_a_folder_of_shards_is_named_with_what_it_holds(tmp_path):
+    """A folder is not a source (HF-style data/train-0000N.jsonl shards): the message counts the data files in it
+    and says how to give them."""
+    shards = tmp_path / "my data"
+    shards.mkdir()
+    for k in range(3):
+        (shards / f"train-{k:05d}.jsonl.gz").write_bytes(gzip.compress(ROWS.encode()))
+    msg = user_error(*prepare(shards))
+    assert "my data' is a folder, holding 3 data files (train-00000.jsonl.gz, ...)" in msg, msg
+    assert "one entry of data.sources each" in msg

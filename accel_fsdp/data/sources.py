@@ -202,7 +202,9 @@ class SourceReader:
                                     "check the path (relative paths start at the working directory or the recipe's "
                                     "folder), or use builtin:quickstart"))
         if p.is_dir():
-            raise UserError(Problem(self.where, f"{f.name!r} is a folder", "point the path at one file"))
+            raise UserError(Problem(self.where, f"{f.name!r} is a folder{_data_files_in(p)}",
+                                    "point the path at one file; files of one corpus are sources of a mixture: one "
+                                    "entry of data.sources each (or join them: cat *.jsonl > all.jsonl)"))
         kind = f.type
         builder = FILE_TYPES.get(kind)
         if builder is None or (f.compressed and builder == "parquet"):
@@ -421,6 +423,14 @@ class SourceReader:
     def raise_problems(self) -> None:
         if self.problems:
             raise UserError(self.problems, title=f"data {self.file.name} has {len(self.problems)} problems")
+
+
+def _data_files_in(folder: Path) -> str:
+    """", holding 12 data files (train-00000.jsonl, ...)" for a folder of shards, else ""."""
+    files = sorted(p.name for p in folder.iterdir() if p.is_file() and file_type(p.name)[0] in FILE_TYPES)
+    if not files:
+        return ""
+    return f", holding {len(files)} data file{'s' if len(files) > 1 else ''} ({files[0]}{', ...' if len(files) > 1 else ''})"
 
 
 def _jsonl_fix(number: int, line: bytes) -> str:
