@@ -252,7 +252,8 @@ def test_a_mixture_names_the_source_whose_file_is_bad(tmp_path):
     bad.write_text(ROWS + '{"text": "a \\ud800"}\n')
     recipe = tmp_path / "mix.yaml"
     recipe.write_text(f"model: {{architecture: gpt2, tokenizer: 'builtin:quickstart'}}\n"
-                      f"data:\n  sources:\n    - {{path: '{good}', weight: 0.5}}\n    - {{path: '{bad}', weight: 0.5}}\n"
+                      f"data:\n  sources:\n    - {{path: '{good}', weight: 0.5}}\n"
+                      f"    - {{path: '{bad}', weight: 0.5}}\n"
                       f"  eval_fraction: 0\ntraining: {{micro_batch_size: 1, global_batch_size: 1}}\n")
     msg = user_error("data", "prepare", recipe)
     assert f"mix.yaml:5: data.sources.1.path ({bad}): line 5: field 'text' holds \\ud800" in msg, msg

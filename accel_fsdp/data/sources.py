@@ -430,7 +430,8 @@ def _data_files_in(folder: Path) -> str:
     files = sorted(p.name for p in folder.iterdir() if p.is_file() and file_type(p.name)[0] in FILE_TYPES)
     if not files:
         return ""
-    return f", holding {len(files)} data file{'s' if len(files) > 1 else ''} ({files[0]}{', ...' if len(files) > 1 else ''})"
+    more = len(files) > 1
+    return f", holding {len(files)} data file{'s' if more else ''} ({files[0]}{', ...' if more else ''})"
 
 
 def _jsonl_fix(number: int, line: bytes) -> str:
