@@ -91,6 +91,11 @@ MISTAKES = [
      "its field 'data' holds the rows: write them one per line (.jsonl), or as the file's JSON list"),
     ("csv-separated-by-semicolons", "d.csv", f"text;id\n{TEXT};1\n", "text", (),
      "its first line looks separated by ';'"),
+    # rows of another format than the recipe's: the fix names the format (it said: set text_field to a field)
+    ("chat-rows-read-as-text", "d.jsonl", CHAT + "\n", "text", (),
+     "has no field 'text' (its fields: messages)\n    fix: the rows look like chat data: set data.format: chat"),
+    ("pairs-read-as-instructions", "d.jsonl", PAIR + "\n", "instruction", (),
+     "the rows look like preference data: set data.format: preference"),
     # a message in another library's shape says which
     ("chat-sharegpt-turns", "d.jsonl", json.dumps({"messages": [{"from": "human", "value": "a"},
                                                                 {"from": "gpt", "value": "b"}]}) + "\n", "chat", (),

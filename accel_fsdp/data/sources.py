@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from accel_fsdp.config.recipe import SourceConfig
+from accel_fsdp.config.recipe import DataConfig, SourceConfig
 from accel_fsdp.data.file_checks import (
     COMPRESSED,
     SURROGATE_FIX,
@@ -414,6 +414,9 @@ class SourceReader:
         if holder is not None and len(row) == 1:  # {"data": [rows]}: the rows are one level down
             fix = (f"its field {holder!r} holds the rows: write them one per line (.jsonl), or as the file's JSON "
                    "list (.json)")
+        elif (other := _format_of(row)) not in (None, self.source.format):
+            format_key = f"data.sources.{self.index}.format" if self.recipe.data.sources else "data.format"
+            fix = f"the rows look like {other} data: set {format_key}: {other} (or {key} to the field that holds it)"
         elif len(row) == 1 and any(sep in str(k) for k in row for sep in ";\t|"):
             fix = ("its first line looks separated by ';', a tab or '|', and a .csv file is read with commas: save it "
                    "with commas")
@@ -423,6 +426,16 @@ class SourceReader:
     def raise_problems(self) -> None:
         if self.problems:
             raise UserError(self.problems, title=f"data {self.file.name} has {len(self.problems)} problems")
+
+
+def _format_of(row: dict) -> str | None:
+    """The format whose default fields a row holds all of (chosen and rejected: preference), or None."""
+    defaults = DataConfig()
+    for fmt, fields in (("preference", ("chosen_field", "rejected_field")), ("chat", ("messages_field",)),
+                        ("instruction", ("instruction_field", "output_field")), ("text", ("text_field",))):
+        if all(getattr(defaults, f) in row for f in fields):
+            return fmt
+    return None
 
 
 def _data_files_in(folder: Path) -> str:
