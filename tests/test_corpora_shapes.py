@@ -96,6 +96,9 @@ MISTAKES = [
      "has no field 'text' (its fields: messages)\n    fix: the rows look like chat data: set data.format: chat"),
     ("pairs-read-as-instructions", "d.jsonl", PAIR + "\n", "instruction", (),
      "the rows look like preference data: set data.format: preference"),
+    ("a-dotted-field-name", "d.jsonl", json.dumps({"data": {"text": TEXT}}) + "\n", "text",
+     ("--set", "data.text_field=data.text"), ("a field name is a key of the row, not a path into 'data': write the rows "
+     "with the text at the top (e.g. jq -c '{text: .data.text}' FILE)")),
     # a message in another library's shape says which
     ("chat-sharegpt-turns", "d.jsonl", json.dumps({"messages": [{"from": "human", "value": "a"},
                                                                 {"from": "gpt", "value": "b"}]}) + "\n", "chat", (),

@@ -414,6 +414,9 @@ class SourceReader:
         if holder is not None and len(row) == 1:  # {"data": [rows]}: the rows are one level down
             fix = (f"its field {holder!r} holds the rows: write them one per line (.jsonl), or as the file's JSON "
                    "list (.json)")
+        elif "." in name and isinstance(row.get(name.split(".")[0]), dict):
+            fix = (f"a field name is a key of the row, not a path into {name.split('.')[0]!r}: write the rows with the "
+                   f"text at the top (e.g. jq -c '{{{name.rsplit('.', 1)[-1]}: .{name}}}' FILE), or set {key} to a key")
         elif (other := _format_of(row)) not in (None, self.source.format):
             format_key = f"data.sources.{self.index}.format" if self.recipe.data.sources else "data.format"
             fix = f"the rows look like {other} data: set {format_key}: {other} (or {key} to the field that holds it)"
