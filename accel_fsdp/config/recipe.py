@@ -100,7 +100,8 @@ class SourceConfig:
     """Name in the summary and the metrics (source_tokens, eval_loss_by_source). Default: the file stem, the hub
     dataset's name, or the built-in name."""
     path: str | None = None
-    """Local .jsonl/.json/.csv/.parquet/.txt file, a hub dataset (owner/name or hub:name), or builtin:NAME."""
+    """Local .jsonl/.json/.csv/.parquet/.txt file (gzip-compressed: .jsonl.gz), a hub dataset (owner/name or
+    hub:name), or builtin:NAME."""
     weight: float = 1.0
     """Share of the mixture: of the loss-carrying tokens (data.mix_by: tokens) or of the training units (rows:
     sequences, or preference pairs). Weights are relative: they are divided by their sum."""
@@ -135,8 +136,8 @@ class DataConfig:
     """What the model learns from: one source (data.path and its keys) or a weighted mixture (data.sources)."""
 
     path: str = ""
-    """One source: a local .jsonl/.json/.csv/.parquet/.txt file, a hub dataset (owner/name or hub:name), or
-    builtin:quickstart. For several, use data.sources instead."""
+    """One source: a local .jsonl/.json/.csv/.parquet/.txt file (gzip-compressed: .jsonl.gz), a hub dataset
+    (owner/name or hub:name), or builtin:quickstart. For several, use data.sources instead."""
     sources: list[SourceConfig] = field(default_factory=list)
     """A mixture: a list of sources, each with a path, a weight and optionally its own format and field names
     (the keys below serve as their defaults). Exclusive with data.path."""
@@ -198,9 +199,11 @@ class DataConfig:
 
 
 def default_source_name(path: str) -> str:
-    """`stories` for data/stories.jsonl, `ultrachat_200k` for HuggingFaceH4/ultrachat_200k, `quickstart` for
-    builtin:quickstart."""
+    """`stories` for data/stories.jsonl (and stories.jsonl.gz), `ultrachat_200k` for HuggingFaceH4/ultrachat_200k,
+    `quickstart` for builtin:quickstart."""
     text = path.removeprefix("hub:").removeprefix("builtin:").rstrip("/")
+    if text.lower().endswith(".gz"):  # stories.jsonl.gz, compressed: stories
+        text = text[:-3]
     return Path(text).stem if Path(text).suffix else (text.rsplit("/", 1)[-1] or path)
 
 

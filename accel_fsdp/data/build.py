@@ -181,7 +181,8 @@ class _Build:
         """Close the tables; refuse a source that trains nothing (no rows, no loss token, pairs that prefer
         nothing)."""
         stats = self.stats
-        stats.empty_rows = self.tokenize.empty
+        stats.empty_rows, stats.empty_lines = self.tokenize.empty, self.tokenize.empty_lines
+        stats.empty_turn_rows, stats.empty_turn_lines = self.tokenize.empty_turns, self.tokenize.empty_turn_lines
         table = self.train.close()
         if self.evaluation is not None:
             stats.eval_sequences = self.evaluation.close()["sequences"]

@@ -25,6 +25,8 @@ class SourceStats:
     rows_read: int = 0
     empty_rows: int = 0
     """Rows of a text source whose text is empty: skipped."""
+    empty_lines: list[int] = field(default_factory=list)
+    """The rows (lines) of the first few of them."""
     train_rows: int = 0
     """Training examples (non-empty rows not held out)."""
     eval_rows: int = 0
@@ -57,8 +59,16 @@ class SourceStats:
     prefer nothing, and were skipped (data/build.py refuses a source of mostly such pairs)."""
     no_signal_lines: list[int] = field(default_factory=list)
     """The rows (lines) of the first few of them."""
+    empty_turn_rows: int = 0
+    """Rows trained on whose preference prompt, or an assistant turn (not the answer of a pair), is empty or
+    whitespace: warned about (a field named wrong, a conversation cut), not refused."""
+    empty_turn_lines: list[int] = field(default_factory=list)
+    """The rows (lines) of the first few of them."""
 
     TRUNCATION_WARNING = 0.05
+    EMPTY_WARNING = 0.05
+    """Share of empty rows from which they are warned about: a few are blank records, many a field named wrong (in a
+    .json list or a CSV, a row without the field reads as one whose field is empty)."""
     UNKNOWN_WARNING = 0.01
 
     def summary(self) -> str:
@@ -93,6 +103,17 @@ class SourceStats:
             out.append(f"{self.name + ': ' if named else ''}{self.no_signal_pairs:,} pairs (rows {rows}) have a chosen "
                        "and a rejected answer that are the same once tokenized, or differ in whitespace alone: they "
                        "prefer nothing and were skipped (remove them from the data to silence this)")
+        if self.empty_rows and self.empty_rows >= self.EMPTY_WARNING * self.rows_read:
+            rows = ", ".join(map(str, self.empty_lines)) + (", ..." if self.empty_rows > 5 else "")
+            out.append(f"{self.name + ': ' if named else ''}{self.empty_rows:,} of {self.rows_read:,} rows ({rows}) "
+                       "have no text (the field empty, null, or missing from the row) and were skipped: check the "
+                       "field name (data.text_field), and whether those rows hold their text under another key")
+        if self.empty_turn_rows:
+            rows = ", ".join(map(str, self.empty_turn_lines)) + (", ..." if self.empty_turn_rows > 5 else "")
+            out.append(f"{self.name + ': ' if named else ''}{self.empty_turn_rows:,} rows ({rows}) have an empty "
+                       f"{'prompt, or an assistant turn' if self.pairs else 'assistant turn'} (or only whitespace): "
+                       "they teach the model to answer nothing, or answers to no question (check the field names, "
+                       "and fill or remove those rows)")
         unknown = self.unknown_tokens / max(1, self.tokens_read)
         if unknown >= self.UNKNOWN_WARNING:
             out.append(f"{self.name + ': ' if named else ''}{100 * unknown:.1f}% of the tokens "

@@ -19,10 +19,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from accel_fsdp.config.recipe import SourceConfig
+from accel_fsdp.config.recipe import DataConfig, SourceConfig
+from accel_fsdp.data.file_checks import (
+    COMPRESSED,
+    SURROGATE_FIX,
+    UTF8_FIX,
+    check_gzip,
+    count_lines,
+    csv_as_text,
+    csv_without_rows,
+    file_type,
+    find_bad_json_line,
+    has_text,
+    json_error,
+    json_type,
+    lone_surrogate,
+    not_text,
+    not_utf8,
+    not_utf8_line,
+    nul_line,
+    open_bytes,
+    surrogate_escapes,
+    utf16,
+)
 from accel_fsdp.data.synthetic import BUILTIN_DATA, write_builtin
 from accel_fsdp.errors import Problem, UserError
 
+JSON_FIX = "fix the file: one JSON object per line (.jsonl), or one JSON list of objects (.json)"
 FILE_TYPES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_PROBLEMS = 5
@@ -45,8 +68,23 @@ class SourceFile:
     """What messages call it: the path as the user wrote it, or the hub id."""
 
     @property
+    def type(self) -> str:
+        """The file's type, lowercased: .jsonl for data.jsonl, DATA.JSONL and data.jsonl.gz ('' for no file)."""
+        return file_type(self.path)[0] if self.path is not None else ""
+
+    @property
+    def compressed(self) -> bool:
+        return self.path is not None and file_type(self.path)[1]
+
+    @property
     def rows_are_lines(self) -> bool:
-        return self.path is not None and self.path.endswith(".jsonl")
+        return self.type == ".jsonl"
+
+    @property
+    def row_word(self) -> str:
+        """What a message calls a row of this file: a .jsonl file's line, a .txt file's paragraph (an example is one:
+        its number counts paragraphs, not lines), else a row."""
+        return "line" if self.rows_are_lines else "paragraph" if self.type == ".txt" else "row"
 
 
 def locate(recipe, source: SourceConfig, key: str) -> SourceFile:
@@ -71,22 +109,9 @@ def locate(recipe, source: SourceConfig, key: str) -> SourceFile:
             raise UserError(Problem(recipe.where(key), f"{path} names two different files: {p.absolute()} (from "
                                     f"the working directory) and {alt.absolute()} (next to the recipe)",
                                     f"write ./{path} for the first, or the absolute path of either"))
-    if not p.exists() and p.suffix.lower() not in FILE_TYPES and re.fullmatch(r"[\w.-]+/[\w.-]+", path):
+    if not p.exists() and file_type(path)[0] not in FILE_TYPES and re.fullmatch(r"[\w.-]+/[\w.-]+", path):
         return SourceFile("hub", None, path)  # owner/name with no such local file: a hub dataset
     return SourceFile("file", str(p), path)
-
-
-def _csv_without_rows(path: str) -> bool:
-    """A CSV file of one line (its header) or none: datasets says only 'Instruction "train" corresponds to no data'."""
-    with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip()) <= 1
-
-
-def _json_error(e: ValueError) -> str:
-    """What json found wrong, and at which column (its `msg` alone may end in "at", the position cut off)."""
-    if isinstance(e, json.JSONDecodeError):
-        return f"{e.msg.removesuffix(' at')} at column {e.colno}"
-    return str(e)
 
 
 FORMAT_FIELDS = {"text": ("text_field",), "instruction": ("instruction_field", "input_field", "output_field"),
@@ -177,22 +202,35 @@ class SourceReader:
                                     "check the path (relative paths start at the working directory or the recipe's "
                                     "folder), or use builtin:quickstart"))
         if p.is_dir():
-            raise UserError(Problem(self.where, f"{f.name!r} is a folder", "point the path at one file"))
-        builder = FILE_TYPES.get(p.suffix.lower())
-        if builder is None:
-            raise UserError(Problem(self.where, f"unsupported file type {p.suffix!r}",
-                                    f"use one of {', '.join(FILE_TYPES)}"))
-        if p.stat().st_size == 0 or (builder != "parquet" and not _has_text(p)):
+            raise UserError(Problem(self.where, f"{f.name!r} is a folder{_data_files_in(p)}",
+                                    "point the path at one file; files of one corpus are sources of a mixture: one "
+                                    "entry of data.sources each (or join them: cat *.jsonl > all.jsonl)"))
+        kind = f.type
+        builder = FILE_TYPES.get(kind)
+        if builder is None or (f.compressed and builder == "parquet"):
+            shown = kind + COMPRESSED if f.compressed else kind
+            raise UserError(Problem(f"{self.where} ({f.path})", f"unsupported file type {shown!r}",
+                                    f"use one of {', '.join(FILE_TYPES)} (each but .parquet may end in "
+                                    f"{COMPRESSED}: gzip-compressed)"))
+        if f.compressed:
+            check_gzip(p, self.where)
+        if p.stat().st_size == 0 or (builder != "parquet" and not has_text(p)):
             raise UserError(Problem(self.where, f"data file {f.name!r} is empty", "put training rows in it"))
-        if p.suffix.lower() == ".jsonl":
+        if builder != "parquet" and (problem := not_text(f.path, kind)):
+            raise UserError(Problem(f"{self.where} ({f.path})", *problem))
+        if kind == ".jsonl":
             problem = utf16(p)  # the rest of a JSON Lines file is checked line by line as it streams
         else:
             problem = not_utf8(p) if builder != "parquet" else None
         if problem:
-            raise UserError(Problem(f"{self.where} ({f.path})", problem, UTF8_FIX))
-        if p.suffix.lower() not in (".jsonl", ".parquet"):
+            raise UserError(Problem(f"{self.where} ({f.path})", *problem))
+        if kind == ".json" and surrogate_escapes(f.path):
+            detail, fix = find_bad_json_line(f.path)
+            if detail:
+                raise UserError(Problem(f"{self.where} ({f.path})", detail, fix or JSON_FIX))
+        if kind not in (".jsonl", ".parquet"):
             self._dataset = self._load_file(builder)
-        elif p.suffix.lower() == ".parquet":
+        elif kind == ".parquet":
             try:
                 import pyarrow.parquet as pq
 
@@ -218,18 +256,25 @@ class SourceReader:
         import datasets
 
         datasets.disable_progress_bars()
-        kwargs: dict[str, Any] = {"sample_by": "paragraph"} if builder == "text" else {}
+        # utf-8-sig: a byte-order mark is not text (datasets' text builder opens the file with its config's
+        # encoding, plain utf-8 by default, and the mark became the first example's first character: checked with
+        # datasets 5.2.0, packaged_modules/text/text.py); JSON and CSV readers drop it themselves.
+        kwargs: dict[str, Any] = {"sample_by": "paragraph", "encoding": "utf-8-sig"} if builder == "text" else {}
+        if builder == "csv":
+            kwargs = csv_as_text(self.file.path)
         try:
             with _library_logs_silenced():  # datasets logs its own error line before raising: one message per mistake
                 return datasets.load_dataset(builder, data_files=self.file.path, split="train", **kwargs)
         except Exception as e:
-            detail = _find_bad_json_line(self.file.path) if builder == "json" else None
-            if builder == "csv" and detail is None and _csv_without_rows(self.file.path):
+            detail, fix = find_bad_json_line(self.file.path) if builder == "json" else (None, None)
+            if builder == "csv" and detail is None and csv_without_rows(self.file.path):
                 detail = "has a header line and no rows"
+            elif detail is None and "corresponds to no data" in _root_cause(e):  # [] or {}: datasets' words for it
+                detail, fix = "holds no rows", "put training rows in it"
             msg = detail or f"cannot read it as {builder}: {_root_cause(e)}"
-            fix = {"json": "fix the file: one JSON object per line (.jsonl), or one JSON list of objects (.json)",
-                   "csv": "fix the file: a header line, then the same number of comma-separated fields on every "
-                          "line (quote fields that contain commas)"}.get(builder, "fix the file")
+            fix = fix or {"json": JSON_FIX,
+                          "csv": "fix the file: a header line, then the same number of comma-separated fields on "
+                                 "every line (quote fields that contain commas)"}.get(builder, "fix the file")
             if detail == "has a header line and no rows":
                 fix = "add rows below the header, or point the path at the file that has them"
             raise UserError(Problem(f"{self.where} ({self.file.path})", msg, fix)) from None
@@ -240,12 +285,12 @@ class SourceReader:
         """Rows this source yields (max_rows applied), without reading them all into memory."""
         if self._dataset is not None:
             n = len(self._dataset)
-        elif self.file.path.endswith(".parquet"):
+        elif self.file.type == ".parquet":
             import pyarrow.parquet as pq
 
             n = pq.ParquetFile(self.file.path).metadata.num_rows
         else:
-            n = _count_lines(self.file.path)
+            n = count_lines(self.file.path)
         if n == 0:
             raise UserError(Problem(self.where, f"data file {self.file.name!r} has no rows", "put training rows in it"))
         return min(n, self.source.max_rows) if self.source.max_rows else n
@@ -273,7 +318,7 @@ class SourceReader:
                 count = len(chunk[keys[0]]) if keys else 0
                 yield from self._bounded(list(range(start + 1, start + count + 1)),
                                          [{k: chunk[k][i] for k in keys} for i in range(count)], max_bytes)
-        elif self.file.path.endswith(".parquet"):
+        elif self.file.type == ".parquet":
             import pyarrow.parquet as pq
 
             start = 0
@@ -300,7 +345,7 @@ class SourceReader:
             yield numbers[start:], rows[start:]
 
     def _too_long(self, number: int, what: str) -> UserError:
-        row = "line" if self.file.rows_are_lines else "row"
+        row = self.file.row_word
         return UserError(Problem(f"{self.where} ({self.file.path or self.file.name})",
                                  f"{row} {number} {what}, more than the {MAX_ROW_BYTES >> 20} MiB a row may hold "
                                  "(tokenizing it would take about 40 times that in memory)",
@@ -308,23 +353,28 @@ class SourceReader:
 
     def _jsonl_batches(self, size: int, max_bytes: int):
         numbers, rows, used = [], [], 0
-        with open(self.file.path, "rb") as f:
+        with open_bytes(self.file.path) as f:
             for number, line in self._lines(f):
                 if not line.strip():
                     continue
                 try:
                     row = json.loads(line)
                 except UnicodeDecodeError as e:
-                    raise UserError(Problem(f"{self.where} ({self.file.path})", _not_utf8_line(number, line, e),
-                                            UTF8_FIX)) from None
+                    problem = nul_line(number, line) if b"\0" in line else (not_utf8_line(number, line, e), UTF8_FIX)
+                    raise UserError(Problem(f"{self.where} ({self.file.path})", *problem)) from None
                 except ValueError as e:
+                    if b"\0" in line:
+                        raise UserError(Problem(f"{self.where} ({self.file.path})", *nul_line(number, line))) from None
                     raise UserError(Problem(f"{self.where} ({self.file.path})",
-                                            f"line {number}: invalid JSON ({_json_error(e)})",
-                                            "fix the file: one JSON object per line (.jsonl)")) from None
+                                            f"line {number}: invalid JSON ({json_error(e)})",
+                                            _jsonl_fix(number, line))) from None
                 if not isinstance(row, dict):
                     raise UserError(Problem(f"{self.where} ({self.file.path})", f"line {number}: expected a JSON "
-                                            f"object per line, found {type(row).__name__}",
-                                            "fix the file: one JSON object per line (.jsonl)"))
+                                            f"object per line, found {json_type(row)}",
+                                            _jsonl_fix(number, line)))
+                if (b"\\ud" in line or b"\\uD" in line) and (half := lone_surrogate(row)):
+                    raise UserError(Problem(f"{self.where} ({self.file.path})", f"line {number}: {half}",
+                                            SURROGATE_FIX))
                 numbers.append(number)
                 rows.append(row)
                 used += len(line)
@@ -351,18 +401,66 @@ class SourceReader:
         if kind in self._kinds or len(self.problems) >= MAX_PROBLEMS:
             return
         self._kinds.add(kind)
-        row = "line" if self.file.rows_are_lines else "row"
+        row = self.file.row_word
         where = self.recipe.where(key) if key else self.where
         self.problems.append(Problem(where, f"{self.file.name} {row} {number}: {message}", fix))
 
     def missing_field(self, number: int, row: dict, field: str) -> None:
         key = field_key(self.recipe, self.index, FIELD_KEYS.get(field, field))
-        self.bad(f"missing {field}", number, f"has no field {getattr(self.source, FIELD_KEYS.get(field, field))!r} "
-                 f"(its fields: {', '.join(sorted(map(str, row)))})", f"set {key} to one of them", key)
+        name = getattr(self.source, FIELD_KEYS.get(field, field))
+        fix = f"set {key} to one of them"
+        holder = next((k for k, v in row.items() if isinstance(v, list) and v and isinstance(v[0], dict)
+                       and name in v[0]), None)
+        if holder is not None and len(row) == 1:  # {"data": [rows]}: the rows are one level down
+            fix = (f"its field {holder!r} holds the rows: write them one per line (.jsonl), or as the file's JSON "
+                   "list (.json)")
+        elif "." in name and isinstance(row.get(name.split(".")[0]), dict):
+            fix = (f"a field name is a key of the row, not a path into {name.split('.')[0]!r}: write the rows with the "
+                   f"text at the top (e.g. jq -c '{{{name.rsplit('.', 1)[-1]}: .{name}}}' FILE), or set {key} to a key")
+        elif (other := _format_of(row)) not in (None, self.source.format):
+            format_key = f"data.sources.{self.index}.format" if self.recipe.data.sources else "data.format"
+            fix = f"the rows look like {other} data: set {format_key}: {other} (or {key} to the field that holds it)"
+        elif len(row) == 1 and any(sep in str(k) for k in row for sep in ";\t|"):
+            fix = ("its first line looks separated by ';', a tab or '|', and a .csv file is read with commas: save it "
+                   "with commas")
+        self.bad(f"missing {field}", number, f"has no field {name!r} (its fields: {', '.join(sorted(map(str, row)))})",
+                 fix, key)
 
     def raise_problems(self) -> None:
         if self.problems:
             raise UserError(self.problems, title=f"data {self.file.name} has {len(self.problems)} problems")
+
+
+def _format_of(row: dict) -> str | None:
+    """The format whose default fields a row holds all of (chosen and rejected: preference), or None."""
+    defaults = DataConfig()
+    for fmt, fields in (("preference", ("chosen_field", "rejected_field")), ("chat", ("messages_field",)),
+                        ("instruction", ("instruction_field", "output_field")), ("text", ("text_field",))):
+        if all(getattr(defaults, f) in row for f in fields):
+            return fmt
+    return None
+
+
+def _data_files_in(folder: Path) -> str:
+    """", holding 12 data files (train-00000.jsonl, ...)" for a folder of shards, else ""."""
+    files = sorted(p.name for p in folder.iterdir() if p.is_file() and file_type(p.name)[0] in FILE_TYPES)
+    if not files:
+        return ""
+    more = len(files) > 1
+    return f", holding {len(files)} data file{'s' if more else ''} ({files[0]}{', ...' if more else ''})"
+
+
+def _jsonl_fix(number: int, line: bytes) -> str:
+    """The fix for a line of a .jsonl file that is not an object: a whole JSON document over several lines (a list,
+    objects written with an indent) is a .json file's shape."""
+    head = line.strip().lstrip(b"\xef\xbb\xbf")
+    if b"}\r{" in head.replace(b" ", b""):
+        return ("its lines end in a carriage return alone (\\r, the old Mac OS line end), so it reads as one line: "
+                "convert them, e.g. tr '\\r' '\\n' < FILE > FILE.jsonl")
+    if head in (b"[", b"{") or (number == 1 and head.startswith(b"[")):
+        return ("the file looks like one JSON document over several lines (a list, or objects written with an "
+                "indent): name it .json, or write one object per line")
+    return "fix the file: one JSON object per line (.jsonl)"
 
 
 FIELD_KEYS = {"text": "text_field", "instruction": "instruction_field", "input": "input_field",
@@ -378,60 +476,18 @@ def check_messages(messages) -> str | None:
     has_assistant = False
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            return f"message {j + 1} is not a {{role, content}} object"
+            what = f"its keys: {', '.join(map(str, m))}" if isinstance(m, dict) else json_type(m)
+            if isinstance(m, dict) and "from" in m:
+                what += "; ShareGPT's form: role is from (user for human, assistant for gpt), content is value"
+            return f"message {j + 1} is not a {{role, content}} object ({what})"
         if m["role"] not in CHAT_ROLES:
             return f"message {j + 1} has unknown role {m['role']!r}"
         if not isinstance(m["content"], str):
-            return f"message {j + 1} content is not text"
+            return f"message {j + 1} content is not text ({json_type(m['content'])})"
         has_assistant |= m["role"] == "assistant"
     if not has_assistant:
         return "no assistant message, so nothing to learn"
     return None
-
-
-UTF8_FIX = "save the file as UTF-8, e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8 (or -f utf-16)"
-
-
-def utf16(path: Path) -> str | None:
-    with open(path, "rb") as f:
-        if f.read(4).startswith((b"\xff\xfe", b"\xfe\xff")):
-            return "the file is UTF-16 (it starts with a UTF-16 byte-order mark), not UTF-8"
-    return None
-
-
-def not_utf8(path: Path) -> str | None:
-    """Where a text file stops being UTF-8 ("line 3, byte 0xe9 at column 7: the file is probably Latin-1"), or None."""
-    problem = utf16(path)
-    if problem:
-        return problem
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
-            if line.isascii():
-                continue
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                return _not_utf8_line(number, line, e)
-    return None
-
-
-def _not_utf8_line(number: int, line: bytes, e: UnicodeDecodeError) -> str:
-    byte = line[e.start] if e.start < len(line) else 0
-    guess = "UTF-16" if b"\x00" in line else "Latin-1 or Windows-1252"
-    return f"line {number} is not UTF-8 (byte 0x{byte:02x} at column {e.start + 1}); the file is probably {guess}"
-
-
-def _count_lines(path: str) -> int:
-    """Lines holding something other than whitespace, read in blocks (one line of any length never whole)."""
-    count, text = 0, False
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            *ended, rest = block.split(b"\n")
-            for part in ended:
-                count += text or bool(part.strip())
-                text = False
-            text = text or bool(rest.strip())
-    return count + text
 
 
 def _text_bytes(value) -> int:
@@ -443,15 +499,6 @@ def _text_bytes(value) -> int:
     if isinstance(value, (list, tuple)):
         return sum(_text_bytes(v) for v in value)
     return 0
-
-
-def _has_text(path: Path) -> bool:
-    """Something other than whitespace in the file (read in blocks: never the whole file at once)."""
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            if block.strip():
-                return True
-    return False
 
 
 class _library_logs_silenced:
@@ -474,23 +521,3 @@ def _root_cause(e: BaseException) -> str:
     return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
-def _find_bad_json_line(path: str) -> str | None:
-    """The first line of a .json file that is not JSON (datasets' own error does not say)."""
-    with open(path, errors="replace") as f:
-        text = f.read()
-    if text.lstrip().startswith("["):
-        try:
-            json.loads(text)
-        except json.JSONDecodeError as e:
-            return f"line {e.lineno}: invalid JSON ({_json_error(e)})"
-        return None
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as e:
-            return f"line {i}: invalid JSON ({_json_error(e)})"
-        if not isinstance(value, dict):
-            return f"line {i}: expected a JSON object per line, found {type(value).__name__}"
-    return None

@@ -89,8 +89,12 @@ class ExampleTokenizer:
         has_template = tokenizer is not None and bool(tokenizer.chat_template)
         self.template = ChatTemplate(tokenizer) if has_template else None
         self.chat_encoder = ChatEncoder(tokenizer) if has_template else None
-        self.empty = 0
-        """Rows of a text source whose text is empty (skipped, counted)."""
+        self.empty, self.empty_lines = 0, []
+        """Rows of a text source whose text is empty (skipped, counted), and the first few of them."""
+        self.empty_turns, self.empty_turn_lines = 0, []
+        """Rows kept whose preference prompt, or an assistant turn (not a pair's answer), is empty or whitespace, and
+        the first few of them: they teach answers to nothing, or to answer nothing (a field named wrong, a conversation
+        cut). Trained as they are (their tokens are what they were), and warned about (SourceStats.warnings)."""
 
     def __call__(self, numbers: list[int], rows: list[dict]) -> list[Example]:
         return self.check_and_render(numbers, rows)()
@@ -142,6 +146,8 @@ class ExampleTokenizer:
                 continue
             if not value or not value.strip():
                 self.empty += 1
+                if len(self.empty_lines) < 5:
+                    self.empty_lines.append(n)
                 continue
             texts.append(value)
             kept.append(n)
@@ -222,7 +228,17 @@ class ExampleTokenizer:
             self.reader.bad("messages", n, problem, f"each message needs a role ({', '.join(CHAT_ROLES)}) and text "
                             "content, and a conversation at least one assistant message")
             return False
+        self._note_empty_turns(n, row[self.source.messages_field])
         return True
+
+    def _note_empty_turns(self, n: int, messages: list[dict]) -> None:
+        if any(m["role"] == "assistant" and not m["content"].strip() for m in messages):
+            self._note_empty_turn(n)
+
+    def _note_empty_turn(self, n: int) -> None:
+        self.empty_turns += 1
+        if len(self.empty_turn_lines) < 5:
+            self.empty_turn_lines.append(n)
 
     def _chat(self, conversations: list[tuple[int, list[dict]]]) -> Callable[[], list[Example]]:
         """Render each conversation with the chat template; a token carries a loss when its characters lie inside
@@ -333,6 +349,8 @@ class ExampleTokenizer:
             self.reader.bad("prompt type", n, f"field {s.prompt_field!r} is not text", "use a string (or conversations "
                             "in chosen and rejected)")
             return None
+        if not prompt.strip():
+            self._note_empty_turn(n)
         return prompt, chosen, rejected  # answers that prefer nothing are found by their tokens (data/build.py)
 
     def _conversations(self, n: int, prompt, chosen, rejected):
@@ -357,4 +375,5 @@ class ExampleTokenizer:
             self.reader.bad("pair prefix", n, "chosen and rejected differ before their last assistant turn",
                             "both must share the conversation up to the answer")
             return None
+        self._note_empty_turns(n, full[0][:-1])
         return None, full[0], full[1]
