@@ -39,9 +39,10 @@ from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.files import FileLock, new_temporary_folder, publish_folder, remove, temporaries_of, write_atomic
 from accel_fsdp.layout import cache_dir
 
-CACHE_VERSION = 7
+CACHE_VERSION = 8
 """Bump when the tables change, so caches are rebuilt. 7: tables carry CRC-32s; pairs without a preference are
-skipped; keys from data/identity.py."""
+skipped; keys from data/identity.py. 8: a CSV cell is the text it holds (a number's digits as written; NA, None and
+null are words, no longer skipped rows); a .txt file's byte-order mark is not text."""
 STATS_FILE = "stats.json"
 
 __all__ = ["PreparedData", "SourceData", "SourceStats", "cache_folder", "check_source_rows", "entry_damage",
