@@ -7,6 +7,12 @@ written under a temporary sibling name and renamed into place, through this modu
     write_atomic(path, text)      a small file, whole or not at all
     write_with(path, write)       a file another library writes (numpy's tofile, save_file...) given a path
     atomic_folder(path)           a folder built under a temporary name, published by one rename when complete
+    discard_folder(path)          a folder deleted whole: renamed aside first, so a kill leaves it whole or gone
+
+Each writer first removes the temporaries of `path` that writers killed half-way left (SIGKILL runs no cleanup), so
+none stays for ever; and a write that fails for want of room (a full disk shows at a write or an fsync, with no file
+name, or inside a Rust writer as its own exception) is an OSError naming `path` (`failing_write`), which the command
+group turns into one message with the fix.
 
 A temporary name carries the host, the PID and a random part (`.<name>.tmp-<host>-<pid>-<random>`): under PID
 namespaces (containers, Kubernetes) the local main ranks of several machines often have equal PIDs, and two of
@@ -22,9 +28,12 @@ The ground floor: imports nothing of the package; no torch.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import fcntl
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -112,13 +121,16 @@ def _fsync_file(path: Path) -> None:
 
 def write_with(path: Path | str, write: Callable[[Path], object]) -> None:
     """`write(temporary)` writes the file; it is then synced and renamed to `path`. On any failure (Ctrl-C included)
-    the temporary file is removed and `path` is as it was."""
+    the temporary file is removed and `path` is as it was; a failure to write (a full disk) is an OSError naming
+    `path` (`failing_write`). The temporaries of earlier writers of `path` killed half-way are removed first."""
     path = Path(path)
+    remove_dead_temporaries(path)
     temporary = temporary_sibling(path)
     try:
-        write(temporary)
-        _fsync_file(temporary)
-        os.replace(temporary, path)
+        with failing_write(path):
+            write(temporary)
+            _fsync_file(temporary)
+            os.replace(temporary, path)
     except BaseException:
         remove(temporary)
         raise
@@ -138,30 +150,39 @@ def atomic_folder(path: Path | str, *, sync: bool = True) -> Iterator[Path]:
     before the rename (a cache that is read back for weeks must survive a power loss whole)."""
     temporary = new_temporary_folder(path)
     try:
-        yield temporary
-        publish_folder(temporary, Path(path), sync=sync)
+        with failing_write(path):
+            yield temporary
+            publish_folder(temporary, Path(path), sync=sync)
     except BaseException:
         remove(temporary)
         raise
 
 
 def new_temporary_folder(path: Path | str) -> Path:
-    """An empty temporary sibling folder of `path` (its parent created), to be published as `path` when complete."""
+    """An empty temporary sibling folder of `path` (its parent created), to be published as `path` when complete.
+    The temporaries of earlier builders of `path` killed half-way (no cleanup ran) are removed first."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_temporaries(path)
     temporary = temporary_sibling(path)
     temporary.mkdir()
     return temporary
 
 
 def publish_folder(temporary: Path, path: Path, *, sync: bool = True) -> None:
-    """Rename a complete folder into place (its files fsynced first with `sync`). A folder already at `path` is first
-    renamed aside (one rename: readers see the old folder or no folder, never a mix), then removed."""
+    """Rename a complete folder into place (its files fsynced first with `sync`). A folder already at `path` is
+    exchanged with it in one step where the system can (`exchange`: a process killed at any instant leaves the old
+    folder or the new one), else first renamed aside (readers see the old folder or no folder, never a mix); the old
+    one is then removed."""
     if sync:
         for p in temporary.rglob("*"):
             if p.is_file() and not p.is_symlink():
                 _fsync_file(p)
     aside = None
+    if (path.exists() or path.is_symlink()) and exchange(temporary, path):
+        fsync_dir(path.parent)
+        remove(temporary)  # the previous folder now; a kill before this leaves it to the next writer's sweep
+        return
     if path.exists() or path.is_symlink():
         aside = temporary_sibling(path)
         os.rename(path, aside)
@@ -169,6 +190,57 @@ def publish_folder(temporary: Path, path: Path, *, sync: bool = True) -> None:
     fsync_dir(path.parent)
     if aside is not None:
         remove(aside)
+
+
+_RENAME_EXCHANGE, _AT_FDCWD = 2, -100  # linux/fs.h, linux/fcntl.h
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two entries of one filesystem in one step (Linux renameat2 RENAME_EXCHANGE, glibc 2.28): nobody, and no
+    process killed in between, ever finds neither. False where the system or the filesystem cannot (NFS, macOS)."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if sys.platform == "linux" else None
+    if renameat2 is None:
+        return False
+    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+def discard_folder(path: Path | str) -> None:
+    """Delete a folder as one step: renamed to a temporary sibling first (atomic), then removed. A process killed
+    while removing leaves a whole folder or none at `path` (never one that lost the file that said what it was),
+    and its half-removed temporary is swept by the next writer of `path`."""
+    path = Path(path)
+    if not (path.exists() or path.is_symlink()):
+        return
+    aside = temporary_sibling(path)
+    os.rename(path, aside)
+    remove(aside)
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+"""How Rust's std::io::Error shows an OS error (`Display` of an `Os` error: "<text> (os error 28)"): what the
+libraries writing files in Rust raise with it, as their own exception types (safetensors 0.8 `save_file`:
+SafetensorError "Error while serializing: I/O error: No space left on device (os error 28)"; tokenizers' `save`)."""
+
+
+@contextlib.contextmanager
+def failing_write(path: Path | str) -> Iterator[None]:
+    """A write for `path` that fails for want of room or rights is an OSError naming `path` (the command group turns
+    that into one message with the fix, cli/main.py `Commands`): Python's `write()` gives no file name (a full disk
+    shows at a write or an fsync, long after the open), a Rust writer an exception of its own, and a name inside a
+    temporary would send the user to a file that no longer exists."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno is None or (e.filename and (e.errno not in DISK_FULL or TMP_MARK not in str(e.filename))):
+            raise  # named already, by a path the user can look at
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+    except Exception as e:  # noqa: BLE001 - only an OS error a Rust writer met is renamed; the rest go on unchanged
+        found = RUST_OS_ERROR.search(str(e))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from e
 
 
 # ---------------------------------------------------------------------------------------------------- checksums

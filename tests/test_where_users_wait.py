@@ -122,8 +122,9 @@ def test_a_tokenizer_trained_on_the_users_text(tmp_path):
     text = "Über 東京 🙂 {json: true}"
     assert tok.decode(tok(text)["input_ids"]) == text and tok.unk_token is None  # byte-level: nothing is unknown
     assert tok.chat_template and tok.eos_token == "<|endoftext|>"
+    (tmp_path / "tok" / "notes.txt").write_text("mine")  # a tokenizer folder is replaced only if all of it is ours
     result = CliRunner().invoke(main, ["tokenizer", "train", "quickstart", str(tmp_path / "tok")])
-    assert result.exit_code == 2 and "exists and is not an empty folder" in result.output
+    assert result.exit_code == 2 and "exists and is neither empty nor a tokenizer this command wrote" in result.output
     result = CliRunner().invoke(main, ["recipe", "validate", "quickstart", "--set", "model.tokenizer=bpe:12"])
     assert result.exit_code == 2 and "bpe:N needs a vocabulary size N between 300 and 1,000,000" in result.output
 

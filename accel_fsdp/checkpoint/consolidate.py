@@ -20,6 +20,7 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from accel_fsdp.checkpoint.index import CheckpointInfo
 from accel_fsdp.checkpoint.merge import merge_streaming
 from accel_fsdp.config.precision import PRECISIONS, TRANSFORMERS, compute_dtype
 from accel_fsdp.errors import Problem, UserError, first_line, read_json_object
-from accel_fsdp.files import atomic_folder, remove_dead_temporaries
+from accel_fsdp.files import atomic_folder
 from accel_fsdp.hardware import PeakMemory
 from accel_fsdp.layout import HF_DIR, MODEL_DIR, MODEL_FILE, RECIPE_FILE
 from accel_fsdp.model.build import meta_model
@@ -60,8 +61,10 @@ class ExportReport:
 
 
 def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max_shard_size: int = 2 << 30,
-                merge_lora: bool = False, base_model: str | None = None) -> ExportReport:
-    """Write a Hugging Face folder (or a PEFT adapter folder for LoRA checkpoints) from a complete checkpoint."""
+                merge_lora: bool = False, base_model: str | None = None,
+                during: Callable[[], None] | None = None) -> ExportReport:
+    """Write a Hugging Face folder (or a PEFT adapter folder for LoRA checkpoints) from a complete checkpoint.
+    `during`: called once the weights are written, before the folder is complete (a test's fault, train/faults.py)."""
     start = time.perf_counter()
     out_dir = Path(out_dir)
     _check_destination(out_dir, info.manifest.run_id)
@@ -73,11 +76,14 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
         raise UserError(Problem(str(info.path), f"its metadata cannot be read ({first_line(e, 160, named=True)})",
                                 "use an earlier checkpoint (see `accel-fsdp checkpoint inspect` on the run)")) from None
     monitor = PeakMemory()  # from here on: reading and writing weights
-    remove_dead_temporaries(out_dir)  # half-written exports of killed processes (no cleanup ran)
     try:
-        with atomic_folder(out_dir) as tmp:  # an interrupted export leaves nothing; a previous one is replaced whole
+        # An interrupted export leaves nothing (and the next one sweeps what a killed one left); a previous one is
+        # replaced whole; a full disk is an OSError naming out_dir (files.failing_write).
+        with atomic_folder(out_dir) as tmp:
             prefix = "adapter_model" if adapter else "model"
             files, total, largest = _write_shards(reader, keys, tmp, prefix, DTYPES[dtype], max_shard_size)
+            if during is not None:
+                during()
             _copy_hf_files(info, tmp, dtype, adapter)
             (tmp / RECIPE_FILE).write_bytes((info.path / RECIPE_FILE).read_bytes())
             if adapter and merge_lora and info.manifest.quantized_base:  # QLoRA: streamed (checkpoint/merge.py)

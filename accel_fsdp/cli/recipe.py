@@ -22,7 +22,7 @@ from accel_fsdp.layout import COMPILE_CACHE_ENV, RunLayout, compile_cache_dir
 from accel_fsdp.planning.plan import print_plan
 from accel_fsdp.preflight import load_config_or_default, preflight
 from accel_fsdp.quiet import quiet_libraries
-from accel_fsdp.train.lifetime import die_with_launcher, run_rank
+from accel_fsdp.train.lifetime import DIE_WITH_PARENT_ENV, die_with_launcher, run_rank
 from accel_fsdp.train.metrics import START_ENV
 from accel_fsdp.train.profiling import ProfileWindow
 
@@ -232,6 +232,8 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
                                                  overwrite=overwrite, benchmark=benchmark, verbose=verbose, cpu=cpu,
                                                  accept_data_change=accept_data_change, profile=window)))
 
+    if os.environ.pop(DIE_WITH_PARENT_ENV, None):
+        die_with_launcher()  # a probe of verify, a run of bench: it ends with them, its ranks with it
     config, n, why = load_config_or_default(accelerate_config)
     if num_processes is not None:
         config.values["num_processes"] = n = num_processes

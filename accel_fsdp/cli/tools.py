@@ -12,7 +12,7 @@ from accel_fsdp.cli.options import CONFIG_HELP, CPU_HELP, SET_HELP, finite, load
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.files import write_atomic
 from accel_fsdp.layout import RunLayout
-from accel_fsdp.model.tokenizer import trained_tokenizer
+from accel_fsdp.model.tokenizer import earlier_trained_tokenizer, trained_tokenizer
 from accel_fsdp.preflight import load_config_or_default, preflight
 from accel_fsdp.quiet import quiet_libraries
 from accel_fsdp.tools import bench
@@ -43,9 +43,10 @@ def tokenizer_train(name_or_path, out_dir, vocab_size, overrides) -> None:
     accel-fsdp recipe run my.yaml --set model.tokenizer=tokenizers/mine
     """
     r = load_recipe(name_or_path, [*overrides, f"model.tokenizer=bpe:{vocab_size}"])
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise UserError(Problem(str(out_dir), "exists and is not an empty folder", "give a new folder (nothing was "
-                                "written)"))
+    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir())
+                                                      and not earlier_trained_tokenizer(out_dir))):
+        raise UserError(Problem(str(out_dir), "exists and is neither empty nor a tokenizer this command wrote",
+                                "give a new folder (nothing was written)"))
     quiet_libraries()
     tok = trained_tokenizer(r, out_dir=out_dir.absolute())
     sample = ", ".join(s.path or s.name for s in r.data.resolved_sources())

@@ -36,7 +36,8 @@ from accel_fsdp.data.mixture import PreparedData, SourceData, SourceStats, too_l
 from accel_fsdp.data.sources import ineffective_settings
 from accel_fsdp.data.store import TokenTable, table_damage
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.files import FileLock, new_temporary_folder, publish_folder, remove, temporaries_of, write_atomic
+from accel_fsdp.files import (FileLock, failing_write, new_temporary_folder, publish_folder, remove, temporaries_of,
+                              write_atomic)
 from accel_fsdp.layout import cache_dir
 
 CACHE_VERSION = 8
@@ -108,11 +109,13 @@ def prepare_source(recipe, tokenizer, index: int, source: SourceConfig, *, delay
             say(f"data: preparing {source.name} ({source.path}) into {folder} (once; cached)")
         temporary = new_temporary_folder(folder)
         try:
-            stats = build_source(recipe, tokenizer, index, source, temporary, delay=delay)
-            write_atomic(temporary / STATS_FILE, json.dumps(asdict(stats), indent=1))
-            # A hub dataset's revision is known once it is loaded: its entry is published under the key that has it.
-            folder = cache_folder(recipe, tokenizer, index, source)
-            publish_folder(temporary, folder)
+            with failing_write(folder):  # a full disk: one message naming the entry
+                stats = build_source(recipe, tokenizer, index, source, temporary, delay=delay)
+                write_atomic(temporary / STATS_FILE, json.dumps(asdict(stats), indent=1))
+                # A hub dataset's revision is known once it is loaded: its entry is published under the key that
+                # has it.
+                folder = cache_folder(recipe, tokenizer, index, source)
+                publish_folder(temporary, folder)
         except BaseException:  # Ctrl-C included: nothing half-written stays
             remove(temporary)
             raise

@@ -145,7 +145,24 @@ def trained_tokenizer(recipe, out_dir: Path | None = None):
     tokenizer = _train_bpe(recipe, vocab)
     with atomic_folder(folder) as temporary:  # a concurrent reader never sees half a tokenizer
         tokenizer.save_pretrained(temporary)
+        if out_dir is not None:
+            written = sorted(str(p.relative_to(temporary)) for p in temporary.rglob("*") if p.is_file())
+            (temporary / TOKENIZER_MARKER).write_text(json.dumps({"files": written, "vocab_size": vocab}, indent=1))
     return PreTrainedTokenizerFast.from_pretrained(folder)
+
+
+TOKENIZER_MARKER = "accel_fsdp_tokenizer.json"
+"""In a folder `tokenizer train` wrote: the files it wrote. A rerun replaces such a folder whole (the same command
+again, after it finished or was killed just after publishing), and never a folder holding anything else."""
+
+
+def earlier_trained_tokenizer(folder: Path) -> bool:
+    """`folder` is one `tokenizer train` wrote and holds nothing it did not write (its marker lists them)."""
+    try:
+        listed = set(json.loads((folder / TOKENIZER_MARKER).read_text())["files"]) | {TOKENIZER_MARKER}
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return all(str(p.relative_to(folder)) in listed for p in folder.rglob("*") if not p.is_dir())
 
 
 def _bpe_cache_folder(recipe, vocab: int) -> Path:

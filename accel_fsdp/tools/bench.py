@@ -26,6 +26,7 @@ from accel_fsdp.errors import UserError
 from accel_fsdp.files import write_atomic
 from accel_fsdp.layout import RunLayout
 from accel_fsdp.model.tokenizer import offline_tokenizer
+from accel_fsdp.train.lifetime import tied_to_this_process
 from accel_fsdp.train.metrics import TrainRow, read_metrics
 
 
@@ -42,7 +43,7 @@ class Measurement:
 
 
 def _run(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    full = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")
+    full = tied_to_this_process(dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1"))  # a killed bench: no orphan
     return subprocess.run([sys.executable, "-m", "accel_fsdp", *argv], capture_output=True, text=True, env=full)
 
 

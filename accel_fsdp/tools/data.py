@@ -15,6 +15,7 @@ import numpy as np
 from accel_fsdp.data.prepare import prepare_data
 from accel_fsdp.data.sampler import total_steps
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.files import write_with
 from accel_fsdp.model.tokenizer import build_tokenizer
 
 
@@ -147,5 +148,6 @@ def draw_lengths(data, seq_len: int, path: Path) -> None:
         ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    # Whole or not at all; the format from the user's name, as savefig would take it (the temporary has no suffix).
+    write_with(path, lambda temporary: fig.savefig(temporary, dpi=110, format=path.suffix[1:].lower() or "png"))
     plt.close(fig)

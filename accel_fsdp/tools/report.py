@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.files import write_with
 from accel_fsdp.layout import METRICS_FILE, RunIdentity, RunLayout
 from accel_fsdp.train.metrics import EvalRow, TrainRow, read_metrics
 
@@ -113,6 +114,6 @@ def plot(run_dir: Path) -> Path | None:
             ax.legend()
     fig.tight_layout()
     out = layout.loss_curve
-    fig.savefig(out)
+    write_with(out, lambda temporary: fig.savefig(temporary, format="png"))  # a kill leaves no half PNG
     plt.close(fig)
     return out

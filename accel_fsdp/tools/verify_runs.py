@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -20,9 +19,10 @@ from pathlib import Path
 from accel_fsdp.checkpoint.records import Manifest
 from accel_fsdp.config.settings import FsdpSettings
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.files import write_atomic
+from accel_fsdp.files import discard_folder, remove_dead_temporaries, write_atomic
 from accel_fsdp.layout import CHECKPOINTS_DIR, MANIFEST, STEP_PREFIX, RunLayout
 from accel_fsdp.model.facts import base_values
+from accel_fsdp.train.lifetime import tied_to_this_process
 from accel_fsdp.train.metrics import read_metrics
 
 MARKER = "verify.json"
@@ -132,8 +132,8 @@ def run_probe(v: Verification, name: str, sets: list[str], *, extra_args=(), env
     for item in sets:
         argv += ["--set", item]
     start = time.monotonic()
-    proc = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1",
-                                                                          **(env or {})))
+    proc = subprocess.run(argv, capture_output=True, text=True,
+                          env=tied_to_this_process(dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))))
     lines = [x for x in proc.stderr.strip().splitlines() if x.strip() and not x.startswith(("training:", "W1", "["))]
     probe = Probe(name, folder, proc.returncode, " / ".join(lines[-3:])[-600:], time.monotonic() - start)
     v.probes[name] = probe
@@ -192,12 +192,15 @@ def record_counts(probe: Probe) -> None:
 
 
 def claim_folder(out_dir: Path) -> None:
-    """The verify folder is ours alone: created, or an earlier verify's replaced; anything else is refused."""
+    """The verify folder is ours alone: created, or an earlier verify's replaced; anything else is refused. The
+    earlier one is discarded in one rename (files.discard_folder): a verify killed while deleting it leaves it whole
+    or gone, never a folder without its marker that the next verify would refuse as someone else's."""
+    remove_dead_temporaries(out_dir)  # what a verify killed while discarding its predecessor left
     if out_dir.exists():
         if not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / MARKER).exists()):
             raise UserError(Problem(str(out_dir), "exists and is not an earlier verify folder",
                                     "give another --output-dir (nothing was changed)"))
-        shutil.rmtree(out_dir)
+        discard_folder(out_dir)
     out_dir.mkdir(parents=True)
     write_atomic(out_dir / MARKER, json.dumps({"started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
 

@@ -11,8 +11,8 @@ from accel_fsdp.checkpoint import index as checkpoint_index
 from accel_fsdp.checkpoint import store as ckpt
 from accel_fsdp.checkpoint.consolidate import consolidate
 from accel_fsdp.checkpoint.records import TrainerState
-from accel_fsdp.errors import UserError
-from accel_fsdp.files import write_atomic
+from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.files import DISK_FULL, write_atomic
 from accel_fsdp.layout import RunIdentity, RunLayout, checkpoint_name
 from accel_fsdp.run.folder import DAMAGED, move_aside
 from accel_fsdp.train.faults import Faults
@@ -125,9 +125,19 @@ class Checkpointer:
         ckpt.wait_for_rotations()
 
     def export_final(self) -> None:
-        """The main process alone, after the other ranks have left: the last checkpoint as a Hugging Face folder."""
+        """The main process alone, after the other ranks have left: the last checkpoint as a Hugging Face folder. A
+        full disk is one message (the export is written whole or not at all: an earlier one stays as it was) with the
+        command that writes it later; the checkpoint is complete either way."""
         info = checkpoint_index.latest_complete(self.layout.checkpoints)
-        report = consolidate(info, self.layout.final, dtype=self.recipe.checkpoint.export_dtype)
+        during = (lambda: self.faults.in_export(info.manifest.step)) if self.faults is not None else None
+        try:
+            report = consolidate(info, self.layout.final, dtype=self.recipe.checkpoint.export_dtype, during=during)
+        except OSError as e:
+            if e.errno not in DISK_FULL:
+                raise
+            raise UserError(Problem(str(self.layout.final), f"exporting {info.name} failed: {e.strerror}",
+                                    "free space there, then export the complete checkpoint with `accel-fsdp "
+                                    f"checkpoint consolidate {self.layout.root} {self.layout.final}`")) from None
         print(f"export: {report.summary()}")
 
     def _run_id(self) -> str | None:

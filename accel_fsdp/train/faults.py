@@ -5,6 +5,8 @@ Kinds:
   kill:N          SIGKILL this process right after optimizer step N (before its checkpoint, if any).
   kill-in-save:N  SIGKILL while the checkpoint of step N is being written (after the shards, before the rename).
   enospc-in-save:N  raise "No space left on device" while writing the checkpoint of step N.
+  enospc-in-export:N  raise "No space left on device" while writing the final export of step N's checkpoint (after
+                  its weights, before the rename).
   sigterm:N       send SIGTERM to this rank right after optimizer step N (a preemption of one rank).
   sigusr1-launcher:N  send SIGUSR1 to the launcher (this rank's parent) after optimizer step N (SLURM's warning).
   hang:N          stop making progress after optimizer step N (sleep), as a stuck rank would.
@@ -22,7 +24,8 @@ import time
 
 from accel_fsdp.errors import Problem, UserError
 
-KINDS = ("kill", "kill-in-save", "enospc-in-save", "sigterm", "sigusr1-launcher", "hang", "user-error")
+KINDS = ("kill", "kill-in-save", "enospc-in-save", "enospc-in-export", "sigterm", "sigusr1-launcher", "hang",
+         "user-error")
 
 
 class Faults:
@@ -64,6 +67,10 @@ class Faults:
             self._kill(f"while saving the checkpoint of step {step}")
         if self.kind == "enospc-in-save":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "(injected fault)")
+
+    def in_export(self, step: int) -> None:
+        if step == self.step and self.kind == "enospc-in-export":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as write() raises it: no file name
 
     @staticmethod
     def _kill(when: str) -> None:

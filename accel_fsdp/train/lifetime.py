@@ -51,6 +51,17 @@ RANK_RECORDS_ENV = "ACCEL_FSDP_RANK_RECORDS"
 """The folder where a rank that ends early writes its `RankRecord`: made by our launcher for one launch."""
 
 
+DIE_WITH_PARENT_ENV = "ACCEL_FSDP_DIE_WITH_PARENT"
+"""Set by a command for the `accel-fsdp recipe run` it starts (verify's probes, bench's runs): that launcher dies with
+the command (`die_with_launcher`: SIGKILL included), and its ranks with it. Else a verify killed and run again would
+share its probes' folders with the orphaned probes of the first, still training into them."""
+
+
+def tied_to_this_process(env: dict[str, str]) -> dict[str, str]:
+    """The environment of a child `accel-fsdp recipe run` that must not outlive this process."""
+    return {**env, DIE_WITH_PARENT_ENV: "1"}
+
+
 def die_with_launcher() -> None:
     """In a rank: be killed when the process that started this one (the launcher's agent) dies."""
     parent = os.getppid()
