@@ -132,6 +132,24 @@ def test_a_full_disk_under_a_writer_is_an_os_error_naming_the_output(tmp_path, w
             raise ValueError("a bug of ours, not a full disk")
 
 
+def test_the_rust_writers_say_an_os_error_as_files_reads_it(tmp_path):
+    """safetensors' and tokenizers' own exceptions for an OS error, as they are today (a missing folder stands in for
+    a full disk: the same Rust io::Error, another code), read by failing_write as that OS error."""
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models
+
+    writers = {"safetensors": lambda target: save_file({"w": torch.zeros(2)}, str(target)),
+               "tokenizers": lambda target: Tokenizer(models.BPE()).save(str(target))}
+    for name, write in writers.items():
+        out = tmp_path / name
+        with pytest.raises(OSError) as caught:
+            with files.atomic_folder(out) as building:
+                write(building / "no-such-folder" / "file")
+        assert caught.value.errno == errno.ENOENT and caught.value.filename == str(out), name
+    assert not list(tmp_path.iterdir())
+
+
 def test_slurm_on_a_full_disk_names_the_script_and_keeps_the_previous_one(tmp_path, monkeypatch):
     script = tmp_path / "job.sbatch"
     run_in_process("slurm", "quickstart", "--nodes", "1", "--gpus-per-node", "2", "-o", script, check=0)
