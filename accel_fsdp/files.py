@@ -217,6 +217,7 @@ def discard_folder(path: Path | str) -> None:
 
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+"""A disk without room, or a quota spent."""
 RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 """How Rust's std::io::Error shows an OS error (`Display` of an `Os` error: "<text> (os error 28)"): what the
 libraries writing files in Rust raise with it, as their own exception types (safetensors 0.8 `save_file`:
@@ -232,7 +233,7 @@ def failing_write(path: Path | str) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        if e.errno is None or (e.filename and (e.errno not in DISK_FULL or TMP_MARK not in str(e.filename))):
+        if e.errno is None or (e.filename and TMP_MARK not in str(e.filename)):
             raise  # named already, by a path the user can look at
         raise OSError(e.errno, e.strerror or str(e), str(path)) from e
     except Exception as e:  # noqa: BLE001 - only an OS error a Rust writer met is renamed; the rest go on unchanged
