@@ -356,7 +356,8 @@ class LoggingConfig:
     """What is reported while training."""
 
     every_steps: int = 10
-    """Write a metrics row (and update the progress bar's numbers) every N optimizer steps."""
+    """Write a train row of metrics.jsonl (and update the progress bar's numbers) every N optimizer steps and at
+    the last; a row's numbers are over the steps since the previous one (README, "What a run logs")."""
     trackers: list[str] = field(default_factory=list)
     """Experiment trackers through Accelerate: tensorboard, wandb."""
     project: str | None = None
