@@ -212,15 +212,17 @@ def documented_pair(method: str, chosen: tuple, rejected: tuple, reference: tupl
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("method", ["dpo", "simpo", "orpo"])
-def test_a_preference_run_logs_what_a_replay_computes_at_its_first_step(tmp_path, method):
-    """A full fine-tune on built-in pairs, 2 ranks x 2 micro-steps: step 1's loss and every statistic recomputed from
-    the starting weights' log-probabilities (DPO's reference: the starting weights too) by docs/PREFERENCE.md."""
-    model_path = save_tiny_model(tmp_path / "m", "gpt2")
+@pytest.mark.parametrize("method,lora", [("dpo", False), ("simpo", False), ("orpo", False), ("dpo", True)])
+def test_a_preference_run_logs_what_a_replay_computes_at_its_first_step(tmp_path, method, lora):
+    """Built-in pairs, 2 ranks x 2 micro-steps, a full fine-tune of a GPT-2 or LoRA on a Llama: step 1's loss and
+    every statistic recomputed from the starting weights' log-probabilities by docs/PREFERENCE.md (DPO's reference is
+    the starting weights too: precomputed, or the base with the adapters off, whose B matrices start at 0)."""
+    model_path = save_tiny_model(tmp_path / "m", "llama" if lora else "gpt2")
+    adapters = {"lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}} if lora else {}
     recipe = tiny_recipe(tmp_path / "pref.yaml", model_path, "builtin:quickstart-pref",
                          data={"format": "preference", "max_rows": 200, "seq_len": 64, "eval_fraction": 0.05},
                          training={"method": method, "micro_batch_size": 2, "global_batch_size": 8, "max_steps": 1,
-                                   "mixed_precision": "fp32"})
+                                   "mixed_precision": "fp32"}, model=adapters)
     run = tmp_path / "run"
     run_cli("recipe", "run", recipe, "--output-dir", run, env=TRACE_UNITS, check=0)
     from accel_fsdp.config.recipe import load_recipe
