@@ -164,16 +164,16 @@ def replay_sft(recipe, run, tiny_gpt2, mix_by: str) -> None:
         by_source[source.name] = -sum(t for t, _, _ in sums) / sum(c for _, c, _ in sums)
         tokens += sum(c for _, c, _ in sums)
         scale = max([scale] + [m for _, _, m in sums])
-    tolerance = token_error(scale) + reordered(tokens)
+    tolerance = token_error(scale) + reordered(tokens) * max(by_source.values())
     assert held_out["eval_tokens"] == tokens
-    assert held_out["eval_loss_by_source"] == pytest.approx(by_source, rel=tolerance)
+    assert held_out["eval_loss_by_source"] == pytest.approx(by_source, abs=tolerance)
     # docs/DATA.md: with mix_by tokens a source's share is its weight; with rows, weight x its training sequences' mean
     # loss-carrying tokens, normalized
     weights = {s["name"]: s["weight"] for s in SFT_SOURCES}
     if mix_by == "rows":
         weights = {s.name: weights[s.name] * float(np.mean(s.train.labels)) for s in data.sources}
     expected = sum(weights[n] * by_source[n] for n in by_source) / sum(weights.values())
-    assert held_out["eval_loss"] == pytest.approx(expected, rel=tolerance)
+    assert held_out["eval_loss"] == pytest.approx(expected, abs=tolerance)
     assert held_out["eval_ppl"] == pytest.approx(math.exp(held_out["eval_loss"]), rel=1e-12)
 
 
