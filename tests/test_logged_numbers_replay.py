@@ -214,16 +214,17 @@ def documented_pair(method: str, chosen: tuple, rejected: tuple, reference: tupl
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("method,lora", [("dpo", False), ("simpo", False), ("orpo", False), ("dpo", True)])
-def test_a_preference_run_logs_what_a_replay_computes_at_its_first_step(tmp_path, method, lora):
+def test_a_preference_run_logs_what_a_replay_computes(tmp_path, method, lora):
     """Built-in pairs, 2 ranks x 2 micro-steps, a full fine-tune of a GPT-2 or LoRA on a Llama: step 1's loss and
     every statistic recomputed from the starting weights' log-probabilities by docs/PREFERENCE.md (DPO's reference is
-    the starting weights too: precomputed, or the base with the adapters off, whose B matrices start at 0)."""
+    the starting weights too: precomputed, or the base with the adapters off, whose B matrices start at 0), and the
+    final evaluation's from the exported model."""
     model_path = save_tiny_model(tmp_path / "m", "llama" if lora else "gpt2")
     adapters = {"lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}} if lora else {}
     recipe = tiny_recipe(tmp_path / "pref.yaml", model_path, "builtin:quickstart-pref",
                          data={"format": "preference", "max_rows": 200, "seq_len": 64, "eval_fraction": 0.05},
                          training={"method": method, "micro_batch_size": 2, "global_batch_size": 8, "max_steps": 1,
-                                   "mixed_precision": "fp32"}, model=adapters)
+                                   "mixed_precision": "fp32"}, model=adapters, checkpoint={"export_dtype": "fp32"})
     run = tmp_path / "run"
     run_cli("recipe", "run", recipe, "--output-dir", run, env=TRACE_UNITS, check=0)
     from accel_fsdp.config.recipe import load_recipe
@@ -231,42 +232,67 @@ def test_a_preference_run_logs_what_a_replay_computes_at_its_first_step(tmp_path
     p = load_recipe(recipe).preference
     beta, gamma, lam = p.beta_for(method) if method != "orpo" else 0.0, p.gamma, p.lambda_
     data = prepared(recipe)
-    model = float64_model(model_path)
-    first = [r for r in read_metrics(run) if r["kind"] == "train"][0]
-    pairs, scale = [], 0.0
-    for u in units_by_step(run)[1]:
-        (pc, nc, sc), (pr, nr, sr) = (answer_logps(model, s) for s in data.sequences(u))
+    rows = read_metrics(run)
+    first = [r for r in rows if r["kind"] == "train"][0]
+    start = float64_model(model_path)
+    parameters = dict(beta=beta, gamma=gamma, lam=lam)
+    step_1 = [data.sequences(u) for u in units_by_step(run)[1]]
+    assert len(step_1) == 8
+    assert_pairs_replayed(first, "", method, step_1, start, start, **parameters)
+    # The evaluation at the end: the exported weights (after the step) on every held-out pair; DPO's reference is the
+    # starting weights, a held-out source's loss its mean pair loss (ORPO: + its chosen answers' NLL per token).
+    (held_out,) = [r for r in rows if r["kind"] == "eval"]
+    (source,) = data.sources
+    pairs = [source.sequences(j, "eval") for j in range(source.units("eval"))]
+    chosen_tokens = assert_pairs_replayed(held_out, "eval_", method, pairs, float64_model(run / "final"), start,
+                                          **parameters)
+    assert held_out["eval_tokens"] == chosen_tokens
+    assert held_out["eval_loss_by_source"] == {source.name: pytest.approx(held_out["eval_loss"], rel=1e-12)}
+
+
+def assert_pairs_replayed(row: dict, prefix: str, method: str, pairs: list, model, reference, *, beta: float,
+                          gamma: float, lam: float) -> int:
+    """A row's loss (train rows: `loss`, eval rows: `eval_loss`) and statistics against docs/PREFERENCE.md's over
+    `pairs` (chosen, rejected sequences) with `model` as the policy and `reference` as DPO's reference. Returns the
+    chosen answers' loss-carrying tokens."""
+    replayed, scale = [], 0.0
+    for chosen, rejected in pairs:
+        (pc, nc, sc), (pr, nr, sr) = answer_logps(model, chosen), answer_logps(model, rejected)
+        references = None
+        if method == "dpo":
+            (rc, _, rsc), (rr, _, rsr) = answer_logps(reference, chosen), answer_logps(reference, rejected)
+            references, scale = (rc, rr), max(scale, rsc, rsr)
         scale = max(scale, sc, sr)
-        pairs.append(documented_pair(method, (pc, nc), (pr, nr), (pc, pr), beta=beta, gamma=gamma, lam=lam)
-                     | {"tokens": (nc, nr), "logps": (pc / nc, pr / nr)})
-    n = len(pairs)
-    assert n == 8
-    loss = sum(q["pair"] for q in pairs) / n
+        replayed.append(documented_pair(method, (pc, nc), (pr, nr), references, beta=beta, gamma=gamma, lam=lam)
+                        | {"tokens": (nc, nr), "logps": (pc / nc, pr / nr)})
+    n = len(replayed)
+    chosen_tokens = sum(q["tokens"][0] for q in replayed)
+    loss = sum(q["pair"] for q in replayed) / n
     if method == "orpo":
-        loss += sum(q["nll"] for q in pairs) / sum(q["tokens"][0] for q in pairs)
-    expected = {"reward_chosen": sum(q["rewards"][0] for q in pairs) / n,
-                "reward_rejected": sum(q["rewards"][1] for q in pairs) / n,
-                "logps_chosen": sum(q["logps"][0] for q in pairs) / n,
-                "logps_rejected": sum(q["logps"][1] for q in pairs) / n}
+        loss += sum(q["nll"] for q in replayed) / chosen_tokens
+    expected = {"reward_chosen": sum(q["rewards"][0] for q in replayed) / n,
+                "reward_rejected": sum(q["rewards"][1] for q in replayed) / n,
+                "logps_chosen": sum(q["logps"][0] for q in replayed) / n,
+                "logps_rejected": sum(q["logps"][1] for q in replayed) / n}
     expected["reward_margin"] = expected["reward_chosen"] - expected["reward_rejected"]
     # A token's log-prob is within token_error(scale); an answer's mean too, its sum within |y| of them.
-    longest = max(max(q["tokens"]) for q in pairs)
+    longest = max(max(q["tokens"]) for q in replayed)
     per_token = token_error(scale)
     reward_error = {"dpo": 2 * beta * longest * per_token, "simpo": beta * per_token, "orpo": lam * per_token}[method]
     for key in ("reward_chosen", "reward_rejected"):
-        assert first[key] == pytest.approx(expected[key], abs=reward_error), key
-    assert first["reward_margin"] == pytest.approx(expected["reward_margin"], abs=2 * reward_error)
+        assert row[prefix + key] == pytest.approx(expected[key], abs=reward_error), key
+    assert row[prefix + "reward_margin"] == pytest.approx(expected["reward_margin"], abs=2 * reward_error)
     for key in ("logps_chosen", "logps_rejected"):
-        assert first[key] == pytest.approx(expected[key], abs=per_token + reordered(longest) * abs(expected[key])), key
+        assert row[prefix + key] == pytest.approx(expected[key], abs=per_token + reordered(longest) * abs(expected[key]))
     # -log sigmoid(z) moves by at most z's error (its slope is within 1): DPO's and SimPO's z by two rewards' errors;
     # ORPO's log odds by its means' errors x d log odds / da = 1 / (1 - e^a), plus its NLL per token's error
     loss_error = 2 * reward_error + reordered(n) * loss
     if method == "orpo":
-        highest = max(max(q["logps"]) for q in pairs)
-        chosen = sum(q["tokens"][0] for q in pairs)
+        highest = max(max(q["logps"]) for q in replayed)
         loss_error = (lam * 2 * per_token / (1 - math.exp(highest)) + per_token
-                      + reordered(chosen) * sum(q["nll"] for q in pairs) / chosen + reordered(n) * loss)
-    assert first["loss"] == pytest.approx(loss, abs=loss_error)
-    wins = [q["rewards"][0] > q["rewards"][1] for q in pairs]
-    ties = sum(abs(q["rewards"][0] - q["rewards"][1]) <= 2 * reward_error for q in pairs)
-    assert abs(first["reward_accuracy"] - sum(wins) / n) <= ties / n
+                      + reordered(chosen_tokens) * sum(q["nll"] for q in replayed) / chosen_tokens + reordered(n) * loss)
+    assert row[prefix + "loss"] == pytest.approx(loss, abs=loss_error)
+    wins = [q["rewards"][0] > q["rewards"][1] for q in replayed]
+    ties = sum(abs(q["rewards"][0] - q["rewards"][1]) <= 2 * reward_error for q in replayed)
+    assert abs(row[prefix + "reward_accuracy"] - sum(wins) / n) <= ties / n
+    return chosen_tokens
