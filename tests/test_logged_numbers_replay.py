@@ -239,6 +239,8 @@ def test_a_preference_run_logs_what_a_replay_computes(tmp_path, method, lora):
     step_1 = [data.sequences(u) for u in units_by_step(run)[1]]
     assert len(step_1) == 8
     assert_pairs_replayed(first, "", method, step_1, start, start, **parameters)
+    if lora and method == "dpo":  # the adapters' B starts at 0: policy and reference are the same bits, every pair a tie
+        assert first["reward_margin"] == 0 and first["reward_accuracy"] == 0  # docs: a tie counts as wrong
     # The evaluation at the end: the exported weights (after the step) on every held-out pair; DPO's reference is the
     # starting weights, a held-out source's loss its mean pair loss (ORPO: + its chosen answers' NLL per token).
     (held_out,) = [r for r in rows if r["kind"] == "eval"]
