@@ -239,7 +239,7 @@ def test_a_preference_run_logs_what_a_replay_computes(tmp_path, method, lora):
     step_1 = [data.sequences(u) for u in units_by_step(run)[1]]
     assert len(step_1) == 8
     assert_pairs_replayed(first, "", method, step_1, start, start, **parameters)
-    if lora and method == "dpo":  # the adapters' B starts at 0: policy and reference are the same bits, every pair a tie
+    if lora and method == "dpo":  # the adapters' B starts at 0: policy and reference are the same bits, all ties
         assert first["reward_margin"] == 0 and first["reward_accuracy"] == 0  # docs: a tie counts as wrong
     # The evaluation at the end: the exported weights (after the step) on every held-out pair; DPO's reference is the
     # starting weights, a held-out source's loss its mean pair loss (ORPO: + its chosen answers' NLL per token).
@@ -285,14 +285,16 @@ def assert_pairs_replayed(row: dict, prefix: str, method: str, pairs: list, mode
         assert row[prefix + key] == pytest.approx(expected[key], abs=reward_error), key
     assert row[prefix + "reward_margin"] == pytest.approx(expected["reward_margin"], abs=2 * reward_error)
     for key in ("logps_chosen", "logps_rejected"):
-        assert row[prefix + key] == pytest.approx(expected[key], abs=per_token + reordered(longest) * abs(expected[key]))
+        mean_error = per_token + reordered(longest) * abs(expected[key])
+        assert row[prefix + key] == pytest.approx(expected[key], abs=mean_error), key
     # -log sigmoid(z) moves by at most z's error (its slope is within 1): DPO's and SimPO's z by two rewards' errors;
     # ORPO's log odds by its means' errors x d log odds / da = 1 / (1 - e^a), plus its NLL per token's error
     loss_error = 2 * reward_error + reordered(n) * loss
     if method == "orpo":
         highest = max(max(q["logps"]) for q in replayed)
-        loss_error = (lam * 2 * per_token / (1 - math.exp(highest)) + per_token
-                      + reordered(chosen_tokens) * sum(q["nll"] for q in replayed) / chosen_tokens + reordered(n) * loss)
+        nll = sum(q["nll"] for q in replayed) / chosen_tokens
+        loss_error = (lam * 2 * per_token / (1 - math.exp(highest)) + per_token + reordered(chosen_tokens) * nll
+                      + reordered(n) * loss)
     assert row[prefix + "loss"] == pytest.approx(loss, abs=loss_error)
     wins = [q["rewards"][0] > q["rewards"][1] for q in replayed]
     ties = sum(abs(q["rewards"][0] - q["rewards"][1]) <= 2 * reward_error for q in replayed)
