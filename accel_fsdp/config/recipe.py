@@ -227,11 +227,12 @@ class TrainingConfig:
     lr: float = 2e-5
     """Peak learning rate (AdamW)."""
     min_lr_ratio: float = 0.1
-    """The schedule decays to lr x min_lr_ratio."""
+    """r: after warm-up, optimizer step s of N uses lr x (r + (1 - r) x shape(p)), p = (s - 1 - warmup_steps) /
+    (N - warmup_steps); the last step's p is 1 - 1 / (N - warmup_steps), as in transformers' and torchtune's."""
     warmup_steps: int = 0
-    """Linear warm-up from 0 to lr over this many optimizer steps."""
+    """W: optimizer step s <= W uses lr x s / (W + 1) (nanoGPT's linear warm-up: no step at 0), step W + 1 uses lr."""
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    """Decay after warm-up."""
+    """Decay after warm-up: shape(p) = (1 + cos(pi p)) / 2 (cosine), 1 - p (linear), or lr throughout (constant)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay, applied to matrices only (not to biases, norms and embeddings' bias)."""
     adam_beta1: float = 0.9
@@ -355,7 +356,8 @@ class LoggingConfig:
     """What is reported while training."""
 
     every_steps: int = 10
-    """Write a metrics row (and update the progress bar's numbers) every N optimizer steps."""
+    """Write a train row of metrics.jsonl (and update the progress bar's numbers) every N optimizer steps and at
+    the last; a row's numbers are over the steps since the previous one (README, "What a run logs")."""
     trackers: list[str] = field(default_factory=list)
     """Experiment trackers through Accelerate: tensorboard, wandb."""
     project: str | None = None

@@ -49,11 +49,11 @@ class PairStatistics:
     reward_margin: float
     """reward_chosen - reward_rejected."""
     reward_accuracy: float
-    """Share of pairs whose chosen answer has the higher reward."""
+    """Share of pairs whose chosen answer has the strictly higher reward (a tie counts as wrong, as in TRL)."""
     logps_chosen: float
-    """Mean token log-probability of the chosen answers."""
+    """Mean over the pairs of the chosen answer's mean token log-probability, log pi(y_w) / |y_w|."""
     logps_rejected: float
-    """Mean token log-probability of the rejected answers."""
+    """Mean over the pairs of log pi(y_l) / |y_l|."""
 
     @classmethod
     def summed(cls) -> tuple[str, ...]:
@@ -79,7 +79,8 @@ class TrainRow:
     writers) may lack default to None; `row_problem` says which a row must have."""
     step: int
     loss: float
-    """Mean token loss over the window's global batches."""
+    """The mean over the window's steps of each step's loss (the mean over its global batch's loss-carrying tokens;
+    preference tuning: over its pairs, docs/PREFERENCE.md). README's metrics table defines every key."""
     lr: float | None = None
     """The rate the window's last step used."""
     grad_norm: float | None = None
@@ -109,6 +110,7 @@ class EvalRow:
     expected share of what the training loss averages over (loss-carrying tokens; pairs for preference tuning) per
     optimizer step (train/evaluate.py `loss_shares`). One source: its held-out loss."""
     eval_ppl: float
+    """exp(eval_loss), capped at exp(50)."""
     eval_tokens: int | None = None
     """Held-out loss-carrying tokens (preference tuning: of the chosen answers)."""
     eval_loss_by_source: dict[str, float] | None = None

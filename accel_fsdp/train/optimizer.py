@@ -44,7 +44,9 @@ def offload_threads(settings, env, cores: int, local_world: int) -> int | None:
 
 
 def lr_schedule(recipe, total_steps: int):
-    """Linear warm-up to lr, then cosine (or linear) decay to lr x min_lr_ratio at the last step."""
+    """The factor of lr at 0-based step index i (optimizer step i + 1), as training.warmup_steps, min_lr_ratio and
+    scheduler document it: linear warm-up to lr (no step at 0), then cosine or linear decay towards lr x min_lr_ratio,
+    which index `total_steps` would reach (the last step runs just above it, as in transformers' schedules)."""
     import math
 
     t = recipe.training

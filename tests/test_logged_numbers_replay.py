@@ -1,0 +1,302 @@
+"""An independent replay of what a run logs: the numbers of metrics.jsonl recomputed from the run's files (its recipe,
+the prepared data, the units each step read, the starting weights and the exported model) by the definitions the
+docs give (README's metrics table, docs/DATA.md, docs/PREFERENCE.md, the recipe keys' docstrings), in float64,
+without the package's loss code. What the product's code computes is only read from metrics.jsonl.
+
+Tolerances follow the noise model of tests/conftest.py and accel_fsdp/tools/noise.py: the run computes in fp32, the
+replay in float64 on the same weights, so they differ by fp32 rounding alone. A token's log-probability z_y -
+logsumexp(z) is within twice a logit's error, and a logit within reordered(LOGIT_PATH) of the logits' scale; a mean
+over N tokens adds reordered(N) of itself. A gradient element sums the products of all N tokens' backward paths
+(LOGIT_PATH each): reordered(N x LOGIT_PATH) of the norm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import LOGIT_PATH, TRACE_UNITS, read_metrics, run_cli, save_tiny_model, tiny_recipe, units_by_step
+
+from accel_fsdp.data.store import IGNORE_INDEX
+from accel_fsdp.tools.noise import reordered
+
+LR, WARMUP, STEPS, MIN_LR_RATIO = 3e-3, 1, 3, 0.1
+SFT_SOURCES = [{"name": "stories", "path": "builtin:quickstart", "weight": 0.5, "max_rows": 240},
+               {"name": "questions", "path": "builtin:quickstart-instruct", "format": "instruction", "weight": 0.3,
+                "max_rows": 240},
+               {"name": "chats", "path": "builtin:quickstart-chat", "format": "chat", "weight": 0.2, "max_rows": 240}]
+
+
+# ------------------------------------------------------------------------------ the replay, from the definitions
+
+
+def documents(sequence):
+    """The documents of a prepared sequence (positions restart at 0 at each): docs/DATA.md, a packed sequence's loss
+    is the sum of its documents' losses run alone."""
+    starts = np.flatnonzero(np.asarray(sequence.positions) == 0).tolist() + [len(sequence.ids)]
+    for a, b in zip(starts[:-1], starts[1:]):
+        yield np.asarray(sequence.ids[a:b]), np.asarray(sequence.labels[a:b])
+
+
+def answer_logps(model, sequence) -> tuple[float, int, float]:
+    """(sum of log p over the sequence's loss-carrying tokens, their count, the largest |logit|) in float64: a token
+    t whose label is set is predicted by the logits of t - 1 of its own document."""
+    total, count, scale = 0.0, 0, 0.0
+    for ids, labels in documents(sequence):
+        with torch.no_grad():
+            logits = model(input_ids=torch.as_tensor(ids)[None]).logits[0].double()
+        logp = torch.log_softmax(logits, dim=-1)
+        carries = np.flatnonzero(labels != IGNORE_INDEX)
+        assert (carries > 0).all(), "a document's first token carries no loss (docs/DATA.md)"
+        total += float(logp[carries - 1, torch.as_tensor(ids[carries])].sum())
+        count += len(carries)
+        scale = max(scale, float(logits.abs().max()))
+    return total, count, scale
+
+
+def token_error(scale: float) -> float:
+    """The largest fp32 error of one token's log-probability with logits of magnitude up to `scale`."""
+    return 2 * reordered(LOGIT_PATH) * max(1.0, scale)
+
+
+def float64_model(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+
+
+def prepared(recipe_path):
+    """The prepared data the run read (the same cache: tests/conftest.py isolates one per session)."""
+    from accel_fsdp.config.recipe import load_recipe
+    from accel_fsdp.data.prepare import prepare_data
+    from accel_fsdp.data.synthetic import build_tokenizer
+
+    return prepare_data(load_recipe(recipe_path), build_tokenizer())
+
+
+def documented_lr(step: int) -> float:
+    """The recipe keys' docstrings: step s <= W uses lr s / (W + 1); after, lr (r + (1 - r) (1 + cos(pi p)) / 2),
+    p = (s - 1 - W) / (N - W)."""
+    if step <= WARMUP:
+        return LR * step / (WARMUP + 1)
+    p = (step - 1 - WARMUP) / (STEPS - WARMUP)
+    return LR * (MIN_LR_RATIO + (1 - MIN_LR_RATIO) * (1 + math.cos(math.pi * p)) / 2)
+
+
+def test_the_documented_schedule_is_the_one_the_optimizer_steps_with():
+    """Unit level: the factor the LambdaLR gets at each 0-based index is the documented one of step index + 1."""
+    from accel_fsdp.config.recipe import recipe_from_text
+    from accel_fsdp.train.optimizer import lr_schedule
+
+    recipe = recipe_from_text(f"""
+model: {{architecture: gpt2, tokenizer: "builtin:quickstart"}}
+data: {{path: "builtin:quickstart"}}
+training: {{lr: {LR}, warmup_steps: {WARMUP}, min_lr_ratio: {MIN_LR_RATIO}, max_steps: {STEPS}}}
+""", source="r.yaml")
+    factor = lr_schedule(recipe, STEPS)
+    assert [LR * factor(i) for i in range(STEPS)] == pytest.approx([documented_lr(s) for s in range(1, STEPS + 1)],
+                                                                   rel=1e-15)
+
+
+# ------------------------------------------------------------------------------------------- sft, 2 ranks
+
+
+def sft_run(tmp_path, tiny_gpt2, mix_by: str):
+    data = {"path": "", "mix_by": mix_by, "sources": SFT_SOURCES, "seq_len": 128, "eval_fraction": 0.05}
+    recipe = tiny_recipe(tmp_path / "sft.yaml", tiny_gpt2, "unused", data=data,
+                         training={"micro_batch_size": 2, "global_batch_size": 8, "max_steps": STEPS, "lr": LR,
+                                   "warmup_steps": WARMUP, "min_lr_ratio": MIN_LR_RATIO, "mixed_precision": "fp32"},
+                         checkpoint={"export_dtype": "fp32"})
+    run = tmp_path / "run"
+    run_cli("recipe", "run", recipe, "--output-dir", run, env=TRACE_UNITS, check=0)
+    return recipe, run
+
+
+def replay_sft(recipe, run, tiny_gpt2, mix_by: str) -> None:
+    data = prepared(recipe)
+    rows = read_metrics(run)
+    train = {r["step"]: r for r in rows if r["kind"] == "train"}
+    (held_out,) = [r for r in rows if r["kind"] == "eval"]
+    units = units_by_step(run)
+    assert sorted(train) == sorted(units) == list(range(1, STEPS + 1))
+    seen = 0
+    for step in range(1, STEPS + 1):
+        seen += sum(len(s.ids) for u in units[step] for s in data.sequences(u))
+        assert train[step]["tokens_seen"] == seen, step  # every token of the step's sequences, no padding
+        expected = dict.fromkeys(data.names, 0)
+        for u in units[step]:
+            expected[data.names[data.split(u)[0]]] += int(sum((s.labels != IGNORE_INDEX).sum()
+                                                              for s in data.sequences(u)))
+        assert train[step]["source_tokens"] == expected, step
+        for u in units[step]:  # docs/DATA.md: text carries a loss on every token but each document's first
+            if data.sources[data.split(u)[0]].config.format == "text":
+                (sequence,) = data.sequences(u)
+                assert (sequence.labels != IGNORE_INDEX).sum() == len(sequence.ids) - (sequence.positions == 0).sum()
+        assert train[step]["lr"] == pytest.approx(documented_lr(step), rel=1e-12), step
+
+    # Step 1: the loss and the gradient norm of the starting weights on the units step 1 read.
+    model = float64_model(tiny_gpt2)
+    model.train()  # the tiny model has no dropout: train mode computes what eval mode does
+    total, count, scale = torch.zeros((), dtype=torch.float64), 0, 0.0
+    for u in units[1]:
+        for sequence in data.sequences(u):
+            for ids, labels in documents(sequence):
+                logits = model(input_ids=torch.as_tensor(ids)[None]).logits[0]
+                carries = np.flatnonzero(labels != IGNORE_INDEX)
+                logp = torch.log_softmax(logits, dim=-1)[carries - 1, torch.as_tensor(ids[carries])]
+                total = total - logp.sum()
+                count += len(carries)
+                scale = max(scale, float(logits.detach().abs().max()))
+    mean = total / count
+    mean.backward()
+    loss = mean.item()
+    grad_norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in model.parameters() if p.grad is not None))
+    first = train[1]
+    assert first["loss"] == pytest.approx(loss, abs=token_error(scale) + reordered(count) * loss)
+    assert first["grad_norm"] == pytest.approx(grad_norm, rel=reordered(count * LOGIT_PATH))
+
+    # The evaluation at the end: the exported weights (after the last step) on every held-out sequence.
+    final = float64_model(run / "final")
+    by_source, tokens, scale = {}, 0, 0.0
+    for source in data.sources:
+        sums = [answer_logps(final, s) for j in range(source.units("eval")) for s in source.sequences(j, "eval")]
+        by_source[source.name] = -sum(t for t, _, _ in sums) / sum(c for _, c, _ in sums)
+        tokens += sum(c for _, c, _ in sums)
+        scale = max([scale] + [m for _, _, m in sums])
+    tolerance = token_error(scale) + reordered(tokens) * max(by_source.values())
+    assert held_out["eval_tokens"] == tokens
+    assert held_out["eval_loss_by_source"] == pytest.approx(by_source, abs=tolerance)
+    # docs/DATA.md: with mix_by tokens a source's share is its weight; with rows, weight x its training sequences' mean
+    # loss-carrying tokens, normalized
+    weights = {s["name"]: s["weight"] for s in SFT_SOURCES}
+    if mix_by == "rows":
+        weights = {s.name: weights[s.name] * float(np.mean(s.train.labels)) for s in data.sources}
+    expected = sum(weights[n] * by_source[n] for n in by_source) / sum(weights.values())
+    assert held_out["eval_loss"] == pytest.approx(expected, abs=tolerance)
+    assert held_out["eval_ppl"] == pytest.approx(math.exp(held_out["eval_loss"]), rel=1e-12)
+
+
+@pytest.mark.multiprocess
+def test_an_sft_mixture_by_rows_logs_what_a_replay_computes(tmp_path, tiny_gpt2):
+    """Text (packed), instruction and chat sources mixed by rows, 2 ranks x 2 micro-steps, warm-up then decay: every
+    train row's lr, tokens_seen and source_tokens, step 1's loss and gradient norm, and the final evaluation."""
+    recipe, run = sft_run(tmp_path, tiny_gpt2, "rows")
+    replay_sft(recipe, run, tiny_gpt2, "rows")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_an_sft_mixture_by_tokens_logs_what_a_replay_computes(tmp_path, tiny_gpt2):
+    recipe, run = sft_run(tmp_path, tiny_gpt2, "tokens")
+    replay_sft(recipe, run, tiny_gpt2, "tokens")
+
+
+# ------------------------------------------------------------------------------------ preference, 2 ranks
+
+
+def documented_pair(method: str, chosen: tuple, rejected: tuple, reference: tuple | None, *, beta: float,
+                    gamma: float, lam: float) -> dict:
+    """docs/PREFERENCE.md, one pair: its loss terms and rewards from (log pi(y), |y|) of each answer."""
+    (pc, nc), (pr, nr) = chosen, rejected
+    if method == "dpo":
+        rc, rr = beta * (pc - reference[0]), beta * (pr - reference[1])
+        return {"pair": -math.log(1 / (1 + math.exp(-(rc - rr)))), "rewards": (rc, rr)}
+    if method == "simpo":
+        rc, rr = beta * pc / nc, beta * pr / nr
+        return {"pair": -math.log(1 / (1 + math.exp(-(rc - rr - gamma)))), "rewards": (rc, rr)}
+    odds = [math.log(math.exp(a) / (1 - math.exp(a))) for a in (pc / nc, pr / nr)]
+    ratio = -math.log(1 / (1 + math.exp(-(odds[0] - odds[1]))))
+    return {"pair": lam * ratio, "rewards": (lam * pc / nc, lam * pr / nr), "nll": -pc}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("method,lora", [("dpo", False), ("simpo", False), ("orpo", False), ("dpo", True)])
+def test_a_preference_run_logs_what_a_replay_computes(tmp_path, method, lora):
+    """Built-in pairs, 2 ranks x 2 micro-steps, a full fine-tune of a GPT-2 or LoRA on a Llama: step 1's loss and
+    every statistic recomputed from the starting weights' log-probabilities by docs/PREFERENCE.md (DPO's reference is
+    the starting weights too: precomputed, or the base with the adapters off, whose B matrices start at 0), and the
+    final evaluation's from the exported model."""
+    model_path = save_tiny_model(tmp_path / "m", "llama" if lora else "gpt2")
+    adapters = {"lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}} if lora else {}
+    recipe = tiny_recipe(tmp_path / "pref.yaml", model_path, "builtin:quickstart-pref",
+                         data={"format": "preference", "max_rows": 200, "seq_len": 64, "eval_fraction": 0.05},
+                         training={"method": method, "micro_batch_size": 2, "global_batch_size": 8, "max_steps": 1,
+                                   "mixed_precision": "fp32"}, model=adapters, checkpoint={"export_dtype": "fp32"})
+    run = tmp_path / "run"
+    run_cli("recipe", "run", recipe, "--output-dir", run, env=TRACE_UNITS, check=0)
+    from accel_fsdp.config.recipe import load_recipe
+
+    p = load_recipe(recipe).preference
+    beta, gamma, lam = p.beta_for(method) if method != "orpo" else 0.0, p.gamma, p.lambda_
+    data = prepared(recipe)
+    rows = read_metrics(run)
+    first = [r for r in rows if r["kind"] == "train"][0]
+    start = float64_model(model_path)
+    parameters = dict(beta=beta, gamma=gamma, lam=lam)
+    step_1 = [data.sequences(u) for u in units_by_step(run)[1]]
+    assert len(step_1) == 8
+    assert_pairs_replayed(first, "", method, step_1, start, start, **parameters)
+    if lora and method == "dpo":  # the adapters' B starts at 0: policy and reference are the same bits, all ties
+        assert first["reward_margin"] == 0 and first["reward_accuracy"] == 0  # docs: a tie counts as wrong
+    # The evaluation at the end: the exported weights (after the step) on every held-out pair; DPO's reference is the
+    # starting weights, a held-out source's loss its mean pair loss (ORPO: + its chosen answers' NLL per token).
+    (held_out,) = [r for r in rows if r["kind"] == "eval"]
+    (source,) = data.sources
+    pairs = [source.sequences(j, "eval") for j in range(source.units("eval"))]
+    chosen_tokens = assert_pairs_replayed(held_out, "eval_", method, pairs, float64_model(run / "final"), start,
+                                          **parameters)
+    assert held_out["eval_tokens"] == chosen_tokens
+    assert held_out["eval_loss_by_source"] == {source.name: pytest.approx(held_out["eval_loss"], rel=1e-12)}
+
+
+def assert_pairs_replayed(row: dict, prefix: str, method: str, pairs: list, model, reference, *, beta: float,
+                          gamma: float, lam: float) -> int:
+    """A row's loss (train rows: `loss`, eval rows: `eval_loss`) and statistics against docs/PREFERENCE.md's over
+    `pairs` (chosen, rejected sequences) with `model` as the policy and `reference` as DPO's reference. Returns the
+    chosen answers' loss-carrying tokens."""
+    replayed, scale = [], 0.0
+    for chosen, rejected in pairs:
+        (pc, nc, sc), (pr, nr, sr) = answer_logps(model, chosen), answer_logps(model, rejected)
+        references = None
+        if method == "dpo":
+            (rc, _, rsc), (rr, _, rsr) = answer_logps(reference, chosen), answer_logps(reference, rejected)
+            references, scale = (rc, rr), max(scale, rsc, rsr)
+        scale = max(scale, sc, sr)
+        replayed.append(documented_pair(method, (pc, nc), (pr, nr), references, beta=beta, gamma=gamma, lam=lam)
+                        | {"tokens": (nc, nr), "logps": (pc / nc, pr / nr)})
+    n = len(replayed)
+    chosen_tokens = sum(q["tokens"][0] for q in replayed)
+    loss = sum(q["pair"] for q in replayed) / n
+    if method == "orpo":
+        loss += sum(q["nll"] for q in replayed) / chosen_tokens
+    expected = {"reward_chosen": sum(q["rewards"][0] for q in replayed) / n,
+                "reward_rejected": sum(q["rewards"][1] for q in replayed) / n,
+                "logps_chosen": sum(q["logps"][0] for q in replayed) / n,
+                "logps_rejected": sum(q["logps"][1] for q in replayed) / n}
+    expected["reward_margin"] = expected["reward_chosen"] - expected["reward_rejected"]
+    # A token's log-prob is within token_error(scale); an answer's mean too, its sum within |y| of them.
+    longest = max(max(q["tokens"]) for q in replayed)
+    per_token = token_error(scale)
+    reward_error = {"dpo": 2 * beta * longest * per_token, "simpo": beta * per_token, "orpo": lam * per_token}[method]
+    for key in ("reward_chosen", "reward_rejected"):
+        assert row[prefix + key] == pytest.approx(expected[key], abs=reward_error), key
+    assert row[prefix + "reward_margin"] == pytest.approx(expected["reward_margin"], abs=2 * reward_error)
+    for key in ("logps_chosen", "logps_rejected"):
+        mean_error = per_token + reordered(longest) * abs(expected[key])
+        assert row[prefix + key] == pytest.approx(expected[key], abs=mean_error), key
+    # -log sigmoid(z) moves by at most z's error (its slope is within 1): DPO's and SimPO's z by two rewards' errors;
+    # ORPO's log odds by its means' errors x d log odds / da = 1 / (1 - e^a), plus its NLL per token's error
+    loss_error = 2 * reward_error + reordered(n) * loss
+    if method == "orpo":
+        highest = max(max(q["logps"]) for q in replayed)
+        nll = sum(q["nll"] for q in replayed) / chosen_tokens
+        loss_error = (lam * 2 * per_token / (1 - math.exp(highest)) + per_token + reordered(chosen_tokens) * nll
+                      + reordered(n) * loss)
+    assert row[prefix + "loss"] == pytest.approx(loss, abs=loss_error)
+    wins = [q["rewards"][0] > q["rewards"][1] for q in replayed]
+    ties = sum(abs(q["rewards"][0] - q["rewards"][1]) <= 2 * reward_error for q in replayed)
+    assert abs(row[prefix + "reward_accuracy"] - sum(wins) / n) <= ties / n
+    return chosen_tokens
