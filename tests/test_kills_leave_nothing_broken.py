@@ -71,21 +71,32 @@ def test_a_folder_builder_killed_half_way_leaves_a_temporary_that_the_next_build
     assert [p.name for p in tmp_path.iterdir()] == ["tokenizer"]
 
 
-def test_a_folder_replaced_by_a_process_killed_while_publishing_is_the_old_or_the_new_one(tmp_path):
-    """Killed at the worst instant of the replacing (where two renames would leave no folder at all)."""
-    probe_a, probe_b = tmp_path / "a", tmp_path / "b"
+def exchange_works_here(folder) -> bool:
+    """What this filesystem can do: swap two entries in one step (RENAME_EXCHANGE), or not (then two renames)."""
+    probe_a, probe_b = folder / "a", folder / "b"
     for probe in (probe_a, probe_b):
         probe.mkdir()
-    if not files.exchange(probe_a, probe_b):
-        pytest.skip("this filesystem cannot exchange two entries (RENAME_EXCHANGE): two renames are the way here")
+    works = files.exchange(probe_a, probe_b)
     for probe in (probe_a, probe_b):
         probe.rmdir()
+    return works
+
+
+@pytest.mark.parametrize("how", ["as this filesystem can", "two renames"])
+def test_a_folder_replaced_by_a_process_killed_while_publishing_is_the_old_or_the_new_one(tmp_path, how):
+    """Killed at the worst instant of the replacing: right after the old folder was moved. Where the filesystem
+    exchanges entries in one step (Linux's local filesystems), `path` is the old folder or the new one. With two
+    renames (NFS, macOS; forced here by the second case) it is the old one or none, never a mix, and whatever the kill
+    left is swept by the next writer."""
     folder = tmp_path / "export"
     with files.atomic_folder(folder) as building:
         (building / "weights").write_text("old")
+    two_renames = how == "two renames" or not exchange_works_here(tmp_path)
     killed_or_done = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import os, signal
         from accel_fsdp import files
+        if {two_renames!r}:
+            files.exchange = lambda a, b: False
         rename = os.rename
         def rename_then_die(source, target):
             rename(source, target)
@@ -96,10 +107,25 @@ def test_a_folder_replaced_by_a_process_killed_while_publishing_is_the_old_or_th
             (building / "weights").write_text("new")
     """)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert killed_or_done.returncode in (0, -signal.SIGKILL), killed_or_done.stderr[-3000:]
-    assert (folder / "weights").read_text() in ("old", "new")
+    if two_renames:
+        assert killed_or_done.returncode == -signal.SIGKILL  # the fallback went through the instant it is killed at
+        assert not folder.exists() or (folder / "weights").read_text() == "old"
+    else:
+        assert (folder / "weights").read_text() in ("old", "new")
     with files.atomic_folder(folder) as building:  # and the next writer sweeps whatever the kill left
         (building / "weights").write_text("newer")
     assert [p.name for p in tmp_path.iterdir()] == ["export"]
+
+
+def test_only_linux_is_asked_to_exchange(tmp_path, monkeypatch):
+    """renameat2 is Linux's: elsewhere (macOS) the exchange is not tried, and publishing uses two renames."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert files.exchange(tmp_path / "a", tmp_path / "b") is False
+    with files.atomic_folder(tmp_path / "b") as building:
+        (building / "weights").write_text("new")
+    assert (tmp_path / "b" / "weights").read_text() == "new"
 
 
 WRITER_ERRORS = {
