@@ -527,9 +527,8 @@ def main() -> None:
     if not args.no_table and not args.only:
         from knob_throughput import STEPS, throughput_section  # benchmarks/ is this script's folder, first on sys.path
 
-        # The section joins the report as it begins, so that the markdown written after each row holds it. One rank
-        # on CPU too: the table's rows are one GPU's, and a second rank would add its start-up, not a mechanism.
-        throughput_section(work, args.cpu, 1, device, Section, steps=args.table_steps or STEPS,
+        # The section joins the report as it begins, so that the markdown written after each row holds it.
+        throughput_section(work, args.cpu, 2 if args.cpu else 1, device, Section, steps=args.table_steps or STEPS,
                            budget=BUDGET, run=run_within_budget, on_row=write_markdown, on_start=sections.append)
     results = [row[s.columns.index("result")] for s in sections for row in s.rows]
     print(f"{results.count('PASS')} passed, {results.count('FAIL')} failed, {results.count('SKIP')} skipped")

@@ -45,8 +45,9 @@ def _share_the_cores_among_workers() -> None:
 _share_the_cores_among_workers()
 
 WORKER_MEMORY_GIB = 4
-"""What one pytest-xdist worker may hold at once: itself and the 2 ranks of the run it launched (the heaviest, the
-QLoRA and compiled runs, peak under 1.5 GiB a process on the tests' tiny models)."""
+"""What one pytest-xdist worker may hold at once: itself and the 2 ranks of the run it launched. A bound with room,
+not a measured peak: a rank of the heaviest tiny model (Llama's 128,256-token vocabulary) peaked at 1.48 GiB
+resident in the CPU throughput table (docs/PERFORMANCE.md, activation offload), the quickstart's at about 0.6 GiB."""
 
 if importlib.util.find_spec("xdist") is not None:  # its hooks: pytest refuses a hook no plugin declares
     def pytest_xdist_auto_num_workers(config):
