@@ -173,7 +173,7 @@ class _Build:
 
     def _no_signal(self, row: int, how: str) -> None:
         self.stats.no_signal_pairs += 1
-        self.stats.no_signal_lines = sorted(self.stats.no_signal_lines + [row])[:5]
+        self.stats.no_signal_lines = sorted(self.stats.no_signal_lines + [row])[:SourceStats.SHOWN_ROWS]
         if self.first_no_signal is None or row < self.first_no_signal[0]:
             self.first_no_signal = (row, how)
 

@@ -65,11 +65,24 @@ class SourceStats:
     empty_turn_lines: list[int] = field(default_factory=list)
     """The rows (lines) of the first few of them."""
 
+    SHOWN_ROWS = 5
+    """How many rows of a kind a warning names (the `*_lines` lists hold the first ones)."""
     TRUNCATION_WARNING = 0.05
     EMPTY_WARNING = 0.05
     """Share of empty rows from which they are warned about: a few are blank records, many a field named wrong (in a
     .json list or a CSV, a row without the field reads as one whose field is empty)."""
     UNKNOWN_WARNING = 0.01
+
+    @staticmethod
+    def shown(lines: list[int], count: int) -> str:
+        """'3, 8, 12' or '3, 8, 12, 20, 31, ...': the rows a warning names."""
+        return ", ".join(map(str, lines)) + (", ..." if count > len(lines) else "")
+
+    @classmethod
+    def note_row(cls, lines: list[int], row: int) -> None:
+        """Keep `row` among the first SHOWN_ROWS rows of a kind."""
+        if len(lines) < cls.SHOWN_ROWS:
+            lines.append(row)
 
     def summary(self) -> str:
         parts = [f"{self.rows_read:,} rows read", f"{self.train_rows:,} train / {self.eval_rows:,} held out",
@@ -99,17 +112,17 @@ class SourceStats:
                        f"truncation at data.seq_len = {seq_len}: they are trained on nothing (raise data.seq_len, or "
                        "shorten the prompts)")
         if self.no_signal_pairs:
-            rows = ", ".join(map(str, self.no_signal_lines)) + (", ..." if self.no_signal_pairs > 5 else "")
+            rows = self.shown(self.no_signal_lines, self.no_signal_pairs)
             out.append(f"{self.name + ': ' if named else ''}{self.no_signal_pairs:,} pairs (rows {rows}) have a chosen "
                        "and a rejected answer that are the same once tokenized, or differ in whitespace alone: they "
                        "prefer nothing and were skipped (remove them from the data to silence this)")
         if self.empty_rows and self.empty_rows >= self.EMPTY_WARNING * self.rows_read:
-            rows = ", ".join(map(str, self.empty_lines)) + (", ..." if self.empty_rows > 5 else "")
+            rows = self.shown(self.empty_lines, self.empty_rows)
             out.append(f"{self.name + ': ' if named else ''}{self.empty_rows:,} of {self.rows_read:,} rows ({rows}) "
                        "have no text (the field empty, null, or missing from the row) and were skipped: check the "
                        "field name (data.text_field), and whether those rows hold their text under another key")
         if self.empty_turn_rows:
-            rows = ", ".join(map(str, self.empty_turn_lines)) + (", ..." if self.empty_turn_rows > 5 else "")
+            rows = self.shown(self.empty_turn_lines, self.empty_turn_rows)
             out.append(f"{self.name + ': ' if named else ''}{self.empty_turn_rows:,} rows ({rows}) have an empty "
                        f"{'prompt, or an assistant turn' if self.pairs else 'assistant turn'} (or only whitespace): "
                        "they teach the model to answer nothing, or answers to no question (check the field names, "

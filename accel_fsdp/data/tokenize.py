@@ -26,6 +26,7 @@ import numpy as np
 
 from accel_fsdp.config.recipe import SourceConfig
 from accel_fsdp.data.encoder import ChatEncoder, ChatTemplate, encode
+from accel_fsdp.data.mixture import SourceStats
 from accel_fsdp.data.sources import CHAT_ROLES, SourceReader, check_messages
 from accel_fsdp.errors import first_line
 
@@ -146,8 +147,7 @@ class ExampleTokenizer:
                 continue
             if not value or not value.strip():
                 self.empty += 1
-                if len(self.empty_lines) < 5:
-                    self.empty_lines.append(n)
+                SourceStats.note_row(self.empty_lines, n)
                 continue
             texts.append(value)
             kept.append(n)
@@ -237,8 +237,7 @@ class ExampleTokenizer:
 
     def _note_empty_turn(self, n: int) -> None:
         self.empty_turns += 1
-        if len(self.empty_turn_lines) < 5:
-            self.empty_turn_lines.append(n)
+        SourceStats.note_row(self.empty_turn_lines, n)
 
     def _chat(self, conversations: list[tuple[int, list[dict]]]) -> Callable[[], list[Example]]:
         """Render each conversation with the chat template; a token carries a loss when its characters lie inside
