@@ -66,8 +66,10 @@ def test_the_window_is_recorded_and_every_file_is_written(tmp_path):
     assert summary["steps"] == [3, 4] and summary["time_kind"] == "cpu"
     regions = summary["regions_s"]
     assert set(regions) == {FORWARD_BACKWARD, CLIPPING, OPTIMIZER} and all(v > 0 for v in regions.values())
-    # a region is a span of the step on the host: together no longer than the step, and most of it
-    assert 0.5 * summary["step_wall_s"] <= sum(regions.values()) <= summary["step_wall_s"]
+    # a region is a span of the step on the host: together no longer than the step. Not "most of it": the gaps
+    # between the regions (the profiler's own step bookkeeping) take the time this process waits for a core on a busy
+    # machine, and these steps last a millisecond (one run under the parallel suite: 0.69 of 2.81 ms in regions).
+    assert sum(regions.values()) <= summary["step_wall_s"]
     assert summary["top_operators_s"] and all(not name.startswith(PREFIX) for name, _ in summary["top_operators_s"])
     with gzip.open(tmp_path / "rank0.trace.json.gz", "rt") as f:
         names = {e.get("name") for e in json.load(f)["traceEvents"]}
