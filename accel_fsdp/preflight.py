@@ -38,7 +38,7 @@ from accel_fsdp.model import facts as model_facts
 from accel_fsdp.model.compile import compile_problems
 from accel_fsdp.model.fp8 import FP8, fp8_problems
 from accel_fsdp.model.hub import hub_problems
-from accel_fsdp.model.tokenizer import offline_tokenizer
+from accel_fsdp.model.tokenizer import is_local, offline_tokenizer
 from accel_fsdp.run.folder import Decision, decide, lock_problems, writable_problems
 
 
@@ -202,8 +202,7 @@ def model_view(recipe):
         model_checks.raise_problems(model_checks.override_problems(
             recipe, model_facts.CONFIG_CLASS[facts.model_type], model_facts.CONFIG_KEYS[facts.model_type], overrides,
             model_facts.ALIASES[facts.model_type]))
-        model_checks.raise_problems(model_checks.structure_problems(
-            recipe, facts, model_facts.builtin_vocab_size(recipe.model.tokenizer)))
+        model_checks.raise_problems(model_checks.structure_problems(recipe, facts, _tokenizer_size(recipe)))
         return model_checks.view_from_facts(facts, recipe)
     from accel_fsdp.model import build as model_lib
 
@@ -220,6 +219,16 @@ def model_view(recipe):
         raise UserError(Problem(recipe.where("model.config_overrides"), f"cannot build the model: {e}",
                                 "check model.config_overrides")) from None
     return model_lib.view_of(meta, config)
+
+
+def _tokenizer_size(recipe) -> int | None:
+    """The tokenizer's size where it costs no download: the built-in one's, or a local folder's (the launch compares
+    it with the model's vocabulary, train/setup.py through model/build.py `model_config`; `recipe validate` must
+    refuse what the launch would)."""
+    size = model_facts.builtin_vocab_size(recipe.model.tokenizer)
+    if size is None and is_local(recipe.model.tokenizer or recipe.model.name_or_path):
+        size = len(offline_tokenizer(recipe))
+    return size
 
 
 def _check_data(recipe, report: PreflightReport) -> list[Problem]:

@@ -68,6 +68,7 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
         unknown_override_problems(recipe, CONFIG_MAPPING[model_type], overrides)
         try:
             config = AutoConfig.for_model(model_type, **kwargs)
+            _refuse_non_decoder(recipe, config, "model.architecture")
             if tokenizer is not None and len(tokenizer) > config.vocab_size:
                 raise_problems([Problem(recipe.where("model.config_overrides.vocab_size"),
                                         f"vocabulary of {config.vocab_size} is smaller than the tokenizer's "
@@ -119,6 +120,7 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
                                             "true if you trust that repository")) from None
                 raise
     if config is not None:
+        _refuse_non_decoder(recipe, config, "model.name_or_path")
         unknown_override_problems(recipe, type(config), overrides)
     problems = []
     for key, value in overrides.items():
@@ -136,6 +138,77 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
                                 f"{len(tokenizer)} tokens, so its ids would index past the embedding",
                                 "use the tokenizer the model was trained with, or a larger vocab_size"))
     return config
+
+
+def not_a_decoder(config) -> str | None:
+    """Why `config` is not a model that predicts the next token (what every method here trains and `generate`
+    samples), or None. transformers builds a causal-LM class for some encoders too (bert's BertLMHeadModel, in
+    models/auto/modeling_auto.py MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, checked with 5.24.0) and only warns that it needs
+    `is_decoder: true`: trained as one it fails in FSDP's loading, and sampled it continues nothing. Those are the
+    types that are masked-LM models as well; a config with `is_decoder: true` is a decoder on purpose. Remote code
+    (`auto_map`) is the user's own model and not judged."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    model_type = getattr(config, "model_type", None)
+    if getattr(config, "auto_map", None):
+        return None
+    if getattr(config, "is_encoder_decoder", False):
+        return f"{model_type!r} is an encoder-decoder model"
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return f"{model_type!r} has no causal language model class in transformers"
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+        return f"{model_type!r} is an encoder (a masked language model; its config does not set is_decoder)"
+    return None
+
+
+def _refuse_non_decoder(recipe, config, key: str) -> None:
+    why = not_a_decoder(config)
+    if why:
+        raise UserError(_non_decoder_problem(recipe.where(key), why))
+
+
+def _non_decoder_problem(where: str, why: str) -> Problem:
+    return Problem(where, f"{why}: accel-fsdp trains and samples decoder-only language models that predict the next "
+                   "token", "use a decoder model (GPT-2, Llama, Mistral, Qwen, ...)")
+
+
+def load_pretrained(folder, *, where: str, fix: str, **kwargs):
+    """AutoModelForCausalLM.from_pretrained(folder), refusing weights that do not fit the model its config builds:
+    transformers 5 initializes a tensor the files lack at random with a log line (a run would train, and `generate`
+    sample, a partly random model) and stops a shape mismatch with a RuntimeError pointing at a table it logged
+    (modeling_utils.py `_load_pretrained_model` and its loading report, checked with 5.24.0). Both become one
+    message naming the tensors; so does a file it cannot read (safetensors' and pickle's own error types)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if kwargs.get("config") is None:  # the recipe's path has one, checked (model_config); a folder given alone not
+        try:
+            kwargs["config"] = AutoConfig.from_pretrained(folder, trust_remote_code=kwargs.get("trust_remote_code",
+                                                                                               False))
+        except Exception as e:  # ValueError (an unknown model_type), StrictDataclassError, OSError...
+            raise UserError(Problem(where, f"transformers cannot read its config.json ({first_line(e)})",
+                                    "restore its config.json (save_pretrained writes it), or update transformers for "
+                                    "a newer model type")) from None
+        why = not_a_decoder(kwargs["config"])
+        if why:
+            raise UserError(_non_decoder_problem(where, why))
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True,
+                                                           ignore_mismatched_sizes=True, **kwargs)
+    except (UserError, MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as e:  # OSError, ValueError, SafetensorError, UnpicklingError, EOFError, RuntimeError...
+        raise UserError(Problem(where, f"its weights cannot be loaded ({first_line(e, named=True)})", fix)) from None
+    wrong = [f"{name} is missing" for name in sorted(info["missing_keys"])]
+    wrong += [f"{name} is {list(stored)} in the files but {list(built)} in the model config.json builds"
+              for name, stored, built in sorted(info["mismatched_keys"], key=str)]
+    if wrong:
+        raise UserError(Problem(where, f"the weights do not fit the model its config.json describes: "
+                                + "; ".join(wrong[:4]) + (f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else ""),
+                                fix))
+    return model
 
 
 def unknown_override_problems(recipe, config_class, overrides: dict) -> None:
@@ -236,7 +309,9 @@ def build_model(recipe, config, *, dtype: torch.dtype = torch.float32, empty: bo
     elif m.architecture:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(m.name_or_path, config=config, dtype=dtype, **kwargs)
+        model = load_pretrained(m.name_or_path, config=config, dtype=dtype, where=recipe.where("model.name_or_path"),
+                                fix="download or export the model again (its weights and config.json together)",
+                                **kwargs)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
     if m.quantize:
         quantize_model(model, dtype, empty=empty)  # before LoRA: PEFT wraps the 4-bit layers like any Linear

@@ -161,11 +161,16 @@ def source_problems(recipe) -> list[Problem]:
             out.append(Problem(where, f"folder {name!r} does not exist", "check the path (relative paths start at the "
                                "working directory), or give a hub id such as owner/name"))
         elif path.is_dir() and key == "model.name_or_path":
-            out += _model_folder_problems(where, path)
+            out += model_folder_problems(where, path)
     return out
 
 
-def _model_folder_problems(where: str, folder: Path) -> list[Problem]:
+def model_folder_problems(where: str, folder: Path) -> list[Problem]:
+    """What makes a local model folder unloadable, read without torch or transformers: config.json missing, not a
+    JSON object, without a model_type, with a size that is not a positive whole number (transformers 5 would stop
+    with its own traceback, from whichever reader of config.json comes first: the tokenizer's, the config's); weight
+    files missing, cut short or not of their format. `recipe validate`, the launch and `generate` read a folder
+    through here, so each names the same file with the same words."""
     import json
 
     config = folder / "config.json"
@@ -177,8 +182,13 @@ def _model_folder_problems(where: str, folder: Path) -> list[Problem]:
         values = json.loads(config.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
         return [Problem(where, f"{config} is not valid JSON ({type(e).__name__})", "restore the file")]
-    if not isinstance(values, dict) or not values.get("model_type"):
+    if not isinstance(values, dict) or not values.get("model_type") or not isinstance(values["model_type"], str):
         return [Problem(where, f"{config} names no model_type", "restore the file (save_pretrained writes it)")]
+    bad = [f"{key} is {values[key]!r}" for key in SIZE_KEYS if values.get(key) is not None
+           and (isinstance(values[key], bool) or not isinstance(values[key], int) or values[key] < 1)]
+    if bad:
+        return [Problem(where, f"{config}: {', '.join(bad)}, not a positive whole number",
+                        "restore the file (save_pretrained writes it), or correct the value")]
     present = [name for name in WEIGHT_FILES if (folder / name).is_file()]
     if not present:
         return [Problem(where, f"folder {str(folder)!r} has no weights (none of {', '.join(WEIGHT_FILES)})",
@@ -210,6 +220,8 @@ def _damaged(path: Path) -> str | None:
         return "missing"
     if path.name.endswith(".index.json"):
         return "unreadable index"
+    if path.suffix == ".bin":
+        return _torch_file_damage(path)
     if path.suffix != ".safetensors":
         return None
     try:
@@ -224,6 +236,22 @@ def _damaged(path: Path) -> str | None:
     if path.stat().st_size < 8 + n + end:
         return f"truncated: {path.stat().st_size:,} of {8 + n + end:,} bytes"
     return None
+
+
+def _torch_file_damage(path: Path) -> str | None:
+    """Why a pytorch_model.bin cannot be what torch.save wrote: since torch 1.6 a zip archive (torch/serialization.py
+    `_save`, `_use_new_zipfile_serialization`), whose directory is at its end (so a file cut short has none), before
+    that a pickle (its protocol byte 0x80 first). Reads the first byte and the directory, not the weights."""
+    import zipfile
+
+    try:
+        with open(path, "rb") as f:
+            first = f.read(1)
+        if zipfile.is_zipfile(path):
+            return None
+    except OSError as e:
+        return f"unreadable: {type(e).__name__}"
+    return None if first == b"\x80" else "not a complete file torch.save wrote (cut short, or another format)"
 
 
 # transformers.activations.ACT2FN's names (5.23.0; tests/test_model_facts.py compares): kept here so that checking a

@@ -9,7 +9,8 @@ import torch
 
 from accel_fsdp.errors import Problem, UserError, first_line, read_json_object
 from accel_fsdp.layout import FINAL_DIR
-from accel_fsdp.model.checks import tokenizer_files_problem
+from accel_fsdp.model.build import load_pretrained
+from accel_fsdp.model.checks import model_folder_problems, raise_problems, tokenizer_files_problem
 
 
 def resolve_model_dir(path: Path) -> Path:
@@ -27,7 +28,7 @@ def resolve_model_dir(path: Path) -> Path:
 
 def load_model(folder: Path, device: str = "auto"):
     """The model and its tokenizer; the tokenizer first (cheap), and a UserError naming what is missing or damaged."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError(Problem("--device cuda", "no CUDA device is available", "use --device cpu (or auto)"))
@@ -39,24 +40,27 @@ def load_model(folder: Path, device: str = "auto"):
     missing = tokenizer_files_problem(folder)
     if missing:
         raise UserError(Problem(str(folder), missing, fix))
-    config = folder / ("adapter_config.json" if (folder / "adapter_config.json").exists() else "config.json")
-    read_json_object(config, what="is not a valid config",
-                     fix="export the model again with `accel-fsdp checkpoint consolidate RUN OUT`")
+    export_again = "export the model again with `accel-fsdp checkpoint consolidate RUN OUT`"
+    adapter = (folder / "adapter_config.json").exists()
+    if adapter:
+        read_json_object(folder / "adapter_config.json", what="is not a valid config", fix=export_again)
+    else:  # the reader of `recipe validate` and the launch: the same file named with the same words
+        raise_problems(model_folder_problems(str(folder), folder))
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as e:  # transformers raises OSError, ValueError, TypeError... for a folder without a tokenizer
         raise UserError(Problem(str(folder), f"has no usable tokenizer ({first_line(e)})", fix)) from None
-    try:
-        if (folder / "adapter_config.json").exists():
+    damaged = "the files are incomplete or damaged: " + export_again
+    if adapter:
+        try:
             from peft import AutoPeftModelForCausalLM
 
             model = AutoPeftModelForCausalLM.from_pretrained(folder, dtype=dtype)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    except Exception as e:  # safetensors' own error type, OSError, ValueError, RuntimeError for shape mismatches
-        raise UserError(Problem(str(folder), f"its weights cannot be loaded ({first_line(e, named=True)})",
-                                "the files are incomplete or damaged: export again with `accel-fsdp checkpoint "
-                                "consolidate RUN OUT`")) from None
+        except Exception as e:  # safetensors' own error type, OSError, ValueError, RuntimeError for shape mismatches
+            raise UserError(Problem(str(folder), f"its weights cannot be loaded ({first_line(e, named=True)})",
+                                    damaged)) from None
+    else:
+        model = load_pretrained(folder, dtype=dtype, where=str(folder), fix=damaged)
     return model.to(device).eval(), tokenizer
 
 
