@@ -305,7 +305,7 @@ def test_generate_names_a_missing_tokenizer_and_damaged_weights(tmp_path):
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     msg = user_error("generate", folder, "--prompt", "alice has a")
-    assert "its weights cannot be loaded" in msg and "export again" in msg
+    assert "damaged weights: model.safetensors (truncated" in msg and "export the model again" in msg
 
 
 def test_a_shipped_slurm_config_stays_consistent_with_validate(tmp_path):

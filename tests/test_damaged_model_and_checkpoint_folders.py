@@ -1,0 +1,115 @@
+"""Model folders a user brings or a disk damaged, read by every command that reads one (`recipe validate`, the
+launch's checks, the ranks' loading, `generate`): each ends in one message naming the file, the value and the fix,
+exit status 2, or works. The cases tests/test_user_mistakes.py's corpus already holds (config.json missing, not JSON,
+without model_type; weights missing or cut short; no tokenizer) are not repeated. In-process; nothing launches."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import save_tiny_model, user_error
+
+from accel_fsdp.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def good_model(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("good") / "model", "gpt2")
+
+
+def damaged_copy(good: Path, tmp_path: Path, damage: str) -> Path:
+    """A copy of the tiny GPT-2 folder with one thing wrong."""
+    folder = tmp_path / damage
+    shutil.copytree(good, folder)
+    config = json.loads((folder / "config.json").read_text())
+    weights = folder / "model.safetensors"
+    if damage.startswith("config:"):  # config:key=json-value
+        key, value = damage.removeprefix("config:").split("=", 1)
+        config[key] = json.loads(value)
+        (folder / "config.json").write_text(json.dumps(config))
+    elif damage == "bin-not-torch":
+        weights.unlink()
+        (folder / "pytorch_model.bin").write_bytes(os.urandom(3000))
+    elif damage in ("tensor-missing", "tensor-shape"):
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(weights)
+        name = "transformer.h.0.mlp.c_fc.weight"
+        if damage == "tensor-missing":
+            del tensors[name]
+        else:
+            tensors[name] = tensors[name][:, :10].contiguous()
+        save_file(tensors, weights, metadata={"format": "pt"})
+    return folder
+
+
+def validate(folder: Path) -> str:
+    return user_error("recipe", "validate", "quickstart", "--set", "model.architecture=null",
+                      "--set", "model.tokenizer=null", "--set", "model.config_overrides={}",
+                      "--set", f"model.name_or_path={folder}")
+
+
+CASES = [
+    # (damage, what recipe validate and generate say); None: validate cannot tell without reading every weight
+    ("config:n_layer=\"two\"", "config.json: n_layer is 'two', not a positive whole number"),
+    ("config:n_embd=-64", "config.json: n_embd is -64, not a positive whole number"),
+    ("config:model_type=\"bert\"", "'bert' is an encoder (a masked language model"),
+    ("config:model_type=\"t5\"", "'t5' is an encoder-decoder model"),
+    ("config:vocab_size=10", None),
+    ("bin-not-torch", "damaged weights: pytorch_model.bin (not a complete file torch.save wrote"),
+    ("tensor-missing", None),
+    ("tensor-shape", None),
+]
+
+
+@pytest.mark.parametrize("damage,expected", [c for c in CASES if c[1]], ids=[c[0] for c in CASES if c[1]])
+def test_recipe_validate_names_a_damaged_model_folder(good_model, tmp_path, monkeypatch, damage, expected):
+    monkeypatch.chdir(tmp_path)
+    message = validate(damaged_copy(good_model, tmp_path, damage))
+    assert expected in message and "model.name_or_path" in message and "fix:" in message, message
+
+
+def test_recipe_validate_refuses_a_vocabulary_smaller_than_the_folders_tokenizer(good_model, tmp_path, monkeypatch):
+    """The launch refused it (model/build.py `model_config`); validate said ok."""
+    monkeypatch.chdir(tmp_path)
+    message = validate(damaged_copy(good_model, tmp_path, "config:vocab_size=10"))
+    assert "vocabulary of 10 is smaller than the tokenizer's 131 tokens" in message, message
+
+
+GENERATE = {
+    "config:n_layer=\"two\"": "config.json: n_layer is 'two', not a positive whole number",
+    "config:model_type=\"bert\"": "'bert' is an encoder (a masked language model",
+    "tensor-missing": "the weights do not fit the model its config.json describes: "
+                      "transformer.h.0.mlp.c_fc.weight is missing",
+    "tensor-shape": "transformer.h.0.mlp.c_fc.weight is [64, 10] in the files but [64, 256] in the model",
+}
+
+
+@pytest.mark.parametrize("damage", sorted(GENERATE))
+def test_generate_names_a_damaged_model_folder_instead_of_sampling_from_it(good_model, tmp_path, damage):
+    """A tensor the files lack was drawn at random by transformers (exit 0, a half-random model sampled); an encoder
+    sampled nothing; a config size of the wrong type was blamed on the tokenizer."""
+    message = user_error("generate", damaged_copy(good_model, tmp_path, damage), "--prompt", "alice has a",
+                         "--max-new-tokens", "2")
+    assert GENERATE[damage] in message and "fix:" in message, message
+
+
+@pytest.mark.parametrize("damage", ["tensor-missing", "tensor-shape"])
+def test_the_ranks_refuse_weights_that_do_not_fit_the_config(good_model, tmp_path, damage):
+    """What every rank runs when it reads the weights itself (train/setup.py -> model/build.py `build_model`): a
+    UserError, which the ranks show once with exit status 2, where transformers trained a tensor it drew at random or
+    stopped every rank with a traceback."""
+    from accel_fsdp.config.recipe import load_recipe
+    from accel_fsdp.config.shipped import shipped_recipes
+    from accel_fsdp.model.build import build_model, model_config
+
+    folder = damaged_copy(good_model, tmp_path, damage)
+    recipe = load_recipe(shipped_recipes()["quickstart"], ["model.architecture=null", "model.tokenizer=null",
+                                        "model.config_overrides={}", f"model.name_or_path={folder}"])
+    with pytest.raises(UserError, match="transformer.h.0.mlp.c_fc.weight") as e:
+        build_model(recipe, model_config(recipe))
+    assert "model.name_or_path" in str(e.value) and "export the model again" in str(e.value)
