@@ -96,9 +96,24 @@ def checkpoint_step(name: str) -> int | None:
     return int(number) if well_formed else None
 
 
+def dangling_link_problem(path: Path) -> Problem | None:
+    """A path that is a symbolic link to nothing (a loop, or a target gone): `exists()` is False for it, and "does not
+    exist" would send the user looking for a file that is there."""
+    if not path.is_symlink() or path.exists():
+        return None
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    return Problem(str(path), f"is a symbolic link that leads nowhere (to {target!r}: a loop of links, or its target "
+                   "is gone)", "point the link at a folder that exists, or give that folder itself")
+
+
 def existing_folder(path: str | Path, *, what: str = "checkpoint") -> Path:
     """`path` (a checkpoint or run folder the user named) as a folder that exists, else one message."""
     p = Path(path).expanduser()
+    if (dangling := dangling_link_problem(p)) is not None:
+        raise UserError(dangling)
     if not p.exists():
         raise UserError(Problem(str(p), f"no such {what}", "give a step-NNNNNN folder or a run folder (`accel-fsdp "
                                 "checkpoint inspect RUN` lists a run's; rotation keeps the last checkpoint.keep_last)"))

@@ -113,3 +113,43 @@ def test_the_ranks_refuse_weights_that_do_not_fit_the_config(good_model, tmp_pat
     with pytest.raises(UserError, match="transformer.h.0.mlp.c_fc.weight") as e:
         build_model(recipe, model_config(recipe))
     assert "model.name_or_path" in str(e.value) and "export the model again" in str(e.value)
+
+
+# ------------------------------------------------------------------------ paths that are links to nothing
+
+def link_loop(tmp_path: Path) -> Path:
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    return loop
+
+
+@pytest.mark.parametrize("command", [
+    ["checkpoint", "inspect", "{loop}"],
+    ["checkpoint", "consolidate", "{loop}", "{tmp}/out"],
+    ["checkpoint", "consolidate", "{tmp}/run", "{loop}"],
+    ["generate", "{loop}", "--prompt", "a"],
+    ["report", "{loop}"],
+    ["recipe", "run", "quickstart", "--output-dir", "{loop}"],
+    ["recipe", "run", "quickstart", "--output-dir", "{loop}/sub"],
+    ["recipe", "run", "quickstart", "--output-dir", "{tmp}/r", "--resume-from", "{loop}"],
+], ids=["inspect", "consolidate-from", "consolidate-into", "generate", "report", "run-folder", "run-folder-under",
+        "resume-from"])
+def test_a_symbolic_link_loop_is_named_as_one(tmp_path, monkeypatch, command):
+    """A loop of links raised RuntimeError from pathlib's resolve() (consolidate's output, the run folder), or was
+    said not to exist."""
+    from conftest import fabricate_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    fabricate_checkpoint(tmp_path / "run" / "checkpoints", 2)
+    loop = link_loop(tmp_path)
+    message = user_error(*[a.format(loop=loop, tmp=tmp_path) for a in command])
+    assert f"{loop}" in message and "is a symbolic link that leads nowhere" in message and "fix:" in message, message
+
+
+def test_generate_of_a_run_whose_export_lost_files_names_final_and_the_export(good_model, tmp_path):
+    """A run folder whose final/ lost its config.json was "not a model folder", with a fix to give a run folder."""
+    run = tmp_path / "run"
+    shutil.copytree(good_model, run / "final")
+    (run / "final" / "config.json").unlink()
+    message = user_error("generate", run, "--prompt", "a")
+    assert f"folder '{run / 'final'}' has no config.json" in message and "checkpoint consolidate RUN OUT" in message

@@ -18,7 +18,7 @@ from accel_fsdp.checkpoint.index import (
 from accel_fsdp.config.precision import PRECISIONS
 from accel_fsdp.config.recipe import read_saved_recipe
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.layout import CHECKPOINT_PREFIXES, MANIFEST, RECIPE_FILE
+from accel_fsdp.layout import CHECKPOINT_PREFIXES, MANIFEST, RECIPE_FILE, dangling_link_problem
 from accel_fsdp.planning.memory import parse_bytes, size_problem
 
 # ------------------------------------------------------------------------------------------ checkpoint
@@ -55,6 +55,8 @@ def checkpoint_consolidate(checkpoint_or_run, out_dir, dtype, max_shard_size, me
         size = parse_bytes(max_shard_size)
     except ValueError:
         raise UserError(size_problem("--max-shard-size", max_shard_size, "2GB or 500MB")) from None
+    if (dangling := dangling_link_problem(out_dir)) is not None:  # resolve() below would raise on a loop
+        raise UserError(dangling)
     point = resolve_checkpoint(checkpoint_or_run, verify=True)
     info = point.checkpoint
     for newer in point.passed_over:
@@ -83,6 +85,8 @@ def checkpoint_inspect(path: Path, as_json: bool) -> None:
     \b
     accel-fsdp checkpoint inspect runs/quickstart
     """
+    if (dangling := dangling_link_problem(path)) is not None:
+        raise UserError(dangling)
     if not path.exists():
         raise UserError(Problem(str(path), "does not exist", "give a checkpoint or run folder"))
     if not path.is_dir():

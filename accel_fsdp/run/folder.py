@@ -34,6 +34,7 @@ from accel_fsdp.layout import (
     RunLayout,
     checkpoint_step,
     checkpoints_of,
+    dangling_link_problem,
     existing_folder,
 )
 
@@ -313,8 +314,13 @@ def writable_problems(layout: RunLayout) -> list[Problem]:
     for folder, key in folders:
         existing = folder
         while not existing.exists() and existing != existing.parent:
+            if dangling_link_problem(existing) is not None:
+                break
             existing = existing.parent
-        if existing.exists() and not existing.is_dir():
+        if (dangling := dangling_link_problem(existing)) is not None:
+            out.append(Problem(str(folder), f"{existing} {dangling.message}",
+                               f"choose another {key}, or point the link at a folder that exists"))
+        elif existing.exists() and not existing.is_dir():
             out.append(Problem(str(folder), f"{existing} is a file, not a folder", f"choose another {key}"))
         elif existing.exists() and not os.access(existing, os.W_OK | os.X_OK):
             out.append(Problem(str(folder), f"cannot be written: {existing} is not writable by this user",
@@ -322,6 +328,8 @@ def writable_problems(layout: RunLayout) -> list[Problem]:
         elif existing.exists() and (error := _cannot_create_in(existing)):
             out.append(Problem(str(folder), f"cannot be written: creating a folder in {existing} fails ({error})",
                                f"choose another {key}"))
+    if out:  # resolve() raises on a loop of links, and the folders are to be chosen again anyway
+        return out
     final, checkpoints = layout.final.resolve(), layout.checkpoints.resolve()
     if final == checkpoints or final in checkpoints.parents:
         out.append(Problem(f"checkpoint.dir: {layout.checkpoints}", "is the exported model's folder (final/) or inside "

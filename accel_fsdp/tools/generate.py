@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from accel_fsdp.errors import Problem, UserError, first_line, read_json_object
-from accel_fsdp.layout import FINAL_DIR
+from accel_fsdp.layout import FINAL_DIR, dangling_link_problem
 from accel_fsdp.model.build import load_pretrained
 from accel_fsdp.model.checks import model_folder_problems, raise_problems, tokenizer_files_problem
 
@@ -16,11 +16,15 @@ from accel_fsdp.model.checks import model_folder_problems, raise_problems, token
 def resolve_model_dir(path: Path) -> Path:
     """A model folder, or a run folder (its final export)."""
     path = Path(path)
+    if (dangling := dangling_link_problem(path)) is not None:
+        raise UserError(dangling)
     if not path.exists():
         raise UserError(Problem(str(path), "does not exist", "give an exported model folder or a run folder"))
     for candidate in (path, path / FINAL_DIR):
         if (candidate / "config.json").exists() or (candidate / "adapter_config.json").exists():
             return candidate
+    if (path / FINAL_DIR).is_dir():  # a run whose export lost files: load_model names what final/ lacks
+        return path / FINAL_DIR
     raise UserError(Problem(str(path), "is not a model folder (no config.json or adapter_config.json)",
                             "give the folder written by `accel-fsdp checkpoint consolidate`, a run folder, or any "
                             "save_pretrained folder"))
@@ -45,7 +49,8 @@ def load_model(folder: Path, device: str = "auto"):
     if adapter:
         read_json_object(folder / "adapter_config.json", what="is not a valid config", fix=export_again)
     else:  # the reader of `recipe validate` and the launch: the same file named with the same words
-        raise_problems(model_folder_problems(str(folder), folder))
+        raise_problems([Problem(p.where, p.message, f"{export_again} (or {p.fix})")
+                        for p in model_folder_problems(str(folder), folder)])
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as e:  # transformers raises OSError, ValueError, TypeError... for a folder without a tokenizer

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.files import write_with
-from accel_fsdp.layout import METRICS_FILE, RunIdentity, RunLayout
+from accel_fsdp.layout import METRICS_FILE, RunIdentity, RunLayout, dangling_link_problem
 from accel_fsdp.train.metrics import EvalRow, TrainRow, read_metrics
 
 
@@ -18,6 +18,8 @@ def summarize(run_dir: Path) -> dict:
     run_dir = Path(run_dir)
     layout = RunLayout.at(run_dir)
     metrics_file = layout.metrics_file
+    if (dangling := dangling_link_problem(run_dir)) is not None:
+        raise UserError(dangling)
     if not run_dir.is_dir():
         what = "does not exist" if not run_dir.exists() else "is a file, not a run folder"
         raise UserError(Problem(str(run_dir), what, "give the --output-dir of a run"))
