@@ -153,3 +153,23 @@ def test_generate_of_a_run_whose_export_lost_files_names_final_and_the_export(go
     (run / "final" / "config.json").unlink()
     message = user_error("generate", run, "--prompt", "a")
     assert f"folder '{run / 'final'}' has no config.json" in message and "checkpoint consolidate RUN OUT" in message
+
+
+def test_streamed_loading_of_a_folder_without_safetensors_says_so(good_model, tmp_path):
+    """fsdp_cpu_ram_efficient_loading under FSDP2: rank 0 streams from safetensors files (model/streaming_load.py).
+    A folder of pytorch_model.bin alone listed every tensor as "not in the model files"."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from accel_fsdp.model.build import meta_model
+    from accel_fsdp.model.streaming_load import SafetensorsFiles, plan_problems
+
+    folder = tmp_path / "bin-only"
+    shutil.copytree(good_model, folder)
+    torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    model = meta_model(AutoConfig.from_pretrained(folder))
+    _, problems = plan_problems(model, SafetensorsFiles(folder), "model.name_or_path")
+    assert len(problems) == 1 and "has none (it holds pytorch_model.bin)" in problems[0].message, problems
+    assert "fsdp_cpu_ram_efficient_loading: false" in problems[0].fix

@@ -141,6 +141,13 @@ def plan_problems(model: torch.nn.Module, source, where: str,
     """On the reading rank: the source name of every base parameter, and what would make the stream fail (a tensor
     the files lack or store in another shape, a tie the files break), all found before a single tensor is sent."""
     names, shapes, problems = source.names(), {}, []
+    if not names and isinstance(source, SafetensorsFiles):  # e.g. a folder of pytorch_model.bin alone
+        held = ", ".join(sorted(p.name for p in source.folder.iterdir() if p.suffix in (".bin", ".pt", ".pth")))
+        return {}, [Problem(where, f"rank 0 streams the weights from safetensors files, and {source.folder} has none"
+                            + (f" (it holds {held})" if held else ""),
+                            "set fsdp_cpu_ram_efficient_loading: false in the accelerate config (every rank reads the "
+                            "weights with transformers), or save the model again as safetensors "
+                            "(save_pretrained writes them)")]
     transposed = conv1d_weights(model)
     prefix = getattr(getattr(model, "get_base_model", lambda: model)(), "base_model_prefix", "") or ""
     plan: dict[str, str] = {}
