@@ -25,6 +25,7 @@ from conftest import (
     units_by_step,
 )
 
+from accel_fsdp.files import crc32_of
 from accel_fsdp.tools.noise import SIGMAS, reordered
 
 pytestmark = pytest.mark.multiprocess
@@ -287,6 +288,15 @@ def test_consolidating_missing_corrupt_or_empty_input(tmp_path, reference):
     shard.write_bytes(shard.read_bytes()[:100])
     msg = run_in_process("checkpoint", "consolidate", broken, tmp_path / "out", check=2).stderr
     assert "incomplete or corrupt checkpoint: pytorch_model_fsdp_0/" in msg and "the manifest says" in msg
+    # bytes the manifest vouches for (its checksum rewritten) that torch cannot read: one message, not DCP's traceback
+    shutil.rmtree(broken)
+    shutil.copytree(reference / "checkpoints" / "step-000012", broken)
+    shard.write_bytes(os.urandom(shard.stat().st_size))
+    manifest = json.loads((broken / "manifest.json").read_text())
+    manifest["crc32"][f"pytorch_model_fsdp_0/{shard.name}"] = crc32_of(shard)
+    (broken / "manifest.json").write_text(json.dumps(manifest))
+    msg = run_in_process("checkpoint", "consolidate", broken, tmp_path / "out", check=2).stderr
+    assert "a shard of pytorch_model_fsdp_0 cannot be read (UnpicklingError" in msg and "Traceback" not in msg, msg
     (tmp_path / "empty-run").mkdir()
     msg = run_in_process("checkpoint", "consolidate", tmp_path / "empty-run", tmp_path / "out", check=2).stderr
     assert "no complete checkpoint found" in msg

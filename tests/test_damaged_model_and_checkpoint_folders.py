@@ -173,3 +173,29 @@ def test_streamed_loading_of_a_folder_without_safetensors_says_so(good_model, tm
     _, problems = plan_problems(model, SafetensorsFiles(folder), "model.name_or_path")
     assert len(problems) == 1 and "has none (it holds pytorch_model.bin)" in problems[0].message, problems
     assert "fsdp_cpu_ram_efficient_loading: false" in problems[0].fix
+
+
+# ---------------------------------------------------------------- checkpoint files the manifest cannot vouch for
+
+def test_a_shard_torch_cannot_read_is_a_damaged_checkpoint_not_a_traceback(tmp_path):
+    """A shard of the right size whose checksum the manifest was made to match (rewritten by hand, or written
+    damaged): `checkpoint consolidate` and the ranks' resume read it through `damaged_if_unreadable` (checkpoint/
+    consolidate.py, checkpoint/store.py `load_checkpoint`), where DCP's CheckpointException (a BaseException) went
+    past every handler with each rank's traceback."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from accel_fsdp.checkpoint.records import DamagedRecord, damaged_if_unreadable
+
+    shards = tmp_path / "step-000002" / "pytorch_model_fsdp_0"
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    dcp.save({"w": torch.ones(64)}, checkpoint_id=str(shards), no_dist=True)
+    for shard in shards.glob("*.distcp"):
+        shard.write_bytes(os.urandom(shard.stat().st_size))
+    with pytest.raises(DamagedRecord, match=r"step-000002: incomplete or corrupt checkpoint: a shard of "
+                                            r"pytorch_model_fsdp_0 cannot be read \(UnpicklingError") as e:
+        with damaged_if_unreadable(shards.parent, "a shard of pytorch_model_fsdp_0"):
+            dcp.load({"w": torch.empty(64)}, checkpoint_id=str(shards), no_dist=True)
+    assert "use an earlier complete checkpoint" in str(e.value)

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from accel_fsdp.checkpoint.index import CheckpointInfo
+from accel_fsdp.checkpoint.records import damaged_if_unreadable
 from accel_fsdp.checkpoint.merge import merge_streaming
 from accel_fsdp.config.precision import PRECISIONS, TRANSFORMERS, compute_dtype
 from accel_fsdp.errors import Problem, UserError, first_line, read_json_object
@@ -155,14 +156,16 @@ class _TensorSource:
             import torch.distributed.checkpoint as dcp
 
             self.dcp_dir = sharded
-            metadata = dcp.FileSystemReader(str(sharded)).read_metadata()
+            with damaged_if_unreadable(info.path, f"{MODEL_DIR}/.metadata"):
+                metadata = dcp.FileSystemReader(str(sharded)).read_metadata()
             self.meta = {k: (tuple(v.size), v.properties.dtype) for k, v in metadata.state_dict_metadata.items()
                          if hasattr(v, "size")}
             self.full = None
         else:
             self.dcp_dir = None
             # mmap: tensors are read from the page cache on demand, not loaded up front.
-            self.full = torch.load(info.path / MODEL_FILE, mmap=True, weights_only=True, map_location="cpu")
+            with damaged_if_unreadable(info.path, MODEL_FILE):
+                self.full = torch.load(info.path / MODEL_FILE, mmap=True, weights_only=True, map_location="cpu")
             self.meta = {k: (tuple(v.shape), v.dtype) for k, v in self.full.items() if isinstance(v, torch.Tensor)}
 
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
@@ -173,8 +176,9 @@ class _TensorSource:
 
         wanted = {k: torch.empty(self.meta[k][0], dtype=self.meta[k][1]) for k in keys}
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(wanted, storage_reader=dcp.FileSystemReader(str(self.dcp_dir)),
-                 planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+        with damaged_if_unreadable(self.info.path, f"a shard of {MODEL_DIR}"):
+            dcp.load(wanted, storage_reader=dcp.FileSystemReader(str(self.dcp_dir)),
+                     planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
         return wanted
 
 

@@ -1,17 +1,20 @@
 """The two JSON records of a checkpoint, typed: `manifest.json` (what the checkpoint holds; `Manifest`) and
 `trainer_state.json` (where training stood; `TrainerState`). Their keys on disk are the field names, in field
 order. Readers use attributes; a record damaged on disk is a `DamagedRecord` (a UserError naming the checkpoint),
-never a KeyError. This module reads and writes no checkpoint files besides these two records.
+never a KeyError; any other file of it that cannot be read is one too (`damaged_if_unreadable`). This module reads
+and writes no checkpoint files besides these two records.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.errors import Problem, UserError, first_line
 from accel_fsdp.layout import MANIFEST, TRAINER_STATE
 
 FORMAT = "accel-fsdp-checkpoint/1"
@@ -26,6 +29,31 @@ class DamagedRecord(UserError):
         super().__init__(Problem(str(checkpoint), f"incomplete or corrupt checkpoint: {reason}",
                                  "use an earlier complete checkpoint (see `accel-fsdp checkpoint inspect` on the run "
                                  "folder)"))
+
+
+@contextmanager
+def damaged_if_unreadable(checkpoint: Path | str, what: str):
+    """A file of the checkpoint that its reader cannot read (torch.load's UnpicklingError, DCP's
+    CheckpointException, which is a BaseException, torch/distributed/checkpoint/api.py, checked with 2.13.0) becomes
+    a `DamagedRecord` naming the checkpoint and the file: one message, where a rank showed torch's traceback. The
+    manifest's sizes and checksums find most damage before; this is for what they cannot (a checkpoint whose
+    manifest was rewritten, or written damaged)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except (UserError, MemoryError):
+        raise
+    except (CheckpointException, pickle.UnpicklingError, EOFError, OSError, ValueError, RuntimeError) as e:
+        if type(e).__name__ == "OutOfMemoryError":
+            raise
+        cause = e
+        if isinstance(e, CheckpointException):  # its text is every rank's traceback: the first cause says it
+            causes = [v[0] if isinstance(v, tuple) else v for v in e.failures.values()]
+            cause = next((c for c in causes if isinstance(c, BaseException)), e)
+        detail = ("UnpicklingError: not what torch.save wrote" if isinstance(cause, pickle.UnpicklingError)
+                  else first_line(cause, 120, named=True))  # (torch's text is a paragraph on weights_only)
+        raise DamagedRecord(checkpoint, f"{what} cannot be read ({detail})") from None
 
 
 class _Record:

@@ -40,7 +40,7 @@ import torch
 
 from accel_fsdp import __version__
 from accel_fsdp.checkpoint.index import CheckpointInfo, latest_complete, list_checkpoints
-from accel_fsdp.checkpoint.records import FORMAT, DamagedRecord, Manifest, TrainerState
+from accel_fsdp.checkpoint.records import FORMAT, DamagedRecord, Manifest, TrainerState, damaged_if_unreadable
 from accel_fsdp.errors import Problem, UserError, first_line
 from accel_fsdp.files import crc32_of, fsync_dir, write_atomic
 
@@ -321,8 +321,9 @@ def load_checkpoint(accelerator, model, optimizer, scheduler, info: CheckpointIn
     current_type = plugin.state_dict_type
     plugin.set_state_dict_type(info.manifest.state_dict_type)  # read it the way it was written
     try:
-        load_fsdp_model(plugin, accelerator, model, str(info.path), adapter_only=lora)
-        load_fsdp_optimizer(plugin, accelerator, optimizer, model, str(info.path), adapter_only=lora)
+        with damaged_if_unreadable(info.path, "a model or optimizer shard"):
+            load_fsdp_model(plugin, accelerator, model, str(info.path), adapter_only=lora)
+            load_fsdp_optimizer(plugin, accelerator, optimizer, model, str(info.path), adapter_only=lora)
     finally:
         plugin.set_state_dict_type(current_type)
     state = TrainerState.read(info.path)
@@ -331,9 +332,11 @@ def load_checkpoint(accelerator, model, optimizer, scheduler, info: CheckpointIn
     scheduler.load_state_dict(state.scheduler)
     state.scheduler = None
     if accelerator.scaler is not None and (info.path / SCALER_FILE).exists():
-        accelerator.scaler.load_state_dict(torch.load(info.path / SCALER_FILE, weights_only=True))
+        with damaged_if_unreadable(info.path, SCALER_FILE):
+            accelerator.scaler.load_state_dict(torch.load(info.path / SCALER_FILE, weights_only=True))
     rng = info.path / rng_file(accelerator.process_index)
     if rng.exists() and info.manifest.world_size == accelerator.num_processes:
-        _set_rng_state(torch.load(rng, weights_only=False))
+        with damaged_if_unreadable(info.path, rng.name):
+            _set_rng_state(torch.load(rng, weights_only=False))
     accelerator.wait_for_everyone()
     return state
