@@ -199,3 +199,17 @@ def test_a_shard_torch_cannot_read_is_a_damaged_checkpoint_not_a_traceback(tmp_p
         with damaged_if_unreadable(shards.parent, "a shard of pytorch_model_fsdp_0"):
             dcp.load({"w": torch.empty(64)}, checkpoint_id=str(shards), no_dist=True)
     assert "use an earlier complete checkpoint" in str(e.value)
+
+
+def test_estimate_reads_a_model_folder_as_validate_does(good_model, tmp_path):
+    """A model folder was "not a parameter count, a known model or a recipe", good or damaged alike."""
+    from conftest import cli
+
+    code, out = cli("estimate", good_model)
+    assert code == 0 and "model (gpt2): 116,672 parameters" in out, out
+    message = user_error("estimate", damaged_copy(good_model, tmp_path, "tensor-shape").parent / "nope")
+    assert "is not a parameter count" in message
+    folder = damaged_copy(good_model, tmp_path, "config:n_layer=\"two\"")
+    assert "config.json: n_layer is 'two', not a positive whole number" in user_error("estimate", folder)
+    folder = damaged_copy(good_model, tmp_path, "config:model_type=\"bert\"")
+    assert "estimate reads GPT-2 and Llama model folders" in user_error("estimate", folder)

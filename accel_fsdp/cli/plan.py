@@ -65,6 +65,7 @@ def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offlo
     accel-fsdp estimate gpt2-xl --gpus 2 --gpu-memory 24GB --micro-batch 4 --seq-len 1024
     accel-fsdp estimate llama-3.1-70b --gpus 8 --nodes 4 --activation-checkpointing
     accel-fsdp estimate llama-3.1-8b-lora --gpus 1 --gpu-memory 40GB
+    accel-fsdp estimate ./my-llama --gpus 2                      # a local GPT-2 or Llama model folder
     """
     try:
         budget = parse_bytes(gpu_memory)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from accel_fsdp.config import precision
 from accel_fsdp.config.accelerate import FULL_SHARD, HYBRID_SHARD, NO_SHARD, SHARD_GRAD_OP, load_accelerate_config
@@ -13,7 +14,8 @@ from accel_fsdp.config.recipe import load_recipe
 from accel_fsdp.config.shipped import display, resolve_recipe, shipped_recipes
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model import architectures
-from accel_fsdp.model.facts import Shape, facts_for, facts_of
+from accel_fsdp.model.checks import model_folder_problems, raise_problems
+from accel_fsdp.model.facts import Shape, facts_for, facts_from_values, facts_of
 from accel_fsdp.model.quantize import QuantizedTerms, quantized_terms
 from accel_fsdp.planning.knob_advice import advice, recipe_settings
 from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, describe_logits, estimate, gib, simple_bytes
@@ -87,9 +89,31 @@ def resolve_target(what: str, micro_batch: int | None, seq_len: int | None) -> T
 
     if what in shipped_recipes() or what.endswith((".yaml", ".yml")):
         return _recipe_target(resolve_recipe(what), micro_batch, seq_len)
+    if Path(what).expanduser().is_dir():
+        return _folder_target(what, micro_batch, seq_len)
     known = ", ".join(architectures.KNOWN)
     raise UserError(Problem(what, "is not a parameter count, a known model or a recipe",
                             f"give e.g. 7B or 104960000, one of {known}, or a recipe name or .yaml path"))
+
+
+def _folder_target(what: str, micro_batch, seq_len) -> Target:
+    """A local model folder, read as `recipe validate` reads it (model/checks.py `model_folder_problems`): a GPT-2 or
+    Llama config is arithmetic; another model type needs a recipe (its model is built to be measured)."""
+    import json
+
+    folder = Path(what).expanduser()
+    raise_problems(model_folder_problems(what, folder))
+    values = json.loads((folder / "config.json").read_text())
+    facts = facts_from_values(values["model_type"], values)
+    if facts is None:
+        raise UserError(Problem(what, f"estimate reads GPT-2 and Llama model folders by their config.json, and this "
+                                f"one is {values['model_type']!r}", "write a recipe with model.name_or_path: "
+                                f"{what} and give it to estimate (its model is built on the meta device)"))
+    context = facts.context
+    return Target(f"{folder.name} ({values['model_type']})", facts.params(), facts.params(),
+                  max(facts.block_params(), facts.vocab * facts.hidden), facts.shape(),
+                  1 if micro_batch is None else micro_batch, min(context, 2048) if seq_len is None else seq_len,
+                  context=context)
 
 
 def _recipe_target(path, micro_batch, seq_len) -> Target:
