@@ -31,6 +31,9 @@ def damaged_copy(good: Path, tmp_path: Path, damage: str) -> Path:
         key, value = damage.removeprefix("config:").split("=", 1)
         config[key] = json.loads(value)
         (folder / "config.json").write_text(json.dumps(config))
+    elif damage.startswith("file:"):  # file:name=text
+        name, text = damage.removeprefix("file:").split("=", 1)
+        (folder / name).write_text(text)
     elif damage == "bin-not-torch":
         weights.unlink()
         (folder / "pytorch_model.bin").write_bytes(os.urandom(3000))
@@ -213,3 +216,16 @@ def test_estimate_reads_a_model_folder_as_validate_does(good_model, tmp_path):
     assert "config.json: n_layer is 'two', not a positive whole number" in user_error("estimate", folder)
     folder = damaged_copy(good_model, tmp_path, "config:model_type=\"bert\"")
     assert "estimate reads GPT-2 and Llama model folders" in user_error("estimate", folder)
+
+
+@pytest.mark.parametrize("damage,expected", [
+    ("file:tokenizer_config.json={garbage", "has a damaged tokenizer_config.json (JSONDecodeError"),
+    ("file:tokenizer.json=", "has a damaged tokenizer.json (empty)"),
+    ("file:tokenizer.json={garbage", "has a damaged tokenizer.json (JSONDecodeError"),
+], ids=["config-garbage", "json-empty", "json-garbage"])
+def test_a_damaged_tokenizer_file_is_named(good_model, tmp_path, monkeypatch, damage, expected):
+    """The loader's "Expecting value: line 1 column 1 (char 0)" named no file."""
+    monkeypatch.chdir(tmp_path)
+    folder = damaged_copy(good_model, tmp_path, damage)
+    for message in (validate(folder), user_error("generate", folder, "--prompt", "a")):
+        assert expected in message and "fix:" in message, message

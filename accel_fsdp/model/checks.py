@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from accel_fsdp.data.synthetic import BUILTIN_TOKENIZER
-from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.errors import Problem, UserError, first_line
 from accel_fsdp.model.quantize import QuantizedLayer, block_layers, layer_problems
 
 
@@ -102,11 +102,46 @@ def quantize_problems(view: ModelView, recipe, shards: int, *, remote_code: bool
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt", "tiktoken.model")
 
 
+TOKENIZER_JSON = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+"""The small JSON files of a tokenizer folder, parsed whole by the check; tokenizer.json (megabytes) is only
+looked at where it starts."""
+
+
 def tokenizer_files_problem(folder: Path) -> str | None:
     """A local folder without any vocabulary file: transformers 5 would build an empty tokenizer from it silently
-    (one token, every text encoded as nothing; checked with 5.23.0)."""
-    if Path(folder).is_dir() and not any((Path(folder) / name).exists() for name in TOKENIZER_FILES):
+    (one token, every text encoded as nothing; checked with 5.23.0). A JSON file of it that is empty or not JSON: the
+    loader's own message ("Expecting value: line 1 column 1") does not say which file."""
+    import json
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    if not any((folder / name).exists() for name in TOKENIZER_FILES):
         return f"has no tokenizer files (none of {', '.join(TOKENIZER_FILES)})"
+    for name in TOKENIZER_JSON:
+        try:
+            if (folder / name).exists() and not isinstance(json.loads((folder / name).read_text()), dict):
+                return f"has a damaged {name} (not a JSON object)"
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            return f"has a damaged {name} ({first_line(e, 120, named=True)})"
+    if (folder / "tokenizer.json").is_file():
+        with open(folder / "tokenizer.json", "rb") as f:
+            start = f.read(64).lstrip()
+        if not start.startswith(b"{"):
+            return "has a damaged tokenizer.json (" + ("empty" if not start else "not a JSON object") + ")"
+    return None
+
+
+def damaged_json_file(folder: Path) -> str | None:
+    """The first JSON file of `folder` that does not parse, with why: asked after a tokenizer failed to load (each
+    file read whole, which the check before loading spares tokenizer.json), so that the message names the file."""
+    import json
+
+    for path in sorted(Path(folder).glob("*.json")):
+        try:
+            json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            return f"{path.name} ({first_line(e, 120, named=True)})"
     return None
 
 

@@ -12,10 +12,10 @@ from accel_fsdp.data.identity import digest, trained_tokenizer_identity
 from accel_fsdp.data.sources import SourceReader
 from accel_fsdp.data.synthetic import BUILTIN_TOKENIZER
 from accel_fsdp.data.synthetic import build_tokenizer as builtin
-from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.errors import Problem, UserError, first_line
 from accel_fsdp.files import atomic_folder
 from accel_fsdp.layout import cache_dir
-from accel_fsdp.model.checks import tokenizer_files_problem
+from accel_fsdp.model.checks import damaged_json_file, tokenizer_files_problem
 
 
 def is_local(path: str | None) -> bool:
@@ -39,7 +39,8 @@ def build_tokenizer(recipe):
         missing = tokenizer_files_problem(Path(source).expanduser()) if is_local(source) else None
         if missing:
             raise UserError(Problem(recipe.where(key), f"{source!r} {missing}",
-                                    "set model.tokenizer to a folder or hub id with a tokenizer, or "
+                                    ("restore the file (save_pretrained writes it), or " if "damaged" in missing
+                                     else "") + "set model.tokenizer to a folder or hub id with a tokenizer, or "
                                     "builtin:quickstart"))
         try:
             if is_local(source) and not m.trust_remote_code and plain_tokenizer_folder(Path(source).expanduser()):
@@ -52,8 +53,13 @@ def build_tokenizer(recipe):
                 tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=m.trust_remote_code)
         except (OSError, ValueError) as e:
             key = "model.tokenizer" if m.tokenizer else "model.name_or_path"
+            damaged = damaged_json_file(Path(source).expanduser()) if is_local(source) else None
+            if damaged:
+                raise UserError(Problem(recipe.where(key), f"{source!r} has a damaged {damaged}",
+                                        "restore the file (save_pretrained writes it), or set model.tokenizer to "
+                                        "another folder, a hub id, or builtin:quickstart")) from None
             raise UserError(Problem(recipe.where(key), f"cannot load a tokenizer from {source!r}: "
-                                    f"{str(e).splitlines()[0]}",
+                                    f"{first_line(e)}",
                                     "give a folder with tokenizer files, a hub id, or builtin:quickstart")) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -10,7 +10,7 @@ import torch
 from accel_fsdp.errors import Problem, UserError, first_line, read_json_object
 from accel_fsdp.layout import FINAL_DIR, dangling_link_problem
 from accel_fsdp.model.build import load_pretrained
-from accel_fsdp.model.checks import model_folder_problems, raise_problems, tokenizer_files_problem
+from accel_fsdp.model.checks import damaged_json_file, model_folder_problems, raise_problems, tokenizer_files_problem
 
 
 def resolve_model_dir(path: Path) -> Path:
@@ -54,7 +54,9 @@ def load_model(folder: Path, device: str = "auto"):
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as e:  # transformers raises OSError, ValueError, TypeError... for a folder without a tokenizer
-        raise UserError(Problem(str(folder), f"has no usable tokenizer ({first_line(e)})", fix)) from None
+        damaged = damaged_json_file(folder)
+        raise UserError(Problem(str(folder), f"has a damaged {damaged}" if damaged else
+                                f"has no usable tokenizer ({first_line(e)})", fix)) from None
     damaged = "the files are incomplete or damaged: " + export_again
     if adapter:
         try:
