@@ -229,3 +229,22 @@ def test_a_damaged_tokenizer_file_is_named(good_model, tmp_path, monkeypatch, da
     folder = damaged_copy(good_model, tmp_path, damage)
     for message in (validate(folder), user_error("generate", folder, "--prompt", "a")):
         assert expected in message and "fix:" in message, message
+
+
+@pytest.mark.parametrize("damage,expected", [
+    ("config:n_layer=\"two\"", "--base-model: {folder}/config.json: n_layer is 'two'"),
+    ("bin-not-torch", "--base-model: damaged weights: pytorch_model.bin"),
+    ("tensor-missing", "--base-model {folder}: the weights do not fit the model its config.json describes"),
+    ("config:model_type=\"bert\"", "--base-model {folder}: 'bert' is an encoder"),
+    ("not-there", "--base-model: '{folder}' does not exist"),
+])
+def test_consolidate_merge_names_a_damaged_base_model(good_model, tmp_path, damage, expected):
+    """`checkpoint consolidate --merge --base-model PATH` read the base with transformers alone: a traceback for each
+    of these (a missing tensor merged into a random one). The merge of a LoRA checkpoint (checkpoint/consolidate.py
+    `_merge_lora`), called with the adapter folder it would write: the base is read first."""
+    from accel_fsdp.checkpoint.consolidate import _merge_lora
+
+    folder = tmp_path / "not-there" if damage == "not-there" else damaged_copy(good_model, tmp_path, damage)
+    with pytest.raises(UserError) as e:
+        _merge_lora(tmp_path / "adapter", tmp_path / "merged", "fp32", str(folder))
+    assert expected.format(folder=folder) in str(e.value) and "fix:" in str(e.value), str(e.value)

@@ -27,14 +27,15 @@ from pathlib import Path
 import torch
 
 from accel_fsdp.checkpoint.index import CheckpointInfo
-from accel_fsdp.checkpoint.records import damaged_if_unreadable
 from accel_fsdp.checkpoint.merge import merge_streaming
+from accel_fsdp.checkpoint.records import damaged_if_unreadable
 from accel_fsdp.config.precision import PRECISIONS, TRANSFORMERS, compute_dtype
 from accel_fsdp.errors import Problem, UserError, first_line, read_json_object
 from accel_fsdp.files import atomic_folder
 from accel_fsdp.hardware import PeakMemory
-from accel_fsdp.layout import HF_DIR, MODEL_DIR, MODEL_FILE, RECIPE_FILE
-from accel_fsdp.model.build import meta_model
+from accel_fsdp.layout import HF_DIR, MODEL_DIR, MODEL_FILE, RECIPE_FILE, dangling_link_problem
+from accel_fsdp.model.build import load_pretrained, meta_model
+from accel_fsdp.model.checks import looks_like_path, model_folder_problems, raise_problems
 
 DTYPES = {p: compute_dtype(p) for p in PRECISIONS}
 MARKER = "accel_fsdp_export.json"
@@ -278,15 +279,29 @@ def _adapter_base(adapter_dir: Path, base_model: str | None) -> str:
     if not base:
         raise UserError(Problem(str(adapter_dir), "the adapter does not name its base model",
                                 "pass --base-model with the hub id or folder of the base model"))
+    where = "--base-model" if base_model else f"{adapter_dir.name}/adapter_config.json: base_model_name_or_path"
+    folder = Path(base).expanduser()
+    if (dangling := dangling_link_problem(folder)) is not None:
+        raise UserError(Problem(where, dangling.message, dangling.fix))
+    if folder.is_file() or (not folder.exists() and looks_like_path(base)):
+        raise UserError(Problem(where, f"{base!r} " + ("is a file" if folder.is_file() else "does not exist"),
+                                "give the folder of the base model (a save_pretrained folder) or its hub id"))
+    if folder.is_dir():  # read as `recipe validate` reads a model folder: the same damage, the same words
+        raise_problems(model_folder_problems(where, folder))
     return base
+
+
+def _base_where(base_model: str | None) -> str:
+    return "--base-model" if base_model else "the adapter's base model"
 
 
 def _merge_lora(adapter_dir: Path, out: Path, dtype: str, base_model: str | None) -> None:
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     base = _adapter_base(adapter_dir, base_model)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = load_pretrained(base, dtype=torch.float32, where=f"{_base_where(base_model)} {base}",
+                            fix="merge into the base model the adapters were trained on, its files complete")
     merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     merged.to(DTYPES[dtype]).save_pretrained(out)
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out)
