@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from accel_fsdp.cli.catalog import recipe_rows
-from accel_fsdp.cli.options import CONFIG_HELP, CPU_HELP, SET_HELP, child_argv, load_recipe
+from accel_fsdp.cli.options import CONFIG_HELP, CPU_HELP, child_argv, load_recipe, set_option
 from accel_fsdp.config.accelerate import check_accelerate_config
 from accel_fsdp.config.recipe import key_reference
 from accel_fsdp.config.shipped import resolve_recipe
@@ -108,7 +108,7 @@ def recipe_copy(name: str, dest: Path, force: bool) -> None:
 
 @recipe.command("validate")
 @click.argument("name_or_path")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@set_option
 @click.option("--accelerate-config", "accelerate_config", metavar="NAME|PATH", help=CONFIG_HELP)
 @click.option("--num-processes", type=click.IntRange(1, 1 << 20), help="All ranks of the job, overriding the config "
               "(what the SLURM script passes for its allocation).")
@@ -152,7 +152,7 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
 @recipe.command("run")
 @click.argument("name_or_path")
 @click.option("--accelerate-config", "accelerate_config", metavar="NAME|PATH", help=CONFIG_HELP)
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@set_option
 @click.option("--output-dir", type=click.Path(path_type=Path), help="Run folder. Default: runs/<recipe name>.")
 @click.option("--resume", type=click.Choice(["latest", "auto"]), is_flag=False, flag_value="latest", default=None,
               help="Continue this run from its newest intact checkpoint. --resume auto: continue if the run folder "

@@ -33,19 +33,33 @@ def apply_override(raw: dict, item: str, problems: list[Problem], root) -> list[
     of its schema. Returns the dotted keys whose values now come from the override: the key (with everything under
     it, a list of sections included), or, for a mapping laid over a section, the keys the mapping names. Nothing,
     with the problem added, when the key names no field."""
-    if "=" not in item:
-        problems.append(Problem(f"--set {item}", "expected dotted.key=value", "e.g. --set training.lr=3e-4"))
-        return []
     key, _, value_text = item.partition("=")
     key = key.strip()
+    parts = key.split(".")
+    if "=" not in item or not all(part.strip() for part in parts):
+        what = "no '='" if "=" not in item else "no key" if not key else f"an empty part in {key!r}"
+        problems.append(Problem(f"--set {item}", f"expected dotted.key=value ({what})",
+                                "write the dotted key, '=' and the value, e.g. --set training.lr=3e-4"))
+        return []
     try:
         value = yaml.safe_load(value_text) if value_text.strip() else ""
-    except yaml.YAMLError:
-        value = value_text
+    except yaml.YAMLError as e:
+        if value_text.lstrip()[:1] in ("[", "{"):  # a list or mapping cut short: never read it as a string
+            kind, example = ("list", "[a, b]") if value_text.lstrip()[0] == "[" else ("mapping", "{key: value}")
+            problems.append(Problem(f"--set {key}", f"{value_text.strip()!r} is not a complete YAML {kind} "
+                                    f"({getattr(e, 'problem', None) or 'YAML syntax error'})",
+                                    f"close its brackets, and quote the whole argument for the shell: "
+                                    f"--set '{key}={example}'"))
+            return []
+        value = value_text  # plain text such as a prompt with a colon: a string, as it reads
     # The key must name a field of the schema; the value is type-checked with everything else.
-    parts = key.split(".")
     found, cls = _field_of(root, raw, key, parts, problems)
     if not found:
+        return []
+    if value is None and _is_dataclass_type(cls):  # `--set training=null` would drop the file's whole section
+        problems.append(Problem(f"--set {key}", "is a section; null would drop every key the recipe sets in it",
+                                f"set the keys you mean, e.g. --set {key}.KEY=VALUE (`accel-fsdp recipe keys` "
+                                "lists them)"))
         return []
     node = raw
     for part in parts[:-1]:
