@@ -30,6 +30,7 @@ from accel_fsdp.config.settings import (
 )
 from accel_fsdp.config.shipped import shipped_accelerate_configs
 from accel_fsdp.data import prepare as data_lib
+from accel_fsdp.data.sampler import total_steps
 from accel_fsdp.data.sources import ineffective_settings, locate, source_key
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.layout import RunLayout
@@ -52,6 +53,8 @@ class PreflightReport:
     notes: list[str] = field(default_factory=list)
     data_stats: object | None = None
     """What preparing the data found (data/prepare.py DataStats), when it could be prepared here."""
+    total_steps: int | None = None
+    """Optimizer steps the run will take: training.max_steps, or from the data when it could be prepared here."""
 
 
 def default_accelerate_config() -> tuple[Path, int | None, str]:
@@ -78,7 +81,8 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
     settings = resolve_settings(recipe, config, cuda_available=cuda, num_processes=num_processes)
     if for_target_hardware and cuda and not cuda_here:
         settings.device = Setting(settings.device.value, Source.TARGET_HARDWARE, "this machine has no GPU")
-    report = PreflightReport(settings=settings, config=config, num_processes=settings.num_processes.value)
+    report = PreflightReport(settings=settings, config=config, num_processes=settings.num_processes.value,
+                             total_steps=recipe.training.max_steps)
     here = cuda_here or None
     problems: list[Problem] = list(check_settings(settings, recipe, visible_gpus=None if for_target_hardware else here))
     if not for_target_hardware:  # about to run here: a GPU config must find CUDA
@@ -258,6 +262,7 @@ def _check_data(recipe, report: PreflightReport) -> list[Problem]:
     except UserError as e:
         return e.problems
     report.data_stats = data.stats
+    report.total_steps = total_steps(recipe, len(data))
     report.notes += data.stats.warnings(recipe)
     return []
 

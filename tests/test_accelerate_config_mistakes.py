@@ -103,3 +103,28 @@ def test_the_stock_launch_environment_is_judged_by_what_the_user_wrote():
                                "'HYBRID_SHARD' is ignored by FSDP2, which runs SHARD_GRAD_OP here")]:
         with pytest.raises(UserError, match=expected):
             config_from_environment({**STOCK_FSDP2, **changes})
+
+
+@pytest.mark.parametrize("changes,expected,fix", [
+    ({"compute_environment": "AMAZON_SAGEMAKER"}, "compute_environment: 'AMAZON_SAGEMAKER': accel-fsdp launches on "
+     "this machine", "set compute_environment: LOCAL_MACHINE"),
+    ({"rdzv_backend": "bogus"}, "rdzv_backend: 'bogus' is not a torchrun rendezvous backend",
+     "set rdzv_backend to one of static, c10d"),
+    ({"downcast_bf16": "maybe"}, "downcast_bf16: 'maybe' is not true or false", "set downcast_bf16 to true or false"),
+    ({"dynamo_config": {"dynamo_backend": "INDUCTOR"}}, "dynamo_config: {'dynamo_backend': 'INDUCTOR'} is not read by "
+     "accel-fsdp", "remove it, and set training.compile: true in the recipe"),
+    ({"fp8_config": {"backend": "TE"}}, "fp8_config: {'backend': 'TE'} is not read by accel-fsdp",
+     "remove it, and set training.mixed_precision: fp8 in the recipe"),
+    ({"fsdp_cpu_ram_efficient_loading": True, "fsdp_sync_module_states": False},
+     "fsdp_config.fsdp_sync_module_states: is false, and fsdp_cpu_ram_efficient_loading is true: accelerate launch "
+     "refuses", "remove fsdp_sync_module_states (its default is true)"),
+])
+def test_what_accelerate_launch_would_stop_on_or_ignore_is_refused(tmp_path, changes, expected, fix):
+    msg = problems_of(config_with(tmp_path, **changes))
+    assert f"acc.yaml: {expected}" in msg and f"fix: {fix}" in msg, msg
+
+
+def test_what_accelerate_config_writes_by_default_is_accepted(tmp_path):
+    load_accelerate_config(config_with(tmp_path, compute_environment="LOCAL_MACHINE", rdzv_backend="static",
+                                       downcast_bf16="no", debug=False, same_network=True, enable_cpu_affinity=False,
+                                       dynamo_config={"dynamo_backend": "NO"}, fp8_config={}))

@@ -69,3 +69,11 @@ def test_a_key_given_twice_with_one_value_is_the_same_setting():
     code, out = cli("recipe", "validate", "quickstart", "--set", "training.max_steps=20",
                     "--set", "training.max_steps=20")
     assert code == 0, out
+
+
+def test_preference_keys_of_another_method_name_their_defaults_as_yaml_writes_them():
+    msg = problems_of(["preference.keep_dropout=true"])
+    assert "--set preference.keep_dropout: true has no effect with training.method sft" in msg, msg
+    assert "(or set it back to false)" in msg
+    msg = problems_of(["preference.beta=0.3"])
+    assert "(or set it back to null)" in msg, msg

@@ -22,6 +22,7 @@ from accel_fsdp.layout import COMPILE_CACHE_ENV, RunLayout, compile_cache_dir
 from accel_fsdp.planning.plan import print_plan
 from accel_fsdp.preflight import load_config_or_default, preflight
 from accel_fsdp.quiet import quiet_libraries
+from accel_fsdp.run.folder import writable_problems
 from accel_fsdp.train.lifetime import DIE_WITH_PARENT_ENV, die_with_launcher, run_rank
 from accel_fsdp.train.metrics import START_ENV
 from accel_fsdp.train.profiling import ProfileWindow
@@ -130,6 +131,10 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
         config.values["num_machines"] = num_machines
     if num_processes is not None:
         config.values["num_processes"] = n = num_processes
+    if num_processes is not None or num_machines is not None:  # judged again with them, as `recipe run` does
+        raise_if(check_accelerate_config(config, launching=False), f"{config.label} with these options has problems")
+    if output_dir is not None:
+        raise_if(writable_problems(RunLayout.of(r, output_dir)), "the run folder cannot be written")
     report = preflight(r, config, num_processes=n, for_target_hardware=True)
     s = report.settings
     click.echo(f"ok: {r.source} with {config.label}" + ("" if why == "given" else f" ({why})"))
@@ -248,6 +253,12 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     report = preflight(r, config, num_processes=n, run_dir=run_dir if main_machine else None, resume=resume,
                        resume_from=resume_from, overwrite=overwrite, check_hub=True, cpu_option=True,
                        accept_data_change=accept_data_change)
+    if window and report.total_steps is not None and window.first > report.total_steps:
+        # Known before launch, where the profiler would only say so after the whole run (train/profiling.py close).
+        raise UserError(Problem("--profile", f"steps {window} begin after the run's {report.total_steps:,} optimizer "
+                                "steps: nothing would be profiled",
+                                f"give steps between 1 and {report.total_steps:,}, e.g. --profile "
+                                f"{min(5, report.total_steps)}-{min(6, report.total_steps)}"))
     where = (f" ({report.num_processes // machines} on this machine, machine_rank {rank} of {machines})"
              if machines > 1 else "")
     click.echo(f"accel-fsdp: launching {report.num_processes} process(es){where} with {config.label}"

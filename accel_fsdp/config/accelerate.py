@@ -75,6 +75,15 @@ UNREAD_FSDP_KEYS = {
     "fsdp_state_dict_config": "remove it, and set fsdp_state_dict_type",
     "fsdp_optim_state_dict_config": "remove it, and set fsdp_state_dict_type",
 }
+UNREAD_SECTIONS = {
+    # Accelerate would compile the whole prepared model from ACCELERATE_DYNAMO_BACKEND (accelerate/accelerator.py,
+    # Accelerator.__init__ reads TorchDynamoPlugin from the launch environment; 1.15.0), past training.compile's
+    # per-block compile and its checks.
+    "dynamo_config": "remove it, and set training.compile: true in the recipe (each block compiled, checked)",
+    "fp8_config": "remove it, and set training.mixed_precision: fp8 in the recipe",
+    "deepspeed_config": "remove it: accel-fsdp trains with FSDP",
+    "megatron_lm_config": "remove it: accel-fsdp trains with FSDP",
+}
 
 
 # Keys Accelerate itself accepts in a config file (checked with accelerate 1.15.0; tests/test_launch_config.py
@@ -204,10 +213,23 @@ def config_from_environment(env: os._Environ | dict) -> AccelerateConfig:
 
 
 def unread_key_problems(c: AccelerateConfig) -> list[Problem]:
-    """fsdp_config keys set that accel-fsdp would not read (UNREAD_FSDP_KEYS); `false` and null are as unset."""
-    return [Problem(c.where(f"fsdp_config.{key}"), f"{shown(c.get(key))} is not read by accel-fsdp", fix)
-            for key, fix in UNREAD_FSDP_KEYS.items()
-            if c.get(key) is not None and as_bool(c.get(key)) is not False]
+    """Keys set that accel-fsdp would not read (UNREAD_FSDP_KEYS, UNREAD_SECTIONS); `false`, null, an empty section
+    and dynamo_backend: NO are as unset."""
+    p = [Problem(c.where(f"fsdp_config.{key}"), f"{shown(c.get(key))} is not read by accel-fsdp", fix)
+         for key, fix in UNREAD_FSDP_KEYS.items() if c.get(key) is not None and as_bool(c.get(key)) is not False]
+    for key, fix in UNREAD_SECTIONS.items():
+        value = c.get(key)
+        if isinstance(value, dict) and str(value.get("dynamo_backend", "")).upper() in ("NO", "") and (
+                key == "dynamo_config" or not value):
+            continue
+        if value is not None and value != {}:
+            p.append(Problem(c.where(key), f"{_brief(value)} is not read by accel-fsdp", fix))
+    return p
+
+
+def _brief(value) -> str:
+    text = shown(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def shown(value) -> str:
@@ -215,9 +237,10 @@ def shown(value) -> str:
     return "null" if value is None else repr(value)
 
 
-def check_accelerate_config(c: AccelerateConfig) -> list[Problem]:
-    """Every problem of one config's values, alone and between them. (Long: one check a few lines, read as a
-    list.)"""
+def check_accelerate_config(c: AccelerateConfig, *, launching: bool = True) -> list[Problem]:
+    """Every problem of one config's values, alone and between them. `launching` False: judged for a job that is
+    not launched from here (`recipe validate`), whose main_process_ip `recipe run --main-process-ip` may still give.
+    (Long: one check a few lines, read as a list.)"""
     p: list[Problem] = unread_key_problems(c)
 
     def bad(key, msg, fix):
@@ -245,16 +268,8 @@ def check_accelerate_config(c: AccelerateConfig) -> list[Problem]:
     if rank is None or not 0 <= rank < m:
         bad("machine_rank", f"{shown(c.get('machine_rank'))} must be between 0 and num_machines - 1 = {m - 1}",
             "set 0 on the main machine, 1..N-1 on the others")
-    port = c.get("main_process_port")
-    if port is not None and (as_int(port) is None or not (1 if m > 1 else 0) <= as_int(port) <= 65535):
-        bad("main_process_port", f"{shown(port)} is not a TCP port" + (" machines can meet on" if m > 1 else ""),
-            "set main_process_port to a whole number from 1 to 65535, e.g. 29500" + ("" if m > 1 else
-            " (or leave it out: one machine picks a free port)"))
-    gpu_ids = c.get("gpu_ids")
-    if gpu_ids is not None and not _gpu_ids_valid(gpu_ids):
-        bad("gpu_ids", f"{shown(gpu_ids)} is neither `all` nor a list of GPU numbers",
-            "set gpu_ids to all, or to GPU numbers separated by commas, e.g. 0,1")
-    if m > 1 and not c.get("main_process_ip"):
+    p += _launcher_problems(c, m)
+    if m > 1 and not c.get("main_process_ip") and launching:
         bad("main_process_ip", f"is not set, but num_machines = {m}",
             "set the address of the machine with machine_rank 0 (`recipe run --main-process-ip ADDR`, or "
             "main_process_ip in the config)")
@@ -342,6 +357,46 @@ def _fsdp2_strategy_problems(c: AccelerateConfig, reshard: bool | None) -> list[
            "remove fsdp_sharding_strategy; FSDP2's strategy is fsdp_reshard_after_forward (true: FULL_SHARD, "
            "false: SHARD_GRAD_OP)")
     return [Problem(c.where("fsdp_config.fsdp_sharding_strategy"), f"{shown(given)} {what}", fix)]
+
+
+RENDEZVOUS_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
+"""rdzv_backend values torchrun knows (torch/distributed/run.py; torch 2.13.0)."""
+
+
+def _launcher_problems(c: AccelerateConfig, machines: int) -> list[Problem]:
+    """Values `accelerate launch` itself reads, that would stop it with a traceback or start something else."""
+    p: list[Problem] = []
+
+    def bad(key, msg, fix):
+        p.append(Problem(c.where(key), msg, fix))
+
+    env = c.get("compute_environment")
+    if env is not None and str(env) != "LOCAL_MACHINE":
+        bad("compute_environment", f"{shown(env)}: accel-fsdp launches on this machine (or machines you start "
+            "it on), not through another service", "set compute_environment: LOCAL_MACHINE")
+    rdzv = c.get("rdzv_backend")
+    if rdzv is not None and str(rdzv) not in RENDEZVOUS_BACKENDS:
+        bad("rdzv_backend", f"{shown(rdzv)} is not a torchrun rendezvous backend",
+            f"set rdzv_backend to one of {', '.join(RENDEZVOUS_BACKENDS)} (static is the default)")
+    port = c.get("main_process_port")
+    if port is not None and (as_int(port) is None or not (1 if machines > 1 else 0) <= as_int(port) <= 65535):
+        bad("main_process_port", f"{shown(port)} is not a TCP port" + (" machines can meet on" if machines > 1 else ""),
+            "set main_process_port to a whole number from 1 to 65535, e.g. 29500" + ("" if machines > 1 else
+            " (or leave it out: one machine picks a free port)"))
+    gpu_ids = c.get("gpu_ids")
+    if gpu_ids is not None and not _gpu_ids_valid(gpu_ids):
+        bad("gpu_ids", f"{shown(gpu_ids)} is neither `all` nor a list of GPU numbers",
+            "set gpu_ids to all, or to GPU numbers separated by commas, e.g. 0,1")
+    for key in ("downcast_bf16", "enable_cpu_affinity", "same_network", "debug"):
+        if c.get(key) is not None and as_bool(c.get(key)) is None:
+            bad(key, f"{shown(c.get(key))} is not true or false", f"set {key} to true or false")
+    # accelerate launch refuses this pair before any rank starts (accelerate/utils/launch.py, prepare_multi_gpu_env;
+    # 1.15.0); its fsdp_sync_module_states is true unless the file says false.
+    if as_bool(c.get("fsdp_cpu_ram_efficient_loading", False)) and as_bool(c.get("fsdp_sync_module_states")) is False:
+        bad("fsdp_config.fsdp_sync_module_states", "is false, and fsdp_cpu_ram_efficient_loading is true: accelerate "
+            "launch refuses ram-efficient loading without it", "remove fsdp_sync_module_states (its default is true), "
+            "or set fsdp_cpu_ram_efficient_loading: false")
+    return p
 
 
 def _gpu_ids_valid(value) -> bool:

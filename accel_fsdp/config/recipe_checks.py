@@ -124,7 +124,8 @@ def _training_problems(r) -> list[Problem]:
     if t.max_steps is not None and t.max_steps >= 1 and t.warmup_steps > t.max_steps:
         p.append(Problem(r.where("training.warmup_steps"),
                          f"{t.warmup_steps} warm-up steps exceed training.max_steps = {t.max_steps}",
-                         "use fewer warm-up steps than training steps"))
+                         range_fix("training.warmup_steps", f"at most {t.max_steps}",
+                                   f"e.g. {t.max_steps // 10} (a tenth of the run)")))
     rng(t.weight_decay >= 0, "training.weight_decay", f"{t.weight_decay} must be 0 or more", "0 or more", "e.g. 0.1")
     rng(0 <= t.adam_beta1 < 1, "training.adam_beta1", f"{t.adam_beta1} is outside [0, 1)", "at least 0 and below 1",
         "e.g. 0.9")
