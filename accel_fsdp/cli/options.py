@@ -7,6 +7,7 @@ import click
 
 from accel_fsdp.config.recipe import load_recipe as read_recipe
 from accel_fsdp.config.shipped import display, resolve_recipe
+from accel_fsdp.errors import Problem, UserError
 
 SET_HELP = "Override a recipe key, typed as YAML: --set training.lr=3e-4 --set model.lora.enabled=true (repeatable)."
 CPU_HELP = ("Run a GPU accelerate config on CPU ranks (gloo), on purpose: to try its sharding, wrapping and "
@@ -19,8 +20,6 @@ CONFIG_HELP = ("Accelerate config: a shipped name (fsdp_2gpu) or a path. Default
 def _overrides_given_once(ctx, param, overrides: tuple[str, ...]) -> tuple[str, ...]:
     """The user's --set items, refused where one key is given twice with two values: which one the user meant is
     not ours to guess (a recipe file's key given twice is refused alike: config/yaml_file.py)."""
-    from accel_fsdp.errors import Problem, UserError
-
     first: dict[str, str] = {}
     for item in overrides:
         if "=" not in item:
