@@ -14,6 +14,7 @@ from pathlib import Path
 
 from accel_fsdp import hardware
 from accel_fsdp.checkpoint.index import check_resume, checkpoint_to_resume
+from accel_fsdp.config import precision
 from accel_fsdp.config.accelerate import AccelerateConfig, load_accelerate_config
 from accel_fsdp.config.settings import (
     MODEL_DEFAULT,
@@ -83,6 +84,11 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
         settings.device = Setting(settings.device.value, Source.TARGET_HARDWARE, "this machine has no GPU")
     report = PreflightReport(settings=settings, config=config, num_processes=settings.num_processes.value,
                              total_steps=recipe.training.max_steps)
+    theirs = config.get("mixed_precision")
+    ours = recipe.training.mixed_precision
+    if ours and theirs is not None and precision.FROM_ACCELERATE.get(str(theirs), ours) != ours:
+        report.notes.append(f"{recipe.where('training.mixed_precision')}: {ours} is used; {config.label} says "
+                            f"mixed_precision: {theirs} (the recipe's key wins)")
     here = cuda_here or None
     problems: list[Problem] = list(check_settings(settings, recipe, visible_gpus=None if for_target_hardware else here))
     if not for_target_hardware:  # about to run here: a GPU config must find CUDA

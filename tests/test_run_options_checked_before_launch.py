@@ -1,9 +1,12 @@
 """What only the whole job shows, refused before any rank starts: a --profile window after the run's last step, a
 warm-up longer than a run whose length comes from training.epochs, a checkpoint.dir that is the run folder or above
-it, and `recipe validate` judging --num-machines / --num-processes / --output-dir as `recipe run` does. In-process;
+it, `recipe validate` judging --num-machines / --num-processes / --output-dir as `recipe run` does; and a recipe
+precision that overrules the accelerate config's is said. In-process;
 the launch is replaced, so nothing here starts a rank even where a check is missing."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from conftest import cli, user_error
@@ -55,3 +58,15 @@ def test_validate_judges_the_machines_and_run_folder_it_is_given(tmp_path):
     # a multi-machine job is judged without the address `recipe run --main-process-ip` gives at launch
     code, out = cli("recipe", "validate", "quickstart", "--num-machines", "2", "--num-processes", "4")
     assert code == 0, out
+
+
+def test_a_recipe_precision_that_overrules_the_config_is_said(tmp_path):
+    import yaml
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "accelerate_configs" / "fsdp_cpu.yaml").read_text())
+    config["mixed_precision"] = "fp16"
+    (tmp_path / "acc.yaml").write_text(yaml.safe_dump(config))
+    code, out = cli("recipe", "validate", "quickstart", "--accelerate-config", tmp_path / "acc.yaml",
+                    "--set", "training.mixed_precision=fp32")
+    assert code == 0 and (f"note: --set training.mixed_precision: fp32 is used; {tmp_path / 'acc.yaml'} says "
+                          "mixed_precision: fp16 (the recipe's key wins)") in out, out

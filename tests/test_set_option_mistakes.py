@@ -77,3 +77,10 @@ def test_preference_keys_of_another_method_name_their_defaults_as_yaml_writes_th
     assert "(or set it back to false)" in msg
     msg = problems_of(["preference.beta=0.3"])
     assert "(or set it back to null)" in msg, msg
+
+
+def test_slurm_refuses_two_global_batches(tmp_path):
+    msg = user_error("slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "4", "--global-batch-size", "64",
+                     "--set", "training.global_batch_size=32", "-o", tmp_path / "job.sbatch")
+    assert "--global-batch-size: 64 and --set training.global_batch_size=32 both set the global batch" in msg
+    assert not (tmp_path / "job.sbatch").exists()
