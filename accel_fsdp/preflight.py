@@ -136,7 +136,22 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
         problems += _check_data(recipe, report)
     if problems:
         raise UserError(problems, title=f"{len(problems)} problems found before launching")
+    report.notes += _cadence_notes(recipe, report.total_steps)
     return report
+
+
+def _cadence_notes(recipe, steps: int | None) -> list[str]:
+    """A cadence no step of the run reaches does nothing but what the end does anyway: said, not refused (a recipe
+    may be shortened with --set training.max_steps on purpose)."""
+    if not steps:
+        return []
+    out = []
+    for key, every, what in (("checkpoint.every_steps", recipe.checkpoint.every_steps, "the final checkpoint alone is "
+                              "saved"), ("training.eval_every_steps", recipe.training.eval_every_steps,
+                                         "evaluation runs at the end alone")):
+        if every is not None and every >= steps:
+            out.append(f"{recipe.where(key)}: {every:,} is not below the run's {steps:,} optimizer steps: {what}")
+    return out
 
 
 # The stages of the check pipeline that the ranks run again on what they really built (train/setup.py, and so the

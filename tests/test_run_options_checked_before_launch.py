@@ -70,3 +70,12 @@ def test_a_recipe_precision_that_overrules_the_config_is_said(tmp_path):
                     "--set", "training.mixed_precision=fp32")
     assert code == 0 and (f"note: --set training.mixed_precision: fp32 is used; {tmp_path / 'acc.yaml'} says "
                           "mixed_precision: fp16 (the recipe's key wins)") in out, out
+
+
+def test_a_cadence_the_run_never_reaches_is_said():
+    code, out = cli("recipe", "validate", "quickstart", "--set", "checkpoint.every_steps=1000",
+                    "--set", "training.eval_every_steps=150")
+    assert code == 0, out
+    assert ("note: --set checkpoint.every_steps: 1,000 is not below the run's 150 optimizer steps: the final "
+            "checkpoint alone is saved") in out
+    assert "note: --set training.eval_every_steps: 150 is not below the run's 150 optimizer steps" in out

@@ -84,3 +84,12 @@ def test_slurm_refuses_two_global_batches(tmp_path):
                      "--set", "training.global_batch_size=32", "-o", tmp_path / "job.sbatch")
     assert "--global-batch-size: 64 and --set training.global_batch_size=32 both set the global batch" in msg
     assert not (tmp_path / "job.sbatch").exists()
+
+
+def test_a_tool_composing_overrides_hands_each_key_on_once_its_own_value_last():
+    """bench and verify add their own --set items after the user's; the `recipe run` they start must not see one
+    key twice with two values (it would refuse it)."""
+    from accel_fsdp.config.binder import later_wins
+
+    items = ["training.max_steps=50", "training={lr: 1e-3}", "data.max_rows=9", "training.max_steps=2", "bad"]
+    assert later_wins(items) == ["training={lr: 1e-3}", "data.max_rows=9", "training.max_steps=2", "bad"]

@@ -22,7 +22,7 @@ from accel_fsdp.layout import COMPILE_CACHE_ENV, RunLayout, compile_cache_dir
 from accel_fsdp.planning.plan import print_plan
 from accel_fsdp.preflight import load_config_or_default, preflight
 from accel_fsdp.quiet import quiet_libraries
-from accel_fsdp.run.folder import writable_problems
+from accel_fsdp.run.folder import file_in_the_way
 from accel_fsdp.train.lifetime import DIE_WITH_PARENT_ENV, die_with_launcher, run_rank
 from accel_fsdp.train.metrics import START_ENV
 from accel_fsdp.train.profiling import ProfileWindow
@@ -133,8 +133,9 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
         config.values["num_processes"] = n = num_processes
     if num_processes is not None or num_machines is not None:  # judged again with them, as `recipe run` does
         raise_if(check_accelerate_config(config, launching=False), f"{config.label} with these options has problems")
-    if output_dir is not None:
-        raise_if(writable_problems(RunLayout.of(r, output_dir)), "the run folder cannot be written")
+    if output_dir is not None and file_in_the_way(output_dir):  # its permissions are the machine's it runs on
+        raise UserError(Problem(str(output_dir), f"{file_in_the_way(output_dir)} is a file, not a folder",
+                                "choose another --output-dir"))
     report = preflight(r, config, num_processes=n, for_target_hardware=True)
     s = report.settings
     click.echo(f"ok: {r.source} with {config.label}" + ("" if why == "given" else f" ({why})"))

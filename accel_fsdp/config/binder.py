@@ -82,6 +82,19 @@ def apply_override(raw: dict, item: str, problems: list[Problem], root, other_na
     return [key]
 
 
+def later_wins(items: list[str]) -> list[str]:
+    """--set items a tool composes (the user's, then its own) with each key once, its last value kept, in the order
+    the kept ones came: a command refuses one key given twice with two values (cli/options.py), which the user must
+    not be able to do by accident, while a tool's own later value is meant to replace the user's."""
+    kept, seen = [], set()
+    for item in reversed(items):
+        key = item.partition("=")[0].strip()
+        if key not in seen or "=" not in item:
+            seen.add(key)
+            kept.append(item)
+    return kept[::-1]
+
+
 def _field_of(root, raw: dict, key: str, parts: list[str], problems: list[Problem],
               other_names=None) -> tuple[bool, Any]:
     """(True, the field's type) when the dotted `key` names a field of `root`'s schema (an entry of a list of

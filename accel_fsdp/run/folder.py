@@ -314,7 +314,7 @@ def writable_problems(layout: RunLayout) -> list[Problem]:
         existing = folder
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
-        if existing.exists() and not existing.is_dir():
+        if file_in_the_way(folder):
             out.append(Problem(str(folder), f"{existing} is a file, not a folder", f"choose another {key}"))
         elif existing.exists() and not os.access(existing, os.W_OK | os.X_OK):
             out.append(Problem(str(folder), f"cannot be written: {existing} is not writable by this user",
@@ -332,6 +332,14 @@ def writable_problems(layout: RunLayout) -> list[Problem]:
                            "it: the export at the end replaces final/", "choose another folder, e.g. "
                            "checkpoints"))
     return out
+
+
+def file_in_the_way(folder: Path) -> Path | None:
+    """The file at `folder` or at the nearest of its parents that exists, where a folder must be made."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return existing if existing.exists() and not existing.is_dir() else None
 
 
 def _cannot_create_in(folder: Path) -> str | None:
