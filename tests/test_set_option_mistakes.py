@@ -93,3 +93,15 @@ def test_a_tool_composing_overrides_hands_each_key_on_once_its_own_value_last():
 
     items = ["training.max_steps=50", "training={lr: 1e-3}", "data.max_rows=9", "training.max_steps=2", "bad"]
     assert later_wins(items) == ["training={lr: 1e-3}", "data.max_rows=9", "training.max_steps=2", "bad"]
+
+
+@pytest.mark.parametrize("item,expected,unexpected", [
+    ("data.sources=[{path: a.jsonl", "fix: close its brackets, and quote the whole argument for the shell: "
+     "--set 'data.sources=[{path: ...}, {path: ...}]'", "no data given"),
+    ("data.sources=[a.jsonl, b.jsonl]", "--set data.sources.0: expected a mapping of keys, found 'a.jsonl'\n"
+     "      fix: write each entry of data.sources as a mapping of keys, e.g. {path: ...}", "are all named"),
+    ("data.sources=a.jsonl", "--set data.sources: expected a list of Source entries, found 'a.jsonl'", "no data given"),
+])
+def test_a_mixture_written_wrong_is_one_problem_per_mistake(item, expected, unexpected):
+    msg = problems_of(["data.path=", item])
+    assert expected in msg and unexpected not in msg, msg

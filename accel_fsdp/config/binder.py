@@ -43,21 +43,23 @@ def apply_override(raw: dict, item: str, problems: list[Problem], root, other_na
         problems.append(Problem(f"--set {item}", f"expected dotted.key=value ({what})",
                                 "write the dotted key, '=' and the value, e.g. --set training.lr=3e-4"))
         return []
+    # The key must name a field of the schema; the value is type-checked with everything else.
+    found, cls = _field_of(root, raw, key, parts, problems, other_names)
+    if not found:
+        return []
     try:
         value = yaml.safe_load(value_text) if value_text.strip() else ""
     except yaml.YAMLError as e:
         if value_text.lstrip()[:1] in ("[", "{"):  # a list or mapping cut short: never read it as a string
-            kind, example = ("list", "[a, b]") if value_text.lstrip()[0] == "[" else ("mapping", "{key: value}")
+            entry = _section_list(cls)
+            kind, example = (("list", f"[{_entry_example(entry)}, {_entry_example(entry)}]" if entry else "[a, b]")
+                             if value_text.lstrip()[0] == "[" else ("mapping", "{key: value}"))
             problems.append(Problem(f"--set {key}", f"{value_text.strip()!r} is not a complete YAML {kind} "
                                     f"({getattr(e, 'problem', None) or 'YAML syntax error'})",
                                     f"close its brackets, and quote the whole argument for the shell: "
                                     f"--set '{key}={example}'"))
             return []
         value = value_text  # plain text such as a prompt with a colon: a string, as it reads
-    # The key must name a field of the schema; the value is type-checked with everything else.
-    found, cls = _field_of(root, raw, key, parts, problems, other_names)
-    if not found:
-        return []
     if value is None and _is_dataclass_type(cls):  # `--set training=null` would drop the file's whole section
         problems.append(Problem(f"--set {key}", "is a section; null would drop every key the recipe sets in it",
                                 f"set the keys you mean, e.g. --set {key}.KEY=VALUE (`accel-fsdp recipe keys` "
@@ -80,6 +82,12 @@ def apply_override(raw: dict, item: str, problems: list[Problem], root, other_na
     else:
         node[parts[-1]] = value
     return [key]
+
+
+def _entry_example(cls) -> str:
+    """`{path: ...}`: an entry of a list of sections, by its first required-looking key (`path` where it has one)."""
+    keys = [k for k in _hints(cls) if not _is_internal(cls, k)]
+    return "{" + ("path" if "path" in keys else keys[0]) + ": ...}"
 
 
 def later_wins(items: list[str]) -> list[str]:
@@ -169,9 +177,12 @@ def bind(cls, raw: Any, prefix: str, where, problems: list[Problem], *, root=Non
     root = root or cls
     below = {"root": root, "other_names": other_names}
     if not isinstance(raw, dict):
-        problems.append(Problem(where(prefix.rstrip(".")) if prefix else "recipe",
-                                f"expected a mapping of keys, found {_show(raw)}",
-                                f"write `{prefix.rstrip('.')}:` followed by indented keys"))
+        key = prefix.rstrip(".")
+        listed, _, index = key.rpartition(".")
+        fix = (f"write each entry of {listed} as a mapping of keys, e.g. {_entry_example(cls)} (in a file: "
+               f"`- {_entry_example(cls)[1:-1]}`)" if index.isdigit() else f"write `{key}:` followed by indented keys")
+        problems.append(Problem(where(key) if prefix else "recipe", f"expected a mapping of keys, found {_show(raw)}",
+                                fix))
         return cls()
     hints = _hints(cls)
     known = [k for k in hints if not _is_internal(cls, k)]

@@ -517,10 +517,14 @@ def recipe_from_text(text: str, *, source: str, overrides=(), default_name: str 
     # Range checks run too (on defaults where a value had the wrong type), so one pass reports everything.
     # A key whose value could not be read is not judged again, neither alone nor in a relation to another key
     # (training.method: 'dpoo' would also read as "training.method is sft"); a problem found twice is said once.
+    # A problem about a key below one that could not be read (data.sources.1.name under data.sources.1), or naming
+    # one in its text (its fix included: "no data given" when data.sources could not be read), is about a default.
     unreadable = {p.where for p in problems}
     unread = {k for k in (p.where.split(" ")[-1] for p in problems) if "." in k}
     for p in check_recipe(recipe):
-        if p.where not in unreadable and not any(key in p.message for key in unread) and p not in problems:
+        key = p.where.split(" ")[-1]
+        about_unread = any(u in p.message or u in p.fix or key.startswith(u + ".") for u in unread)
+        if p.where not in unreadable and not about_unread and p not in problems:
             problems.append(p)
     if problems:
         raise UserError(problems, title=f"recipe {source} has {len(problems)} problems")
