@@ -128,3 +128,29 @@ def test_what_accelerate_config_writes_by_default_is_accepted(tmp_path):
     load_accelerate_config(config_with(tmp_path, compute_environment="LOCAL_MACHINE", rdzv_backend="static",
                                        downcast_bf16="no", debug=False, same_network=True, enable_cpu_affinity=False,
                                        dynamo_config={"dynamo_backend": "NO"}, fp8_config={}))
+
+
+def test_accelerate_still_stops_on_what_these_checks_refuse_first(monkeypatch):
+    """The reliances the refusals rest on (accelerate 1.15): `accelerate launch` refuses ram-efficient loading with
+    fsdp_sync_module_states false, and exports FSDP_SHARDING_STRATEGY=FULL_SHARD whatever the config says; the FSDP
+    plugin reads FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD from the environment and refuses it without activation
+    checkpointing, which accel-fsdp leaves off under FSDP2."""
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    def args(*extra):
+        return launch_command_parser().parse_args(["--use_fsdp", "--num_processes", "2", "--num_machines", "1",
+                                                   "--main_process_port", "0", "--mixed_precision", "no",
+                                                   "--dynamo_backend", "no",
+                                                   *extra, "train.py"])
+
+    from_file = args()  # a config file's values reach the parsed arguments as YAML's booleans
+    from_file.fsdp_cpu_ram_efficient_loading, from_file.fsdp_sync_module_states = True, False
+    with pytest.raises(ValueError, match="fsdp_sync_module_states"):
+        prepare_multi_gpu_env(from_file)
+    env = prepare_multi_gpu_env(args("--fsdp_version", "2", "--fsdp_reshard_after_forward", "false"))
+    assert env["FSDP_SHARDING_STRATEGY"] == "FULL_SHARD" and env["FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD"] == "false"
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "true")
+    with pytest.raises(ValueError, match="activation_checkpointing_offload"):
+        FullyShardedDataParallelPlugin(fsdp_version=2, activation_checkpointing=False)
