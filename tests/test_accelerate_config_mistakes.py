@@ -154,3 +154,28 @@ def test_accelerate_still_stops_on_what_these_checks_refuse_first(monkeypatch):
     monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "true")
     with pytest.raises(ValueError, match="activation_checkpointing_offload"):
         FullyShardedDataParallelPlugin(fsdp_version=2, activation_checkpointing=False)
+
+
+def test_every_shipped_config_as_accelerate_launch_exports_it_reads_back_without_a_problem():
+    """The launch environment is judged as a file is, less what the stock launch exports whatever the file says
+    (FSDP1's options under FSDP2) and the address it does not pass on: no shipped config may be refused there."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    from accel_fsdp.config.shipped import shipped_accelerate_configs
+
+    for name, path in sorted(shipped_accelerate_configs().items()):
+        args = launch_command_parser().parse_args(["--config_file", str(path), "--main_process_port", "0", "x.py"])
+        _validate_launch_command(args)
+        env = prepare_multi_gpu_env(args)
+        world, machines = int(args.num_processes), int(args.num_machines)
+        config = config_from_environment({**env, "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world // machines)})
+        assert config.get("fsdp_version") == env["FSDP_VERSION"], name
+
+
+def test_the_launch_environment_is_judged_as_a_file_is():
+    """fsdp_version 3 passed `accelerate launch` unchecked and reached the FSDP plugin as FSDP1 (a KeyError)."""
+    with pytest.raises(UserError, match="accelerate launch environment: fsdp_config.fsdp_version: '3' is not 1 or 2"):
+        config_from_environment({**STOCK_FSDP2, "FSDP_VERSION": "3"})
+    with pytest.raises(UserError, match="mixed_precision: 'fp8' is not supported"):
+        config_from_environment({**STOCK_FSDP2, "ACCELERATE_MIXED_PRECISION": "fp8"})

@@ -213,30 +213,41 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     # default for the rest of the process (torch/_inductor/runtime/cache_dir_utils.py, cache_dir; torch 2.13.0).
     os.environ.setdefault(COMPILE_CACHE_ENV, str(compile_cache_dir()))
 
-    if resume and resume_from:
-        raise UserError(Problem("--resume-from", "cannot be combined with --resume", "use one of them"))
-    if overwrite and (resume or resume_from):
-        raise UserError(Problem("--overwrite", f"cannot be combined with {'--resume' if resume else '--resume-from'}",
-                                "use one of them"))
-    r = load_recipe(name_or_path, overrides)
-    run_dir = RunLayout.of(r, output_dir).root
-    if gpu_memory and not dry_run:
-        raise UserError(Problem("--gpu-memory", "only applies to --dry-run (the plan is checked against it)",
-                                "add --dry-run, or drop --gpu-memory"))
-    window = ProfileWindow.parse(profile) if profile is not None else None
-    if window and dry_run:
-        raise UserError(Problem("--profile", "a dry run trains no step to profile", "drop --profile or --dry-run"))
+    def checked():
+        """The recipe and what the command line alone can have wrong. In a launched rank it runs inside `run_rank`,
+        so a mistake is said once for all ranks (under stock `accelerate launch` every rank meets it first)."""
+        if resume and resume_from:
+            raise UserError(Problem("--resume-from", "cannot be combined with --resume", "use one of them"))
+        if overwrite and (resume or resume_from):
+            raise UserError(Problem("--overwrite", f"cannot be combined with "
+                                    f"{'--resume' if resume else '--resume-from'}", "use one of them"))
+        r = load_recipe(name_or_path, overrides)
+        if gpu_memory and not dry_run:
+            raise UserError(Problem("--gpu-memory", "only applies to --dry-run (the plan is checked against it)",
+                                    "add --dry-run, or drop --gpu-memory"))
+        window = ProfileWindow.parse(profile) if profile is not None else None
+        if window and dry_run:
+            raise UserError(Problem("--profile", "a dry run trains no step to profile", "drop --profile or --dry-run"))
+        return r, RunLayout.of(r, output_dir).root, window
+
+    if inside_launch() and not dry_run:
+        from accel_fsdp.train.loop import RunRequest, run_training
+
+        die_with_launcher()
+
+        def train() -> None:
+            r, run_dir, window = checked()
+            run_training(RunRequest(recipe=r, run_dir=run_dir, resume=resume, resume_from=resume_from,
+                                    overwrite=overwrite, benchmark=benchmark, verbose=verbose, cpu=cpu,
+                                    accept_data_change=accept_data_change, profile=window))
+
+        run_rank(train)
+
+    r, run_dir, window = checked()
     if dry_run:
         quiet_libraries()
         print_plan(r, accelerate_config, gpu_memory)
         return
-    if inside_launch():
-        from accel_fsdp.train.loop import RunRequest, run_training
-
-        die_with_launcher()
-        run_rank(lambda: run_training(RunRequest(recipe=r, run_dir=run_dir, resume=resume, resume_from=resume_from,
-                                                 overwrite=overwrite, benchmark=benchmark, verbose=verbose, cpu=cpu,
-                                                 accept_data_change=accept_data_change, profile=window)))
 
     if os.environ.pop(DIE_WITH_PARENT_ENV, None):
         die_with_launcher()  # a probe of verify, a run of bench: it ends with them, its ranks with it

@@ -203,11 +203,9 @@ def config_from_environment(env: os._Environ | dict) -> AccelerateConfig:
     values["num_processes"] = world
     values["num_machines"] = max(1, world // max(1, local))
     config = AccelerateConfig(values=values, label="accelerate launch environment")
-    # Only what the stock launch never exports by itself is judged here (it exports fsdp_use_orig_params: true and
-    # the like whatever the file says): the settings accel-fsdp would ignore or that would stop the plugin.
-    problems = unread_key_problems(config)
-    if as_int(values.get("fsdp_version", 1)) == 2:
-        problems += _fsdp2_strategy_problems(config, as_bool(values.get("fsdp_reshard_after_forward", True)))
+    # Judged as a file is (accelerate launch checks almost nothing: fsdp_version 3 reached the plugin), less what it
+    # exports whatever the file says, and the address it does not pass on.
+    problems = check_accelerate_config(config, launching=False)
     raise_if(problems, f"{config.label} has {len(problems)} problems")
     return config
 
@@ -282,6 +280,7 @@ def check_accelerate_config(c: AccelerateConfig, *, launching: bool = True) -> l
         if bp is not None and str(bp).upper() not in BACKWARD_PREFETCH:
             bad("fsdp_config.fsdp_backward_prefetch", f"{bp!r} is not valid", "use " + ", ".join(BACKWARD_PREFETCH))
     else:
+        exported = c.path is None  # `accelerate launch` exports FSDP1's options with their defaults under FSDP2 too
         raf = c.get("fsdp_reshard_after_forward", True)
         if as_bool(raf) is None:
             bad("fsdp_config.fsdp_reshard_after_forward", f"{raf!r} is not true or false in FSDP2",
@@ -290,7 +289,7 @@ def check_accelerate_config(c: AccelerateConfig, *, launching: bool = True) -> l
         p.extend(_fsdp2_strategy_problems(c, as_bool(raf)))
         for key in ("fsdp_backward_prefetch", "fsdp_use_orig_params", "fsdp_sync_module_states",
                     "fsdp_forward_prefetch", "fsdp_limit_all_gathers"):
-            if key in c.values and c.get(key) not in (None, False, "false", "False", "NO_PREFETCH"):
+            if key in c.values and not exported and c.get(key) not in (None, False, "false", "False", "NO_PREFETCH"):
                 bad(f"fsdp_config.{key}", f"{shown(c.get(key))} has no effect in FSDP2 (fsdp_version: 2)",
                     "remove it, or use fsdp_version: 1 (see accelerate_configs/fsdp1_2gpu.yaml)")
     sdt = str(c.get("fsdp_state_dict_type", "SHARDED_STATE_DICT")).upper()
