@@ -39,9 +39,11 @@ def problems_of(path: Path) -> str:
     ({"fsdp_sharding_strategy": 4}, "4 is ignored by FSDP2", "for HYBRID_SHARD set a parallelism_config"),
     ({"fsdp_sharding_strategy": "NO_SHARD"}, "'NO_SHARD' is ignored by FSDP2",
      "for NO_SHARD set fsdp_version: 1 (FSDP2 always shards)"),
-    ({"fsdp_sharding_strategy": "ZERO3"}, "'ZERO3' is not a sharding strategy", "remove fsdp_sharding_strategy; FSDP2's strategy is"),
+    ({"fsdp_sharding_strategy": "ZERO3"}, "'ZERO3' is not a sharding strategy",
+     "remove fsdp_sharding_strategy; FSDP2's strategy is"),
     ({"fsdp_sharding_strategy": "FULL_SHARD", "fsdp_reshard_after_forward": False},
-     "'FULL_SHARD' is ignored by FSDP2, which runs SHARD_GRAD_OP here", "for FULL_SHARD set fsdp_reshard_after_forward: true"),
+     "'FULL_SHARD' is ignored by FSDP2, which runs SHARD_GRAD_OP here",
+     "for FULL_SHARD set fsdp_reshard_after_forward: true"),
 ])
 def test_an_fsdp2_config_naming_a_strategy_it_would_not_run_is_refused(tmp_path, changes, expected, fix):
     msg = problems_of(config_with(tmp_path, **changes))

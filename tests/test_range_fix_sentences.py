@@ -72,8 +72,8 @@ def test_a_value_out_of_range_says_what_to_set_the_key_to(override, message, fix
 
 def test_the_same_fix_is_given_for_a_key_of_the_file():
     msg = problems_of([], RECIPE.replace("max_steps: 4", "max_steps: -3"))
-    assert "r.yaml:4: training.max_steps: -3 must be at least 1\n    fix: set training.max_steps to at least 1, or null" \
-        in msg
+    assert ("r.yaml:4: training.max_steps: -3 must be at least 1\n    fix: set training.max_steps to at least 1, "
+            "or null") in msg
 
 
 def test_no_fix_of_a_recipe_check_is_a_fragment():

@@ -316,5 +316,5 @@ def warmup_beyond_the_run(recipe, sequences: int) -> Problem | None:
     return Problem(recipe.where("training.warmup_steps"), f"{t.warmup_steps} warm-up steps exceed the run's {steps:,} "
                    f"optimizer steps ({epochs:g} epoch(s) of {sequences:,} training sequences, "
                    f"{t.global_batch_size} per step)",
-                   f"set training.warmup_steps to at most {steps:,}, e.g. {max(0, steps // 10):,} (a tenth of the run), "
-                   "or train longer (training.epochs)")
+                   f"set training.warmup_steps to at most {steps:,}, e.g. {max(0, steps // 10):,} (a tenth of the "
+                   "run), or train longer (training.epochs)")
