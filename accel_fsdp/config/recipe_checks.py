@@ -127,11 +127,19 @@ def _training_problems(r) -> list[Problem]:
                          range_fix("training.warmup_steps", f"at most {t.max_steps}",
                                    f"e.g. {t.max_steps // 10} (a tenth of the run)")))
     rng(t.weight_decay >= 0, "training.weight_decay", f"{t.weight_decay} must be 0 or more", "0 or more", "e.g. 0.1")
+    # AdamW multiplies every weight by 1 - lr x weight_decay at each step (torch/optim/adamw.py): at 1 or more
+    # the weights vanish or flip sign.
+    rng(t.weight_decay < 0 or t.lr <= 0 or t.lr * t.weight_decay < 1, "training.weight_decay",
+        f"{t.weight_decay:g} x training.lr {t.lr:g} is {t.lr * t.weight_decay:g}: AdamW multiplies every weight by "
+        "1 minus that at each step", f"below 1 / training.lr = {1 / t.lr if t.lr > 0 else 0:g}",
+        "typically 0.01 to 0.1")
     rng(0 <= t.adam_beta1 < 1, "training.adam_beta1", f"{t.adam_beta1} is outside [0, 1)", "at least 0 and below 1",
         "e.g. 0.9")
     rng(0 <= t.adam_beta2 < 1, "training.adam_beta2", f"{t.adam_beta2} is outside [0, 1)", "at least 0 and below 1",
         "e.g. 0.95")
-    rng(t.adam_eps > 0, "training.adam_eps", f"{t.adam_eps} must be positive", "a positive number", "e.g. 1e-8")
+    rng(0 < t.adam_eps < 1, "training.adam_eps", f"{t.adam_eps:g} is outside (0, 1): AdamW divides each update by "
+        "the gradient's root mean square plus eps, so a large eps stops training", "a positive number below 1",
+        "e.g. 1e-8")
     rng(t.max_grad_norm is None or t.max_grad_norm > 0, "training.max_grad_norm",
         f"{t.max_grad_norm} must be positive", "a positive number", "e.g. 1.0, or null to disable clipping")
     rng(0 <= t.seed <= 2**32 - 1, "training.seed", f"{t.seed} is outside [0, 2**32 - 1]",
@@ -184,14 +192,13 @@ def _lora_problems(r) -> list[Problem]:
     need = p.need
     m = r.model
     lora = m.lora
-    if lora.enabled:
-        rng = p.need_range
-        rng(lora.r >= 1, "model.lora.r", f"{lora.r} must be at least 1", "at least 1", "e.g. 8 or 16")
-        rng(lora.alpha >= 1, "model.lora.alpha", f"{lora.alpha} must be at least 1", "at least 1", "commonly 2 x r")
-        rng(0 <= lora.dropout < 1, "model.lora.dropout", f"{lora.dropout} is outside [0, 1)",
-            "at least 0 and below 1", "e.g. 0.05")
-        rng(bool(lora.target_modules), "model.lora.target_modules", "is empty", "the names of linear layers",
-            "e.g. [q_proj, v_proj]")
+    rng = p.need_range  # judged with LoRA off too: a recipe switched with --set model.lora.enabled keeps its values
+    rng(lora.r >= 1, "model.lora.r", f"{lora.r} must be at least 1", "at least 1", "e.g. 8 or 16")
+    rng(lora.alpha >= 1, "model.lora.alpha", f"{lora.alpha} must be at least 1", "at least 1", "commonly 2 x r")
+    rng(0 <= lora.dropout < 1, "model.lora.dropout", f"{lora.dropout} is outside [0, 1)",
+        "at least 0 and below 1", "e.g. 0.05")
+    rng(bool(lora.target_modules) or not lora.enabled, "model.lora.target_modules", "is empty",
+        "the names of linear layers", "e.g. [q_proj, v_proj]")
     need(not m.quantize or lora.enabled, "model.quantize", f"{m.quantize} holds the frozen base in 4 bits, and without "
          "LoRA every weight trains (a 4-bit weight cannot)", "set model.lora.enabled: true (QLoRA), or leave "
          "model.quantize out")
