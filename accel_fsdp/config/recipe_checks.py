@@ -129,7 +129,7 @@ def _training_problems(r) -> list[Problem]:
     rng(t.weight_decay >= 0, "training.weight_decay", f"{t.weight_decay} must be 0 or more", "0 or more", "e.g. 0.1")
     # AdamW multiplies every weight by 1 - lr x weight_decay at each step (torch/optim/adamw.py): at 1 or more
     # the weights vanish or flip sign.
-    rng(t.weight_decay < 0 or t.lr <= 0 or t.lr * t.weight_decay < 1, "training.weight_decay",
+    rng(t.weight_decay < 0 or not 0 < t.lr <= MAX_LR or t.lr * t.weight_decay < 1, "training.weight_decay",
         f"{t.weight_decay:g} x training.lr {t.lr:g} is {t.lr * t.weight_decay:g}: AdamW multiplies every weight by "
         "1 minus that at each step", f"below 1 / training.lr = {1 / t.lr if t.lr > 0 else 0:g}",
         "typically 0.01 to 0.1")
