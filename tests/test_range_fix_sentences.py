@@ -89,7 +89,8 @@ def test_the_same_fix_is_given_for_a_key_of_the_file():
 
 def test_no_fix_of_a_recipe_check_is_a_fragment():
     """Every problem the recipe checks can find at once, each fix a sentence of its own."""
-    overrides = [case[0] for case in CASES if case[2] and not case[0].startswith(("training.epochs", "training.lr=3e3"))]
+    skipped = ("training.epochs", "training.lr=3e3")  # need max_steps null; one problem that hides another
+    overrides = [case[0] for case in CASES if case[2] and not case[0].startswith(skipped)]
     msg = problems_of(overrides + ["model.lora.enabled=true", "model.lora.r=0", "model.lora.alpha=0",
                                    "model.lora.dropout=1", "model.lora.target_modules=[]"])
     fixes = re.findall(r"fix: (.*)", msg)
