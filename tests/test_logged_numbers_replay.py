@@ -17,12 +17,16 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import LOGIT_PATH, TRACE_UNITS, read_metrics, run_cli, save_tiny_model, tiny_recipe, units_by_step
+from conftest import (LOGIT_PATH, TRACE_UNITS, load_weights, read_metrics, run_cli, save_tiny_model, tiny_recipe,
+                      units_by_step)
 
+from accel_fsdp.config.recipe import load_recipe
 from accel_fsdp.data.store import IGNORE_INDEX
-from accel_fsdp.tools.noise import reordered
+from accel_fsdp.tools.noise import ROUNDOFF, adam_step_bound, reordered
 
 LR, WARMUP, STEPS, MIN_LR_RATIO = 3e-3, 1, 3, 0.1
+WEIGHT_DECAY = 1.0
+"""Large, so that the decay's move of a weight stands above the replay's bound (assert_weights_replayed)."""
 SFT_SOURCES = [{"name": "stories", "path": "builtin:quickstart", "weight": 0.5, "max_rows": 240},
                {"name": "questions", "path": "builtin:quickstart-instruct", "format": "instruction", "weight": 0.3,
                 "max_rows": 240},
@@ -69,7 +73,6 @@ def float64_model(folder):
 
 def prepared(recipe_path):
     """The prepared data the run read (the same cache: tests/conftest.py isolates one per session)."""
-    from accel_fsdp.config.recipe import load_recipe
     from accel_fsdp.data.prepare import prepare_data
     from accel_fsdp.data.synthetic import build_tokenizer
 
@@ -83,6 +86,85 @@ def documented_lr(step: int) -> float:
         return LR * step / (WARMUP + 1)
     p = (step - 1 - WARMUP) / (STEPS - WARMUP)
     return LR * (MIN_LR_RATIO + (1 - MIN_LR_RATIO) * (1 + math.cos(math.pi * p)) / 2)
+
+
+def sft_batch_loss(model, data, units: list[int]) -> tuple[torch.Tensor, int, float]:
+    """README's `loss` of one optimizer step: the sum of -log p over the loss-carrying tokens of the global batch (the
+    units every rank and micro-step read), each document run alone (docs/DATA.md), divided by their count. Returns
+    (the loss, with its graph; the count; the largest |logit|)."""
+    total, count, scale = 0.0, 0, 0.0
+    for u in units:
+        for sequence in data.sequences(u):
+            for ids, labels in documents(sequence):
+                logits = model(input_ids=torch.as_tensor(ids)[None]).logits[0]
+                carries = np.flatnonzero(labels != IGNORE_INDEX)
+                logp = torch.log_softmax(logits, dim=-1)[carries - 1, torch.as_tensor(ids[carries])]
+                total = total - logp.sum()
+                count += len(carries)
+                scale = max(scale, float(logits.detach().abs().max()))
+    return total / count, count, scale
+
+
+def replay_adamw(model, training, lrs: list[float], step_losses: list) -> list[tuple[float, float, int, float]]:
+    """Optimizer steps s = 1..S replayed on `model` in place, by the recipe keys' docstrings (training.*) and README's
+    metrics table: g = the gradient of the step's loss (`step_losses[s - 1](model)`: loss, count, logit scale) over
+    every trainable parameter; n = |g| (the logged grad_norm); g x min(1, max_grad_norm / (n + 1e-6)) (clipping, as
+    torch.nn.utils.clip_grad_norm_); then AdamW with decoupled decay on the parameters of 2 or more dimensions:
+    p <- p (1 - lr_s wd); m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2;
+    p <- p - lr_s (m / (1 - b1^s)) / (sqrt(v / (1 - b2^s)) + eps). Returns each step's (loss, n, count, scale)."""
+    params = [p for p in model.parameters() if p.requires_grad]  # a tied output projection is its embedding's
+    first, second = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    b1, b2, limit = training.adam_beta1, training.adam_beta2, training.max_grad_norm
+    rows = []
+    for s, (lr, step_loss) in enumerate(zip(lrs, step_losses), start=1):
+        model.zero_grad(set_to_none=True)
+        loss, count, scale = step_loss(model)
+        loss.backward()
+        norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in params if p.grad is not None))
+        clip = 1.0 if limit is None else min(1.0, limit / (norm + 1e-6))
+        with torch.no_grad():
+            for p, m, v in zip(params, first, second):
+                g = p.grad * clip if p.grad is not None else torch.zeros_like(p)
+                if p.ndim >= 2:
+                    p.mul_(1 - lr * training.weight_decay)
+                m.mul_(b1).add_((1 - b1) * g)
+                v.mul_(b2).add_((1 - b2) * g * g)
+                p.sub_(lr * (m / (1 - b1**s)) / ((v / (1 - b2**s)).sqrt() + training.adam_eps))
+        rows.append((loss.item(), norm, count, scale))
+    return rows
+
+
+def assert_weights_replayed(weights: dict, model, start: dict, training, lrs: list[float], counts: list[int]) -> None:
+    """A run's exported fp32 weights against the float64 replay's (`model` after replay_adamw) from the same start.
+
+    The noise model: a step's gradient in fp32 is within rho_s = reordered(count_s x LOGIT_PATH) of itself (the
+    elements that do not cancel). Bias-corrected Adam's step m^ / sqrt(v^) has both sides move by at most rho of
+    themselves, so by at most 2 U rho_s (U = adam_step_bound, the largest step, in units of lr), and clipping scales
+    the whole gradient (the step does not change). The fp32 weight rounds at each of its 3 operations a step (decay,
+    update, the sum), 2^-24 of itself each. So at least half of each tensor's elements lie within 2 U sum(lr_s rho_s)
+    + 3 S 2^-24 |w|, and every element within 2 U sum(lr_s) + that: an element whose gradient is itself rounding noise
+    (GPT-2's key biases) can step either way. The decay's own move, lr wd |w| summed, is held to be twice the bound
+    at the median |w| where it applies, so a decay left out fails here; a decay wrongly applied to the norms' weights
+    (1) moves them far more (biases start at 0 and move little: not told apart)."""
+    u = adam_step_bound(training.adam_beta1, training.adam_beta2, len(lrs))
+    steps = len(lrs)
+    step_noise = 2 * u * sum(lr * reordered(n * LOGIT_PATH) for lr, n in zip(lrs, counts))
+    largest = 2 * u * sum(lrs)
+    replayed = model.state_dict()
+    assert set(weights) <= set(replayed), set(weights) - set(replayed)
+    for key, exported in weights.items():
+        run, replay = exported.double(), replayed[key].detach().double()
+        rounding = 3 * steps * ROUNDOFF["fp32"] * replay.abs()
+        difference = (run - replay).abs()
+        assert bool((difference <= largest + rounding).all()), (key, float(difference.max()), largest)
+        within = float((difference <= step_noise + rounding).double().mean())
+        assert within >= 0.5, (key, within, step_noise, float(difference.median()))
+        if training.weight_decay and start[key].ndim >= 2:
+            # a decay missing here would move half the elements (|w| above the median) by more than twice the bound:
+            # out of it, whatever the rounding did
+            typical = float(start[key].double().abs().median())
+            decay = sum(lrs) * training.weight_decay * typical
+            assert decay >= 2 * (step_noise + 3 * steps * ROUNDOFF["fp32"] * typical), (key, decay, step_noise)
 
 
 def test_the_documented_schedule_is_the_one_the_optimizer_steps_with():
@@ -107,7 +189,8 @@ def sft_run(tmp_path, tiny_gpt2, mix_by: str):
     data = {"path": "", "mix_by": mix_by, "sources": SFT_SOURCES, "seq_len": 128, "eval_fraction": 0.05}
     recipe = tiny_recipe(tmp_path / "sft.yaml", tiny_gpt2, "unused", data=data,
                          training={"micro_batch_size": 2, "global_batch_size": 8, "max_steps": STEPS, "lr": LR,
-                                   "warmup_steps": WARMUP, "min_lr_ratio": MIN_LR_RATIO, "mixed_precision": "fp32"},
+                                   "warmup_steps": WARMUP, "min_lr_ratio": MIN_LR_RATIO, "mixed_precision": "fp32",
+                                   "weight_decay": WEIGHT_DECAY},
                          checkpoint={"export_dtype": "fp32"})
     run = tmp_path / "run"
     run_cli("recipe", "run", recipe, "--output-dir", run, env=TRACE_UNITS, check=0)
@@ -136,26 +219,19 @@ def replay_sft(recipe, run, tiny_gpt2, mix_by: str) -> None:
                 assert (sequence.labels != IGNORE_INDEX).sum() == len(sequence.ids) - (sequence.positions == 0).sum()
         assert train[step]["lr"] == pytest.approx(documented_lr(step), rel=1e-12), step
 
-    # Step 1: the loss and the gradient norm of the starting weights on the units step 1 read.
+    # Every step replayed from the starting weights by the documented loss and AdamW: its loss and gradient norm, and
+    # the exported weights after the last step.
+    recipe_ = load_recipe(recipe)
     model = float64_model(tiny_gpt2)
     model.train()  # the tiny model has no dropout: train mode computes what eval mode does
-    total, count, scale = torch.zeros((), dtype=torch.float64), 0, 0.0
-    for u in units[1]:
-        for sequence in data.sequences(u):
-            for ids, labels in documents(sequence):
-                logits = model(input_ids=torch.as_tensor(ids)[None]).logits[0]
-                carries = np.flatnonzero(labels != IGNORE_INDEX)
-                logp = torch.log_softmax(logits, dim=-1)[carries - 1, torch.as_tensor(ids[carries])]
-                total = total - logp.sum()
-                count += len(carries)
-                scale = max(scale, float(logits.detach().abs().max()))
-    mean = total / count
-    mean.backward()
-    loss = mean.item()
-    grad_norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in model.parameters() if p.grad is not None))
-    first = train[1]
-    assert first["loss"] == pytest.approx(loss, abs=token_error(scale) + reordered(count) * loss)
-    assert first["grad_norm"] == pytest.approx(grad_norm, rel=reordered(count * LOGIT_PATH))
+    replayed = replay_adamw(model, recipe_.training, [documented_lr(s) for s in range(1, STEPS + 1)],
+                            [lambda m, step=step: sft_batch_loss(m, data, units[step]) for step in range(1, STEPS + 1)])
+    for step, (loss, grad_norm, tokens, scale) in enumerate(replayed, start=1):
+        # a later step's weights differ from the run's by the earlier steps' rounding: its gradient's bound grows
+        assert train[step]["loss"] == pytest.approx(loss, abs=token_error(scale) + step * reordered(tokens) * loss)
+        assert train[step]["grad_norm"] == pytest.approx(grad_norm, rel=step * reordered(tokens * LOGIT_PATH))
+    assert_weights_replayed(load_weights(run / "final"), model, load_weights(tiny_gpt2), recipe_.training,
+                            [documented_lr(s) for s in range(1, STEPS + 1)], [r[2] for r in replayed])
 
     # The evaluation at the end: the exported weights (after the last step) on every held-out sequence.
     final = float64_model(run / "final")

@@ -234,15 +234,19 @@ class TrainingConfig:
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warm-up: shape(p) = (1 + cos(pi p)) / 2 (cosine), 1 - p (linear), or lr throughout (constant)."""
     weight_decay: float = 0.0
-    """AdamW decoupled weight decay, applied to matrices only (not to biases, norms and embeddings' bias)."""
+    """wd: AdamW's decoupled decay. Before its update, optimizer step s multiplies every trainable parameter of 2 or
+    more dimensions by 1 - lr_s x wd: the linear layers' and the embeddings' matrices (a tied output projection is its
+    embedding), LoRA's A and B; never biases and norm weights (nanoGPT's rule)."""
     adam_beta1: float = 0.9
     """AdamW beta1."""
     adam_beta2: float = 0.95
     """AdamW beta2."""
     adam_eps: float = 1e-8
-    """AdamW epsilon."""
+    """AdamW epsilon. Step s moves a parameter by -lr_s m^ / (sqrt(v^) + eps), m^ = m / (1 - beta1^s), v^ = v / (1 -
+    beta2^s) (torch.optim.AdamW), m and v the moving averages of the clipped gradient and its square, from 0."""
     max_grad_norm: float | None = 1.0
-    """Clip the global gradient norm to this value (FSDP-aware). null disables clipping."""
+    """c: the gradient of the step's loss (the whole global batch, every trainable parameter, over all ranks) is
+    multiplied by min(1, c / (norm + 1e-6)), norm its L2 norm (torch.nn.utils.clip_grad_norm_). null: no clipping."""
     seed: int = 42
     """Seed for weights created from scratch, data order, and dropout."""
     mixed_precision: Literal[precision.TRAINING] | None = None
