@@ -44,20 +44,26 @@ def documents(sequence):
         yield np.asarray(sequence.ids[a:b]), np.asarray(sequence.labels[a:b])
 
 
-def answer_logps(model, sequence) -> tuple[float, int, float]:
-    """(sum of log p over the sequence's loss-carrying tokens, their count, the largest |logit|) in float64: a token
-    t whose label is set is predicted by the logits of t - 1 of its own document."""
+def answer_logp(model, sequence) -> tuple[torch.Tensor, int, float]:
+    """(sum of log p over the sequence's loss-carrying tokens, with its graph; their count; the largest |logit|): a
+    token t whose label is set is predicted by the logits of t - 1 of its own document."""
     total, count, scale = 0.0, 0, 0.0
     for ids, labels in documents(sequence):
-        with torch.no_grad():
-            logits = model(input_ids=torch.as_tensor(ids)[None]).logits[0].double()
+        logits = model(input_ids=torch.as_tensor(ids)[None]).logits[0].double()
         logp = torch.log_softmax(logits, dim=-1)
         carries = np.flatnonzero(labels != IGNORE_INDEX)
         assert (carries > 0).all(), "a document's first token carries no loss (docs/DATA.md)"
-        total += float(logp[carries - 1, torch.as_tensor(ids[carries])].sum())
+        total = total + logp[carries - 1, torch.as_tensor(ids[carries])].sum()
         count += len(carries)
-        scale = max(scale, float(logits.abs().max()))
+        scale = max(scale, float(logits.detach().abs().max()))
     return total, count, scale
+
+
+def answer_logps(model, sequence) -> tuple[float, int, float]:
+    """answer_logp in float64 without a graph."""
+    with torch.no_grad():
+        total, count, scale = answer_logp(model, sequence)
+    return float(total), count, scale
 
 
 def token_error(scale: float) -> float:
@@ -79,13 +85,15 @@ def prepared(recipe_path):
     return prepare_data(load_recipe(recipe_path), build_tokenizer())
 
 
-def documented_lr(step: int) -> float:
-    """The recipe keys' docstrings: step s <= W uses lr s / (W + 1); after, lr (r + (1 - r) (1 + cos(pi p)) / 2),
-    p = (s - 1 - W) / (N - W)."""
-    if step <= WARMUP:
-        return LR * step / (WARMUP + 1)
-    p = (step - 1 - WARMUP) / (STEPS - WARMUP)
-    return LR * (MIN_LR_RATIO + (1 - MIN_LR_RATIO) * (1 + math.cos(math.pi * p)) / 2)
+def documented_lr(step: int, training=None) -> float:
+    """The recipe keys' docstrings (cosine, of `training`; default: this module's schedule): step s <= W uses lr s /
+    (W + 1); after, lr (r + (1 - r) (1 + cos(pi p)) / 2), p = (s - 1 - W) / (N - W)."""
+    lr, warmup, steps, ratio = ((LR, WARMUP, STEPS, MIN_LR_RATIO) if training is None else
+                                (training.lr, training.warmup_steps, training.max_steps, training.min_lr_ratio))
+    if step <= warmup:
+        return lr * step / (warmup + 1)
+    p = (step - 1 - warmup) / (steps - warmup)
+    return lr * (ratio + (1 - ratio) * (1 + math.cos(math.pi * p)) / 2)
 
 
 def sft_batch_loss(model, data, units: list[int]) -> tuple[torch.Tensor, int, float]:
@@ -105,20 +113,22 @@ def sft_batch_loss(model, data, units: list[int]) -> tuple[torch.Tensor, int, fl
     return total / count, count, scale
 
 
-def replay_adamw(model, training, lrs: list[float], step_losses: list) -> list[tuple[float, float, int, float]]:
-    """Optimizer steps s = 1..S replayed on `model` in place, by the recipe keys' docstrings (training.*) and README's
-    metrics table: g = the gradient of the step's loss (`step_losses[s - 1](model)`: loss, count, logit scale) over
-    every trainable parameter; n = |g| (the logged grad_norm); g x min(1, max_grad_norm / (n + 1e-6)) (clipping, as
-    torch.nn.utils.clip_grad_norm_); then AdamW with decoupled decay on the parameters of 2 or more dimensions:
+def replay_adamw(parameters: dict, training, lrs: list[float], step_losses: list) -> list[tuple]:
+    """Optimizer steps s = 1..S replayed in place on the trainable `parameters` (name: tensor) by the recipe keys'
+    docstrings (training.*) and README's metrics table: g = the gradient of the step's loss (`step_losses[s - 1]()`:
+    loss, count, logit scale) over every trainable parameter; n = |g| (the logged grad_norm); g x min(1, max_grad_norm
+    / (n + 1e-6)) (clipping, as torch.nn.utils.clip_grad_norm_); then AdamW, its decoupled decay on the parameters of
+    2 or more dimensions:
     p <- p (1 - lr_s wd); m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2;
     p <- p - lr_s (m / (1 - b1^s)) / (sqrt(v / (1 - b2^s)) + eps). Returns each step's (loss, n, count, scale)."""
-    params = [p for p in model.parameters() if p.requires_grad]  # a tied output projection is its embedding's
+    params = list(parameters.values())
     first, second = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
     b1, b2, limit = training.adam_beta1, training.adam_beta2, training.max_grad_norm
     rows = []
     for s, (lr, step_loss) in enumerate(zip(lrs, step_losses), start=1):
-        model.zero_grad(set_to_none=True)
-        loss, count, scale = step_loss(model)
+        for p in params:
+            p.grad = None
+        loss, count, scale = step_loss()
         loss.backward()
         norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in params if p.grad is not None))
         clip = 1.0 if limit is None else min(1.0, limit / (norm + 1e-6))
@@ -134,8 +144,10 @@ def replay_adamw(model, training, lrs: list[float], step_losses: list) -> list[t
     return rows
 
 
-def assert_weights_replayed(weights: dict, model, start: dict, training, lrs: list[float], counts: list[int]) -> None:
-    """A run's exported fp32 weights against the float64 replay's (`model` after replay_adamw) from the same start.
+def assert_weights_replayed(weights: dict, replayed: dict, start: dict, training, lrs: list[float],
+                            counts: list[int]) -> None:
+    """A run's exported fp32 weights against the float64 replay's (`replayed`, after replay_adamw) from the same
+    `start`, by name.
 
     The noise model: a step's gradient in fp32 is within rho_s = reordered(count_s x LOGIT_PATH) of itself (the
     elements that do not cancel). Bias-corrected Adam's step m^ / sqrt(v^) has both sides move by at most rho of
@@ -150,8 +162,7 @@ def assert_weights_replayed(weights: dict, model, start: dict, training, lrs: li
     steps = len(lrs)
     step_noise = 2 * u * sum(lr * reordered(n * LOGIT_PATH) for lr, n in zip(lrs, counts))
     largest = 2 * u * sum(lrs)
-    replayed = model.state_dict()
-    assert set(weights) <= set(replayed), set(weights) - set(replayed)
+    assert set(weights) == set(replayed), set(weights) ^ set(replayed)
     for key, exported in weights.items():
         run, replay = exported.double(), replayed[key].detach().double()
         rounding = 3 * steps * ROUNDOFF["fp32"] * replay.abs()
@@ -159,10 +170,10 @@ def assert_weights_replayed(weights: dict, model, start: dict, training, lrs: li
         assert bool((difference <= largest + rounding).all()), (key, float(difference.max()), largest)
         within = float((difference <= step_noise + rounding).double().mean())
         assert within >= 0.5, (key, within, step_noise, float(difference.median()))
-        if training.weight_decay and start[key].ndim >= 2:
+        if training.weight_decay and start[key].ndim >= 2 and start[key].any():
             # a decay missing here would move half the elements (|w| above the median) by more than twice the bound:
             # out of it, whatever the rounding did
-            typical = float(start[key].double().abs().median())
+            typical = float(start[key].double().abs().median())  # 0: LoRA's B, which starts at 0
             decay = sum(lrs) * training.weight_decay * typical
             assert decay >= 2 * (step_noise + 3 * steps * ROUNDOFF["fp32"] * typical), (key, decay, step_noise)
 
@@ -224,13 +235,14 @@ def replay_sft(recipe, run, tiny_gpt2, mix_by: str) -> None:
     recipe_ = load_recipe(recipe)
     model = float64_model(tiny_gpt2)
     model.train()  # the tiny model has no dropout: train mode computes what eval mode does
-    replayed = replay_adamw(model, recipe_.training, [documented_lr(s) for s in range(1, STEPS + 1)],
-                            [lambda m, step=step: sft_batch_loss(m, data, units[step]) for step in range(1, STEPS + 1)])
+    parameters = dict(model.named_parameters())  # a tied output projection is its embedding
+    replayed = replay_adamw(parameters, recipe_.training, [documented_lr(s) for s in range(1, STEPS + 1)],
+                            [lambda s=s: sft_batch_loss(model, data, units[s]) for s in range(1, STEPS + 1)])
     for step, (loss, grad_norm, tokens, scale) in enumerate(replayed, start=1):
         # a later step's weights differ from the run's by the earlier steps' rounding: its gradient's bound grows
         assert train[step]["loss"] == pytest.approx(loss, abs=token_error(scale) + step * reordered(tokens) * loss)
         assert train[step]["grad_norm"] == pytest.approx(grad_norm, rel=step * reordered(tokens * LOGIT_PATH))
-    assert_weights_replayed(load_weights(run / "final"), model, load_weights(tiny_gpt2), recipe_.training,
+    assert_weights_replayed(load_weights(run / "final"), parameters, load_weights(tiny_gpt2), recipe_.training,
                             [documented_lr(s) for s in range(1, STEPS + 1)], [r[2] for r in replayed])
 
     # The evaluation at the end: the exported weights (after the last step) on every held-out sequence.
@@ -257,7 +269,8 @@ def replay_sft(recipe, run, tiny_gpt2, mix_by: str) -> None:
 @pytest.mark.multiprocess
 def test_an_sft_mixture_by_rows_logs_what_a_replay_computes(tmp_path, tiny_gpt2):
     """Text (packed), instruction and chat sources mixed by rows, 2 ranks x 2 micro-steps, warm-up then decay: every
-    train row's lr, tokens_seen and source_tokens, step 1's loss and gradient norm, and the final evaluation."""
+    train row's lr, tokens_seen and source_tokens, every step's loss and gradient norm and the exported weights
+    replayed from the starting weights (AdamW with weight decay, clipping), and the final evaluation."""
     recipe, run = sft_run(tmp_path, tiny_gpt2, "rows")
     replay_sft(recipe, run, tiny_gpt2, "rows")
 
@@ -273,15 +286,20 @@ def test_an_sft_mixture_by_tokens_logs_what_a_replay_computes(tmp_path, tiny_gpt
 
 
 def documented_pair(method: str, chosen: tuple, rejected: tuple, reference: tuple | None, *, beta: float,
-                    gamma: float, lam: float) -> dict:
-    """docs/PREFERENCE.md, one pair: its loss terms and rewards from (log pi(y), |y|) of each answer."""
+                    gamma: float, lam: float, eps: float) -> dict:
+    """docs/PREFERENCE.md, one pair: its loss terms and rewards from (log pi(y), |y|) of each answer; eps the label
+    smoothing."""
     (pc, nc), (pr, nr) = chosen, rejected
+
+    def logistic(z: float) -> float:  # -(1 - eps) log sigma(z) - eps log sigma(-z)
+        return (1 - eps) * math.log(1 + math.exp(-z)) + eps * math.log(1 + math.exp(z))
+
     if method == "dpo":
         rc, rr = beta * (pc - reference[0]), beta * (pr - reference[1])
-        return {"pair": -math.log(1 / (1 + math.exp(-(rc - rr)))), "rewards": (rc, rr)}
+        return {"pair": logistic(rc - rr), "rewards": (rc, rr)}
     if method == "simpo":
         rc, rr = beta * pc / nc, beta * pr / nr
-        return {"pair": -math.log(1 / (1 + math.exp(-(rc - rr - gamma)))), "rewards": (rc, rr)}
+        return {"pair": logistic(rc - rr - gamma), "rewards": (rc, rr)}
     odds = [math.log(math.exp(a) / (1 - math.exp(a))) for a in (pc / nc, pr / nr)]
     ratio = -math.log(1 / (1 + math.exp(-(odds[0] - odds[1]))))
     return {"pair": lam * ratio, "rewards": (lam * pc / nc, lam * pr / nr), "nll": -pc}
@@ -289,36 +307,41 @@ def documented_pair(method: str, chosen: tuple, rejected: tuple, reference: tupl
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("method,lora", [("dpo", False), ("simpo", False), ("orpo", False), ("dpo", True)])
-def test_a_preference_run_logs_what_a_replay_computes(tmp_path, method, lora):
-    """Built-in pairs, 2 ranks x 2 micro-steps, a full fine-tune of a GPT-2 or LoRA on a Llama: step 1's loss and
-    every statistic recomputed from the starting weights' log-probabilities by docs/PREFERENCE.md (DPO's reference is
-    the starting weights too: precomputed, or the base with the adapters off, whose B matrices start at 0), and the
-    final evaluation's from the exported model."""
+@pytest.mark.parametrize("method,lora,eps", [("dpo", False, 0.1), ("simpo", False, 0.0), ("orpo", False, 0.0),
+                                             ("dpo", True, 0.0)])
+def test_a_preference_run_logs_what_a_replay_computes(tmp_path, method, lora, eps):
+    """Built-in pairs, 2 ranks x 2 micro-steps, 2 steps with weight decay, a full fine-tune of a GPT-2 or LoRA on a
+    Llama (full DPO with label smoothing): step 1's loss and every statistic recomputed from the starting weights'
+    log-probabilities by docs/PREFERENCE.md (DPO's reference is the starting weights too: precomputed, or the base
+    with the adapters off, whose B matrices start at 0); both steps' gradient norms and the exported weights (LoRA:
+    the adapters) replayed from the start by the documented loss, LoRA and AdamW; and the final evaluation's from the
+    exported model."""
     model_path = save_tiny_model(tmp_path / "m", "llama" if lora else "gpt2")
     adapters = {"lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}} if lora else {}
     recipe = tiny_recipe(tmp_path / "pref.yaml", model_path, "builtin:quickstart-pref",
                          data={"format": "preference", "max_rows": 200, "seq_len": 64, "eval_fraction": 0.05},
-                         training={"method": method, "micro_batch_size": 2, "global_batch_size": 8, "max_steps": 1,
-                                   "mixed_precision": "fp32"}, model=adapters, checkpoint={"export_dtype": "fp32"})
+                         training={"method": method, "micro_batch_size": 2, "global_batch_size": 8, "max_steps": 2,
+                                   "mixed_precision": "fp32", "weight_decay": WEIGHT_DECAY},
+                         model=adapters, checkpoint={"export_dtype": "fp32"},
+                         preference={"label_smoothing": eps})
     run = tmp_path / "run"
     run_cli("recipe", "run", recipe, "--output-dir", run, env=TRACE_UNITS, check=0)
-    from accel_fsdp.config.recipe import load_recipe
-
-    p = load_recipe(recipe).preference
+    loaded = load_recipe(recipe)
+    p = loaded.preference
     beta, gamma, lam = p.beta_for(method) if method != "orpo" else 0.0, p.gamma, p.lambda_
     data = prepared(recipe)
     rows = read_metrics(run)
-    first = [r for r in rows if r["kind"] == "train"][0]
+    train = [r for r in rows if r["kind"] == "train"]
     start = float64_model(model_path)
-    parameters = dict(beta=beta, gamma=gamma, lam=lam)
-    step_1 = [data.sequences(u) for u in units_by_step(run)[1]]
-    assert len(step_1) == 8
-    assert_pairs_replayed(first, "", method, step_1, start, start, **parameters)
+    parameters = dict(beta=beta, gamma=gamma, lam=lam, eps=p.label_smoothing)
+    steps = [[data.sequences(u) for u in units] for _, units in sorted(units_by_step(run).items())]
+    assert [len(pairs) for pairs in steps] == [8, 8]
+    assert_pairs_replayed(train[0], "", method, steps[0], start, start, **parameters)
     if lora and method == "dpo":  # the adapters' B starts at 0: policy and reference are the same bits, all ties
-        assert first["reward_margin"] == 0 and first["reward_accuracy"] == 0  # docs: a tie counts as wrong
-    # The evaluation at the end: the exported weights (after the step) on every held-out pair; DPO's reference is the
-    # starting weights, a held-out source's loss its mean pair loss (ORPO: + its chosen answers' NLL per token).
+        assert train[0]["reward_margin"] == 0 and train[0]["reward_accuracy"] == 0  # docs: a tie counts as wrong
+    replay_preference_steps(run, model_path, loaded, method, steps, train, start, **parameters)
+    # The evaluation at the end: the exported weights (after the last step) on every held-out pair; DPO's reference
+    # is the starting weights, a held-out source's loss its mean pair loss (ORPO: + its chosen answers' NLL per token).
     (held_out,) = [r for r in rows if r["kind"] == "eval"]
     (source,) = data.sources
     pairs = [source.sequences(j, "eval") for j in range(source.units("eval"))]
@@ -328,8 +351,87 @@ def test_a_preference_run_logs_what_a_replay_computes(tmp_path, method, lora):
     assert held_out["eval_loss_by_source"] == {source.name: pytest.approx(held_out["eval_loss"], rel=1e-12)}
 
 
+def documented_batch_loss(method: str, model, pairs: list, references: list | None, *, beta: float, gamma: float,
+                          lam: float, label_smoothing: float) -> tuple[torch.Tensor, int, float]:
+    """docs/PREFERENCE.md, one global batch: the mean pair loss over its pairs (ORPO: lambda x the mean odds-ratio
+    term + the chosen answers' NLL summed over their tokens / their count). Returns (the loss with its graph, the
+    answers' loss-carrying tokens, the largest |logit|)."""
+    import torch.nn.functional as F
+
+    losses, nll, chosen_tokens, tokens, scale = [], 0.0, 0, 0, 0.0
+    for i, (chosen, rejected) in enumerate(pairs):
+        (pc, nc, sc), (pr, nr, sr) = answer_logp(model, chosen), answer_logp(model, rejected)
+        tokens, scale = tokens + nc + nr, max(scale, sc, sr)
+        if method == "orpo":
+            log_odds = [a - torch.log(-torch.expm1(a)) for a in (pc / nc, pr / nr)]
+            losses.append(lam * -F.logsigmoid(log_odds[0] - log_odds[1]))
+            nll, chosen_tokens = nll - pc, chosen_tokens + nc
+            continue
+        z = (beta * ((pc - references[i][0]) - (pr - references[i][1])) if method == "dpo"
+             else beta * (pc / nc - pr / nr) - gamma)
+        losses.append(-(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z))
+    loss = sum(losses) / len(losses)
+    return (loss + nll / chosen_tokens if method == "orpo" else loss), tokens, scale
+
+
+def replay_preference_steps(run, model_path, recipe, method: str, steps: list, train: list, start, *, beta: float,
+                            gamma: float, lam: float, eps: float) -> None:
+    """The run's steps replayed from the starting weights (a full fine-tune: all of them; LoRA: the adapters over the
+    frozen base) by documented_batch_loss and replay_adamw: each step's gradient norm against its row, and the
+    exported weights against the replay's."""
+    policy = float64_model(model_path)
+    if recipe.model.lora.enabled:
+        parameters, initial = documented_lora(policy, recipe)
+        exported = {adapter_key(name): tensor for name, tensor in load_weights(run / "final").items()}
+    else:
+        parameters = dict(policy.named_parameters())  # a tied output projection is its embedding
+        initial, exported = load_weights(model_path), load_weights(run / "final")
+    references = [[(answer_logps(start, c)[0], answer_logps(start, r)[0]) for c, r in pairs] if method == "dpo"
+                  else None for pairs in steps]
+    lrs = [documented_lr(s, recipe.training) for s in range(1, len(steps) + 1)]
+    options = dict(beta=beta, gamma=gamma, lam=lam, label_smoothing=eps)
+    replayed = replay_adamw(parameters, recipe.training, lrs,
+                            [lambda pairs=pairs, ref=ref: documented_batch_loss(method, policy, pairs, ref, **options)
+                             for pairs, ref in zip(steps, references)])
+    for step, (row, (_, grad_norm, tokens, _)) in enumerate(zip(train, replayed), start=1):
+        assert row["lr"] == pytest.approx(lrs[step - 1], rel=1e-12)
+        assert row["grad_norm"] == pytest.approx(grad_norm, rel=step * reordered(tokens * LOGIT_PATH)), step
+    assert_weights_replayed(exported, parameters, initial, recipe.training, lrs, [r[2] for r in replayed])
+
+
+def documented_lora(model, recipe) -> tuple[dict, dict]:
+    """The recipe keys' LoRA on a float64 model: each Linear named in model.lora.target_modules gains (alpha / r) B A x
+    (its dropout off: preference tuning), A r x in and B out x r trainable, the base frozen. A's first values are the
+    run's (drawn by the product from the recipe's seed: only the drawing is borrowed), B's 0. Returns the adapters and
+    their first values, named as the exported adapter folder names them."""
+    from accel_fsdp.model.build import apply_lora
+    from transformers import AutoModelForCausalLM
+
+    lora = recipe.model.lora
+    drawn = apply_lora(AutoModelForCausalLM.from_pretrained(recipe.model.name_or_path), recipe)
+    first = {adapter_key(name): tensor.detach().double() for name, tensor in drawn.named_parameters()
+             if "lora_" in name}
+    model.requires_grad_(False)
+    parameters = {}
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] not in lora.target_modules:
+            continue
+        a = torch.nn.Parameter(first[f"{name}.lora_A.weight"].clone())
+        b = torch.nn.Parameter(first[f"{name}.lora_B.weight"].clone())
+        assert a.shape == (lora.r, module.in_features) and b.shape == (module.out_features, lora.r) and not b.any()
+        module.register_forward_hook(lambda _, inputs, out, a=a, b=b: out + lora.alpha / lora.r * inputs[0] @ a.T @ b.T)
+        parameters[f"{name}.lora_A.weight"], parameters[f"{name}.lora_B.weight"] = a, b
+    assert set(parameters) == set(first), set(parameters) ^ set(first)
+    return parameters, first
+
+
+def adapter_key(name: str) -> str:
+    """A LoRA tensor's name without PEFT's prefix and adapter name: model.layers.0.self_attn.q_proj.lora_A.weight."""
+    return name.removeprefix("base_model.model.").replace(".default.", ".")
+
+
 def assert_pairs_replayed(row: dict, prefix: str, method: str, pairs: list, model, reference, *, beta: float,
-                          gamma: float, lam: float) -> int:
+                          gamma: float, lam: float, eps: float) -> int:
     """A row's loss (train rows: `loss`, eval rows: `eval_loss`) and statistics against docs/PREFERENCE.md's over
     `pairs` (chosen, rejected sequences) with `model` as the policy and `reference` as DPO's reference. Returns the
     chosen answers' loss-carrying tokens."""
@@ -341,7 +443,8 @@ def assert_pairs_replayed(row: dict, prefix: str, method: str, pairs: list, mode
             (rc, _, rsc), (rr, _, rsr) = answer_logps(reference, chosen), answer_logps(reference, rejected)
             references, scale = (rc, rr), max(scale, rsc, rsr)
         scale = max(scale, sc, sr)
-        replayed.append(documented_pair(method, (pc, nc), (pr, nr), references, beta=beta, gamma=gamma, lam=lam)
+        replayed.append(documented_pair(method, (pc, nc), (pr, nr), references, beta=beta, gamma=gamma, lam=lam,
+                                        eps=eps)
                         | {"tokens": (nc, nr), "logps": (pc / nc, pr / nr)})
     n = len(replayed)
     chosen_tokens = sum(q["tokens"][0] for q in replayed)
@@ -363,8 +466,9 @@ def assert_pairs_replayed(row: dict, prefix: str, method: str, pairs: list, mode
     for key in ("logps_chosen", "logps_rejected"):
         mean_error = per_token + reordered(longest) * abs(expected[key])
         assert row[prefix + key] == pytest.approx(expected[key], abs=mean_error), key
-    # -log sigmoid(z) moves by at most z's error (its slope is within 1): DPO's and SimPO's z by two rewards' errors;
-    # ORPO's log odds by its means' errors x d log odds / da = 1 / (1 - e^a), plus its NLL per token's error
+    # -(1 - eps) log sigma(z) - eps log sigma(-z) moves by at most z's error (its slope is within 1): DPO's and SimPO's
+    # z by two rewards' errors; ORPO's log odds by its means' errors x d log odds / da = 1 / (1 - e^a), plus its NLL
+    # per token's error
     loss_error = 2 * reward_error + reordered(n) * loss
     if method == "orpo":
         highest = max(max(q["logps"]) for q in replayed)
