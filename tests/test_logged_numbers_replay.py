@@ -307,17 +307,20 @@ def documented_pair(method: str, chosen: tuple, rejected: tuple, reference: tupl
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("method,lora,eps", [("dpo", False, 0.1), ("simpo", False, 0.0), ("orpo", False, 0.0),
-                                             ("dpo", True, 0.0)])
+@pytest.mark.parametrize("method,lora,eps", [("dpo", None, 0.1), ("simpo", None, 0.0), ("orpo", None, 0.0),
+                                             ("dpo", "lora", 0.0), ("dpo", "qlora", 0.0)])
 def test_a_preference_run_logs_what_a_replay_computes(tmp_path, method, lora, eps):
-    """Built-in pairs, 2 ranks x 2 micro-steps, 2 steps with weight decay, a full fine-tune of a GPT-2 or LoRA on a
-    Llama (full DPO with label smoothing): step 1's loss and every statistic recomputed from the starting weights'
-    log-probabilities by docs/PREFERENCE.md (DPO's reference is the starting weights too: precomputed, or the base
-    with the adapters off, whose B matrices start at 0); both steps' gradient norms and the exported weights (LoRA:
-    the adapters) replayed from the start by the documented loss, LoRA and AdamW; and the final evaluation's from the
-    exported model."""
+    """Built-in pairs, 2 ranks x 2 micro-steps, 2 steps with weight decay, a full fine-tune of a GPT-2 (DPO with label
+    smoothing) or LoRA on a Llama, on its 4-bit base (QLoRA) too: step 1's loss and every statistic recomputed from the
+    starting weights' log-probabilities by docs/PREFERENCE.md (DPO's reference is the starting weights too:
+    precomputed, or the base with the adapters off, whose B matrices start at 0; QLoRA's base is dequantized); both
+    steps' gradient norms and the exported weights (LoRA: the adapters) replayed from the start by the documented
+    loss, LoRA and AdamW; and the final evaluation's from the exported model."""
     model_path = save_tiny_model(tmp_path / "m", "llama" if lora else "gpt2")
     adapters = {"lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}} if lora else {}
+    if lora == "qlora":
+        pytest.importorskip("torchao")
+        adapters["quantize"] = "nf4"
     recipe = tiny_recipe(tmp_path / "pref.yaml", model_path, "builtin:quickstart-pref",
                          data={"format": "preference", "max_rows": 200, "seq_len": 64, "eval_fraction": 0.05},
                          training={"method": method, "micro_batch_size": 2, "global_batch_size": 8, "max_steps": 2,
@@ -332,7 +335,7 @@ def test_a_preference_run_logs_what_a_replay_computes(tmp_path, method, lora, ep
     data = prepared(recipe)
     rows = read_metrics(run)
     train = [r for r in rows if r["kind"] == "train"]
-    start = float64_model(model_path)
+    start = starting_model(model_path, loaded)
     parameters = dict(beta=beta, gamma=gamma, lam=lam, eps=p.label_smoothing)
     steps = [[data.sequences(u) for u in units] for _, units in sorted(units_by_step(run).items())]
     assert [len(pairs) for pairs in steps] == [8, 8]
@@ -345,8 +348,11 @@ def test_a_preference_run_logs_what_a_replay_computes(tmp_path, method, lora, ep
     (held_out,) = [r for r in rows if r["kind"] == "eval"]
     (source,) = data.sources
     pairs = [source.sequences(j, "eval") for j in range(source.units("eval"))]
-    chosen_tokens = assert_pairs_replayed(held_out, "eval_", method, pairs, float64_model(run / "final"), start,
-                                          **parameters)
+    final = float64_model(run / "final")
+    if lora:  # the exported adapters on the documented (dequantized) base
+        final = starting_model(model_path, loaded)
+        documented_lora(final, loaded, {adapter_key(k): v for k, v in load_weights(run / "final").items()})
+    chosen_tokens = assert_pairs_replayed(held_out, "eval_", method, pairs, final, start, **parameters)
     assert held_out["eval_tokens"] == chosen_tokens
     assert held_out["eval_loss_by_source"] == {source.name: pytest.approx(held_out["eval_loss"], rel=1e-12)}
 
@@ -379,7 +385,7 @@ def replay_preference_steps(run, model_path, recipe, method: str, steps: list, t
     """The run's steps replayed from the starting weights (a full fine-tune: all of them; LoRA: the adapters over the
     frozen base) by documented_batch_loss and replay_adamw: each step's gradient norm against its row, and the
     exported weights against the replay's."""
-    policy = float64_model(model_path)
+    policy = starting_model(model_path, recipe)
     if recipe.model.lora.enabled:
         parameters, initial = documented_lora(policy, recipe)
         exported = {adapter_key(name): tensor for name, tensor in load_weights(run / "final").items()}
@@ -399,18 +405,37 @@ def replay_preference_steps(run, model_path, recipe, method: str, steps: list, t
     assert_weights_replayed(exported, parameters, initial, recipe.training, lrs, [r[2] for r in replayed])
 
 
-def documented_lora(model, recipe) -> tuple[dict, dict]:
+def starting_model(model_path, recipe):
+    """The weights a run starts from, in float64: the model files; with model.quantize nf4 (README, QLoRA) every
+    decoder block's projections (the Linear layers under model.layers) through 4 bits and back, quantized from the
+    compute dtype (fp32 here) by torchao's NF4 as the product calls it (only the quantization is borrowed)."""
+    model = float64_model(model_path)
+    if recipe.model.quantize == "nf4":
+        from accel_fsdp.model.nf4 import to_nf4
+
+        blocks = [m for name, m in model.named_modules()
+                  if name.startswith("model.layers.") and isinstance(m, torch.nn.Linear)]
+        assert len(blocks) == 7 * model.config.num_hidden_layers
+        with torch.no_grad():
+            for module in blocks:
+                module.weight.copy_(to_nf4(module.weight.float()).get_original_weight().double())
+    return model
+
+
+def documented_lora(model, recipe, values: dict | None = None) -> tuple[dict, dict]:
     """The recipe keys' LoRA on a float64 model: each Linear named in model.lora.target_modules gains (alpha / r) B A x
     (its dropout off: preference tuning), A r x in and B out x r trainable, the base frozen. A's first values are the
-    run's (drawn by the product from the recipe's seed: only the drawing is borrowed), B's 0. Returns the adapters and
-    their first values, named as the exported adapter folder names them."""
-    from accel_fsdp.model.build import apply_lora
+    run's (drawn by the product from the recipe's seed: only the drawing is borrowed), B's 0; or `values`. Returns the
+    adapters and their first values, named as the exported adapter folder names them."""
     from transformers import AutoModelForCausalLM
 
+    from accel_fsdp.model.build import apply_lora
+
     lora = recipe.model.lora
-    drawn = apply_lora(AutoModelForCausalLM.from_pretrained(recipe.model.name_or_path), recipe)
-    first = {adapter_key(name): tensor.detach().double() for name, tensor in drawn.named_parameters()
-             if "lora_" in name}
+    if values is None:
+        drawn = apply_lora(AutoModelForCausalLM.from_pretrained(recipe.model.name_or_path), recipe)
+        values = {adapter_key(name): tensor for name, tensor in drawn.named_parameters() if "lora_" in name}
+    first = {name: tensor.detach().double() for name, tensor in values.items()}
     model.requires_grad_(False)
     parameters = {}
     for name, module in model.named_modules():
@@ -418,7 +443,7 @@ def documented_lora(model, recipe) -> tuple[dict, dict]:
             continue
         a = torch.nn.Parameter(first[f"{name}.lora_A.weight"].clone())
         b = torch.nn.Parameter(first[f"{name}.lora_B.weight"].clone())
-        assert a.shape == (lora.r, module.in_features) and b.shape == (module.out_features, lora.r) and not b.any()
+        assert a.shape == (lora.r, module.in_features) and b.shape == (module.out_features, lora.r)
         module.register_forward_hook(lambda _, inputs, out, a=a, b=b: out + lora.alpha / lora.r * inputs[0] @ a.T @ b.T)
         parameters[f"{name}.lora_A.weight"], parameters[f"{name}.lora_B.weight"] = a, b
     assert set(parameters) == set(first), set(parameters) ^ set(first)
