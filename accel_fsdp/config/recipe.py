@@ -38,15 +38,17 @@ class LoraConfig:
     """Parameter-efficient fine-tuning with PEFT LoRA adapters."""
 
     enabled: bool = False
-    """Train LoRA adapters instead of all weights."""
+    """Train LoRA adapters instead of all weights: each target layer computes W x + (alpha / r) B A dropout(x), the
+    base W frozen; only A (r x in, drawn as nn.Linear's weight from training.seed + 1) and B (out x r, zeros) train."""
     r: int = 16
     """Rank of the adapter matrices."""
     alpha: int = 32
-    """Scaling numerator: the adapter output is multiplied by alpha / r."""
+    """Scaling numerator: the adapter output is multiplied by alpha / r (not rsLoRA's alpha / sqrt(r))."""
     dropout: float = 0.0
-    """Dropout on the adapter input."""
+    """Dropout on the adapter input x (the base layer sees x whole); off for preference tuning (docs/PREFERENCE.md)."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
-    """Names of the Linear modules that get adapters (GPT-2: c_attn; Llama: q_proj, k_proj, v_proj, o_proj...)."""
+    """Names of the Linear modules that get adapters, in every block: a module whose name ends in one of them (GPT-2:
+    c_attn; Llama: q_proj, k_proj, v_proj, o_proj...)."""
 
 
 QUANTIZE_METHODS = ("nf4",)
@@ -223,12 +225,14 @@ class TrainingConfig:
     max_steps: int | None = None
     """Optimizer steps to run. Exclusive with epochs."""
     epochs: float | None = None
-    """Passes over the training sequences (may be fractional). Used when max_steps is not set; default 1."""
+    """Passes over the training sequences (may be fractional). Used when max_steps is not set; default 1: the run
+    takes ceil(epochs x training sequences / global_batch_size) optimizer steps (at least 1)."""
     lr: float = 2e-5
     """Peak learning rate (AdamW)."""
     min_lr_ratio: float = 0.1
-    """r: after warm-up, optimizer step s of N uses lr x (r + (1 - r) x shape(p)), p = (s - 1 - warmup_steps) /
-    (N - warmup_steps); the last step's p is 1 - 1 / (N - warmup_steps), as in transformers' and torchtune's."""
+    """r: after warm-up, optimizer step s of the run's N (max_steps, or as `epochs` says) uses lr x (r + (1 - r) x
+    shape(p)), p = (s - 1 - warmup_steps) / (N - warmup_steps); the last step's p is 1 - 1 / (N - warmup_steps), as in
+    transformers' and torchtune's."""
     warmup_steps: int = 0
     """W: optimizer step s <= W uses lr x s / (W + 1) (nanoGPT's linear warm-up: no step at 0), step W + 1 uses lr."""
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
