@@ -86,14 +86,19 @@ def prepared(recipe_path):
 
 
 def documented_lr(step: int, training=None) -> float:
-    """The recipe keys' docstrings (cosine, of `training`; default: this module's schedule): step s <= W uses lr s /
-    (W + 1); after, lr (r + (1 - r) (1 + cos(pi p)) / 2), p = (s - 1 - W) / (N - W)."""
-    lr, warmup, steps, ratio = ((LR, WARMUP, STEPS, MIN_LR_RATIO) if training is None else
-                                (training.lr, training.warmup_steps, training.max_steps, training.min_lr_ratio))
+    """The recipe keys' docstrings (of `training`; default: this module's cosine schedule): step s <= W uses lr s /
+    (W + 1); after, lr (r + (1 - r) shape(p)), p = (s - 1 - W) / (N - W), shape (1 + cos(pi p)) / 2 (cosine) or 1 - p
+    (linear); constant: lr."""
+    lr, warmup, steps, ratio, scheduler = ((LR, WARMUP, STEPS, MIN_LR_RATIO, "cosine") if training is None else
+                                           (training.lr, training.warmup_steps, training.max_steps,
+                                            training.min_lr_ratio, training.scheduler))
     if step <= warmup:
         return lr * step / (warmup + 1)
+    if scheduler == "constant":
+        return lr
     p = (step - 1 - warmup) / (steps - warmup)
-    return lr * (ratio + (1 - ratio) * (1 + math.cos(math.pi * p)) / 2)
+    shape = (1 + math.cos(math.pi * p)) / 2 if scheduler == "cosine" else 1 - p
+    return lr * (ratio + (1 - ratio) * shape)
 
 
 def sft_batch_loss(model, data, units: list[int]) -> tuple[torch.Tensor, int, float]:
@@ -178,19 +183,23 @@ def assert_weights_replayed(weights: dict, replayed: dict, start: dict, training
             assert decay >= 2 * (step_noise + 3 * steps * ROUNDOFF["fp32"] * typical), (key, decay, step_noise)
 
 
-def test_the_documented_schedule_is_the_one_the_optimizer_steps_with():
+@pytest.mark.parametrize("schedule", [(LR, WARMUP, MIN_LR_RATIO, STEPS, "cosine"), (1e-3, 2, 0.2, 7, "cosine"),
+                                      (1e-3, 2, 0.2, 7, "linear"), (1e-3, 2, 0.2, 7, "constant"),
+                                      (1e-3, 0, 0.0, 5, "linear")])
+def test_the_documented_schedule_is_the_one_the_optimizer_steps_with(schedule):
     """Unit level: the factor the LambdaLR gets at each 0-based index is the documented one of step index + 1."""
     from accel_fsdp.config.recipe import recipe_from_text
     from accel_fsdp.train.optimizer import lr_schedule
 
+    lr, warmup, ratio, steps, scheduler = schedule
     recipe = recipe_from_text(f"""
 model: {{architecture: gpt2, tokenizer: "builtin:quickstart"}}
 data: {{path: "builtin:quickstart"}}
-training: {{lr: {LR}, warmup_steps: {WARMUP}, min_lr_ratio: {MIN_LR_RATIO}, max_steps: {STEPS}}}
+training: {{lr: {lr}, warmup_steps: {warmup}, min_lr_ratio: {ratio}, max_steps: {steps}, scheduler: {scheduler}}}
 """, source="r.yaml")
-    factor = lr_schedule(recipe, STEPS)
-    assert [LR * factor(i) for i in range(STEPS)] == pytest.approx([documented_lr(s) for s in range(1, STEPS + 1)],
-                                                                   rel=1e-15)
+    factor = lr_schedule(recipe, steps)
+    assert [lr * factor(i) for i in range(steps)] == pytest.approx(
+        [documented_lr(s, recipe.training) for s in range(1, steps + 1)], rel=1e-15)
 
 
 # ------------------------------------------------------------------------------------------- sft, 2 ranks
