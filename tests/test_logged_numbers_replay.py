@@ -205,7 +205,7 @@ training: {{lr: {lr}, warmup_steps: {warmup}, min_lr_ratio: {ratio}, max_steps: 
 # ------------------------------------------------------------------------------------------- sft, 2 ranks
 
 
-def sft_run(tmp_path, tiny_gpt2, mix_by: str):
+def sft_run(tmp_path, tiny_gpt2, mix_by: str, *launch):
     data = {"path": "", "mix_by": mix_by, "sources": SFT_SOURCES, "seq_len": 128, "eval_fraction": 0.05}
     recipe = tiny_recipe(tmp_path / "sft.yaml", tiny_gpt2, "unused", data=data,
                          training={"micro_batch_size": 2, "global_batch_size": 8, "max_steps": STEPS, "lr": LR,
@@ -213,7 +213,7 @@ def sft_run(tmp_path, tiny_gpt2, mix_by: str):
                                    "weight_decay": WEIGHT_DECAY},
                          checkpoint={"export_dtype": "fp32"})
     run = tmp_path / "run"
-    run_cli("recipe", "run", recipe, "--output-dir", run, env=TRACE_UNITS, check=0)
+    run_cli("recipe", "run", recipe, "--output-dir", run, *launch, env=TRACE_UNITS, check=0)
     return recipe, run
 
 
@@ -289,6 +289,15 @@ def test_an_sft_mixture_by_rows_logs_what_a_replay_computes(tmp_path, tiny_gpt2)
 def test_an_sft_mixture_by_tokens_logs_what_a_replay_computes(tmp_path, tiny_gpt2):
     recipe, run = sft_run(tmp_path, tiny_gpt2, "tokens")
     replay_sft(recipe, run, tiny_gpt2, "tokens")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_an_sft_run_under_fsdp1_logs_what_a_replay_computes(tmp_path, tiny_gpt2):
+    """FSDP1 flattens each parameter into a 1-D view of its shard: the optimizer built after wrapping must still decay
+    the matrices (it decayed none: training.weight_decay was silently 0 under FSDP1)."""
+    recipe, run = sft_run(tmp_path, tiny_gpt2, "rows", "--accelerate-config", "fsdp1_2gpu", "--cpu")
+    replay_sft(recipe, run, tiny_gpt2, "rows")
 
 
 # ------------------------------------------------------------------------------------ preference, 2 ranks

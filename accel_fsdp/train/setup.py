@@ -74,7 +74,7 @@ from accel_fsdp.train.loading import agreed_base, leave_nf4_unsharded, load_stre
 from accel_fsdp.train.methods import LossIndex, LossPath, Objective, build_loss_path, build_objective
 from accel_fsdp.train.metrics import MetricsWriter, StartupClock, flops_per_token
 from accel_fsdp.train.observe import Terminal, TrainLogger
-from accel_fsdp.train.optimizer import build_optimizer, lr_schedule, offload_threads
+from accel_fsdp.train.optimizer import build_optimizer, decayed_names, lr_schedule, offload_threads
 from accel_fsdp.train.profiling import ProfileWindow, StepProfiler
 from accel_fsdp.train.reference import build_reference
 from accel_fsdp.train.sharding import ShardingRecord, check_same_layout
@@ -320,9 +320,11 @@ def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | No
     # rank 0's drawn adapters, whole, for the stream (the other ranks' are unwritten)
     adapters = adapters_to_send(model) if streaming and accelerator.is_main_process else None
     if settings.fsdp_version.value == 1:
-        # FSDP1 replaces the parameters when it wraps the model: the optimizer is built from the wrapped one.
+        # FSDP1 replaces the parameters when it wraps the model: the optimizer is built from the wrapped one, the
+        # parameters it decays chosen by their shapes before wrapping flattens them.
+        decayed = decayed_names(model)
         model = accelerator.prepare(model)
-        optimizer = accelerator.prepare(build_optimizer(model, recipe, settings))
+        optimizer = accelerator.prepare(build_optimizer(model, recipe, settings, decayed))
     else:
         # FSDP2 takes both at once and swaps the optimizer's parameters for the sharded DTensors.
         leave_nf4_unsharded(accelerator, model, settings)
