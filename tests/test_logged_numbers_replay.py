@@ -1,13 +1,18 @@
 """An independent replay of what a run logs: the numbers of metrics.jsonl recomputed from the run's files (its recipe,
 the prepared data, the units each step read, the starting weights and the exported model) by the definitions the
 docs give (README's metrics table, docs/DATA.md, docs/PREFERENCE.md, the recipe keys' docstrings), in float64,
-without the package's loss code. What the product's code computes is only read from metrics.jsonl.
+without the package's loss or optimizer code. What the product's code computes is only read from metrics.jsonl and
+the exported weights. Every step is replayed from the starting weights (the loss of its global batch, its gradient
+and norm, clipping, AdamW with decoupled decay on the matrices, the schedule's lr; LoRA's adapters, QLoRA's base
+through 4 bits and back), so the exported weights are held against the replay's too (assert_weights_replayed). Borrowed
+from the package: the prepared data and the units each step read (what is checked is what the run did with them), the
+first values of LoRA's A (drawn from the seed) and the NF4 quantization (README states its format, not its rounding).
 
 Tolerances follow the noise model of tests/conftest.py and accel_fsdp/tools/noise.py: the run computes in fp32, the
 replay in float64 on the same weights, so they differ by fp32 rounding alone. A token's log-probability z_y -
 logsumexp(z) is within twice a logit's error, and a logit within reordered(LOGIT_PATH) of the logits' scale; a mean
 over N tokens adds reordered(N) of itself. A gradient element sums the products of all N tokens' backward paths
-(LOGIT_PATH each): reordered(N x LOGIT_PATH) of the norm.
+(LOGIT_PATH each): reordered(N x LOGIT_PATH) of the norm. A weight after S AdamW steps: assert_weights_replayed.
 """
 
 from __future__ import annotations
