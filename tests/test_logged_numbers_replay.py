@@ -188,6 +188,45 @@ def assert_weights_replayed(weights: dict, replayed: dict, start: dict, training
             assert decay >= 2 * (step_noise + 3 * steps * ROUNDOFF["fp32"] * typical), (key, decay, step_noise)
 
 
+def slots_by_step(run, ranks: int, micro_batch: int) -> dict[int, list[int]]:
+    """Each step's units in the order of its global batch's slots: rank r's micro-step m took slots (m W + r) B to
+    (m W + r + 1) B (docs/DATA.md, "Exact at any rank count"), from the per-rank traces (in micro-step order)."""
+    import json
+
+    slots: dict[int, dict[int, int]] = {}
+    for rank in range(ranks):
+        for line in (run / "trace" / f"units-rank{rank}.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            for i, unit in enumerate(record["units"]):
+                m, b = divmod(i, micro_batch)
+                slots.setdefault(record["step"], {})[(m * ranks + rank) * micro_batch + b] = unit
+    return {step: [by_slot[i] for i in sorted(by_slot)] for step, by_slot in slots.items()}
+
+
+def assert_mixture_replayed(data, slots: list[int], weights: dict[str, float], mix_by: str) -> None:
+    """docs/DATA.md, "What a weight shares out": each slot, in order, goes to the source with the smallest (d_i + c_i)
+    / w_i (d_i what it gave so far, c_i what its next sequence costs: loss-carrying tokens, or 1 with mix_by rows;
+    weights normalized), a tie to the source listed first. A source's next sequence is known where the run drew it
+    later; else its cost is at least 1, which bounds its key from below."""
+    total = sum(weights.values())
+    w = [weights[name] / total for name in data.names]
+
+    def cost(unit: int) -> int:
+        return int(data.label_count(unit)) if mix_by == "tokens" else 1
+
+    given = [0] * len(w)
+    for position, unit in enumerate(slots):
+        chosen = data.split(unit)[0]
+        later = {}
+        for u in slots[position:]:
+            later.setdefault(data.split(u)[0], u)
+        keys = [(given[i] + (cost(later[i]) if i in later else 1)) / w[i] for i in range(len(w))]
+        for i, key in enumerate(keys):
+            exact = i in later
+            assert keys[chosen] < key or (keys[chosen] == key and (chosen <= i or not exact)), (position, keys, chosen)
+        given[chosen] += cost(unit)
+
+
 @pytest.mark.parametrize("schedule", [(LR, WARMUP, MIN_LR_RATIO, STEPS, "cosine"), (1e-3, 2, 0.2, 7, "cosine"),
                                       (1e-3, 2, 0.2, 7, "linear"), (1e-3, 2, 0.2, 7, "constant"),
                                       (1e-3, 0, 0.0, 5, "linear")])
@@ -229,6 +268,9 @@ def replay_sft(recipe, run, tiny_gpt2, mix_by: str) -> None:
     (held_out,) = [r for r in rows if r["kind"] == "eval"]
     units = units_by_step(run)
     assert sorted(train) == sorted(units) == list(range(1, STEPS + 1))
+    slots = slots_by_step(run, ranks=2, micro_batch=2)
+    assert_mixture_replayed(data, [u for step in sorted(slots) for u in slots[step]],
+                            {s["name"]: s["weight"] for s in SFT_SOURCES}, mix_by)
     seen = 0
     for step in range(1, STEPS + 1):
         seen += sum(len(s.ids) for u in units[step] for s in data.sequences(u))
