@@ -162,7 +162,9 @@ def assert_weights_replayed(weights: dict, replayed: dict, start: dict, training
     The noise model: a step's gradient in fp32 is within rho_s = reordered(count_s x LOGIT_PATH) of itself (the
     elements that do not cancel). Bias-corrected Adam's step m^ / sqrt(v^) has both sides move by at most rho of
     themselves, so by at most 2 U rho_s (U = adam_step_bound, the largest step, in units of lr), and clipping scales
-    the whole gradient (the step does not change). The fp32 weight rounds at each of its 3 operations a step (decay,
+    the whole gradient (the step does not change). A later step's gradient is taken at the run's weights, which
+    differ from the replay's by this bound: its loss and norm, held per step by the caller, say that moved it by far
+    less than rho. The fp32 weight rounds at each of its 3 operations a step (decay,
     update, the sum), 2^-24 of itself each. So at least half of each tensor's elements lie within 2 U sum(lr_s rho_s)
     + 3 S 2^-24 |w|, and every element within 2 U sum(lr_s) + that: an element whose gradient is itself rounding noise
     (GPT-2's key biases) can step either way. The decay's own move, lr wd |w| summed, is held to be twice the bound
