@@ -17,7 +17,8 @@ from accel_fsdp.preflight import load_config_or_default, preflight
 from accel_fsdp.quiet import quiet_libraries
 from accel_fsdp.tools import bench
 from accel_fsdp.tools.report import format_summary, plot, summarize
-from accel_fsdp.tools.verify import CHECKS, format_table, verify
+from accel_fsdp.tools.verify import CHECKS, verify
+from accel_fsdp.tools.verify_runs import format_table
 
 # ------------------------------------------------------------------------------------------- tokenizer
 
