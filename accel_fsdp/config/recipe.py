@@ -45,7 +45,8 @@ class LoraConfig:
     alpha: int = 32
     """Scaling numerator: the adapter output is multiplied by alpha / r (not rsLoRA's alpha / sqrt(r))."""
     dropout: float = 0.0
-    """Dropout on the adapter input x (the base layer sees x whole); off for preference tuning (docs/PREFERENCE.md)."""
+    """Dropout on the adapter input x (the base layer sees x whole); preference tuning turns it off (docs/PREFERENCE.md:
+    preference.keep_dropout keeps it)."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
     """Names of the Linear modules that get adapters, in every block: a module whose name ends in one of them (GPT-2:
     c_attn; Llama: q_proj, k_proj, v_proj, o_proj...)."""
