@@ -251,7 +251,7 @@ training: {{lr: {lr}, warmup_steps: {warmup}, min_lr_ratio: {ratio}, max_steps: 
 # ------------------------------------------------------------------------------------------- sft, 2 ranks
 
 
-def sft_run(tmp_path, tiny_gpt2, mix_by: str, *launch):
+def sft_run(tmp_path, tiny_gpt2, mix_by: str, *launch, env: dict | None = None, check: int = 0):
     data = {"path": "", "mix_by": mix_by, "sources": SFT_SOURCES, "seq_len": 128, "eval_fraction": 0.05}
     recipe = tiny_recipe(tmp_path / "sft.yaml", tiny_gpt2, "unused", data=data,
                          training={"micro_batch_size": 2, "global_batch_size": 8, "max_steps": STEPS, "lr": LR,
@@ -259,7 +259,7 @@ def sft_run(tmp_path, tiny_gpt2, mix_by: str, *launch):
                                    "weight_decay": WEIGHT_DECAY},
                          checkpoint={"export_dtype": "fp32"})
     run = tmp_path / "run"
-    run_cli("recipe", "run", recipe, "--output-dir", run, *launch, env=TRACE_UNITS, check=0)
+    run_cli("recipe", "run", recipe, "--output-dir", run, *launch, env=TRACE_UNITS | (env or {}), check=check)
     return recipe, run
 
 
@@ -342,10 +342,15 @@ def test_an_sft_mixture_by_tokens_logs_what_a_replay_computes(tmp_path, tiny_gpt
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_an_sft_run_under_fsdp1_logs_what_a_replay_computes(tmp_path, tiny_gpt2):
-    """FSDP1 flattens each parameter into a 1-D view of its shard: the optimizer built after wrapping must still decay
-    the matrices (it decayed none: training.weight_decay was silently 0 under FSDP1)."""
-    recipe, run = sft_run(tmp_path, tiny_gpt2, "rows", "--accelerate-config", "fsdp1_2gpu", "--cpu")
+def test_an_sft_run_under_fsdp1_killed_and_resumed_logs_what_a_replay_computes(tmp_path, tiny_gpt2):
+    """FSDP1, killed after step 3 and resumed from step 2's checkpoint, ends where the replay of 3 uninterrupted steps
+    does. FSDP1 flattens each parameter into a 1-D view of its shard: the optimizer built after wrapping decayed no
+    matrix (training.weight_decay was silently 0); and its AdamW moments were not read back on resume (fresh ones went
+    on: 3e-3 off)."""
+    launch = ("--accelerate-config", "fsdp1_2gpu", "--cpu", "--set", "checkpoint.every_steps=2")
+    recipe, run = sft_run(tmp_path, tiny_gpt2, "rows", *launch, env={"ACCEL_FSDP_FAULT": "kill:3"}, check=1)
+    resumed = run_cli("recipe", "run", recipe, "--output-dir", run, *launch, "--resume", env=TRACE_UNITS, check=0)
+    assert "continuing from" in resumed.stdout and "at step 2" in resumed.stdout
     replay_sft(recipe, run, tiny_gpt2, "rows")
 
 
