@@ -209,7 +209,7 @@ def assert_mixture_replayed(data, slots: list[int], weights: dict[str, float], m
     """docs/DATA.md, "What a weight shares out": each slot, in order, goes to the source with the smallest (d_i + c_i)
     / w_i (d_i what it gave so far, c_i what its next sequence costs: loss-carrying tokens, or 1 with mix_by rows;
     weights normalized), a tie to the source listed first. A source's next sequence is known where the run drew it
-    later; else its cost is at least 1, which bounds its key from below."""
+    later; the others' keys are not known, and not checked."""
     total = sum(weights.values())
     w = [weights[name] / total for name in data.names]
 
@@ -222,10 +222,9 @@ def assert_mixture_replayed(data, slots: list[int], weights: dict[str, float], m
         later = {}
         for u in slots[position:]:
             later.setdefault(data.split(u)[0], u)
-        keys = [(given[i] + (cost(later[i]) if i in later else 1)) / w[i] for i in range(len(w))]
-        for i, key in enumerate(keys):
-            exact = i in later
-            assert keys[chosen] < key or (keys[chosen] == key and (chosen <= i or not exact)), (position, keys, chosen)
+        keys = {i: (given[i] + cost(u)) / w[i] for i, u in later.items()}
+        for i, key in keys.items():
+            assert keys[chosen] < key or (keys[chosen] == key and chosen <= i), (position, keys, chosen)
         given[chosen] += cost(unit)
 
 
