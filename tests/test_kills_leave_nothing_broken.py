@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -257,8 +258,41 @@ def test_a_report_stopped_while_drawing_keeps_the_previous_loss_curve(tmp_path, 
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Figure, "savefig", half_then_ctrl_c)
-    assert CliRunner().invoke(main, ["report", str(run)]).exit_code != 0  # click: Ctrl-C is Abort, status 1
+    stopped = CliRunner().invoke(main, ["report", str(run)])
+    assert_ctrl_c_said_once(stopped)
     assert (run / "loss_curve.png").read_bytes() == png and not files.temporaries_of(run / "loss_curve.png")
+
+
+def assert_ctrl_c_said_once(result) -> None:
+    """A command Ctrl-C stopped (in-process, CliRunner): status 130, as a shell reports it, and one line saying so,
+    not click's "Aborted!" with status 1."""
+    assert result.exit_code == 130, (result.exit_code, result.output)
+    assert result.stderr.strip().endswith("interrupted (Ctrl-C); nothing half-written was left: run the same command "
+                                          "again"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Aborted" not in result.output, result.output
+
+
+def test_tokenizer_train_stopped_by_ctrl_c_keeps_its_earlier_folder_and_says_so_in_one_line(tmp_path, monkeypatch):
+    """Ctrl-C while the trained tokenizer is being saved: the folder of the earlier run stays whole, no temporary
+    stays, one line and status 130; the same command then runs."""
+    from transformers import PreTrainedTokenizerFast
+
+    data = write_jsonl(tmp_path / "own.jsonl", [{"text": f"tale {i} of a cat and a dog"} for i in range(600)])
+    out = tmp_path / "tok"
+    command = ["tokenizer", "train", "quickstart", str(out), "--vocab-size", "300", "--set", f"data.path={data}"]
+    assert CliRunner().invoke(main, command).exit_code == 0
+    before = (out / "tokenizer.json").read_bytes()
+
+    def half_then_ctrl_c(self, folder, *args, **kwargs):
+        (Path(folder) / "tokenizer.json").write_text("{half")
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(PreTrainedTokenizerFast, "save_pretrained", half_then_ctrl_c)
+        assert_ctrl_c_said_once(CliRunner().invoke(main, command))
+    assert (out / "tokenizer.json").read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir() if files.TMP_MARK in p.name] == []
+    assert CliRunner().invoke(main, command).exit_code == 0
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import errno
 import gc
+import sys
 
 import click
 
@@ -38,15 +39,26 @@ traceback."""
 USER_PATH_ERRORS = {errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, *FIXES}
 
 
+INTERRUPTED = 130
+"""The exit status of a command stopped by Ctrl-C: 128 + SIGINT, as a shell reports a process SIGINT ended."""
+
+
 class Commands(click.Group):
     """The command group; a path the user chose that cannot be read or written (a folder without permission, a
     read-only or full disk, a file where a folder must be) is one message naming the path, exit status 2, whichever
     command met it: checked by each command where it can be before any work, and here for what only the attempt
-    finds."""
+    finds. Ctrl-C in any command is one line and INTERRUPTED (click's own answer is "Aborted!" and status 1): every
+    writer removes what it had half-written on the way out (files.py: write_with, atomic_folder), so the same
+    command can simply run again."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo(f"{ctx.command_path} {ctx.invoked_subcommand or ''}".rstrip()
+                       + ": interrupted (Ctrl-C); nothing half-written was left: run the same command again",
+                       err=True)
+            sys.exit(INTERRUPTED)
         except OSError as e:
             if e.errno not in USER_PATH_ERRORS or not e.filename:
                 raise
