@@ -375,6 +375,25 @@ def test_sigterm_to_one_rank_checkpoints_the_step_it_arrived_in_and_resumes_exac
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sigusr1_to_a_rank_still_starting_checkpoints_the_first_step_and_resumes_exactly(tmp_path, reference,
+                                                                                         tiny_gpt2, stories):
+    """SLURM's warning signal to a rank in its start (after its imports, before its process group): the signal's
+    default action would end the rank (status 1, "killed by SIGUSR1"); the run stops after its first step with a
+    checkpoint instead, status 75, and resumes exactly."""
+    recipe = make_recipe(tmp_path, tiny_gpt2, stories)
+    run = tmp_path / "run"
+    stopped = run_cli("recipe", "run", recipe, "--output-dir", run,
+                      env={**TRACE_UNITS, "ACCEL_FSDP_FAULT": "sigusr1:0@1"})
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert "preempted (SIGUSR1 to another rank): the ranks stopped after step 1 " in stopped.stderr
+    assert "Traceback" not in stopped.stderr and (run / "checkpoints" / "step-000001" / "manifest.json").exists()
+    run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", "auto", env=TRACE_UNITS, check=0)
+    assert_same_weights(run / "final", reference / "final")
+    assert units_by_step(run) == units_by_step(reference)
+
+
+@pytest.mark.slow
 def test_sigusr1_to_the_launcher_reaches_the_ranks(tmp_path, tiny_gpt2, stories):
     recipe = make_recipe(tmp_path, tiny_gpt2, stories)
     run = tmp_path / "run"
