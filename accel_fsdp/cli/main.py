@@ -16,7 +16,9 @@ import click
 from accel_fsdp import __version__
 from accel_fsdp.cli import checkpoint, data, plan, recipe, tools
 from accel_fsdp.errors import Problem, UserError, show_usage_error
+from accel_fsdp.launch.launcher import inside_launch
 from accel_fsdp.quiet import quiet_warnings
+from accel_fsdp.train.lifetime import INTERRUPTED
 
 click.UsageError.show = show_usage_error  # one format for every user mistake, click's own included
 
@@ -39,10 +41,6 @@ traceback."""
 USER_PATH_ERRORS = {errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, *FIXES}
 
 
-INTERRUPTED = 130
-"""The exit status of a command stopped by Ctrl-C: 128 + SIGINT, as a shell reports a process SIGINT ended."""
-
-
 class Commands(click.Group):
     """The command group; a path the user chose that cannot be read or written (a folder without permission, a
     read-only or full disk, a file where a folder must be) is one message naming the path, exit status 2, whichever
@@ -55,9 +53,10 @@ class Commands(click.Group):
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt:
-            click.echo(f"{ctx.command_path} {ctx.invoked_subcommand or ''}".rstrip()
-                       + ": interrupted (Ctrl-C); nothing half-written was left: run the same command again",
-                       err=True)
+            if not inside_launch():  # in a rank still starting: the launcher says it, once for all of them
+                click.echo(f"{ctx.command_path} {ctx.invoked_subcommand or ''}".rstrip()
+                           + ": interrupted (Ctrl-C); nothing half-written was left: run the same command again",
+                           err=True)
             sys.exit(INTERRUPTED)
         except OSError as e:
             if e.errno not in USER_PATH_ERRORS or not e.filename:

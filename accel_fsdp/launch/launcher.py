@@ -8,6 +8,7 @@ so the ranks read the same file and name it in their messages.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +28,10 @@ from accel_fsdp.hardware import gloo_interface, network_interfaces, usable_cores
 from accel_fsdp.layout import PREEMPTED_FILE, finished_since
 from accel_fsdp.train.lifetime import (
     CRASHED,
+    INTERRUPTED,
     PEER_FAILED,
     PREEMPTED,
+    PREEMPTION_SIGNALS,
     RANK_RECORDS_ENV,
     STOPPED,
     TIMED_OUT,
@@ -145,6 +149,9 @@ def _launch(parsed, config: AccelerateConfig, machine: MachineOptions, run_dir: 
             return 2  # a user error, already explained by a rank
         if all(code == PREEMPTED for code in codes.values()):
             return _preempted(None, run_dir, started)  # a rank got the signal; the ranks checkpointed
+        interrupted = sorted(rank for rank, code in codes.items() if code == INTERRUPTED)
+        if interrupted:  # Ctrl-C (SIGINT) to a rank alone, which stopped; the others followed it
+            return _interrupted(f"SIGINT to {_ranks(interrupted)}")
         for rank, code in sorted(codes.items()):
             if code < 0:
                 print(f"error: rank {rank} was killed by {signal.Signals(-code).name}", file=sys.stderr)
@@ -251,6 +258,27 @@ def wait_for_main(host: str, port: int, *, timeout: float, interval: float = 0.2
                             "machines; --rendezvous-timeout waits longer"))
 
 
+@contextlib.contextmanager
+def preemption_answered_until_launch() -> Iterator[None]:
+    """In the launcher, until torchrun's agent takes SIGTERM and SIGUSR1 over (it installs its own handlers before it
+    starts the ranks: torch/distributed/elastic/multiprocessing/api.py, PContext.start; torch 2.13.0): a preemption
+    signal during the checks before a launch ends the command there with PREEMPTED and the line a preemption during
+    training gives, unwinding (what was half-written is removed), instead of the signal's default action (status 143
+    or 138, which a requeueing script does not take for a preemption: the job would be lost). The handlers before
+    are put back on the way out where they are still ours."""
+
+    def on_signal(signum, frame) -> None:
+        sys.exit(_preempted(signal.Signals(signum).name, None))
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in PREEMPTION_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if signal.getsignal(sig) is on_signal:
+                signal.signal(sig, handler)
+
+
 def _preempted(name: str | None, run_dir: Path | None, started: float = 0.0) -> int:
     """A preemption signal (to this launcher, which forwarded it, or to a rank) ended the launch. If the ranks had
     finished the run first (the signal came during the last moments, or as the job ended), the run is done: 0, so a
@@ -277,9 +305,11 @@ def _preempted(name: str | None, run_dir: Path | None, started: float = 0.0) -> 
 
 
 def _interrupted(name: str) -> int:
-    print(f"interrupted ({name}): the ranks were stopped. Run the same command with --resume to continue from the "
-          "newest complete checkpoint.", file=sys.stderr)
-    return 128 + getattr(signal, name, signal.SIGINT).value
+    # --resume auto, as after a preemption: an interruption before the first checkpoint leaves nothing that --resume
+    # could continue (it refuses), and auto then starts the run again.
+    print(f"interrupted ({name}): the ranks were stopped. Continue with the same command and --resume auto (from the "
+          "newest complete checkpoint, if any).", file=sys.stderr)
+    return 128 + getattr(signal, name.split()[0], signal.SIGINT).value
 
 
 def _is_timeout(e: BaseException) -> bool:

@@ -44,6 +44,8 @@ PREEMPTED = 75
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 SHUTDOWN_GRACE_S = 900
 """How long the launcher waits for its ranks to checkpoint after a preemption signal before killing them."""
+INTERRUPTED = 130
+"""Exit status of a process Ctrl-C (SIGINT) stopped: 128 + SIGINT, as a shell reports it."""
 PEER_FAILED = 3
 """Exit status of a rank that stopped because another rank failed first: it says nothing, the other rank's record
 (or its own output) says why."""
@@ -382,7 +384,7 @@ def run_rank(train) -> None:
                   "command and --resume (or --resume auto)", file=sys.stderr)
         leave(PREEMPTED)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank; the launcher says what to do next
-        leave(130)
+        leave(INTERRUPTED)
     except Exception as e:
         why = collective_failure(e)
         if why is not None:

@@ -1,0 +1,59 @@
+"""A signal that comes in a phase other than the training steps gets the answer README promises for it: SIGTERM and
+SIGUSR1 (a preemption) end a `recipe run` with 75 and one line saying to continue with `--resume auto`, Ctrl-C (SIGINT)
+with 130 and one line, whichever process it reaches (the launcher still checking, or one rank alone). The training
+steps' own answers, and a rank's start, are held by tests/test_checkpoint.py; the one-process commands' Ctrl-C by
+tests/test_kills_leave_nothing_broken.py."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+from conftest import REPO
+
+from accel_fsdp.launch import launcher
+from accel_fsdp.launch.launcher import RankRecords
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1"])
+def test_a_preemption_while_the_launcher_checks_the_run_ends_it_with_75_and_one_line(tmp_path, name):
+    """The checks before a launch (the recipe, the data, the run folder) can take minutes; a preemption then, before
+    torchrun's agent handles the signals, must not end the launcher by the signal's default action (143 or 138, which a
+    requeueing script does not take for a preemption), nor leave anything half-written."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import os, signal
+        from accel_fsdp.cli import main, recipe
+        def preempted_while_checking(*args, **kwargs):
+            os.kill(os.getpid(), signal.{name})
+            raise AssertionError("the signal was not answered")
+        recipe.preflight = preempted_while_checking
+        main(["recipe", "run", "quickstart", "--output-dir", {str(out)!r}])
+    """)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 75, (proc.returncode, proc.stderr[-3000:])
+    assert proc.stderr == f"preempted ({name}). Continue with the same command and --resume auto.\n"
+    assert not out.exists()
+
+
+def test_ctrl_c_to_one_rank_alone_ends_the_run_with_130_and_one_line(tmp_path, monkeypatch, capsys):
+    """SIGINT to one rank (`kill -INT`): it ends with 130 at once (train/lifetime.py run_rank), the others follow it
+    (PEER_FAILED, 3); the launcher says it was interrupted and how to continue, with 130, not "rank 1 exited with
+    status 130" and 1."""
+    import accelerate.commands.launch
+
+    class ChildFailed(Exception):  # what torchrun's agent raises: the failed ranks and their exit statuses
+        failures = {0: SimpleNamespace(exitcode=launcher.PEER_FAILED), 1: SimpleNamespace(exitcode=130)}
+
+    def ranks_that_failed(parsed):
+        raise ChildFailed()
+
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", ranks_that_failed)
+    config = SimpleNamespace(get=lambda key, default=None: default)
+    status = launcher._launch(None, config, launcher.MachineOptions(), tmp_path, RankRecords(None), range(2))
+    assert status == 128 + signal.SIGINT
+    assert capsys.readouterr().err == ("interrupted (SIGINT to rank 1): the ranks were stopped. Continue with the same "
+                                       "command and --resume auto (from the newest complete checkpoint, if any).\n")
