@@ -57,3 +57,16 @@ def test_ctrl_c_to_one_rank_alone_ends_the_run_with_130_and_one_line(tmp_path, m
     assert status == 128 + signal.SIGINT
     assert capsys.readouterr().err == ("interrupted (SIGINT to rank 1): the ranks were stopped. Continue with the same "
                                        "command and --resume auto (from the newest complete checkpoint, if any).\n")
+
+
+def test_ranks_ended_by_a_preemption_signal_before_they_could_answer_it_are_a_preemption():
+    """What each rank's exit status says about the run (train/lifetime.py): a preemption when every rank checkpointed
+    (75) or was ended by SIGTERM or SIGUSR1 itself (in its start) or stopped after a peer left (3); anything else is
+    not one."""
+    term, usr1 = -signal.SIGTERM.value, -signal.SIGUSR1.value
+    assert launcher.preemption_of_ranks({0: 75, 1: 75}) == ""  # checkpointed: the marker names the signal
+    assert launcher.preemption_of_ranks({0: 3, 1: 75}) == ""
+    assert launcher.preemption_of_ranks({0: term, 1: usr1}) == "SIGTERM to rank 0, SIGUSR1 to rank 1"
+    assert launcher.preemption_of_ranks({0: 3, 1: usr1, 2: usr1}) == "SIGUSR1 to ranks 1 and 2"
+    for not_one in ({0: 3, 1: 3}, {0: term, 1: 1}, {0: -signal.SIGKILL.value, 1: 75}, {0: 2, 1: term}):
+        assert launcher.preemption_of_ranks(not_one) is None, not_one

@@ -22,7 +22,7 @@ from accel_fsdp.layout import COMPILE_CACHE_ENV, RunLayout, compile_cache_dir
 from accel_fsdp.planning.plan import print_plan
 from accel_fsdp.preflight import load_config_or_default, preflight
 from accel_fsdp.quiet import quiet_libraries
-from accel_fsdp.train.lifetime import DIE_WITH_PARENT_ENV, die_with_launcher, listen_for_preemption, run_rank
+from accel_fsdp.train.lifetime import DIE_WITH_PARENT_ENV, die_with_launcher, run_rank
 from accel_fsdp.train.metrics import START_ENV
 from accel_fsdp.train.profiling import ProfileWindow
 
@@ -225,10 +225,9 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
         print_plan(r, accelerate_config, gpu_memory)
         return
     if inside_launch():
-        die_with_launcher()
-        listen_for_preemption()  # before training's imports: a preemption signal from here on is answered
         from accel_fsdp.train.loop import RunRequest, run_training
 
+        die_with_launcher()
         run_rank(lambda: run_training(RunRequest(recipe=r, run_dir=run_dir, resume=resume, resume_from=resume_from,
                                                  overwrite=overwrite, benchmark=benchmark, verbose=verbose, cpu=cpu,
                                                  accept_data_change=accept_data_change, profile=window)))

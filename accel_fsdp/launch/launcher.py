@@ -147,8 +147,9 @@ def _launch(parsed, config: AccelerateConfig, machine: MachineOptions, run_dir: 
             return early
         if 2 in codes.values():
             return 2  # a user error, already explained by a rank
-        if all(code == PREEMPTED for code in codes.values()):
-            return _preempted(None, run_dir, started)  # a rank got the signal; the ranks checkpointed
+        preemption = preemption_of_ranks(codes)
+        if preemption is not None:
+            return _preempted(preemption or None, run_dir, started)
         interrupted = sorted(rank for rank, code in codes.items() if code == INTERRUPTED)
         if interrupted:  # Ctrl-C (SIGINT) to a rank alone, which stopped; the others followed it
             return _interrupted(f"SIGINT to {_ranks(interrupted)}")
@@ -159,6 +160,23 @@ def _launch(parsed, config: AccelerateConfig, machine: MachineOptions, run_dir: 
                 print(f"error: rank {rank} exited with status {code} (see its output above)", file=sys.stderr)
         return 1
     return 0
+
+
+def preemption_of_ranks(codes: dict[int, int]) -> str | None:
+    """The ranks' exit statuses as a preemption: "" when they checkpointed (PREEMPTED; the marker names the signal),
+    the signals that ended ranks before they could answer them ("SIGUSR1 to rank 1"), or None when something else
+    ended the run. A rank answers SIGTERM and SIGUSR1 from its process group on (train/setup.py); before that, while
+    it starts, with nothing to save yet, the signal's default action ends it, and torchrun's agent then ends the
+    others with SIGTERM (or they stop, PEER_FAILED, when a collective finds a peer gone)."""
+    by_signal: dict[str, list[int]] = {}
+    for rank, code in sorted(codes.items()):
+        if code < 0 and signal.Signals(-code) in PREEMPTION_SIGNALS:
+            by_signal.setdefault(signal.Signals(-code).name, []).append(rank)
+        elif code not in (PREEMPTED, PEER_FAILED):
+            return None
+    if not by_signal:
+        return "" if PREEMPTED in codes.values() else None
+    return ", ".join(f"{name} to {_ranks(ranks)}" for name, ranks in by_signal.items())
 
 
 def ended_early(records: dict[int, RankRecord], local_ranks: range, machines: int) -> int | None:
@@ -300,7 +318,8 @@ def _preempted(name: str | None, run_dir: Path | None, started: float = 0.0) -> 
             pass
     # --resume auto, not --resume: a signal before the first checkpoint (or before the run folder) leaves nothing
     # that --resume could continue, and auto then starts the run again.
-    print(f"preempted ({name}){where}. Continue with the same command and --resume auto.", file=sys.stderr)
+    print(f"preempted ({name or 'a preemption signal'}){where}. Continue with the same command and --resume auto.",
+          file=sys.stderr)
     return PREEMPTED
 
 

@@ -166,20 +166,6 @@ class Preemption:
         return stop
 
 
-_LISTENING: Preemption | None = None
-
-
-def listen_for_preemption() -> Preemption:
-    """This rank's Preemption, its handlers installed by the first call: `recipe run` calls it as a rank starts,
-    before the imports and the setup of training (seconds in which SIGTERM or SIGUSR1 would end the rank by the
-    signal's default action: status 1, nothing to say, instead of PREEMPTED after the first step's checkpoint);
-    setup then reads the same one, the signal of the start kept."""
-    global _LISTENING
-    if _LISTENING is None:
-        _LISTENING = Preemption().install()
-    return _LISTENING
-
-
 class Preempted(Exception):
     """Raised after the preemption checkpoint is written; the rank exits with PREEMPTED."""
 

@@ -70,7 +70,7 @@ from accel_fsdp.train import probes
 from accel_fsdp.train.faults import Faults
 from accel_fsdp.train.hooks import NO_SWITCHES, TestHooks, TestSwitches, substituted
 from accel_fsdp.train.knobs import Knobs, after_sharding, before_sharding, compile_now
-from accel_fsdp.train.lifetime import WHEREABOUTS, Preemption, doing, listen_for_preemption, rank
+from accel_fsdp.train.lifetime import WHEREABOUTS, Preemption, doing, rank
 from accel_fsdp.train.loading import agreed_base, leave_nf4_unsharded, load_streamed, read_digests, streams_weights
 from accel_fsdp.train.methods import LossIndex, LossPath, Objective, build_loss_path, build_objective
 from accel_fsdp.train.metrics import MetricsWriter, StartupClock, flops_per_token
@@ -360,7 +360,7 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
     doing("the claim of the run folder (rank 0 decides, the others wait)")
     layout = RunLayout.of(recipe, request.run_dir)
     decision = claim_run_folder(engine.accelerator, layout, request)
-    preemption = listen_for_preemption()  # installed as the rank started: a signal since then is kept
+    preemption = Preemption().install()
     preemption.join_group(timeout=process_group_kwargs(engine.settings)["timeout"])
     doing("the tokenizer and the model's description (the first rank of each machine builds a tokenizer, the others "
           "wait)")
