@@ -6,6 +6,7 @@ tests/test_kills_leave_nothing_broken.py."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import REPO
 
+from accel_fsdp import files
 from accel_fsdp.launch import launcher
 from accel_fsdp.launch.launcher import RankRecords
 
@@ -70,3 +72,48 @@ def test_ranks_ended_by_a_preemption_signal_before_they_could_answer_it_are_a_pr
     assert launcher.preemption_of_ranks({0: 3, 1: usr1, 2: usr1}) == "SIGUSR1 to ranks 1 and 2"
     for not_one in ({0: 3, 1: 3}, {0: term, 1: 1}, {0: -signal.SIGKILL.value, 1: 75}, {0: 2, 1: term}):
         assert launcher.preemption_of_ranks(not_one) is None, not_one
+
+
+ONE_PROCESS_COMMANDS = {
+    # command, the function its writer calls (replaced by one that writes half, then gets the signal)
+    "tokenizer train": (["tokenizer", "train", "quickstart", "{out}", "--vocab-size", "300", "--set",
+                         "data.path={data}"], "transformers.PreTrainedTokenizerFast", "save_pretrained"),
+    "data prepare": (["data", "prepare", "quickstart", "--set", "data.path={data}"], "accel_fsdp.data.prepare",
+                     "build_source"),
+}
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1"])
+@pytest.mark.parametrize("command", sorted(ONE_PROCESS_COMMANDS))
+def test_a_preemption_of_a_one_process_command_leaves_nothing_half_written_and_says_so(tmp_path, command, name):
+    """A scheduler's SIGTERM (or SLURM's SIGUSR1) to `data prepare` or `tokenizer train` in the middle of its writing:
+    one line and 75, and what it had half-written removed (the signal's default action ended it where it was: no
+    word, status 143 or 138, a temporary left behind); the same command then runs."""
+    from conftest import write_jsonl
+
+    data = write_jsonl(tmp_path / "own.jsonl", [{"text": f"tale {i} of a cat and a dog"} for i in range(600)])
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    args, where, function = ONE_PROCESS_COMMANDS[command]
+    args = [a.format(out=out, data=data) for a in args]
+    module, _, owner = where.rpartition(".") if where.endswith("Fast") else (where, "", "")
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import importlib, os, signal, pathlib
+        from accel_fsdp.cli import main
+        holder = importlib.import_module({module!r})
+        holder = getattr(holder, {owner!r}) if {owner!r} else holder
+        def half_then_signal(*args, **kwargs):
+            folder = next(a for a in args if isinstance(a, (str, pathlib.Path)) and os.path.isdir(a))
+            pathlib.Path(folder, "half").write_text("half")
+            os.kill(os.getpid(), signal.{name})
+            raise AssertionError("the signal was not answered")
+        setattr(holder, {function!r}, half_then_signal)
+        main({args!r})
+    """)], cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "ACCEL_FSDP_CACHE": str(cache)})
+    assert proc.returncode == 75, (proc.returncode, proc.stderr[-3000:])
+    assert proc.stderr.endswith(f"preempted ({name}); nothing half-written was left: run the same command again\n")
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    written = [p for p in (*tmp_path.rglob("*"),) if files.TMP_MARK in p.name or p.name == "half"]
+    assert not written, written
+    rerun = subprocess.run([sys.executable, "-m", "accel_fsdp", *args], cwd=REPO, capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "ACCEL_FSDP_CACHE": str(cache)})
+    assert rerun.returncode == 0, rerun.stderr[-3000:]

@@ -99,8 +99,14 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
     parsed = launch_command_parser().parse_args(args)
     os.environ[CONFIG_PATH_ENV] = str(config.path.resolve())
     os.environ.update(launcher_environment(os.environ))
-    # torchrun's agent logs every child failure with a banner; our ranks already said what went wrong.
-    for name in ("torch.distributed.elastic", "torch.distributed.run", "accelerate"):
+    # torchrun's agent logs every child failure with a banner, and a signal it forwards with a line ("Received 10
+    # death signal, shutting down workers"); our ranks and _preempted already say what happened. Its modules' loggers
+    # carry levels of their own (torch/distributed/elastic/utils/logging.py, get_logger sets one: WARNING unless
+    # LOGLEVEL; torch 2.13.0), which a parent's level does not override: each one is set, its module imported first.
+    import torch.distributed.elastic.agent.server.api  # noqa: F401
+
+    quiet = ("torch.distributed.elastic", "torch.distributed.run", "accelerate")
+    for name in (*quiet, *(n for n in list(logging.Logger.manager.loggerDict) if n.startswith(quiet))):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     first = int(config.get("machine_rank", 0) or 0) * per_machine
     # Where a rank that ends early says why (train/lifetime.py): this launch's alone, read once the ranks are gone.
