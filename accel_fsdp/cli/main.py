@@ -82,17 +82,19 @@ class Commands(click.Group):
     command can simply run again."""
 
     def invoke(self, ctx):
-        command = f"{ctx.command_path} {ctx.invoked_subcommand or ''}".rstrip()
+        def command() -> str:  # the command's name is known once click has parsed it
+            return f"{ctx.command_path} {ctx.invoked_subcommand or ''}".rstrip()
+
         try:
             with _preemption_unwinds():
                 return super().invoke(ctx)
         except KeyboardInterrupt:
             if not inside_launch():  # in a rank still starting: the launcher says it, once for all of them
-                click.echo(f"{command}: interrupted (Ctrl-C); nothing half-written was left: run the same command "
+                click.echo(f"{command()}: interrupted (Ctrl-C); nothing half-written was left: run the same command "
                            "again", err=True)
             sys.exit(INTERRUPTED)
         except _Stopped as stopped:
-            click.echo(f"{command}: preempted ({stopped.args[0]}); nothing half-written was left: run the same "
+            click.echo(f"{command()}: preempted ({stopped.args[0]}); nothing half-written was left: run the same "
                        "command again", err=True)
             sys.exit(PREEMPTED)
         except OSError as e:
