@@ -232,8 +232,9 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
                                                  overwrite=overwrite, benchmark=benchmark, verbose=verbose, cpu=cpu,
                                                  accept_data_change=accept_data_change, profile=window)))
 
-    if os.environ.pop(DIE_WITH_PARENT_ENV, None):
-        die_with_launcher()  # a probe of verify, a run of bench: it ends with them, its ranks with it
+    if DIE_WITH_PARENT_ENV in os.environ:
+        die_with_launcher(DIE_WITH_PARENT_ENV)  # a probe of verify, a run of bench: it ends with them, its ranks too
+        del os.environ[DIE_WITH_PARENT_ENV]
     with launcher.preemption_answered_until_launch():  # the checks before it can take minutes
         config, n, why = load_config_or_default(accelerate_config)
         if num_processes is not None:

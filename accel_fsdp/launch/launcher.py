@@ -29,6 +29,7 @@ from accel_fsdp.layout import PREEMPTED_FILE, finished_since
 from accel_fsdp.train.lifetime import (
     CRASHED,
     INTERRUPTED,
+    LAUNCHER_PID_ENV,
     PEER_FAILED,
     PREEMPTED,
     PREEMPTION_SIGNALS,
@@ -98,6 +99,7 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
     args += ["-m", "accel_fsdp", *argv]
     parsed = launch_command_parser().parse_args(args)
     os.environ[CONFIG_PATH_ENV] = str(config.path.resolve())
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the parent every rank must find (train/lifetime.py)
     os.environ.update(launcher_environment(os.environ))
     # torchrun's agent logs every child failure with a banner, and a signal it forwards with a line ("Received 10
     # death signal, shutting down workers"); our ranks and _preempted already say what happened. Its modules' loggers
@@ -116,6 +118,7 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
         return _launch(parsed, config, machine, run_dir, records, range(first, first + per_machine))
     finally:
         os.environ.pop(RANK_RECORDS_ENV, None)
+        os.environ.pop(LAUNCHER_PID_ENV, None)
         shutil.rmtree(records.folder, ignore_errors=True)
 
 
