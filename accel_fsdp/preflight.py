@@ -14,6 +14,7 @@ from pathlib import Path
 
 from accel_fsdp import hardware
 from accel_fsdp.checkpoint.index import check_resume, checkpoint_to_resume
+from accel_fsdp.config import precision
 from accel_fsdp.config.accelerate import AccelerateConfig, load_accelerate_config
 from accel_fsdp.config.settings import (
     MODEL_DEFAULT,
@@ -30,6 +31,7 @@ from accel_fsdp.config.settings import (
 )
 from accel_fsdp.config.shipped import shipped_accelerate_configs
 from accel_fsdp.data import prepare as data_lib
+from accel_fsdp.data.sampler import total_steps
 from accel_fsdp.data.sources import ineffective_settings, locate, source_key
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.layout import RunLayout
@@ -52,6 +54,8 @@ class PreflightReport:
     notes: list[str] = field(default_factory=list)
     data_stats: object | None = None
     """What preparing the data found (data/prepare.py DataStats), when it could be prepared here."""
+    total_steps: int | None = None
+    """Optimizer steps the run will take: training.max_steps, or from the data when it could be prepared here."""
 
 
 def default_accelerate_config() -> tuple[Path, int | None, str]:
@@ -78,7 +82,13 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
     settings = resolve_settings(recipe, config, cuda_available=cuda, num_processes=num_processes)
     if for_target_hardware and cuda and not cuda_here:
         settings.device = Setting(settings.device.value, Source.TARGET_HARDWARE, "this machine has no GPU")
-    report = PreflightReport(settings=settings, config=config, num_processes=settings.num_processes.value)
+    report = PreflightReport(settings=settings, config=config, num_processes=settings.num_processes.value,
+                             total_steps=recipe.training.max_steps)
+    theirs = config.get("mixed_precision")
+    ours = recipe.training.mixed_precision
+    if ours and theirs is not None and precision.FROM_ACCELERATE.get(str(theirs), ours) != ours:
+        report.notes.append(f"{recipe.where('training.mixed_precision')}: {ours} is used; {config.label} says "
+                            f"mixed_precision: {theirs} (the recipe's key wins)")
     here = cuda_here or None
     problems: list[Problem] = list(check_settings(settings, recipe, visible_gpus=None if for_target_hardware else here))
     if not for_target_hardware:  # about to run here: a GPU config must find CUDA
@@ -126,7 +136,22 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
         problems += _check_data(recipe, report)
     if problems:
         raise UserError(problems, title=f"{len(problems)} problems found before launching")
+    report.notes += _cadence_notes(recipe, report.total_steps)
     return report
+
+
+def _cadence_notes(recipe, steps: int | None) -> list[str]:
+    """A cadence no step of the run reaches does nothing but what the end does anyway: said, not refused (a recipe
+    may be shortened with --set training.max_steps on purpose)."""
+    if not steps:
+        return []
+    out = []
+    for key, every, what in (("checkpoint.every_steps", recipe.checkpoint.every_steps, "the final checkpoint alone is "
+                              "saved"), ("training.eval_every_steps", recipe.training.eval_every_steps,
+                                         "evaluation runs at the end alone")):
+        if every is not None and every >= steps:
+            out.append(f"{recipe.where(key)}: {every:,} is not below the run's {steps:,} optimizer steps: {what}")
+    return out
 
 
 # The stages of the check pipeline that the ranks run again on what they really built (train/setup.py, and so the
@@ -258,6 +283,7 @@ def _check_data(recipe, report: PreflightReport) -> list[Problem]:
     except UserError as e:
         return e.problems
     report.data_stats = data.stats
+    report.total_steps = total_steps(recipe, len(data))
     report.notes += data.stats.warnings(recipe)
     return []
 

@@ -150,7 +150,7 @@ def main() -> None:
         machine = result["peak"] - sum(baseline) if baseline else None
         print(f"{result['name']}: one copy {copy / 2**20:,.0f} MiB"
               + (f" (ranks hold {' / '.join(f'{w / 2**20:,.0f}' for w in weights)} MiB)" if weights else ""))
-        print(f"  each rank's peak growth while loading: "
+        print("  each rank's peak growth while loading: "
               + " / ".join(f"{g / 2**20:,.0f} MiB ({g / copy:.2f} x copy)" for g in growth))
         if machine is not None:
             print(f"  the machine's: {machine / 2**20:,.0f} MiB = {machine / copy:.2f} x one copy "

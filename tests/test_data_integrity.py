@@ -249,10 +249,10 @@ print(json.dumps({"rank": rank, "units": len(data)}), flush=True)
 def test_a_build_longer_than_the_collective_timeout_is_waited_for_in_the_store(tmp_path, cache):
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
                PYTHONPATH=str(REPO))
-    text = f"""
-model: {{architecture: gpt2, tokenizer: "builtin:quickstart"}}
-data: {{path: "builtin:quickstart", seq_len: 128, eval_fraction: 0.1, max_rows: 200}}
-training: {{micro_batch_size: 2, global_batch_size: 4, max_steps: 3}}
+    text = """
+model: {architecture: gpt2, tokenizer: "builtin:quickstart"}
+data: {path: "builtin:quickstart", seq_len: 128, eval_fraction: 0.1, max_rows: 200}
+training: {micro_batch_size: 2, global_batch_size: 4, max_steps: 3}
 """
     ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, text], env=dict(env, RANK=str(k)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k in range(2)]

@@ -95,7 +95,7 @@ def test_preference_keys_with_sft_are_refused_unless_left_at_their_defaults():
                                        "--set", "preference.keep_dropout=true"])
     assert result.exit_code == 2, result.output
     assert "preference.beta: 0.2 has no effect with training.method sft (only dpo, simpo read it)" in result.output
-    assert "preference.keep_dropout: True has no effect with training.method sft" in result.output
+    assert "preference.keep_dropout: true has no effect with training.method sft" in result.output
     # a key written out at its default changes nothing: not refused (quickstart-dpo has label_smoothing: 0.0)
     for method in ("simpo", "orpo"):
         ok = CliRunner().invoke(main, ["recipe", "validate", "quickstart-dpo", "--set", f"training.method={method}"])

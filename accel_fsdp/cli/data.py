@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from accel_fsdp.cli.options import SET_HELP, load_recipe
+from accel_fsdp.cli.options import load_recipe, set_option
 from accel_fsdp.data.build import INTERRUPTED
 from accel_fsdp.quiet import quiet_libraries
 from accel_fsdp.tools import data as data_tools
@@ -22,7 +22,7 @@ def data() -> None:
 
 @data.command("prepare")
 @click.argument("name_or_path")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@set_option
 def prepare_command(name_or_path, overrides) -> None:
     """Build the tokenized data a run of the recipe would build, in the same cache, so the run starts without
     tokenizing. Prints each source: rows, train and held-out examples, sequences, tokens and those with a loss,
@@ -50,7 +50,7 @@ def prepare_command(name_or_path, overrides) -> None:
               "this PNG (needs matplotlib).")
 @click.option("--color/--no-color", default=None, help="Mark loss-carrying tokens in green (default: on a terminal), "
               "else between \u00ab and \u00bb.")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@set_option
 def show_command(name_or_path, sequences, plot, color, overrides) -> None:
     """Decode the first training sequences of a recipe as a run reads them (prepared first, if need be): the source
     each comes from, the tokens that carry a loss marked, \u2016 where a document starts.

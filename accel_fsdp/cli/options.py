@@ -7,6 +7,7 @@ import click
 
 from accel_fsdp.config.recipe import load_recipe as read_recipe
 from accel_fsdp.config.shipped import display, resolve_recipe
+from accel_fsdp.errors import Problem, UserError
 
 SET_HELP = "Override a recipe key, typed as YAML: --set training.lr=3e-4 --set model.lora.enabled=true (repeatable)."
 CPU_HELP = ("Run a GPU accelerate config on CPU ranks (gloo), on purpose: to try its sharding, wrapping and "
@@ -14,6 +15,28 @@ CPU_HELP = ("Run a GPU accelerate config on CPU ranks (gloo), on purpose: to try
             "refused.")
 CONFIG_HELP = ("Accelerate config: a shipped name (fsdp_2gpu) or a path. Default: fsdp_cpu (2 CPU ranks) without a "
                "GPU, else fsdp_1gpu with one process per local GPU.")
+
+
+def _overrides_given_once(ctx, param, overrides: tuple[str, ...]) -> tuple[str, ...]:
+    """The user's --set items, refused where one key is given twice with two values: which one the user meant is
+    not ours to guess (a recipe file's key given twice is refused alike: config/yaml_file.py)."""
+    first: dict[str, str] = {}
+    for item in overrides:
+        if "=" not in item:
+            continue  # said by the recipe loader, with every other problem
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key in first and first[key] != value:
+            raise UserError(Problem(f"--set {key}", f"is given twice ({first[key]!r}, then {value!r})",
+                                    f"give --set {key}=... once, with the value you mean"))
+        first.setdefault(key, value)
+    return overrides
+
+
+def set_option(command):
+    """The --set option of every command that loads a recipe."""
+    return click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP,
+                        callback=_overrides_given_once)(command)
 
 
 def load_recipe(name_or_path: str, overrides):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from accel_fsdp.cli.options import SET_HELP, load_recipe
+from accel_fsdp.cli.options import load_recipe, set_option
 from accel_fsdp.config.accelerate import BY_SHARDING, HYBRID_SHARD, load_accelerate_config
 from accel_fsdp.config.precision import MEMORY, MEMORY_CHOICES
 from accel_fsdp.config.settings import batch_problem
@@ -108,7 +108,7 @@ def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offlo
               metavar="NAME|PATH", help="Accelerate config; node counts and addresses are set by the script.")
 @click.option("--output-dir", type=click.Path(path_type=Path), help="Run folder, on a filesystem every node sees. "
               "Default: runs/<recipe name>.")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@set_option
 @click.option("-o", "--output", "script", type=click.Path(path_type=Path), default=None,
               help="Where to write the script. Default: <recipe name>.sbatch.")
 def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_limit, partition, cpus_per_node,
@@ -125,6 +125,10 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     import shlex
 
 
+    given = [item for item in overrides if item.partition("=")[0].strip() == "training.global_batch_size"]
+    if global_batch_size and given and given[0].partition("=")[2].strip() != str(global_batch_size):
+        raise UserError(Problem("--global-batch-size", f"{global_batch_size} and --set {given[0].strip()} both set "
+                                "the global batch", "give one of them"))
     all_overrides = list(overrides) + ([f"training.global_batch_size={global_batch_size}"]
                                        if global_batch_size else [])
     r = load_recipe(name_or_path, all_overrides)

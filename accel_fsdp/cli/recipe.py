@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from accel_fsdp.cli.catalog import recipe_rows
-from accel_fsdp.cli.options import CONFIG_HELP, CPU_HELP, SET_HELP, child_argv, load_recipe
+from accel_fsdp.cli.options import CONFIG_HELP, CPU_HELP, child_argv, load_recipe, set_option
 from accel_fsdp.config.accelerate import check_accelerate_config
 from accel_fsdp.config.recipe import key_reference
 from accel_fsdp.config.shipped import resolve_recipe
@@ -22,6 +22,7 @@ from accel_fsdp.layout import COMPILE_CACHE_ENV, RunLayout, compile_cache_dir
 from accel_fsdp.planning.plan import print_plan
 from accel_fsdp.preflight import load_config_or_default, preflight
 from accel_fsdp.quiet import quiet_libraries
+from accel_fsdp.run.folder import file_in_the_way
 from accel_fsdp.train.lifetime import DIE_WITH_PARENT_ENV, die_with_launcher, run_rank
 from accel_fsdp.train.metrics import START_ENV
 from accel_fsdp.train.profiling import ProfileWindow
@@ -108,7 +109,7 @@ def recipe_copy(name: str, dest: Path, force: bool) -> None:
 
 @recipe.command("validate")
 @click.argument("name_or_path")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@set_option
 @click.option("--accelerate-config", "accelerate_config", metavar="NAME|PATH", help=CONFIG_HELP)
 @click.option("--num-processes", type=click.IntRange(1, 1 << 20), help="All ranks of the job, overriding the config "
               "(what the SLURM script passes for its allocation).")
@@ -130,6 +131,11 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
         config.values["num_machines"] = num_machines
     if num_processes is not None:
         config.values["num_processes"] = n = num_processes
+    if num_processes is not None or num_machines is not None:  # judged again with them, as `recipe run` does
+        raise_if(check_accelerate_config(config, launching=False), f"{config.label} with these options has problems")
+    if output_dir is not None and file_in_the_way(output_dir):  # its permissions are the machine's it runs on
+        raise UserError(Problem(str(output_dir), f"{file_in_the_way(output_dir)} is a file, not a folder",
+                                "choose another --output-dir"))
     report = preflight(r, config, num_processes=n, for_target_hardware=True)
     s = report.settings
     click.echo(f"ok: {r.source} with {config.label}" + ("" if why == "given" else f" ({why})"))
@@ -152,7 +158,7 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
 @recipe.command("run")
 @click.argument("name_or_path")
 @click.option("--accelerate-config", "accelerate_config", metavar="NAME|PATH", help=CONFIG_HELP)
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@set_option
 @click.option("--output-dir", type=click.Path(path_type=Path), help="Run folder. Default: runs/<recipe name>.")
 @click.option("--resume", type=click.Choice(["latest", "auto"]), is_flag=False, flag_value="latest", default=None,
               help="Continue this run from its newest intact checkpoint. --resume auto: continue if the run folder "
@@ -207,30 +213,41 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     # default for the rest of the process (torch/_inductor/runtime/cache_dir_utils.py, cache_dir; torch 2.13.0).
     os.environ.setdefault(COMPILE_CACHE_ENV, str(compile_cache_dir()))
 
-    if resume and resume_from:
-        raise UserError(Problem("--resume-from", "cannot be combined with --resume", "use one of them"))
-    if overwrite and (resume or resume_from):
-        raise UserError(Problem("--overwrite", f"cannot be combined with {'--resume' if resume else '--resume-from'}",
-                                "use one of them"))
-    r = load_recipe(name_or_path, overrides)
-    run_dir = RunLayout.of(r, output_dir).root
-    if gpu_memory and not dry_run:
-        raise UserError(Problem("--gpu-memory", "only applies to --dry-run (the plan is checked against it)",
-                                "add --dry-run, or drop --gpu-memory"))
-    window = ProfileWindow.parse(profile) if profile is not None else None
-    if window and dry_run:
-        raise UserError(Problem("--profile", "a dry run trains no step to profile", "drop --profile or --dry-run"))
+    def checked():
+        """The recipe and what the command line alone can have wrong. In a launched rank it runs inside `run_rank`,
+        so a mistake is said once for all ranks (under stock `accelerate launch` every rank meets it first)."""
+        if resume and resume_from:
+            raise UserError(Problem("--resume-from", "cannot be combined with --resume", "use one of them"))
+        if overwrite and (resume or resume_from):
+            raise UserError(Problem("--overwrite", f"cannot be combined with "
+                                    f"{'--resume' if resume else '--resume-from'}", "use one of them"))
+        r = load_recipe(name_or_path, overrides)
+        if gpu_memory and not dry_run:
+            raise UserError(Problem("--gpu-memory", "only applies to --dry-run (the plan is checked against it)",
+                                    "add --dry-run, or drop --gpu-memory"))
+        window = ProfileWindow.parse(profile) if profile is not None else None
+        if window and dry_run:
+            raise UserError(Problem("--profile", "a dry run trains no step to profile", "drop --profile or --dry-run"))
+        return r, RunLayout.of(r, output_dir).root, window
+
+    if inside_launch() and not dry_run:
+        from accel_fsdp.train.loop import RunRequest, run_training
+
+        die_with_launcher()
+
+        def train() -> None:
+            r, run_dir, window = checked()
+            run_training(RunRequest(recipe=r, run_dir=run_dir, resume=resume, resume_from=resume_from,
+                                    overwrite=overwrite, benchmark=benchmark, verbose=verbose, cpu=cpu,
+                                    accept_data_change=accept_data_change, profile=window))
+
+        run_rank(train)
+
+    r, run_dir, window = checked()
     if dry_run:
         quiet_libraries()
         print_plan(r, accelerate_config, gpu_memory)
         return
-    if inside_launch():
-        from accel_fsdp.train.loop import RunRequest, run_training
-
-        die_with_launcher()
-        run_rank(lambda: run_training(RunRequest(recipe=r, run_dir=run_dir, resume=resume, resume_from=resume_from,
-                                                 overwrite=overwrite, benchmark=benchmark, verbose=verbose, cpu=cpu,
-                                                 accept_data_change=accept_data_change, profile=window)))
 
     if DIE_WITH_PARENT_ENV in os.environ:
         die_with_launcher(DIE_WITH_PARENT_ENV)  # a probe of verify, a run of bench: it ends with them, its ranks too
@@ -250,6 +267,12 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
         report = preflight(r, config, num_processes=n, run_dir=run_dir if main_machine else None, resume=resume,
                            resume_from=resume_from, overwrite=overwrite, check_hub=True, cpu_option=True,
                            accept_data_change=accept_data_change)
+        if window and report.total_steps is not None and window.first > report.total_steps:
+            # Known before launch, where the profiler would only say so after the whole run (train/profiling.py close).
+            raise UserError(Problem("--profile", f"steps {window} begin after the run's {report.total_steps:,} "
+                                    "optimizer steps: nothing would be profiled",
+                                    f"give steps between 1 and {report.total_steps:,}, e.g. --profile "
+                                    f"{min(5, report.total_steps)}-{min(6, report.total_steps)}"))
         where = (f" ({report.num_processes // machines} on this machine, machine_rank {rank} of {machines})"
                  if machines > 1 else "")
         click.echo(f"accel-fsdp: launching {report.num_processes} process(es){where} with {config.label}"

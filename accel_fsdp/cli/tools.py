@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from accel_fsdp.cli.options import CONFIG_HELP, CPU_HELP, SET_HELP, finite, load_recipe
+from accel_fsdp.cli.options import CONFIG_HELP, CPU_HELP, finite, load_recipe, set_option
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.files import write_atomic
 from accel_fsdp.layout import RunLayout
@@ -17,7 +17,8 @@ from accel_fsdp.preflight import load_config_or_default, preflight
 from accel_fsdp.quiet import quiet_libraries
 from accel_fsdp.tools import bench
 from accel_fsdp.tools.report import format_summary, plot, summarize
-from accel_fsdp.tools.verify import CHECKS, format_table, verify
+from accel_fsdp.tools.verify import CHECKS, verify
+from accel_fsdp.tools.verify_runs import format_table
 
 # ------------------------------------------------------------------------------------------- tokenizer
 
@@ -32,7 +33,7 @@ def tokenizer() -> None:
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--vocab-size", default=8192, show_default=True, type=click.IntRange(300, 1_000_000),
               help="Tokens in the vocabulary (special tokens included).")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@set_option
 def tokenizer_train(name_or_path, out_dir, vocab_size, overrides) -> None:
     """Train a byte-level BPE tokenizer on a recipe's data (data.path and its fields) and write it to OUT_DIR, a
     folder `model.tokenizer` (and transformers) can load. Byte-level: every text is covered, no <unk>. A recipe can
@@ -62,7 +63,7 @@ def tokenizer_train(name_or_path, out_dir, vocab_size, overrides) -> None:
 @click.option("--steps", default=10, show_default=True, type=click.IntRange(1, 100_000),
               help="Optimizer steps measured, after the warm-up.")
 @click.option("--warmup", default=3, show_default=True, type=click.IntRange(1, 1000))
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@set_option
 @click.option("--compare-baseline", is_flag=True, help="Also run a minimal hand-written Accelerate FSDP loop on the "
               "same model, batch and config, alternating the two, and print the throughput ratio ours / baseline.")
 @click.option("--compare", "compare", type=click.Choice(["strategies", "wrapping"]),
@@ -99,7 +100,7 @@ def bench_command(name_or_path, accelerate_config, steps, warmup, overrides, com
 @click.command("verify")
 @click.argument("name_or_path")
 @click.option("--accelerate-config", "accelerate_config", metavar="NAME|PATH", help=CONFIG_HELP)
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@set_option
 @click.option("--quick", is_flag=True, help="Fewer probes: no run on fewer ranks (equivalence and data compare one).")
 @click.option("--steps", default=4, show_default=True, type=click.IntRange(2, 100),
               help="Optimizer steps of each probe (resume is checked from step 2 when there are 3 or more).")

@@ -54,6 +54,35 @@ _ENV_OF_KEY = {
     "fsdp_activation_checkpointing": "FSDP_ACTIVATION_CHECKPOINTING",
     "parallelism_config_dp_replicate_size": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
     "parallelism_config_dp_shard_size": "PARALLELISM_CONFIG_DP_SHARD_SIZE",
+    "fsdp_activation_checkpointing_offload": "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
+    "fsdp_ignored_modules": "FSDP_IGNORED_MODULES",
+}
+
+# fsdp_config keys Accelerate knows that accel-fsdp does not read (it builds the FSDP plugin from its own resolved
+# settings: train/accelerator.py), with what to use instead. A setting that would be silently ignored is refused;
+# two of them would even stop every rank: Accelerate's plugin reads FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD from the
+# launch environment and refuses it without its own activation checkpointing, which accel-fsdp leaves off under
+# FSDP2 (accelerate/utils/dataclasses.py, FullyShardedDataParallelPlugin.__post_init__; 1.15.0).
+UNREAD_FSDP_KEYS = {
+    "fsdp_activation_checkpointing_offload": "remove it; to move activations to host memory set "
+                                             "training.activation_offload: true in the recipe",
+    "fsdp_ignored_modules": "remove it (accel-fsdp decides which modules FSDP leaves alone)",
+    "fsdp_mixed_precision_policy": "remove it, and set mixed_precision (or the recipe's training.mixed_precision)",
+    "fsdp_cpu_offload": "use fsdp_offload_params (the key accelerate launch reads)",
+    "fsdp_fsdp_version": "use fsdp_version",
+    "fsdp_transformer_cls_names_to_wrap": "use fsdp_transformer_layer_cls_to_wrap (the key accelerate launch reads)",
+    "fsdp_param_init_fn": "remove it (models are built and loaded by accel-fsdp)",
+    "fsdp_state_dict_config": "remove it, and set fsdp_state_dict_type",
+    "fsdp_optim_state_dict_config": "remove it, and set fsdp_state_dict_type",
+}
+UNREAD_SECTIONS = {
+    # Accelerate would compile the whole prepared model from ACCELERATE_DYNAMO_BACKEND (accelerate/accelerator.py,
+    # Accelerator.__init__ reads TorchDynamoPlugin from the launch environment; 1.15.0), past training.compile's
+    # per-block compile and its checks.
+    "dynamo_config": "remove it, and set training.compile: true in the recipe (each block compiled, checked)",
+    "fp8_config": "remove it, and set training.mixed_precision: fp8 in the recipe",
+    "deepspeed_config": "remove it: accel-fsdp trains with FSDP",
+    "megatron_lm_config": "remove it: accel-fsdp trains with FSDP",
 }
 
 
@@ -173,11 +202,44 @@ def config_from_environment(env: os._Environ | dict) -> AccelerateConfig:
     local = int(env.get("LOCAL_WORLD_SIZE", str(world)))
     values["num_processes"] = world
     values["num_machines"] = max(1, world // max(1, local))
-    return AccelerateConfig(values=values, label="accelerate launch environment")
+    config = AccelerateConfig(values=values, label="accelerate launch environment")
+    # Judged as a file is (accelerate launch checks almost nothing: fsdp_version 3 reached the plugin), less what it
+    # exports whatever the file says, and the address it does not pass on.
+    problems = check_accelerate_config(config, launching=False)
+    raise_if(problems, f"{config.label} has {len(problems)} problems")
+    return config
 
 
-def check_accelerate_config(c: AccelerateConfig) -> list[Problem]:
-    p: list[Problem] = []
+def unread_key_problems(c: AccelerateConfig) -> list[Problem]:
+    """Keys set that accel-fsdp would not read (UNREAD_FSDP_KEYS, UNREAD_SECTIONS); `false`, null, an empty section
+    and dynamo_backend: NO are as unset."""
+    p = [Problem(c.where(f"fsdp_config.{key}"), f"{shown(c.get(key))} is not read by accel-fsdp", fix)
+         for key, fix in UNREAD_FSDP_KEYS.items() if c.get(key) is not None and as_bool(c.get(key)) is not False]
+    for key, fix in UNREAD_SECTIONS.items():
+        value = c.get(key)
+        if isinstance(value, dict) and str(value.get("dynamo_backend", "")).upper() in ("NO", "") and (
+                key == "dynamo_config" or not value):
+            continue
+        if value is not None and value != {}:
+            p.append(Problem(c.where(key), f"{_brief(value)} is not read by accel-fsdp", fix))
+    return p
+
+
+def _brief(value) -> str:
+    text = shown(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def shown(value) -> str:
+    """A config value as a message quotes it: YAML's null, else Python's repr ('two', 3)."""
+    return "null" if value is None else repr(value)
+
+
+def check_accelerate_config(c: AccelerateConfig, *, launching: bool = True) -> list[Problem]:
+    """Every problem of one config's values, alone and between them. `launching` False: judged for a job that is
+    not launched from here (`recipe validate`), whose main_process_ip `recipe run --main-process-ip` may still give.
+    (Long: one check a few lines, read as a list.)"""
+    p: list[Problem] = unread_key_problems(c)
 
     def bad(key, msg, fix):
         p.append(Problem(c.where(key), msg, fix))
@@ -187,22 +249,25 @@ def check_accelerate_config(c: AccelerateConfig) -> list[Problem]:
         bad("distributed_type", f"is {dt!r}; accel-fsdp trains with FSDP", "set distributed_type: FSDP")
     version = as_int(c.get("fsdp_version", 1))
     if version not in (1, 2):
-        bad("fsdp_config.fsdp_version", f"{c.get('fsdp_version')!r} is not 1 or 2", "use 2 (FSDP2, the default)")
+        bad("fsdp_config.fsdp_version", f"{shown(c.get('fsdp_version'))} is not 1 or 2",
+            "set fsdp_version to 2 (FSDP2, the default), or 1 (FSDP1)")
     mp = str(c.get("mixed_precision", "no"))
     if mp not in precision.FROM_ACCELERATE:
         bad("mixed_precision", f"{mp!r} is not supported", "use bf16, fp16 or no")
     for key in ("num_processes", "num_machines"):
         if key in c.values and (as_int(c.get(key)) is None or as_int(c.get(key)) < 1):
-            bad(key, f"{c.get(key)!r} must be a whole number of at least 1", f"e.g. {key}: 2")
+            bad(key, f"{shown(c.get(key))} must be a whole number of at least 1",
+                f"set {key} to a whole number of at least 1, e.g. {key}: 2")
     n, m = as_int(c.get("num_processes", 1)) or 1, as_int(c.get("num_machines", 1)) or 1
     if n % m:
         bad("num_processes", f"{n} processes cannot be split evenly over num_machines = {m}",
             f"use a multiple of {m} (num_processes counts all ranks on all machines)")
     rank = as_int(c.get("machine_rank", 0))
     if rank is None or not 0 <= rank < m:
-        bad("machine_rank", f"{c.get('machine_rank')!r} must be between 0 and num_machines - 1 = {m - 1}",
+        bad("machine_rank", f"{shown(c.get('machine_rank'))} must be between 0 and num_machines - 1 = {m - 1}",
             "set 0 on the main machine, 1..N-1 on the others")
-    if m > 1 and not c.get("main_process_ip"):
+    p += _launcher_problems(c, m)
+    if m > 1 and not c.get("main_process_ip") and launching:
         bad("main_process_ip", f"is not set, but num_machines = {m}",
             "set the address of the machine with machine_rank 0 (`recipe run --main-process-ip ADDR`, or "
             "main_process_ip in the config)")
@@ -215,14 +280,17 @@ def check_accelerate_config(c: AccelerateConfig) -> list[Problem]:
         if bp is not None and str(bp).upper() not in BACKWARD_PREFETCH:
             bad("fsdp_config.fsdp_backward_prefetch", f"{bp!r} is not valid", "use " + ", ".join(BACKWARD_PREFETCH))
     else:
+        exported = c.path is None  # `accelerate launch` exports FSDP1's options with their defaults under FSDP2 too
         raf = c.get("fsdp_reshard_after_forward", True)
         if as_bool(raf) is None:
             bad("fsdp_config.fsdp_reshard_after_forward", f"{raf!r} is not true or false in FSDP2",
-                "true = FULL_SHARD, false = SHARD_GRAD_OP; HYBRID_SHARD comes from parallelism_config")
+                "set fsdp_reshard_after_forward to true (FULL_SHARD) or false (SHARD_GRAD_OP); HYBRID_SHARD comes "
+                "from parallelism_config")
+        p.extend(_fsdp2_strategy_problems(c, as_bool(raf)))
         for key in ("fsdp_backward_prefetch", "fsdp_use_orig_params", "fsdp_sync_module_states",
-                    "fsdp_forward_prefetch"):
-            if key in c.values and c.get(key) not in (None, False, "false", "False", "NO_PREFETCH"):
-                bad(f"fsdp_config.{key}", f"{c.get(key)!r} has no effect in FSDP2 (fsdp_version: 2)",
+                    "fsdp_forward_prefetch", "fsdp_limit_all_gathers"):
+            if key in c.values and not exported and c.get(key) not in (None, False, "false", "False", "NO_PREFETCH"):
+                bad(f"fsdp_config.{key}", f"{shown(c.get(key))} has no effect in FSDP2 (fsdp_version: 2)",
                     "remove it, or use fsdp_version: 1 (see accelerate_configs/fsdp1_2gpu.yaml)")
     sdt = str(c.get("fsdp_state_dict_type", "SHARDED_STATE_DICT")).upper()
     if sdt not in STATE_DICT_TYPES:
@@ -238,8 +306,9 @@ def check_accelerate_config(c: AccelerateConfig) -> list[Problem]:
             "use TRANSFORMER_BASED_WRAP (one unit per block, or name the classes you want as units in "
             "fsdp_transformer_layer_cls_to_wrap), or fsdp_version: 1 for size-based wrapping")
     if "fsdp_min_num_params" in c.values and (as_int(c.get("fsdp_min_num_params")) or 0) < 1:
-        bad("fsdp_config.fsdp_min_num_params", f"{c.get('fsdp_min_num_params')!r} is not a positive whole number",
-            "e.g. 100000000 (modules with at least this many parameters become units)")
+        bad("fsdp_config.fsdp_min_num_params", f"{shown(c.get('fsdp_min_num_params'))} is not a positive whole "
+            "number", "set fsdp_min_num_params to a whole number of at least 1, e.g. 100000000 (modules with at "
+            "least this many parameters become units)")
     for key in ("fsdp_offload_params", "fsdp_activation_checkpointing", "fsdp_cpu_ram_efficient_loading", "use_cpu"):
         if key in c.values and as_bool(c.get(key)) is None:
             bad(key if key == "use_cpu" else f"fsdp_config.{key}", f"{c.get(key)!r} is not true or false",
@@ -251,7 +320,8 @@ def check_accelerate_config(c: AccelerateConfig) -> list[Problem]:
         r, s = as_int(rep or 1), as_int(shard or 1)
         if r is None or s is None or r < 1 or s < 1:
             bad("parallelism_config", f"dp_replicate_size={rep!r}, dp_shard_size={shard!r} must be whole numbers >= 1",
-                "e.g. dp_replicate_size: 2 (nodes), dp_shard_size: 8 (GPUs per node)")
+                "set both to whole numbers of at least 1, e.g. dp_replicate_size: 2 (nodes), dp_shard_size: 8 (GPUs "
+                "per node)")
         elif r * s != n:
             bad("parallelism_config", f"dp_replicate_size x dp_shard_size = {r} x {s} = {r * s}, "
                 f"but num_processes = {n}",
@@ -261,6 +331,79 @@ def check_accelerate_config(c: AccelerateConfig) -> list[Problem]:
                 f"machine (num_processes {n} / num_machines {m}), so shards would cross machines",
                 f"for {m} machines set dp_replicate_size: {m} and dp_shard_size: {n // m}, or run on {n // s} machines")
     return p
+
+
+def _fsdp2_strategy_problems(c: AccelerateConfig, reshard: bool | None) -> list[Problem]:
+    """FSDP2 takes its strategy from fsdp_reshard_after_forward (and parallelism_config), never from
+    fsdp_sharding_strategy: a strategy named there that differs would be silently ignored. `accelerate launch` exports
+    FSDP_SHARDING_STRATEGY=FULL_SHARD whatever the file says (accelerate/utils/launch.py; 1.15.0), so in the launch
+    environment only another name is the user's."""
+    given = c.get("fsdp_sharding_strategy")
+    if given is None or reshard is None:
+        return []
+    named = fsdp1_strategy(given)
+    hybrid = (as_int(c.get("parallelism_config_dp_replicate_size") or 1) or 1) > 1
+    effective = HYBRID_SHARD if hybrid else FULL_SHARD if reshard else SHARD_GRAD_OP
+    if named == effective or (c.path is None and named == FULL_SHARD):
+        return []
+    how = {FULL_SHARD: "fsdp_reshard_after_forward: true", SHARD_GRAD_OP: "fsdp_reshard_after_forward: false",
+           HYBRID_SHARD: "a parallelism_config (see accelerate_configs/fsdp_hybrid_multinode.yaml)",
+           NO_SHARD: "fsdp_version: 1 (FSDP2 always shards)"}
+    what = (f"is not a sharding strategy (use {', '.join(STRATEGIES)})" if named not in FSDP1_STRATEGIES else
+            f"is ignored by FSDP2, which runs {effective} here "
+            f"({'parallelism_config' if hybrid else f'fsdp_reshard_after_forward: {str(reshard).lower()}'})")
+    fix = (f"for {named} set {how[named]}, and remove fsdp_sharding_strategy" if named in how else
+           "remove fsdp_sharding_strategy; FSDP2's strategy is fsdp_reshard_after_forward (true: FULL_SHARD, "
+           "false: SHARD_GRAD_OP)")
+    return [Problem(c.where("fsdp_config.fsdp_sharding_strategy"), f"{shown(given)} {what}", fix)]
+
+
+RENDEZVOUS_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
+"""rdzv_backend values torchrun knows (torch/distributed/run.py; torch 2.13.0)."""
+
+
+def _launcher_problems(c: AccelerateConfig, machines: int) -> list[Problem]:
+    """Values `accelerate launch` itself reads, that would stop it with a traceback or start something else."""
+    p: list[Problem] = []
+
+    def bad(key, msg, fix):
+        p.append(Problem(c.where(key), msg, fix))
+
+    env = c.get("compute_environment")
+    if env is not None and str(env) != "LOCAL_MACHINE":
+        bad("compute_environment", f"{shown(env)}: accel-fsdp launches on this machine (or machines you start "
+            "it on), not through another service", "set compute_environment: LOCAL_MACHINE")
+    rdzv = c.get("rdzv_backend")
+    if rdzv is not None and str(rdzv) not in RENDEZVOUS_BACKENDS:
+        bad("rdzv_backend", f"{shown(rdzv)} is not a torchrun rendezvous backend",
+            f"set rdzv_backend to one of {', '.join(RENDEZVOUS_BACKENDS)} (static is the default)")
+    port = c.get("main_process_port")
+    if port is not None and (as_int(port) is None or not (1 if machines > 1 else 0) <= as_int(port) <= 65535):
+        bad("main_process_port", f"{shown(port)} is not a TCP port" + (" machines can meet on" if machines > 1 else ""),
+            "set main_process_port to a whole number from 1 to 65535, e.g. 29500" + ("" if machines > 1 else
+            " (or leave it out: one machine picks a free port)"))
+    gpu_ids = c.get("gpu_ids")
+    if gpu_ids is not None and not _gpu_ids_valid(gpu_ids):
+        bad("gpu_ids", f"{shown(gpu_ids)} is neither `all` nor a list of GPU numbers",
+            "set gpu_ids to all, or to GPU numbers separated by commas, e.g. 0,1")
+    for key in ("downcast_bf16", "enable_cpu_affinity", "same_network", "debug"):
+        if c.get(key) is not None and as_bool(c.get(key)) is None:
+            bad(key, f"{shown(c.get(key))} is not true or false", f"set {key} to true or false")
+    # accelerate launch refuses this pair before any rank starts (accelerate/utils/launch.py, prepare_multi_gpu_env;
+    # 1.15.0); its fsdp_sync_module_states is true unless the file says false.
+    if as_bool(c.get("fsdp_cpu_ram_efficient_loading", False)) and as_bool(c.get("fsdp_sync_module_states")) is False:
+        bad("fsdp_config.fsdp_sync_module_states", "is false, and fsdp_cpu_ram_efficient_loading is true: accelerate "
+            "launch refuses ram-efficient loading without it", "remove fsdp_sync_module_states (its default is true), "
+            "or set fsdp_cpu_ram_efficient_loading: false")
+    return p
+
+
+def _gpu_ids_valid(value) -> bool:
+    """`all`, one GPU number, or numbers separated by commas (what accelerate launch puts in CUDA_VISIBLE_DEVICES)."""
+    if isinstance(value, bool):
+        return False
+    text = str(value).strip()
+    return text.lower() == "all" or all(part.strip().isdigit() for part in text.split(","))
 
 
 def fsdp1_strategy(v) -> str:

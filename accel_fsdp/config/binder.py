@@ -16,6 +16,7 @@ import ast
 import copy
 import dataclasses
 import difflib
+import functools
 import inspect
 import json
 import math
@@ -28,24 +29,41 @@ import yaml
 from accel_fsdp.errors import Problem
 
 
-def apply_override(raw: dict, item: str, problems: list[Problem], root) -> list[str]:
+def apply_override(raw: dict, item: str, problems: list[Problem], root, other_names=None) -> list[str]:
     """Set `dotted.key=value` (a YAML scalar) in the raw YAML data of the dataclass `root`; the key must name a field
     of its schema. Returns the dotted keys whose values now come from the override: the key (with everything under
     it, a list of sections included), or, for a mapping laid over a section, the keys the mapping names. Nothing,
-    with the problem added, when the key names no field."""
-    if "=" not in item:
-        problems.append(Problem(f"--set {item}", "expected dotted.key=value", "e.g. --set training.lr=3e-4"))
-        return []
+    with the problem added, when the key names no field. `other_names`: {name other tools use: dotted key}, for the
+    did-you-mean of an unknown key."""
     key, _, value_text = item.partition("=")
     key = key.strip()
+    parts = key.split(".")
+    if "=" not in item or not all(part.strip() for part in parts):
+        what = "no '='" if "=" not in item else "no key" if not key else f"an empty part in {key!r}"
+        problems.append(Problem(f"--set {item}", f"expected dotted.key=value ({what})",
+                                "write the dotted key, '=' and the value, e.g. --set training.lr=3e-4"))
+        return []
+    # The key must name a field of the schema; the value is type-checked with everything else.
+    found, cls = _field_of(root, raw, key, parts, problems, other_names)
+    if not found:
+        return []
     try:
         value = yaml.safe_load(value_text) if value_text.strip() else ""
-    except yaml.YAMLError:
-        value = value_text
-    # The key must name a field of the schema; the value is type-checked with everything else.
-    parts = key.split(".")
-    found, cls = _field_of(root, raw, key, parts, problems)
-    if not found:
+    except yaml.YAMLError as e:
+        if value_text.lstrip()[:1] in ("[", "{"):  # a list or mapping cut short: never read it as a string
+            entry = _section_list(cls)
+            kind, example = (("list", f"[{_entry_example(entry)}, {_entry_example(entry)}]" if entry else "[a, b]")
+                             if value_text.lstrip()[0] == "[" else ("mapping", "{key: value}"))
+            problems.append(Problem(f"--set {key}", f"{value_text.strip()!r} is not a complete YAML {kind} "
+                                    f"({getattr(e, 'problem', None) or 'YAML syntax error'})",
+                                    f"close its brackets, and quote the whole argument for the shell: "
+                                    f"--set '{key}={example}'"))
+            return []
+        value = value_text  # plain text such as a prompt with a colon: a string, as it reads
+    if value is None and _is_dataclass_type(cls):  # `--set training=null` would drop the file's whole section
+        problems.append(Problem(f"--set {key}", "is a section; null would drop every key the recipe sets in it",
+                                f"set the keys you mean, e.g. --set {key}.KEY=VALUE (`accel-fsdp recipe keys` "
+                                "lists them)"))
         return []
     node = raw
     for part in parts[:-1]:
@@ -66,7 +84,27 @@ def apply_override(raw: dict, item: str, problems: list[Problem], root) -> list[
     return [key]
 
 
-def _field_of(root, raw: dict, key: str, parts: list[str], problems: list[Problem]) -> tuple[bool, Any]:
+def _entry_example(cls) -> str:
+    """`{path: ...}`: an entry of a list of sections, by its first required-looking key (`path` where it has one)."""
+    keys = [k for k in _hints(cls) if not _is_internal(cls, k)]
+    return "{" + ("path" if "path" in keys else keys[0]) + ": ...}"
+
+
+def later_wins(items: list[str]) -> list[str]:
+    """--set items a tool composes (the user's, then its own) with each key once, its last value kept, in the order
+    the kept ones came: a command refuses one key given twice with two values (cli/options.py), which the user must
+    not be able to do by accident, while a tool's own later value is meant to replace the user's."""
+    kept, seen = [], set()
+    for item in reversed(items):
+        key = item.partition("=")[0].strip()
+        if key not in seen or "=" not in item:
+            seen.add(key)
+            kept.append(item)
+    return kept[::-1]
+
+
+def _field_of(root, raw: dict, key: str, parts: list[str], problems: list[Problem],
+              other_names=None) -> tuple[bool, Any]:
     """(True, the field's type) when the dotted `key` names a field of `root`'s schema (an entry of a list of
     sections by an index the raw data has, a key of a free-form mapping below a field); else (False, None) with the
     problem added."""
@@ -88,14 +126,12 @@ def _field_of(root, raw: dict, key: str, parts: list[str], problems: list[Proble
             if cls is dict or (hints is None and _origin(cls) is dict):
                 return True, dict  # free-form mapping such as model.config_overrides.n_layer
             known = [k for k in (hints or {}) if not _is_internal(cls, k)] if hints else []
-            close = difflib.get_close_matches(part, known, n=1)
             prefix = ".".join(parts[:i])
             if not known:
                 problems.append(Problem(f"--set {key}", f"{prefix} is a value, not a section with keys",
                                         f"--set {prefix}=VALUE"))
                 return False, None
-            fix = (f"did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else
-                   f"known keys{' of ' + prefix if prefix else ''}: {', '.join(known)}")
+            fix = unknown_key_fix(root, part, f"{prefix}." if prefix else "", known, other_names)
             problems.append(Problem(f"--set {key}", "unknown key", fix))
             return False, None
         cls = _strip_optional(hints[part])
@@ -134,13 +170,19 @@ def _lookup(raw: Any, parts: list[str]) -> Any:
     return node
 
 
-def bind(cls, raw: Any, prefix: str, where, problems: list[Problem]):
+def bind(cls, raw: Any, prefix: str, where, problems: list[Problem], *, root=None, other_names=None):
     """The dataclass `cls` from its raw YAML data: unknown keys and values of the wrong type are added to `problems`
-    (located by `where(dotted_key)`) and left at their defaults."""
+    (located by `where(dotted_key)`) and left at their defaults. `root`: the schema `cls` is a section of (itself
+    at the top); `other_names`: as for `apply_override`."""
+    root = root or cls
+    below = {"root": root, "other_names": other_names}
     if not isinstance(raw, dict):
-        problems.append(Problem(where(prefix.rstrip(".")) if prefix else "recipe",
-                                f"expected a mapping of keys, found {_show(raw)}",
-                                f"write `{prefix.rstrip('.')}:` followed by indented keys"))
+        key = prefix.rstrip(".")
+        listed, _, index = key.rpartition(".")
+        fix = (f"write each entry of {listed} as a mapping of keys, e.g. {_entry_example(cls)} (in a file: "
+               f"`- {_entry_example(cls)[1:-1]}`)" if index.isdigit() else f"write `{key}:` followed by indented keys")
+        problems.append(Problem(where(key) if prefix else "recipe", f"expected a mapping of keys, found {_show(raw)}",
+                                fix))
         return cls()
     hints = _hints(cls)
     known = [k for k in hints if not _is_internal(cls, k)]
@@ -148,14 +190,13 @@ def bind(cls, raw: Any, prefix: str, where, problems: list[Problem]):
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
         if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            fix = (f"did you mean {prefix}{close[0]}?" if close else
-                   f"known keys{' in ' + prefix.rstrip('.') if prefix else ''}: {', '.join(known)}")
-            problems.append(Problem(where(dotted), "unknown key", fix))
+            problems.append(Problem(where(dotted), "unknown key",
+                                    unknown_key_fix(root, str(key), prefix, known, other_names)))
             continue
         typ = hints[key]
         if _is_dataclass_type(_strip_optional(typ)):
-            kwargs[key] = bind(_strip_optional(typ), {} if value is None else value, dotted + ".", where, problems)
+            kwargs[key] = bind(_strip_optional(typ), {} if value is None else value, dotted + ".", where, problems,
+                               **below)
             continue
         item = _section_list(typ)
         if item is not None:
@@ -164,7 +205,8 @@ def bind(cls, raw: Any, prefix: str, where, problems: list[Problem]):
                                         f"entries, found {_show(value)}",
                                         f"write `{key}:` followed by `- path: ...` entries"))
                 continue
-            kwargs[key] = [bind(item, entry, f"{dotted}.{i}.", where, problems) for i, entry in enumerate(value)]
+            kwargs[key] = [bind(item, entry, f"{dotted}.{i}.", where, problems, **below)
+                           for i, entry in enumerate(value)]
             continue
         ok, converted, expected = _check_type(value, typ)
         if not ok:
@@ -175,6 +217,39 @@ def bind(cls, raw: Any, prefix: str, where, problems: list[Problem]):
     return _construct(cls, kwargs)
 
 
+
+def unknown_key_fix(root, key: str, prefix: str, known: list[str], other_names=None) -> str:
+    """What an unknown key `prefix + key` may have meant: a key of its section spelled alike, else a key of another
+    section by that name (training.seq_len: data.seq_len), else the key another tool calls so (`other_names`:
+    learning_rate is training.lr), else the section's keys."""
+    close = difflib.get_close_matches(key, known, n=1)
+    if close:
+        return f"did you mean {prefix}{close[0]}?"
+    elsewhere = [k for k in _dotted_keys(root).get(key.lower(), ()) if k != f"{prefix}{key}"]
+    named = (other_names or {}).get(key.lower())
+    candidates = elsewhere or ([named] if named else [])
+    if candidates:
+        return f"did you mean {' or '.join(candidates)}?"
+    return f"known keys{' in ' + prefix.rstrip('.') if prefix else ''}: {', '.join(known)}"
+
+
+@functools.cache
+def _dotted_keys(root) -> dict[str, tuple[str, ...]]:
+    """{the last part of a key: every dotted key of the schema `root` ending in it} (lists of sections left out:
+    their keys are data's too)."""
+    out: dict[str, list[str]] = {}
+
+    def walk(cls, prefix):
+        for name, typ in _hints(cls).items():
+            if _is_internal(cls, name) or _section_list(typ) is not None:
+                continue
+            if _is_dataclass_type(_strip_optional(typ)):
+                walk(_strip_optional(typ), f"{prefix}{name}.")
+            else:
+                out.setdefault(name.lower(), []).append(f"{prefix}{name}")
+
+    walk(root, "")
+    return {k: tuple(v) for k, v in out.items()}
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

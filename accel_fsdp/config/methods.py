@@ -80,12 +80,17 @@ def method_problems(recipe) -> list[Problem]:
         if key in spec.keys or value == getattr(defaults, f.name):
             continue
         who = readers.get(key, [])
-        fix = (f"remove preference.{key} (or set it back to {getattr(defaults, f.name)!r}), or use training.method: "
-               f"{' or '.join(who)}" if who else f"remove preference.{key}")
+        fix = (f"remove preference.{key} (or set it back to {_as_yaml(getattr(defaults, f.name))}), or use "
+               f"training.method: {' or '.join(who)}" if who else f"remove preference.{key}")
         problems.append(Problem(recipe.where(f"preference.{key}"),
-                                f"{value!r} has no effect with training.method {spec.name} (only "
+                                f"{_as_yaml(value)} has no effect with training.method {spec.name} (only "
                                 f"{', '.join(who) or 'no method'} read{'s' if len(who) == 1 else ''} it)", fix))
     return problems
+
+
+def _as_yaml(value) -> str:
+    """A value as the recipe writes it: null, true, 0.1."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def trains_with_dropout(recipe) -> bool:

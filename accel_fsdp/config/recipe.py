@@ -459,6 +459,28 @@ def incompatible_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[tu
 
 # ----------------------------------------------------------------------------------------------- loading
 
+OTHER_NAMES = {
+    "learning_rate": "training.lr", "lr_scheduler": "training.scheduler", "lr_scheduler_type": "training.scheduler",
+    "batch_size": "training.micro_batch_size", "per_device_train_batch_size": "training.micro_batch_size",
+    "train_batch_size": "training.global_batch_size", "total_batch_size": "training.global_batch_size",
+    "gradient_accumulation_steps": "training.global_batch_size (accumulation is derived from it)",
+    "num_epochs": "training.epochs", "num_train_epochs": "training.epochs", "steps": "training.max_steps",
+    "num_steps": "training.max_steps", "max_iters": "training.max_steps", "warmup": "training.warmup_steps",
+    "num_warmup_steps": "training.warmup_steps", "grad_clip": "training.max_grad_norm",
+    "gradient_clipping": "training.max_grad_norm", "precision": "training.mixed_precision",
+    "bf16": "training.mixed_precision", "fp16": "training.mixed_precision",
+    "max_seq_length": "data.seq_len", "max_length": "data.seq_len", "seq_length": "data.seq_len",
+    "block_size": "data.seq_len", "context_length": "data.seq_len", "dataset": "data.path",
+    "model_name_or_path": "model.name_or_path", "model_name": "model.name_or_path",
+    "rank": "model.lora.r", "lora_r": "model.lora.r", "lora_alpha": "model.lora.alpha",
+    "lora_dropout": "model.lora.dropout", "lora_target_modules": "model.lora.target_modules",
+    "save_steps": "checkpoint.every_steps", "save_total_limit": "checkpoint.keep_last",
+    "logging_steps": "logging.every_steps", "report_to": "logging.trackers",
+    "gradient_checkpointing": "model.activation_checkpointing",
+}
+"""What other fine-tuning tools (transformers' TrainingArguments, PEFT, torchtune) call a recipe key: an unknown
+key by one of these names is answered "did you mean <ours>?" (binder.py `unknown_key_fix`)."""
+
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read a recipe file, apply `--set` overrides, and check it. Raises one `UserError` with every problem."""
@@ -485,20 +507,24 @@ def recipe_from_text(text: str, *, source: str, overrides=(), default_name: str 
     problems: list[Problem] = list(duplicates)
     overridden = []
     for item in overrides:
-        overridden += apply_override(raw, item, problems, Recipe)
+        overridden += apply_override(raw, item, problems, Recipe, OTHER_NAMES)
 
     located = Recipe(source=source, overridden=tuple(overridden), lines=lines)
-    recipe = bind(Recipe, raw, "", located.where, problems)
+    recipe = bind(Recipe, raw, "", located.where, problems, other_names=OTHER_NAMES)
     recipe.source, recipe.overridden, recipe.lines = source, tuple(overridden), lines
     if not recipe.name:
         recipe.name = default_name
     # Range checks run too (on defaults where a value had the wrong type), so one pass reports everything.
     # A key whose value could not be read is not judged again, neither alone nor in a relation to another key
     # (training.method: 'dpoo' would also read as "training.method is sft"); a problem found twice is said once.
+    # A problem about a key below one that could not be read (data.sources.1.name under data.sources.1), or naming
+    # one in its text (its fix included: "no data given" when data.sources could not be read), is about a default.
     unreadable = {p.where for p in problems}
     unread = {k for k in (p.where.split(" ")[-1] for p in problems) if "." in k}
     for p in check_recipe(recipe):
-        if p.where not in unreadable and not any(key in p.message for key in unread) and p not in problems:
+        key = p.where.split(" ")[-1]
+        about_unread = any(u in p.message or u in p.fix or key.startswith(u + ".") for u in unread)
+        if p.where not in unreadable and not about_unread and p not in problems:
             problems.append(p)
     if problems:
         raise UserError(problems, title=f"recipe {source} has {len(problems)} problems")

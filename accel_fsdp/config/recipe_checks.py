@@ -17,10 +17,14 @@ ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", 
 MAX_STEPS = 10**9
 """More optimizer steps than any run takes (a billion steps of a second each are 32 years): a larger max_steps is
 a typo, or an exponent where a count was meant."""
+MAX_LR = 1.0
+"""Above this a learning rate is a typo (3e3 for 3e-3): AdamW's update moves each weight by about lr per step."""
 
 
 class _Found(list):
-    """The problems found in one recipe; `need(condition, key, message, fix)` adds one where the condition fails."""
+    """The problems found in one recipe. `need(condition, key, message, fix)` adds one where the condition fails;
+    `need_range(condition, key, message, wanted, then)` adds a range problem whose fix is always the whole sentence
+    "set KEY to WANTED[, THEN]" (e.g. "set training.max_steps to at least 1, or null"), so no fix is a fragment."""
 
     def __init__(self, recipe):
         super().__init__()
@@ -29,6 +33,14 @@ class _Found(list):
     def need(self, cond: bool, key: str, msg: str, fix: str) -> None:
         if not cond:
             self.append(Problem(self.where(key), msg, fix))
+
+    def need_range(self, cond: bool, key: str, msg: str, wanted: str, then: str = "") -> None:
+        self.need(cond, key, msg, range_fix(key, wanted, then))
+
+
+def range_fix(key: str, wanted: str, then: str = "") -> str:
+    """The fix of a value out of its range, as one sentence: "set KEY to WANTED, THEN"."""
+    return f"set {key} to {wanted}" + (f", {then}" if then else "")
 
 
 def check_recipe(r) -> list[Problem]:
@@ -62,13 +74,15 @@ def _model_problems(r) -> list[Problem]:
 def _data_problems(r) -> list[Problem]:
     """Sequence length, the held-out share, row limits, encoder threads."""
     p = _Found(r)
-    need = p.need
     d = r.data
-    need(d.seq_len >= 8, "data.seq_len", f"{d.seq_len} is too short", "use at least 8 (typical: 512 to 4096)")
-    need(0 <= d.eval_fraction < 0.5, "data.eval_fraction", f"{d.eval_fraction} is outside [0, 0.5)",
-         "hold out a small share such as 0.05, or 0 for no evaluation")
-    need(d.max_rows is None or d.max_rows > 0, "data.max_rows", f"{d.max_rows} must be positive", "or null for all")
-    need(d.num_proc is None or d.num_proc >= 1, "data.num_proc", f"{d.num_proc} must be at least 1", "or null")
+    rng = p.need_range
+    rng(d.seq_len >= 8, "data.seq_len", f"{d.seq_len} is too short", "at least 8", "typically 512 to 4096")
+    rng(0 <= d.eval_fraction < 0.5, "data.eval_fraction", f"{d.eval_fraction} is outside [0, 0.5)",
+        "a small share such as 0.05", "or 0 for no evaluation")
+    rng(d.max_rows is None or d.max_rows > 0, "data.max_rows", f"{d.max_rows} must be positive", "at least 1",
+        "or null to read every row")
+    rng(d.num_proc is None or d.num_proc >= 1, "data.num_proc", f"{d.num_proc} must be at least 1", "at least 1",
+        "or null for the cores this process may use")
     return p
 
 
@@ -77,10 +91,11 @@ def _training_problems(r) -> list[Problem]:
     p = _Found(r)
     need = p.need
     t = r.training
-    need(t.micro_batch_size >= 1, "training.micro_batch_size", f"{t.micro_batch_size} must be at least 1",
-         "sequences (preference pairs) per rank per micro-step, e.g. 1 to 16")
-    need(t.global_batch_size >= 1, "training.global_batch_size", f"{t.global_batch_size} must be at least 1",
-         "sequences (preference pairs) per optimizer step over all ranks")
+    rng = p.need_range
+    rng(t.micro_batch_size >= 1, "training.micro_batch_size", f"{t.micro_batch_size} must be at least 1",
+        "at least 1", "the sequences (preference pairs) per rank per micro-step, e.g. 1 to 16")
+    rng(t.global_batch_size >= 1, "training.global_batch_size", f"{t.global_batch_size} must be at least 1",
+        "at least 1", "the sequences (preference pairs) per optimizer step over all ranks")
     if t.micro_batch_size >= 1 and t.global_batch_size >= 1:
         need(t.splits_evenly(1), "training.global_batch_size",
              f"{t.global_batch_size} is not a multiple of training.micro_batch_size = {t.micro_batch_size}",
@@ -90,32 +105,51 @@ def _training_problems(r) -> list[Problem]:
         p.append(Problem(r.where("training.max_steps"),
                          f"both max_steps ({t.max_steps}) and epochs ({t.epochs}) are set",
                          "keep one of them (on the command line: --set training.max_steps=null)"))
-    need(t.max_steps is None or t.max_steps >= 1, "training.max_steps", f"{t.max_steps} must be at least 1", "or null")
-    need(t.max_steps is None or t.max_steps <= MAX_STEPS, "training.max_steps", f"{t.max_steps or 0:,} steps would "
-         f"outlast any machine (at most {MAX_STEPS:,})", "give the number of optimizer steps to run, or use "
-         "training.epochs")
-    need(t.epochs is None or t.epochs > 0, "training.epochs", f"{t.epochs} must be positive", "e.g. 1 or 0.5")
-    need(t.lr > 0, "training.lr", f"{t.lr} must be positive", "typical: 1e-5 to 3e-4 for fine-tuning")
-    need(0 <= t.min_lr_ratio <= 1, "training.min_lr_ratio", f"{t.min_lr_ratio} is outside [0, 1]", "e.g. 0.1")
-    need(t.warmup_steps >= 0, "training.warmup_steps", f"{t.warmup_steps} must be 0 or more", "e.g. 100")
+    rng(t.max_steps is None or t.max_steps >= 1, "training.max_steps", f"{t.max_steps} must be at least 1",
+        "at least 1", "or null")
+    rng(t.max_steps is None or t.max_steps <= MAX_STEPS, "training.max_steps", f"{t.max_steps or 0:,} steps would "
+        f"outlast any machine (at most {MAX_STEPS:,})", "the number of optimizer steps to run",
+        "or use training.epochs")
+    rng(t.epochs is None or t.epochs > 0, "training.epochs", f"{t.epochs} must be positive", "a positive number",
+        "e.g. 1 or 0.5")
+    rng(t.lr > 0, "training.lr", f"{t.lr} must be positive", "a positive number",
+        "typically 1e-5 to 3e-4 for fine-tuning")
+    rng(t.lr <= MAX_LR, "training.lr", f"{t.lr:g} is above {MAX_LR:g}: AdamW moves every weight by about the "
+        "learning rate each step, so the weights would be noise after one step", f"at most {MAX_LR:g}",
+        "typically 1e-5 to 3e-4 for fine-tuning (3e-3 for a tiny model from scratch)")
+    rng(0 <= t.min_lr_ratio <= 1, "training.min_lr_ratio", f"{t.min_lr_ratio} is outside [0, 1]",
+        "a share between 0 and 1", "e.g. 0.1")
+    rng(t.warmup_steps >= 0, "training.warmup_steps", f"{t.warmup_steps} must be 0 or more", "0 or more",
+        "e.g. 100")
     if t.max_steps is not None and t.max_steps >= 1 and t.warmup_steps > t.max_steps:
         p.append(Problem(r.where("training.warmup_steps"),
                          f"{t.warmup_steps} warm-up steps exceed training.max_steps = {t.max_steps}",
-                         "use fewer warm-up steps than training steps"))
-    need(t.weight_decay >= 0, "training.weight_decay", f"{t.weight_decay} must be 0 or more", "e.g. 0.1")
-    need(0 <= t.adam_beta1 < 1, "training.adam_beta1", f"{t.adam_beta1} is outside [0, 1)", "e.g. 0.9")
-    need(0 <= t.adam_beta2 < 1, "training.adam_beta2", f"{t.adam_beta2} is outside [0, 1)", "e.g. 0.95")
-    need(t.adam_eps > 0, "training.adam_eps", f"{t.adam_eps} must be positive", "e.g. 1e-8")
-    need(t.max_grad_norm is None or t.max_grad_norm > 0, "training.max_grad_norm",
-         f"{t.max_grad_norm} must be positive", "e.g. 1.0, or null to disable clipping")
-    need(0 <= t.seed <= 2**32 - 1, "training.seed", f"{t.seed} is outside [0, 2**32 - 1]",
-         "use a non-negative integer below 4294967296 (NumPy's seed range)")
-    need(t.eval_every_steps is None or t.eval_every_steps >= 1, "training.eval_every_steps",
-         f"{t.eval_every_steps} must be at least 1", "or null to evaluate at the end only")
-    need(t.eval_max_batches is None or t.eval_max_batches >= 1, "training.eval_max_batches",
-         f"{t.eval_max_batches} must be at least 1", "or null for the whole held-out split")
-    need(t.loss_chunk_tokens is None or t.loss_chunk_tokens >= 1, "training.loss_chunk_tokens",
-         f"{t.loss_chunk_tokens} must be at least 1", "e.g. 512, or null for the planner's pick")
+                         range_fix("training.warmup_steps", f"at most {t.max_steps}",
+                                   f"e.g. {t.max_steps // 10} (a tenth of the run)")))
+    rng(t.weight_decay >= 0, "training.weight_decay", f"{t.weight_decay} must be 0 or more", "0 or more", "e.g. 0.1")
+    # AdamW multiplies every weight by 1 - lr x weight_decay at each step (torch/optim/adamw.py): at 1 or more
+    # the weights vanish or flip sign.
+    rng(t.weight_decay < 0 or not 0 < t.lr <= MAX_LR or t.lr * t.weight_decay < 1, "training.weight_decay",
+        f"{t.weight_decay:g} x training.lr {t.lr:g} is {t.lr * t.weight_decay:g}: AdamW multiplies every weight by "
+        "1 minus that at each step", f"below 1 / training.lr = {1 / t.lr if t.lr > 0 else 0:g}",
+        "typically 0.01 to 0.1")
+    rng(0 <= t.adam_beta1 < 1, "training.adam_beta1", f"{t.adam_beta1} is outside [0, 1)", "at least 0 and below 1",
+        "e.g. 0.9")
+    rng(0 <= t.adam_beta2 < 1, "training.adam_beta2", f"{t.adam_beta2} is outside [0, 1)", "at least 0 and below 1",
+        "e.g. 0.95")
+    rng(0 < t.adam_eps < 1, "training.adam_eps", f"{t.adam_eps:g} is outside (0, 1): AdamW divides each update by "
+        "the gradient's root mean square plus eps, so a large eps stops training", "a positive number below 1",
+        "e.g. 1e-8")
+    rng(t.max_grad_norm is None or t.max_grad_norm > 0, "training.max_grad_norm",
+        f"{t.max_grad_norm} must be positive", "a positive number", "e.g. 1.0, or null to disable clipping")
+    rng(0 <= t.seed <= 2**32 - 1, "training.seed", f"{t.seed} is outside [0, 2**32 - 1]",
+        "a non-negative integer below 4294967296", "NumPy's seed range")
+    rng(t.eval_every_steps is None or t.eval_every_steps >= 1, "training.eval_every_steps",
+        f"{t.eval_every_steps} must be at least 1", "at least 1", "or null to evaluate at the end only")
+    rng(t.eval_max_batches is None or t.eval_max_batches >= 1, "training.eval_max_batches",
+        f"{t.eval_max_batches} must be at least 1", "at least 1", "or null for the whole held-out split")
+    rng(t.loss_chunk_tokens is None or t.loss_chunk_tokens >= 1, "training.loss_chunk_tokens",
+        f"{t.loss_chunk_tokens} must be at least 1", "at least 1", "e.g. 512, or null for the planner's pick")
     return p
 
 
@@ -124,26 +158,29 @@ def _saving_and_logging_problems(r) -> list[Problem]:
     p = _Found(r)
     need = p.need
     c, lg = r.checkpoint, r.logging
-    need(c.every_steps is None or c.every_steps >= 1, "checkpoint.every_steps",
-         f"{c.every_steps} must be at least 1", "or null to save at the end only")
-    need(c.keep_last is None or c.keep_last >= 1, "checkpoint.keep_last", f"{c.keep_last} must be at least 1",
-         "or null to keep every checkpoint")
-    need(bool(c.dir), "checkpoint.dir", "is empty", "e.g. checkpoints")
+    rng = p.need_range
+    rng(c.every_steps is None or c.every_steps >= 1, "checkpoint.every_steps",
+        f"{c.every_steps} must be at least 1", "at least 1", "or null to save at the end only")
+    rng(c.keep_last is None or c.keep_last >= 1, "checkpoint.keep_last", f"{c.keep_last} must be at least 1",
+        "at least 1", "or null to keep every checkpoint")
+    rng(bool(c.dir), "checkpoint.dir", "is empty", "a folder name", "e.g. checkpoints")
     pref = r.preference
-    need(pref.beta is None or pref.beta > 0, "preference.beta", f"{pref.beta} must be positive",
-         "DPO: 0.01 to 0.5 (default 0.1); SimPO: 2 to 10 (default 2.0)")
-    need(0 <= pref.label_smoothing < 0.5, "preference.label_smoothing", f"{pref.label_smoothing} is outside [0, 0.5)",
-         "0 trusts every pair; conservative DPO uses 0.1 to 0.3")
-    need(pref.gamma >= 0, "preference.gamma", f"{pref.gamma} must be 0 or more", "SimPO: about 0.5 x beta")
-    need(pref.lambda_ >= 0, "preference.lambda", f"{pref.lambda_} must be 0 or more", "ORPO: 0.05 to 1 (default 0.1)")
+    rng(pref.beta is None or pref.beta > 0, "preference.beta", f"{pref.beta} must be positive", "a positive number",
+        "DPO: 0.01 to 0.5 (default 0.1); SimPO: 2 to 10 (default 2.0)")
+    rng(0 <= pref.label_smoothing < 0.5, "preference.label_smoothing", f"{pref.label_smoothing} is outside [0, 0.5)",
+        "at least 0 and below 0.5", "0 trusts every pair; conservative DPO uses 0.1 to 0.3")
+    rng(pref.gamma >= 0, "preference.gamma", f"{pref.gamma} must be 0 or more", "0 or more",
+        "SimPO: about 0.5 x beta")
+    rng(pref.lambda_ >= 0, "preference.lambda", f"{pref.lambda_} must be 0 or more", "0 or more",
+        "ORPO: 0.05 to 1 (default 0.1)")
     p += method_problems(r)
     minutes = r.fsdp.collective_timeout_minutes
-    need(0.1 <= minutes <= 7 * 24 * 60, "fsdp.collective_timeout_minutes",
-         f"{int(minutes) if float(minutes).is_integer() else minutes} is outside [0.1, 10080]: 6 seconds to a "
-         "week", "e.g. 60")
-    need(lg.every_steps >= 1, "logging.every_steps", f"{lg.every_steps} must be at least 1", "e.g. 10")
-    need(1 <= lg.sample_max_new_tokens <= 4096, "logging.sample_max_new_tokens",
-         f"{lg.sample_max_new_tokens} is outside [1, 4096]", "e.g. 24")
+    rng(0.1 <= minutes <= 7 * 24 * 60, "fsdp.collective_timeout_minutes",
+        f"{int(minutes) if float(minutes).is_integer() else minutes} is outside [0.1, 10080]: 6 seconds to a "
+        "week", "minutes between 0.1 and 10080", "e.g. 60")
+    rng(lg.every_steps >= 1, "logging.every_steps", f"{lg.every_steps} must be at least 1", "at least 1", "e.g. 10")
+    rng(1 <= lg.sample_max_new_tokens <= 4096, "logging.sample_max_new_tokens",
+        f"{lg.sample_max_new_tokens} is outside [1, 4096]", "between 1 and 4096", "e.g. 24")
     for tracker in lg.trackers:
         need(tracker in TRACKERS, "logging.trackers", f"unknown tracker {tracker!r}", f"use {', '.join(TRACKERS)}")
     return p
@@ -155,11 +192,13 @@ def _lora_problems(r) -> list[Problem]:
     need = p.need
     m = r.model
     lora = m.lora
-    if lora.enabled:
-        need(lora.r >= 1, "model.lora.r", f"{lora.r} must be at least 1", "e.g. 8 or 16")
-        need(lora.alpha >= 1, "model.lora.alpha", f"{lora.alpha} must be at least 1", "commonly 2 x r")
-        need(0 <= lora.dropout < 1, "model.lora.dropout", f"{lora.dropout} is outside [0, 1)", "e.g. 0.05")
-        need(bool(lora.target_modules), "model.lora.target_modules", "is empty", "e.g. [q_proj, v_proj]")
+    rng = p.need_range  # judged with LoRA off too: a recipe switched with --set model.lora.enabled keeps its values
+    rng(lora.r >= 1, "model.lora.r", f"{lora.r} must be at least 1", "at least 1", "e.g. 8 or 16")
+    rng(lora.alpha >= 1, "model.lora.alpha", f"{lora.alpha} must be at least 1", "at least 1", "commonly 2 x r")
+    rng(0 <= lora.dropout < 1, "model.lora.dropout", f"{lora.dropout} is outside [0, 1)",
+        "at least 0 and below 1", "e.g. 0.05")
+    rng(bool(lora.target_modules) or not lora.enabled, "model.lora.target_modules", "is empty",
+        "the names of linear layers", "e.g. [q_proj, v_proj]")
     need(not m.quantize or lora.enabled, "model.quantize", f"{m.quantize} holds the frozen base in 4 bits, and without "
          "LoRA every weight trains (a 4-bit weight cannot)", "set model.lora.enabled: true (QLoRA), or leave "
          "model.quantize out")
@@ -187,7 +226,8 @@ def source_problems(r) -> list[Problem]:
             p.append(Problem(where(f"{key}.weight"), f"{source.weight}{label} must be positive",
                              "weights are relative shares, e.g. 0.7 and 0.3 (a source you do not want: remove it)"))
         if source.max_rows is not None and source.max_rows <= 0:
-            p.append(Problem(where(f"{key}.max_rows"), f"{source.max_rows}{label} must be positive", "or null for all"))
+            p.append(Problem(where(f"{key}.max_rows"), f"{source.max_rows}{label} must be positive",
+                             range_fix(f"{key}.max_rows", "at least 1", "or null to read every row")))
         if source.format == "chat" and d.packing:
             p.append(Problem(where("data.packing"), f"packing is not supported for chat data{label}",
                              "set data.packing to false (chat sequences are padded)"))

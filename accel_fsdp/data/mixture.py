@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from accel_fsdp.config.recipe import SourceConfig
-from accel_fsdp.data.sampler import GlobalBatchSampler
+from accel_fsdp.data.sampler import GlobalBatchSampler, total_steps
 from accel_fsdp.data.store import Sequence, TokenTable
 from accel_fsdp.errors import Problem
 
@@ -301,3 +301,20 @@ def too_little_data(recipe, sequences: int) -> Problem | None:
     return Problem(recipe.where("training.global_batch_size"), f"{t.global_batch_size} sequences per optimizer step, "
                    f"but the data has only {sequences:,} training sequences (after packing and the held-out split)",
                    f"use a global batch of at most {max(1, sequences)} or more data (data.path, data.max_rows)")
+
+
+def warmup_beyond_the_run(recipe, sequences: int) -> Problem | None:
+    """Warm-up longer than a run whose length training.epochs gives (with max_steps the recipe check says it): the
+    learning rate would never reach training.lr and the schedule's decay would never start."""
+    t = recipe.training
+    if t.max_steps is not None:
+        return None
+    steps = total_steps(recipe, sequences)
+    if t.warmup_steps <= steps:
+        return None
+    epochs = t.epochs if t.epochs is not None else 1.0
+    return Problem(recipe.where("training.warmup_steps"), f"{t.warmup_steps} warm-up steps exceed the run's {steps:,} "
+                   f"optimizer steps ({epochs:g} epoch(s) of {sequences:,} training sequences, "
+                   f"{t.global_batch_size} per step)",
+                   f"set training.warmup_steps to at most {steps:,}, e.g. {max(0, steps // 10):,} (a tenth of the "
+                   "run), or train longer (training.epochs)")

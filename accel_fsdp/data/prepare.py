@@ -32,7 +32,8 @@ from pathlib import Path
 from accel_fsdp.config.recipe import SourceConfig
 from accel_fsdp.data.build import build_source, check_source_rows
 from accel_fsdp.data.identity import data_identity, digest, source_identity, tokenizer_identity
-from accel_fsdp.data.mixture import PreparedData, SourceData, SourceStats, too_little_data
+from accel_fsdp.data.mixture import (PreparedData, SourceData, SourceStats, too_little_data,
+                                    warmup_beyond_the_run)
 from accel_fsdp.data.sources import ineffective_settings
 from accel_fsdp.data.store import TokenTable, table_damage
 from accel_fsdp.errors import Problem, UserError
@@ -83,7 +84,7 @@ def prepare_data(recipe, tokenizer, *, build: bool = True, wait: Wait | None = N
     data = load_data(recipe, tokenizer)
     for i, source in enumerate(data.sources):
         source.built = built.get(i, False)
-    little = too_little_data(recipe, len(data))
+    little = too_little_data(recipe, len(data)) or warmup_beyond_the_run(recipe, len(data))
     if little:
         raise UserError(little)
     return data

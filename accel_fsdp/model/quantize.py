@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass
 
-from accel_fsdp.config.recipe import QUANTIZE_METHODS as METHODS  # noqa: F401 (the values of model.quantize)
 from accel_fsdp.errors import Problem
 from accel_fsdp.model.facts import ModelFacts, facts_from_values
 BLOCK_SIZE = 64

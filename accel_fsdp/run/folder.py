@@ -314,7 +314,7 @@ def writable_problems(layout: RunLayout) -> list[Problem]:
         existing = folder
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
-        if existing.exists() and not existing.is_dir():
+        if file_in_the_way(folder):
             out.append(Problem(str(folder), f"{existing} is a file, not a folder", f"choose another {key}"))
         elif existing.exists() and not os.access(existing, os.W_OK | os.X_OK):
             out.append(Problem(str(folder), f"cannot be written: {existing} is not writable by this user",
@@ -322,12 +322,24 @@ def writable_problems(layout: RunLayout) -> list[Problem]:
         elif existing.exists() and (error := _cannot_create_in(existing)):
             out.append(Problem(str(folder), f"cannot be written: creating a folder in {existing} fails ({error})",
                                f"choose another {key}"))
-    final, checkpoints = layout.final.resolve(), layout.checkpoints.resolve()
-    if final == checkpoints or final in checkpoints.parents:
+    final, checkpoints, root = layout.final.resolve(), layout.checkpoints.resolve(), layout.root.resolve()
+    if checkpoints == root or checkpoints in root.parents:
+        out.append(Problem(f"checkpoint.dir: {layout.checkpoints}", f"is the run folder {layout.root} or a folder "
+                           "above it: the step folders and their rotation would sit among the files of the run (or of "
+                           "other runs)", "choose a folder of its own, e.g. checkpoints (inside the run folder)"))
+    elif final == checkpoints or final in checkpoints.parents:
         out.append(Problem(f"checkpoint.dir: {layout.checkpoints}", "is the exported model's folder (final/) or inside "
                            "it: the export at the end replaces final/", "choose another folder, e.g. "
                            "checkpoints"))
     return out
+
+
+def file_in_the_way(folder: Path) -> Path | None:
+    """The file at `folder` or at the nearest of its parents that exists, where a folder must be made."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return existing if existing.exists() and not existing.is_dir() else None
 
 
 def _cannot_create_in(folder: Path) -> str | None:

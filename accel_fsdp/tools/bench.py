@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from accel_fsdp.config.accelerate import FULL_SHARD, NO_SHARD, SHARD_GRAD_OP
+from accel_fsdp.config.binder import later_wins
 from accel_fsdp.errors import UserError
 from accel_fsdp.files import write_atomic
 from accel_fsdp.layout import RunLayout
@@ -59,7 +60,7 @@ def measure_ours(recipe: str, config: str, overrides: list[str], steps: int, war
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=workdir))
     argv = ["recipe", "run", recipe, "--accelerate-config", config, "--output-dir", str(run_dir), "--overwrite",
             "--benchmark", *(["--cpu"] if cpu else [])]
-    for item in list(overrides) + bench_overrides(steps, warmup):
+    for item in later_wins(list(overrides) + bench_overrides(steps, warmup)):  # the bench's own replace the user's
         argv += ["--set", item]
     proc = _run(argv)
     if proc.returncode != 0:

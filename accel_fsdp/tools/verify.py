@@ -45,7 +45,7 @@ from accel_fsdp.planning.memory import MemoryInputs, estimate
 from accel_fsdp.preflight import preflight
 from accel_fsdp.tools.knob_checks import FP8_BASELINE, KNOBS, Knob
 from accel_fsdp.tools.noise import ROUNDOFF, adam_step_bound, compare_rows, equivalence_tolerance, reordered
-from accel_fsdp.tools.verify_runs import (  # noqa: F401 (format_table: the CLI's, from here)
+from accel_fsdp.tools.verify_runs import (
     DROPOUT_KEYS,
     Check,
     Probe,
@@ -53,7 +53,6 @@ from accel_fsdp.tools.verify_runs import (  # noqa: F401 (format_table: the CLI'
     Verification,
     base_sets,
     claim_folder,
-    format_table,
     model_type,
     record_counts,
     run_probe,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from accel_fsdp.checkpoint.records import Manifest
 from accel_fsdp.config.settings import FsdpSettings
+from accel_fsdp.config.binder import later_wins
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.files import discard_folder, remove_dead_temporaries, write_atomic
 from accel_fsdp.layout import CHECKPOINTS_DIR, MANIFEST, STEP_PREFIX, RunLayout
@@ -129,7 +130,7 @@ def run_probe(v: Verification, name: str, sets: list[str], *, extra_args=(), env
             *(["--cpu"] if v.cpu else [])]
     if folder.exists():
         argv.append("--overwrite")
-    for item in sets:
+    for item in later_wins(sets):  # a probe's own settings replace the user's
         argv += ["--set", item]
     start = time.monotonic()
     proc = subprocess.run(argv, capture_output=True, text=True,

@@ -314,16 +314,44 @@ def leave(status: int) -> None:
 
 def first_to_say(message: str) -> bool | None:
     """Whether this rank is the first of the job to report `message` (a counter in the process group's store, which
-    every rank reaches, on every machine), or None when there is no store to ask."""
+    every rank reaches, on every machine); before the process group exists, the first of this machine's ranks (a
+    file claimed in the temporary folder, named by the launcher's process): local rank 0 alone would often be
+    stopped by the launcher before it says it, once a faster rank has ended. None when neither can be asked."""
     import torch.distributed as dist
 
+    digest = hashlib.sha1(message.encode()).hexdigest()[:16]
     try:
         if not (dist.is_available() and dist.is_initialized()):
-            return None
+            return _first_on_this_machine(digest)
         store = dist.distributed_c10d._get_default_store()
-        return store.add("accel_fsdp/said/" + hashlib.sha1(message.encode()).hexdigest()[:16], 1) == 1
+        return store.add("accel_fsdp/said/" + digest, 1) == 1
     except Exception:  # noqa: BLE001 - a store gone with its host: say it anyway
         return None
+
+
+def _first_on_this_machine(digest: str) -> bool | None:
+    """Claim `accel-fsdp-said-<launcher pid>-<digest>` in the temporary folder; one older than a minute is another
+    launch's whose launcher had the same process id, and is claimed anew."""
+    import tempfile
+    import time
+
+    if "LOCAL_RANK" not in os.environ:
+        return None
+    claim = Path(tempfile.gettempdir()) / f"accel-fsdp-said-{os.getppid()}-{digest}"
+    for _ in range(2):
+        try:
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            return True
+        except FileExistsError:
+            try:
+                if time.time() - claim.stat().st_mtime < 60:
+                    return False
+                claim.unlink()
+            except OSError:
+                return False
+        except OSError:
+            return None
+    return False
 
 
 def end_with_user_error(error: UserError, records: RankRecords) -> None:
