@@ -411,8 +411,8 @@ def test_ctrl_c_to_one_rank_alone_is_one_line_and_130_and_the_run_continues_exac
     assert stopped.returncode == 130, stopped.stderr[-3000:]
     said = [line for line in stopped.stderr.splitlines()
             if line.strip() and "%|" not in line and not line.startswith(("accel-fsdp: launching", "note: "))]
-    assert said == ["interrupted (SIGINT to rank 1): the ranks were stopped. Continue with the same command and "
-                    "--resume auto (from the newest complete checkpoint, if any)."], stopped.stderr[-3000:]
+    assert said == [("interrupted (SIGINT to rank 1): the ranks were stopped. Continue with the same command and "
+                     "--resume auto (from the newest complete checkpoint, if any).")], stopped.stderr[-3000:]
     run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", "auto", env=TRACE_UNITS, check=0)
     assert_same_weights(run / "final", reference / "final")
     assert units_by_step(run) == units_by_step(reference)

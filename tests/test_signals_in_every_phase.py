@@ -48,7 +48,9 @@ def test_ctrl_c_to_one_rank_alone_ends_the_run_with_130_and_one_line(tmp_path, m
     import accelerate.commands.launch
 
     class ChildFailed(Exception):  # what torchrun's agent raises: the failed ranks and their exit statuses
-        failures = {0: SimpleNamespace(exitcode=launcher.PEER_FAILED), 1: SimpleNamespace(exitcode=130)}
+        def __init__(self):
+            super().__init__("ranks failed")
+            self.failures = {0: SimpleNamespace(exitcode=launcher.PEER_FAILED), 1: SimpleNamespace(exitcode=130)}
 
     def ranks_that_failed(parsed):
         raise ChildFailed()
