@@ -67,9 +67,10 @@ from accel_fsdp.train.checkpointing import Checkpointer
 from accel_fsdp.train.cpu_fsdp import check_sharded
 from accel_fsdp.train.evaluate import Evaluator
 from accel_fsdp.train import probes
+from accel_fsdp.train.faults import Faults
 from accel_fsdp.train.hooks import NO_SWITCHES, TestHooks, TestSwitches, substituted
 from accel_fsdp.train.knobs import Knobs, after_sharding, before_sharding, compile_now
-from accel_fsdp.train.lifetime import WHEREABOUTS, Preemption, doing
+from accel_fsdp.train.lifetime import WHEREABOUTS, Preemption, doing, rank
 from accel_fsdp.train.loading import agreed_base, leave_nf4_unsharded, load_streamed, read_digests, streams_weights
 from accel_fsdp.train.methods import LossIndex, LossPath, Objective, build_loss_path, build_objective
 from accel_fsdp.train.metrics import MetricsWriter, StartupClock, flops_per_token
@@ -352,6 +353,7 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
     # The one read of the test switches (fault injection, `verify`'s broken properties): below, plain parameters or
     # substituted parts (train/hooks.py).
     switches = TestSwitches.from_env()
+    Faults(switches.fault, rank()).at_start()
     recipe = request.recipe
     doing("the creation of the process group")
     engine = start_engine(recipe, run_dir=request.run_dir, trackers=recipe.logging.trackers, switches=switches,
