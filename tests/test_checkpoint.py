@@ -385,12 +385,57 @@ def test_sigterm_to_one_rank_checkpoints_the_step_it_arrived_in_and_resumes_exac
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sigusr1_to_a_rank_still_starting_ends_the_run_with_75_and_auto_starts_it_again(tmp_path, reference,
+                                                                                        tiny_gpt2, stories):
+    """SLURM's warning signal to a rank in its start (after its imports, before its process group): the rank has
+    nothing to save, and its handler could not run while the process group's rendezvous blocks, so the signal's default
+    action ends it (and torchrun's agent the others). That is a preemption, 75 with one line (it was "rank 1 was killed
+    by SIGUSR1" and 1, which the SLURM script does not requeue); `--resume auto` then starts the run, which ends as an
+    uninterrupted one."""
+    recipe = make_recipe(tmp_path, tiny_gpt2, stories)
+    run = tmp_path / "run"
+    stopped = run_cli("recipe", "run", recipe, "--output-dir", run,
+                      env={**TRACE_UNITS, "ACCEL_FSDP_FAULT": "sigusr1:0@1"}, timeout=300)
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    said = stopped.stderr.rstrip().splitlines()[-1]
+    assert said.startswith("preempted (") and "SIGUSR1 to rank 1" in said, stopped.stderr[-3000:]
+    assert said.endswith(". Continue with the same command and --resume auto.") and "error" not in stopped.stderr
+    assert "Traceback" not in stopped.stderr and not (run / "checkpoints" / "step-000001").exists()
+    run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", "auto", env=TRACE_UNITS, check=0)
+    assert_same_weights(run / "final", reference / "final")
+    assert units_by_step(run) == units_by_step(reference)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ctrl_c_to_one_rank_alone_is_one_line_and_130_and_the_run_continues_exactly(tmp_path, reference, tiny_gpt2,
+                                                                                   stories):
+    """`kill -INT` to rank 1 after step 5: it stops at once, the others after it; the launcher says it was interrupted,
+    130, in one line (it was "rank 1 exited with status 130" and 1), and `--resume auto` continues from the
+    checkpoint before as an uninterrupted run."""
+    recipe = make_recipe(tmp_path, tiny_gpt2, stories)
+    run = tmp_path / "run"
+    stopped = run_cli("recipe", "run", recipe, "--output-dir", run,
+                      env={**TRACE_UNITS, "ACCEL_FSDP_FAULT": "sigint:5@1"})
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    said = [line for line in stopped.stderr.splitlines()
+            if line.strip() and "%|" not in line and not line.startswith(("accel-fsdp: launching", "note: "))]
+    assert said == [("interrupted (SIGINT to rank 1): the ranks were stopped. Continue with the same command and "
+                     "--resume auto (from the newest complete checkpoint, if any).")], stopped.stderr[-3000:]
+    run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", "auto", env=TRACE_UNITS, check=0)
+    assert_same_weights(run / "final", reference / "final")
+    assert units_by_step(run) == units_by_step(reference)
+
+
+@pytest.mark.slow
 def test_sigusr1_to_the_launcher_reaches_the_ranks(tmp_path, tiny_gpt2, stories):
     recipe = make_recipe(tmp_path, tiny_gpt2, stories)
     run = tmp_path / "run"
     stopped = run_cli("recipe", "run", recipe, "--output-dir", run, env={"ACCEL_FSDP_FAULT": "sigusr1-launcher:5"})
     assert stopped.returncode == 75, stopped.stderr[-3000:]
     assert "preempted (SIGUSR1): the ranks stopped after step" in stopped.stderr
+    assert "death signal" not in stopped.stderr  # torchrun's agent's own line for the signal it forwarded
     step = json.loads((run / "preempted.json").read_text())["step"]
     assert step in (5, 6) and (run / "checkpoints" / f"step-{step:06d}" / "manifest.json").exists()
 

@@ -199,6 +199,30 @@ def test_fsdp1_keeps_the_rotary_frequencies_in_fp32(gloo_world_of_one):
     assert inv_freq.dtype == torch.float32 and torch.equal(inv_freq, reference)
 
 
+def test_fsdp1_decays_the_matrices_it_flattened(gloo_world_of_one):
+    """FSDP1 (use_orig_params, sharded) turns every parameter into a 1-D view of its shard, so an optimizer that chose
+    the decayed parameters by their shapes after wrapping decayed none: training.weight_decay was silently 0 under
+    FSDP1. The decayed set is the matrices' names, read before wrapping (train/setup.py)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from accel_fsdp.train.optimizer import build_optimizer, decayed_names
+
+    recipe, settings = settings_for("fsdp1_2gpu", ["training.weight_decay=0.1"], cuda=False)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64, n_positions=16))
+    matrices = sum(p.numel() for p in model.parameters() if p.ndim >= 2)
+    decayed = decayed_names(model)
+    wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+    # One rank runs NO_SHARD, which keeps the shapes: flatten them as two ranks' shards would be (the slow
+    # tests/test_logged_numbers_replay.py FSDP1 run holds the real thing)
+    for parameter in wrapped.parameters():
+        parameter.data = parameter.data.flatten()
+    decay, no_decay = build_optimizer(wrapped, recipe, settings, decayed).param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert sum(p.numel() for p in decay["params"]) == matrices
+    assert sum(p.numel() for p in no_decay["params"]) == sum(p.numel() for p in wrapped.parameters()) - matrices
+
+
 # ------------------------------------------------------------------- 5: rank-0 loading, checked first
 
 

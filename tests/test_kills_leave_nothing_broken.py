@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -257,8 +258,41 @@ def test_a_report_stopped_while_drawing_keeps_the_previous_loss_curve(tmp_path, 
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Figure, "savefig", half_then_ctrl_c)
-    assert CliRunner().invoke(main, ["report", str(run)]).exit_code != 0  # click: Ctrl-C is Abort, status 1
+    stopped = CliRunner().invoke(main, ["report", str(run)])
+    assert_ctrl_c_said_once(stopped)
     assert (run / "loss_curve.png").read_bytes() == png and not files.temporaries_of(run / "loss_curve.png")
+
+
+def assert_ctrl_c_said_once(result) -> None:
+    """A command Ctrl-C stopped (in-process, CliRunner): status 130, as a shell reports it, and one line saying so,
+    not click's "Aborted!" with status 1."""
+    assert result.exit_code == 130, (result.exit_code, result.output)
+    assert result.stderr.strip().endswith("interrupted (Ctrl-C); nothing half-written was left: run the same command "
+                                          "again"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Aborted" not in result.output, result.output
+
+
+def test_tokenizer_train_stopped_by_ctrl_c_keeps_its_earlier_folder_and_says_so_in_one_line(tmp_path, monkeypatch):
+    """Ctrl-C while the trained tokenizer is being saved: the folder of the earlier run stays whole, no temporary
+    stays, one line and status 130; the same command then runs."""
+    from transformers import PreTrainedTokenizerFast
+
+    data = write_jsonl(tmp_path / "own.jsonl", [{"text": f"tale {i} of a cat and a dog"} for i in range(600)])
+    out = tmp_path / "tok"
+    command = ["tokenizer", "train", "quickstart", str(out), "--vocab-size", "300", "--set", f"data.path={data}"]
+    assert CliRunner().invoke(main, command).exit_code == 0
+    before = (out / "tokenizer.json").read_bytes()
+
+    def half_then_ctrl_c(self, folder, *args, **kwargs):
+        (Path(folder) / "tokenizer.json").write_text("{half")
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(PreTrainedTokenizerFast, "save_pretrained", half_then_ctrl_c)
+        assert_ctrl_c_said_once(CliRunner().invoke(main, command))
+    assert (out / "tokenizer.json").read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir() if files.TMP_MARK in p.name] == []
+    assert CliRunner().invoke(main, command).exit_code == 0
 
 
 @pytest.mark.slow
@@ -332,3 +366,44 @@ def test_a_run_started_by_a_killed_command_dies_with_it(tmp_path, tiny_gpt2, sto
     for pid in left:  # the test's own cleanup of what it found, before it fails
         os.kill(pid, signal.SIGKILL)
     assert not left, f"still running after their parent was killed: {left}"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_run_whose_command_was_killed_while_it_started_ends_at_once(tmp_path):
+    """The command (verify, bench) killed while the `recipe run` it started was still importing: that run's parent is
+    init by the time it asks the kernel for the parent-death signal, which would then never come, and it trained on
+    alone into the folder the command's rerun uses. It finds the parent it was given gone, and ends."""
+    run = tmp_path / "probe"
+    parent = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import os, signal, subprocess, sys
+        from accel_fsdp.train.lifetime import tied_to_this_process
+        subprocess.Popen([sys.executable, "-m", "accel_fsdp", "recipe", "run", "quickstart", "--output-dir",
+                          {str(run)!r}, "--num-processes", "1"], env=tied_to_this_process(dict(os.environ)))
+        os.kill(os.getpid(), signal.SIGKILL)  # before the child is past its imports
+    """)], cwd=REPO, timeout=60)
+    assert parent.returncode == -signal.SIGKILL
+    import time
+
+    deadline = time.monotonic() + 120  # the child's imports, on a busy machine
+    while processes_naming(str(run)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = processes_naming(str(run))
+    for pid in left:  # the test's own cleanup of what it found, before it fails
+        os.kill(pid, signal.SIGKILL)
+    assert not left and not run.exists(), f"still running, or started the run, after their parent was killed: {left}"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl")
+def test_a_rank_whose_launcher_is_gone_before_it_started_ends_at_once(tmp_path):
+    """A rank our launcher started, the launcher killed (SIGKILL) before the rank asked for the parent-death signal:
+    its parent is no longer the PID the launcher gave it, and it ends at once instead of training alone."""
+    from accel_fsdp.train.lifetime import LAUNCHER_PID_ENV
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a PID that is nobody's parent now
+    rank = subprocess.run([sys.executable, "-m", "accel_fsdp", "recipe", "run", "quickstart", "--output-dir",
+                           str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
+                               LAUNCHER_PID_ENV: str(gone.pid)})
+    assert rank.returncode == -signal.SIGKILL, (rank.returncode, rank.stderr[-3000:])
+    assert not (tmp_path / "run").exists()

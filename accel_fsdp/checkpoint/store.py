@@ -303,6 +303,18 @@ def _versions() -> dict[str, str]:
             "transformers": transformers.__version__}
 
 
+def _create_optimizer_state(optimizer) -> None:
+    """Give AdamW its moments (zeros) before an FSDP1 checkpoint's are read into them. Accelerate reads a sharded
+    FSDP1 optimizer state into the keys of `FSDP.optim_state_dict` of the new optimizer (accelerate 1.15.0
+    utils/fsdp_utils.py `load_fsdp_optimizer`), and AdamW creates its state at its first step: without this, nothing
+    was read and a resumed run went on with fresh moments and step count. FSDP2's path, `get_optimizer_state_dict`,
+    does the same itself (torch 2.13.0 distributed/checkpoint/state_dict.py `_init_optim_state`: a step of zero
+    gradients at lr 0, which moves no weight, decayed or not)."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(getattr(optimizer, "optimizer", optimizer))  # the torch optimizer under Accelerate's wrapper
+
+
 def _jsonable(v):
     if isinstance(v, torch.Tensor):
         return v.tolist()
@@ -323,6 +335,8 @@ def load_checkpoint(accelerator, model, optimizer, scheduler, info: CheckpointIn
     try:
         with damaged_if_unreadable(info.path, "a model or optimizer shard"):
             load_fsdp_model(plugin, accelerator, model, str(info.path), adapter_only=lora)
+            if plugin.fsdp_version == 1:
+                _create_optimizer_state(optimizer)
             load_fsdp_optimizer(plugin, accelerator, optimizer, model, str(info.path), adapter_only=lora)
     finally:
         plugin.set_state_dict_type(current_type)

@@ -7,15 +7,22 @@ value and the fix; never a traceback.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import gc
+import signal
+import sys
+import threading
+from collections.abc import Iterator
 
 import click
 
 from accel_fsdp import __version__
 from accel_fsdp.cli import checkpoint, data, plan, recipe, tools
 from accel_fsdp.errors import Problem, UserError, show_usage_error
+from accel_fsdp.launch.launcher import inside_launch
 from accel_fsdp.quiet import quiet_warnings
+from accel_fsdp.train.lifetime import INTERRUPTED, PREEMPTED, PREEMPTION_SIGNALS
 
 click.UsageError.show = show_usage_error  # one format for every user mistake, click's own included
 
@@ -38,15 +45,58 @@ traceback."""
 USER_PATH_ERRORS = {errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, *FIXES}
 
 
+class _Stopped(BaseException):
+    """A preemption signal (SIGTERM, SIGUSR1) to a command, raised where the command is, as Ctrl-C's KeyboardInterrupt
+    is: its writers remove what they had half-written on the way out."""
+
+
+@contextlib.contextmanager
+def _preemption_unwinds() -> Iterator[None]:
+    """SIGTERM and SIGUSR1 raise _Stopped in the command, instead of their default action (the process ends where it
+    is: a temporary left for the next writer to sweep, no word, status 143 or 138). Not in a rank (train/lifetime.py
+    answers there, from its process group on: before it, a Python handler could not run while the rendezvous blocks),
+    and not in a thread of a program that called the CLI (only the main thread may install handlers)."""
+    if inside_launch() or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame) -> None:
+        raise _Stopped(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, stop) for sig in PREEMPTION_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if signal.getsignal(sig) is stop:  # else the launch's handlers (torchrun's) took over: theirs stay
+                signal.signal(sig, handler)
+
+
 class Commands(click.Group):
     """The command group; a path the user chose that cannot be read or written (a folder without permission, a
     read-only or full disk, a file where a folder must be) is one message naming the path, exit status 2, whichever
     command met it: checked by each command where it can be before any work, and here for what only the attempt
-    finds."""
+    finds. Ctrl-C in any command is one line and INTERRUPTED (click's own answer is "Aborted!" and status 1), a
+    preemption signal one line and PREEMPTED (a run's own answers are train/lifetime.py's and the launcher's): every
+    writer removes what it had half-written on the way out (files.py: write_with, atomic_folder), so the same
+    command can simply run again."""
 
     def invoke(self, ctx):
+        def command() -> str:  # the command's name is known once click has parsed it
+            return f"{ctx.command_path} {ctx.invoked_subcommand or ''}".rstrip()
+
         try:
-            return super().invoke(ctx)
+            with _preemption_unwinds():
+                return super().invoke(ctx)
+        except KeyboardInterrupt:
+            if not inside_launch():  # in a rank still starting: the launcher says it, once for all of them
+                click.echo(f"{command()}: interrupted (Ctrl-C); nothing half-written was left: run the same command "
+                           "again", err=True)
+            sys.exit(INTERRUPTED)
+        except _Stopped as stopped:
+            click.echo(f"{command()}: preempted ({stopped.args[0]}); nothing half-written was left: run the same "
+                       "command again", err=True)
+            sys.exit(PREEMPTED)
         except OSError as e:
             if e.errno not in USER_PATH_ERRORS or not e.filename:
                 raise

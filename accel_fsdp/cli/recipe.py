@@ -249,41 +249,43 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
         print_plan(r, accelerate_config, gpu_memory)
         return
 
-    if os.environ.pop(DIE_WITH_PARENT_ENV, None):
-        die_with_launcher()  # a probe of verify, a run of bench: it ends with them, its ranks with it
-    config, n, why = load_config_or_default(accelerate_config)
-    if num_processes is not None:
-        config.values["num_processes"] = n = num_processes
-    if cpu:
-        config.values["use_cpu"] = True  # as the ranks will read it (--cpu reaches them)
-    machine = MachineOptions(machine_rank, main_process_ip, main_process_port, num_machines, rendezvous_timeout)
-    machine.apply(config)
-    raise_if(check_accelerate_config(config), f"{config.label} with these options has problems")
-    machines, rank = int(config.get("num_machines", 1) or 1), int(config.get("machine_rank", 0) or 0)
-    main_machine = rank == 0
-    # Only the main machine looks at the (shared) run folder: the others would race with its ranks writing there.
-    report = preflight(r, config, num_processes=n, run_dir=run_dir if main_machine else None, resume=resume,
-                       resume_from=resume_from, overwrite=overwrite, check_hub=True, cpu_option=True,
-                       accept_data_change=accept_data_change)
-    if window and report.total_steps is not None and window.first > report.total_steps:
-        # Known before launch, where the profiler would only say so after the whole run (train/profiling.py close).
-        raise UserError(Problem("--profile", f"steps {window} begin after the run's {report.total_steps:,} optimizer "
-                                "steps: nothing would be profiled",
-                                f"give steps between 1 and {report.total_steps:,}, e.g. --profile "
-                                f"{min(5, report.total_steps)}-{min(6, report.total_steps)}"))
-    where = (f" ({report.num_processes // machines} on this machine, machine_rank {rank} of {machines})"
-             if machines > 1 else "")
-    click.echo(f"accel-fsdp: launching {report.num_processes} process(es){where} with {config.label}"
-               + ("" if why == "given" else f" ({why})"), err=True)
-    for note in report.notes:
-        click.echo(f"note: {note}", err=True)
-    # The ranks run this same command: what the user gave, with the paths the ranks must not resolve again (they
-    # may start elsewhere) made absolute, and without what the launcher alone consumes.
-    argv = child_argv(click.get_current_context(), parent_only=LAUNCHER_OPTIONS, given={
-        "name_or_path": str(Path(r.source).absolute()), "output_dir": str(run_dir),
-        "resume_from": str(Path(resume_from).absolute()) if resume_from else None})
-    # Through the module: tests replace `launcher.launch` to see what would be launched.
-    sys.exit(launcher.launch(config, argv, num_processes=n, machine=machine, run_dir=run_dir))
+    if DIE_WITH_PARENT_ENV in os.environ:
+        die_with_launcher(DIE_WITH_PARENT_ENV)  # a probe of verify, a run of bench: it ends with them, its ranks too
+        del os.environ[DIE_WITH_PARENT_ENV]
+    with launcher.preemption_answered_until_launch():  # the checks before it can take minutes
+        config, n, why = load_config_or_default(accelerate_config)
+        if num_processes is not None:
+            config.values["num_processes"] = n = num_processes
+        if cpu:
+            config.values["use_cpu"] = True  # as the ranks will read it (--cpu reaches them)
+        machine = MachineOptions(machine_rank, main_process_ip, main_process_port, num_machines, rendezvous_timeout)
+        machine.apply(config)
+        raise_if(check_accelerate_config(config), f"{config.label} with these options has problems")
+        machines, rank = int(config.get("num_machines", 1) or 1), int(config.get("machine_rank", 0) or 0)
+        main_machine = rank == 0
+        # Only the main machine looks at the (shared) run folder: the others would race with its ranks writing there.
+        report = preflight(r, config, num_processes=n, run_dir=run_dir if main_machine else None, resume=resume,
+                           resume_from=resume_from, overwrite=overwrite, check_hub=True, cpu_option=True,
+                           accept_data_change=accept_data_change)
+        if window and report.total_steps is not None and window.first > report.total_steps:
+            # Known before launch, where the profiler would only say so after the whole run (train/profiling.py close).
+            raise UserError(Problem("--profile", f"steps {window} begin after the run's {report.total_steps:,} "
+                                    "optimizer steps: nothing would be profiled",
+                                    f"give steps between 1 and {report.total_steps:,}, e.g. --profile "
+                                    f"{min(5, report.total_steps)}-{min(6, report.total_steps)}"))
+        where = (f" ({report.num_processes // machines} on this machine, machine_rank {rank} of {machines})"
+                 if machines > 1 else "")
+        click.echo(f"accel-fsdp: launching {report.num_processes} process(es){where} with {config.label}"
+                   + ("" if why == "given" else f" ({why})"), err=True)
+        for note in report.notes:
+            click.echo(f"note: {note}", err=True)
+        # The ranks run this same command: what the user gave, with the paths the ranks must not resolve again (they
+        # may start elsewhere) made absolute, and without what the launcher alone consumes.
+        argv = child_argv(click.get_current_context(), parent_only=LAUNCHER_OPTIONS, given={
+            "name_or_path": str(Path(r.source).absolute()), "output_dir": str(run_dir),
+            "resume_from": str(Path(resume_from).absolute()) if resume_from else None})
+        # Through the module: tests replace `launcher.launch` to see what would be launched.
+        sys.exit(launcher.launch(config, argv, num_processes=n, machine=machine, run_dir=run_dir))
 
 
 LAUNCHER_OPTIONS = frozenset({"accelerate_config", "num_processes", "num_machines", "machine_rank", "main_process_ip",

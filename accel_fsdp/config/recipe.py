@@ -38,15 +38,18 @@ class LoraConfig:
     """Parameter-efficient fine-tuning with PEFT LoRA adapters."""
 
     enabled: bool = False
-    """Train LoRA adapters instead of all weights."""
+    """Train LoRA adapters instead of all weights: each target layer computes W x + (alpha / r) B A dropout(x), the
+    base W frozen; only A (r x in, drawn as nn.Linear's weight from training.seed + 1) and B (out x r, zeros) train."""
     r: int = 16
     """Rank of the adapter matrices."""
     alpha: int = 32
-    """Scaling numerator: the adapter output is multiplied by alpha / r."""
+    """Scaling numerator: the adapter output is multiplied by alpha / r (not rsLoRA's alpha / sqrt(r))."""
     dropout: float = 0.0
-    """Dropout on the adapter input."""
+    """Dropout on the adapter input x (the base layer sees x whole); preference tuning turns it off (docs/PREFERENCE.md:
+    preference.keep_dropout keeps it)."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
-    """Names of the Linear modules that get adapters (GPT-2: c_attn; Llama: q_proj, k_proj, v_proj, o_proj...)."""
+    """Names of the Linear modules that get adapters, in every block: a module whose name ends in one of them (GPT-2:
+    c_attn; Llama: q_proj, k_proj, v_proj, o_proj...)."""
 
 
 QUANTIZE_METHODS = ("nf4",)
@@ -223,26 +226,32 @@ class TrainingConfig:
     max_steps: int | None = None
     """Optimizer steps to run. Exclusive with epochs."""
     epochs: float | None = None
-    """Passes over the training sequences (may be fractional). Used when max_steps is not set; default 1."""
+    """Passes over the training sequences (may be fractional). Used when max_steps is not set; default 1: the run
+    takes ceil(epochs x training sequences / global_batch_size) optimizer steps (at least 1)."""
     lr: float = 2e-5
     """Peak learning rate (AdamW)."""
     min_lr_ratio: float = 0.1
-    """r: after warm-up, optimizer step s of N uses lr x (r + (1 - r) x shape(p)), p = (s - 1 - warmup_steps) /
-    (N - warmup_steps); the last step's p is 1 - 1 / (N - warmup_steps), as in transformers' and torchtune's."""
+    """r: after warm-up, optimizer step s of the run's N (max_steps, or as `epochs` says) uses lr x (r + (1 - r) x
+    shape(p)), p = (s - 1 - warmup_steps) / (N - warmup_steps); the last step's p is 1 - 1 / (N - warmup_steps), as in
+    transformers' and torchtune's."""
     warmup_steps: int = 0
     """W: optimizer step s <= W uses lr x s / (W + 1) (nanoGPT's linear warm-up: no step at 0), step W + 1 uses lr."""
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warm-up: shape(p) = (1 + cos(pi p)) / 2 (cosine), 1 - p (linear), or lr throughout (constant)."""
     weight_decay: float = 0.0
-    """AdamW decoupled weight decay, applied to matrices only (not to biases, norms and embeddings' bias)."""
+    """wd: AdamW's decoupled decay. Before its update, optimizer step s multiplies every trainable parameter of 2 or
+    more dimensions by 1 - lr_s x wd: the linear layers' and the embeddings' matrices (a tied output projection is its
+    embedding), LoRA's A and B; never biases and norm weights (nanoGPT's rule)."""
     adam_beta1: float = 0.9
     """AdamW beta1."""
     adam_beta2: float = 0.95
     """AdamW beta2."""
     adam_eps: float = 1e-8
-    """AdamW epsilon."""
+    """AdamW epsilon. Step s moves a parameter by -lr_s m^ / (sqrt(v^) + eps), m^ = m / (1 - beta1^s), v^ = v / (1 -
+    beta2^s) (torch.optim.AdamW), m and v the moving averages of the clipped gradient and its square, from 0."""
     max_grad_norm: float | None = 1.0
-    """Clip the global gradient norm to this value (FSDP-aware). null disables clipping."""
+    """c: the gradient of the step's loss (the whole global batch, every trainable parameter, over all ranks) is
+    multiplied by min(1, c / (norm + 1e-6)), norm its L2 norm (torch.nn.utils.clip_grad_norm_). null: no clipping."""
     seed: int = 42
     """Seed for weights created from scratch, data order, and dropout."""
     mixed_precision: Literal[precision.TRAINING] | None = None

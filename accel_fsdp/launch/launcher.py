@@ -8,6 +8,7 @@ so the ranks read the same file and name it in their messages.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +28,11 @@ from accel_fsdp.hardware import gloo_interface, network_interfaces, usable_cores
 from accel_fsdp.layout import PREEMPTED_FILE, finished_since
 from accel_fsdp.train.lifetime import (
     CRASHED,
+    INTERRUPTED,
+    LAUNCHER_PID_ENV,
     PEER_FAILED,
     PREEMPTED,
+    PREEMPTION_SIGNALS,
     RANK_RECORDS_ENV,
     STOPPED,
     TIMED_OUT,
@@ -94,9 +99,16 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
     args += ["-m", "accel_fsdp", *argv]
     parsed = launch_command_parser().parse_args(args)
     os.environ[CONFIG_PATH_ENV] = str(config.path.resolve())
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the parent every rank must find (train/lifetime.py)
     os.environ.update(launcher_environment(os.environ))
-    # torchrun's agent logs every child failure with a banner; our ranks already said what went wrong.
-    for name in ("torch.distributed.elastic", "torch.distributed.run", "accelerate"):
+    # torchrun's agent logs every child failure with a banner, and a signal it forwards with a line ("Received 10
+    # death signal, shutting down workers"); our ranks and _preempted already say what happened. Its modules' loggers
+    # carry levels of their own (torch/distributed/elastic/utils/logging.py, get_logger sets one: WARNING unless
+    # LOGLEVEL; torch 2.13.0), which a parent's level does not override: each one is set, its module imported first.
+    import torch.distributed.elastic.agent.server.api  # noqa: F401
+
+    quiet = ("torch.distributed.elastic", "torch.distributed.run", "accelerate")
+    for name in (*quiet, *(n for n in list(logging.Logger.manager.loggerDict) if n.startswith(quiet))):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     first = int(config.get("machine_rank", 0) or 0) * per_machine
     # Where a rank that ends early says why (train/lifetime.py): this launch's alone, read once the ranks are gone.
@@ -106,6 +118,7 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
         return _launch(parsed, config, machine, run_dir, records, range(first, first + per_machine))
     finally:
         os.environ.pop(RANK_RECORDS_ENV, None)
+        os.environ.pop(LAUNCHER_PID_ENV, None)
         shutil.rmtree(records.folder, ignore_errors=True)
 
 
@@ -143,8 +156,12 @@ def _launch(parsed, config: AccelerateConfig, machine: MachineOptions, run_dir: 
             return early
         if 2 in codes.values():
             return 2  # a user error, already explained by a rank
-        if all(code == PREEMPTED for code in codes.values()):
-            return _preempted(None, run_dir, started)  # a rank got the signal; the ranks checkpointed
+        preemption = preemption_of_ranks(codes)
+        if preemption is not None:
+            return _preempted(preemption or None, run_dir, started)
+        interrupted = sorted(rank for rank, code in codes.items() if code == INTERRUPTED)
+        if interrupted:  # Ctrl-C (SIGINT) to a rank alone, which stopped; the others followed it
+            return _interrupted(f"SIGINT to {_ranks(interrupted)}")
         for rank, code in sorted(codes.items()):
             if code < 0:
                 print(f"error: rank {rank} was killed by {signal.Signals(-code).name}", file=sys.stderr)
@@ -152,6 +169,23 @@ def _launch(parsed, config: AccelerateConfig, machine: MachineOptions, run_dir: 
                 print(f"error: rank {rank} exited with status {code} (see its output above)", file=sys.stderr)
         return 1
     return 0
+
+
+def preemption_of_ranks(codes: dict[int, int]) -> str | None:
+    """The ranks' exit statuses as a preemption: "" when they checkpointed (PREEMPTED; the marker names the signal),
+    the signals that ended ranks before they could answer them ("SIGUSR1 to rank 1"), or None when something else
+    ended the run. A rank answers SIGTERM and SIGUSR1 from its process group on (train/setup.py); before that, while
+    it starts, with nothing to save yet, the signal's default action ends it, and torchrun's agent then ends the
+    others with SIGTERM (or they stop, PEER_FAILED, when a collective finds a peer gone)."""
+    by_signal: dict[str, list[int]] = {}
+    for rank, code in sorted(codes.items()):
+        if code < 0 and signal.Signals(-code) in PREEMPTION_SIGNALS:
+            by_signal.setdefault(signal.Signals(-code).name, []).append(rank)
+        elif code not in (PREEMPTED, PEER_FAILED):
+            return None
+    if not by_signal:
+        return "" if PREEMPTED in codes.values() else None
+    return ", ".join(f"{name} to {_ranks(ranks)}" for name, ranks in by_signal.items())
 
 
 def ended_early(records: dict[int, RankRecord], local_ranks: range, machines: int) -> int | None:
@@ -251,6 +285,27 @@ def wait_for_main(host: str, port: int, *, timeout: float, interval: float = 0.2
                             "machines; --rendezvous-timeout waits longer"))
 
 
+@contextlib.contextmanager
+def preemption_answered_until_launch() -> Iterator[None]:
+    """In the launcher, until torchrun's agent takes SIGTERM and SIGUSR1 over (it installs its own handlers before it
+    starts the ranks: torch/distributed/elastic/multiprocessing/api.py, PContext.start; torch 2.13.0): a preemption
+    signal during the checks before a launch ends the command there with PREEMPTED and the line a preemption during
+    training gives, unwinding (what was half-written is removed), instead of the signal's default action (status 143
+    or 138, which a requeueing script does not take for a preemption: the job would be lost). The handlers before
+    are put back on the way out where they are still ours."""
+
+    def on_signal(signum, frame) -> None:
+        sys.exit(_preempted(signal.Signals(signum).name, None))
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in PREEMPTION_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if signal.getsignal(sig) is on_signal:
+                signal.signal(sig, handler)
+
+
 def _preempted(name: str | None, run_dir: Path | None, started: float = 0.0) -> int:
     """A preemption signal (to this launcher, which forwarded it, or to a rank) ended the launch. If the ranks had
     finished the run first (the signal came during the last moments, or as the job ended), the run is done: 0, so a
@@ -272,14 +327,17 @@ def _preempted(name: str | None, run_dir: Path | None, started: float = 0.0) -> 
             pass
     # --resume auto, not --resume: a signal before the first checkpoint (or before the run folder) leaves nothing
     # that --resume could continue, and auto then starts the run again.
-    print(f"preempted ({name}){where}. Continue with the same command and --resume auto.", file=sys.stderr)
+    print(f"preempted ({name or 'a preemption signal'}){where}. Continue with the same command and --resume auto.",
+          file=sys.stderr)
     return PREEMPTED
 
 
 def _interrupted(name: str) -> int:
-    print(f"interrupted ({name}): the ranks were stopped. Run the same command with --resume to continue from the "
-          "newest complete checkpoint.", file=sys.stderr)
-    return 128 + getattr(signal, name, signal.SIGINT).value
+    # --resume auto, as after a preemption: an interruption before the first checkpoint leaves nothing that --resume
+    # could continue (it refuses), and auto then starts the run again.
+    print(f"interrupted ({name}): the ranks were stopped. Continue with the same command and --resume auto (from the "
+          "newest complete checkpoint, if any).", file=sys.stderr)
+    return 128 + getattr(signal, name.split()[0], signal.SIGINT).value
 
 
 def _is_timeout(e: BaseException) -> bool:

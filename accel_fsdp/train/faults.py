@@ -7,7 +7,10 @@ Kinds:
   enospc-in-save:N  raise "No space left on device" while writing the checkpoint of step N.
   enospc-in-export:N  raise "No space left on device" while writing the final export of step N's checkpoint (after
                   its weights, before the rename).
-  sigterm:N       send SIGTERM to this rank right after optimizer step N (a preemption of one rank).
+  sigterm:N       send SIGTERM to this rank right after optimizer step N (a preemption of one rank); N 0: as the
+                  rank's setup begins, after its imports and before its process group (a preemption during a start).
+  sigusr1:N       the same with SIGUSR1 (SLURM's warning signal, whose default action ends a process).
+  sigint:N        send SIGINT to this rank right after optimizer step N (Ctrl-C to one rank alone: `kill -INT`).
   sigusr1-launcher:N  send SIGUSR1 to the launcher (this rank's parent) after optimizer step N (SLURM's warning).
   hang:N          stop making progress after optimizer step N (sleep), as a stuck rank would.
   user-error:N    raise a UserError after optimizer step N on this rank alone (a mistake one rank finds).
@@ -24,8 +27,8 @@ import time
 
 from accel_fsdp.errors import Problem, UserError
 
-KINDS = ("kill", "kill-in-save", "enospc-in-save", "enospc-in-export", "sigterm", "sigusr1-launcher", "hang",
-         "user-error")
+KINDS = ("kill", "kill-in-save", "enospc-in-save", "enospc-in-export", "sigterm", "sigusr1", "sigint",
+         "sigusr1-launcher", "hang", "user-error")
 
 
 class Faults:
@@ -48,8 +51,8 @@ class Faults:
             return
         if self.kind == "kill":
             self._kill(f"after optimizer step {step}")
-        elif self.kind == "sigterm":
-            os.kill(os.getpid(), signal.SIGTERM)
+        elif self.kind in ("sigterm", "sigusr1", "sigint"):
+            os.kill(os.getpid(), signal.Signals[self.kind.upper()])
         elif self.kind == "sigusr1-launcher":
             os.kill(os.getppid(), signal.SIGUSR1)
         elif self.kind == "hang":
@@ -59,6 +62,11 @@ class Faults:
         elif self.kind == "user-error":
             raise UserError(Problem("(injected fault)", "a mistake found by one rank alone after optimizer step "
                                     f"{step}", "nothing to fix: a test fault"))
+
+    def at_start(self) -> None:
+        """Step 0 of `sigterm` and `sigusr1`: the signal as the rank's setup begins."""
+        if self.kind in ("sigterm", "sigusr1"):
+            self.after_step(0)
 
     def in_save(self, step: int) -> None:
         if step != self.step:

@@ -44,6 +44,8 @@ PREEMPTED = 75
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 SHUTDOWN_GRACE_S = 900
 """How long the launcher waits for its ranks to checkpoint after a preemption signal before killing them."""
+INTERRUPTED = 130
+"""Exit status of a process Ctrl-C (SIGINT) stopped: 128 + SIGINT, as a shell reports it."""
 PEER_FAILED = 3
 """Exit status of a rank that stopped because another rank failed first: it says nothing, the other rank's record
 (or its own output) says why."""
@@ -52,19 +54,26 @@ RANK_RECORDS_ENV = "ACCEL_FSDP_RANK_RECORDS"
 
 
 DIE_WITH_PARENT_ENV = "ACCEL_FSDP_DIE_WITH_PARENT"
-"""Set by a command for the `accel-fsdp recipe run` it starts (verify's probes, bench's runs): that launcher dies with
-the command (`die_with_launcher`: SIGKILL included), and its ranks with it. Else a verify killed and run again would
-share its probes' folders with the orphaned probes of the first, still training into them."""
+"""Set by a command for the `accel-fsdp recipe run` it starts (verify's probes, bench's runs), to the command's PID:
+that launcher dies with the command (`die_with_launcher`: SIGKILL included), and its ranks with it. Else a verify
+killed and run again would share its probes' folders with the orphaned probes of the first, still training into
+them."""
+LAUNCHER_PID_ENV = "ACCEL_FSDP_LAUNCHER_PID"
+"""Set by our launcher for its ranks: its PID, the parent each rank must find (`die_with_launcher`)."""
 
 
 def tied_to_this_process(env: dict[str, str]) -> dict[str, str]:
     """The environment of a child `accel-fsdp recipe run` that must not outlive this process."""
-    return {**env, DIE_WITH_PARENT_ENV: "1"}
+    return {**env, DIE_WITH_PARENT_ENV: str(os.getpid())}
 
 
-def die_with_launcher() -> None:
-    """In a rank: be killed when the process that started this one (the launcher's agent) dies."""
-    parent = os.getppid()
+def die_with_launcher(parent_env: str = LAUNCHER_PID_ENV) -> None:
+    """In a rank (or a launcher a command started): be killed when the process that started this one dies. The PID
+    that process gave in `parent_env` is the parent this one must have: a parent killed while this process was still
+    starting (its imports take seconds) left it to init, where the kernel's parent-death signal would never come and it
+    would train on alone. Without the variable (a stock launcher's rank), the parent it has now."""
+    given = os.environ.get(parent_env, "")
+    parent = int(given) if given.isdigit() else os.getppid()
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -396,7 +405,7 @@ def run_rank(train) -> None:
                   "command and --resume (or --resume auto)", file=sys.stderr)
         leave(PREEMPTED)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank; the launcher says what to do next
-        leave(130)
+        leave(INTERRUPTED)
     except Exception as e:
         why = collective_failure(e)
         if why is not None:

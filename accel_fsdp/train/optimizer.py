@@ -9,19 +9,35 @@ from __future__ import annotations
 import torch
 
 
-def build_optimizer(model, recipe, settings) -> torch.optim.AdamW:
-    """AdamW with decoupled weight decay on matrices only (not on biases and norm weights).
+def build_optimizer(model, recipe, settings, decayed: frozenset[str] | None = None) -> torch.optim.AdamW:
+    """AdamW with decoupled weight decay on the parameters `decayed` names (default: `decayed_names(model)`), not on
+    the others (biases, norm weights).
 
     The fused kernel runs wherever the parameters are: on the GPU, and on the CPU (torch 2.13 has a CPU fused
     AdamW; with FSDP2 DTensor shards it measured 4x faster per step than the default foreach path on 2 CPU
     ranks), so also for CPU offload, where the step runs on the host."""
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
     t = recipe.training
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    decayed = decayed_names(model) if decayed is None else decayed
+    trainable = [(clean_tensor_name(name), p) for name, p in model.named_parameters() if p.requires_grad]
+    decay = [p for name, p in trainable if name in decayed]
+    no_decay = [p for name, p in trainable if name not in decayed]
     return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
                              lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                              fused=fused_optimizer(settings))
+
+
+def decayed_names(model) -> frozenset[str]:
+    """The trainable parameters weight decay applies to (training.weight_decay): those of 2 or more dimensions (the
+    linear layers' and embeddings' matrices), by name without FSDP1's and activation checkpointing's wrapper prefixes.
+    Read before FSDP1 wraps the model: it turns every parameter into a 1-D view of its rank's shard (torch 2.13.0
+    fsdp/_flat_param.py `_use_sharded_views`: "the views are kept as flattened"), so their shapes would decay none.
+    FSDP2's DTensors keep their global shapes."""
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    return frozenset(clean_tensor_name(name) for name, p in model.named_parameters() if p.requires_grad and p.ndim >= 2)
 
 
 def fused_optimizer(settings) -> bool:

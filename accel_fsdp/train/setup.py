@@ -67,14 +67,15 @@ from accel_fsdp.train.checkpointing import Checkpointer
 from accel_fsdp.train.cpu_fsdp import check_sharded
 from accel_fsdp.train.evaluate import Evaluator
 from accel_fsdp.train import probes
+from accel_fsdp.train.faults import Faults
 from accel_fsdp.train.hooks import NO_SWITCHES, TestHooks, TestSwitches, substituted
 from accel_fsdp.train.knobs import Knobs, after_sharding, before_sharding, compile_now
-from accel_fsdp.train.lifetime import WHEREABOUTS, Preemption, doing
+from accel_fsdp.train.lifetime import WHEREABOUTS, Preemption, doing, rank
 from accel_fsdp.train.loading import agreed_base, leave_nf4_unsharded, load_streamed, read_digests, streams_weights
 from accel_fsdp.train.methods import LossIndex, LossPath, Objective, build_loss_path, build_objective
 from accel_fsdp.train.metrics import MetricsWriter, StartupClock, flops_per_token
 from accel_fsdp.train.observe import Terminal, TrainLogger
-from accel_fsdp.train.optimizer import build_optimizer, lr_schedule, offload_threads
+from accel_fsdp.train.optimizer import build_optimizer, decayed_names, lr_schedule, offload_threads
 from accel_fsdp.train.profiling import ProfileWindow, StepProfiler
 from accel_fsdp.train.reference import build_reference
 from accel_fsdp.train.sharding import ShardingRecord, check_same_layout
@@ -320,9 +321,11 @@ def build_sharded_model(recipe, engine: Engine, config, clock: StartupClock | No
     # rank 0's drawn adapters, whole, for the stream (the other ranks' are unwritten)
     adapters = adapters_to_send(model) if streaming and accelerator.is_main_process else None
     if settings.fsdp_version.value == 1:
-        # FSDP1 replaces the parameters when it wraps the model: the optimizer is built from the wrapped one.
+        # FSDP1 replaces the parameters when it wraps the model: the optimizer is built from the wrapped one, the
+        # parameters it decays chosen by their shapes before wrapping flattens them.
+        decayed = decayed_names(model)
         model = accelerator.prepare(model)
-        optimizer = accelerator.prepare(build_optimizer(model, recipe, settings))
+        optimizer = accelerator.prepare(build_optimizer(model, recipe, settings, decayed))
     else:
         # FSDP2 takes both at once and swaps the optimizer's parameters for the sharded DTensors.
         leave_nf4_unsharded(accelerator, model, settings)
@@ -350,6 +353,7 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
     # The one read of the test switches (fault injection, `verify`'s broken properties): below, plain parameters or
     # substituted parts (train/hooks.py).
     switches = TestSwitches.from_env()
+    Faults(switches.fault, rank()).at_start()
     recipe = request.recipe
     doing("the creation of the process group")
     engine = start_engine(recipe, run_dir=request.run_dir, trackers=recipe.logging.trackers, switches=switches,
