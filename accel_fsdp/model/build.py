@@ -205,7 +205,7 @@ def load_pretrained(folder, *, where: str, fix: str, **kwargs):
     wrong += [f"{name} is {list(stored)} in the files but {list(built)} in the model config.json builds"
               for name, stored, built in sorted(info["mismatched_keys"], key=str)]
     if wrong:
-        raise UserError(Problem(where, f"the weights do not fit the model its config.json describes: "
+        raise UserError(Problem(where, "the weights do not fit the model its config.json describes: "
                                 + "; ".join(wrong[:4]) + (f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else ""),
                                 fix))
     return model
