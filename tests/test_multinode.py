@@ -138,6 +138,16 @@ def test_slurm_script_checks_batch_and_layout_when_generated(tmp_path):
     assert "'1 day' is not a SLURM time" in result.output
 
 
+def test_a_slurm_job_of_cpu_ranks_asks_for_no_gpus_and_says_cpu_ranks(tmp_path):
+    """The CPU config's job: no --gres line, and the summary counts CPU ranks (it said "GPUs" where there are none)."""
+    for config, ranks in (("fsdp_cpu", "CPU ranks"), ("fsdp_2gpu", "GPUs")):
+        script = tmp_path / f"{config}.sbatch"
+        out = run_in_process("slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "2", "--accelerate-config",
+                             config, "--output-dir", tmp_path / "run", "-o", script, check=0).stdout
+        assert f"2 node(s) x 2 {ranks}, global batch 32 = micro 4 x 4 {ranks} x 2 accumulation steps" in out, out
+        assert ("#SBATCH --gres=gpu:2" in script.read_text()) == (ranks == "GPUs")
+
+
 def slurm_stand_ins(tmp_path: Path) -> tuple[dict, Path]:
     """srun and scontrol for one node with 2 CPU ranks; scontrol records requeues."""
     bin_dir = tmp_path / "bin"

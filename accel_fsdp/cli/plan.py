@@ -169,6 +169,8 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     write_atomic(script, text)
     script.chmod(0o755)
     k = t.accumulation_steps(nodes * gpus_per_node)
-    click.echo(f"wrote {script}: {nodes} node(s) x {gpus_per_node} GPU(s), global batch {t.global_batch_size} = micro "
-               f"{t.micro_batch_size} x {nodes * gpus_per_node} GPUs x {k} accumulation steps; run folder {run_dir}")
+    ranks = "CPU ranks" if str(config.get("use_cpu", False)).lower() == "true" else "GPUs"  # as render() decides
+    click.echo(f"wrote {script}: {nodes} node(s) x {gpus_per_node} {ranks}, global batch {t.global_batch_size} = "
+               f"micro {t.micro_batch_size} x {nodes * gpus_per_node} {ranks} x {k} accumulation steps; run folder "
+               f"{run_dir}")
     click.echo(f"submit with: sbatch {script}")
