@@ -130,10 +130,12 @@ def train(recipe: Path, folder: Path, sets: list[str], cpu: bool, ranks: int, ru
     """One row's run; `run` is gpu_check's subprocess runner under its time budget (plain subprocess.run if None)."""
     import json
 
+    from accel_fsdp.config.binder import later_wins
+
     argv = [sys.executable, "-m", "accel_fsdp", "recipe", "run", str(recipe), "--output-dir", str(folder),
             "--overwrite", "--benchmark", "--num-processes", str(ranks), *(["--cpu"] if cpu else []),
             "--profile", profile_window(steps)]
-    for item in sets:
+    for item in later_wins(sets):  # each row adds to the one above: a later value replaces an earlier
         argv += ["--set", item]
     if run is None:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=1200, cwd=REPO)

@@ -7,7 +7,7 @@ import click
 
 from accel_fsdp.config.recipe import load_recipe as read_recipe
 from accel_fsdp.config.shipped import display, resolve_recipe
-from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.launch.launcher import inside_launch
 
 SET_HELP = "Override a recipe key, typed as YAML: --set training.lr=3e-4 --set model.lora.enabled=true (repeatable)."
 CPU_HELP = ("Run a GPU accelerate config on CPU ranks (gloo), on purpose: to try its sharding, wrapping and "
@@ -18,18 +18,24 @@ CONFIG_HELP = ("Accelerate config: a shipped name (fsdp_2gpu) or a path. Default
 
 
 def _overrides_given_once(ctx, param, overrides: tuple[str, ...]) -> tuple[str, ...]:
-    """The user's --set items, refused where one key is given twice with two values: which one the user meant is
-    not ours to guess (a recipe file's key given twice is refused alike: config/yaml_file.py)."""
-    first: dict[str, str] = {}
+    """The user's --set items, applied in order, so a key given twice takes its later value, as argparse and
+    OmegaConf overrides do (a script's base flags followed by one run's change), and said in one note when the two
+    values differ, never silently. (A recipe file's key given twice is refused: a file states each key once,
+    config/yaml_file.py.) The note is the launching process's: the ranks parse the same command line."""
+    given: dict[str, str] = {}
+    changed: dict[str, list[str]] = {}
     for item in overrides:
         if "=" not in item:
             continue  # said by the recipe loader, with every other problem
         key, _, value = item.partition("=")
         key = key.strip()
-        if key in first and first[key] != value:
-            raise UserError(Problem(f"--set {key}", f"is given twice ({first[key]!r}, then {value!r})",
-                                    f"give --set {key}=... once, with the value you mean"))
-        first.setdefault(key, value)
+        if key in given and given[key] != value:
+            changed.setdefault(key, [given[key]]).append(value)
+        given[key] = value
+    if changed and not inside_launch():
+        for key, values in changed.items():
+            click.echo(f"note: --set {key} is given {len(values)} times ({', '.join(map(repr, values))}): the last, "
+                       f"{values[-1]!r}, is used", err=True)
     return overrides
 
 

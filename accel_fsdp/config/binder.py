@@ -92,8 +92,8 @@ def _entry_example(cls) -> str:
 
 def later_wins(items: list[str]) -> list[str]:
     """--set items a tool composes (the user's, then its own) with each key once, its last value kept, in the order
-    the kept ones came: a command refuses one key given twice with two values (cli/options.py), which the user must
-    not be able to do by accident, while a tool's own later value is meant to replace the user's."""
+    the kept ones came: a command notes a key given twice with two values (cli/options.py), which is for the user's
+    own mistakes, while a tool's own later value is meant to replace the user's, without a word."""
     kept, seen = [], set()
     for item in reversed(items):
         key = item.partition("=")[0].strip()
