@@ -296,7 +296,8 @@ def test_consolidating_missing_corrupt_or_empty_input(tmp_path, reference):
     manifest["crc32"][f"pytorch_model_fsdp_0/{shard.name}"] = crc32_of(shard)
     (broken / "manifest.json").write_text(json.dumps(manifest))
     msg = run_in_process("checkpoint", "consolidate", broken, tmp_path / "out", check=2).stderr
-    assert "a shard of pytorch_model_fsdp_0 cannot be read (UnpicklingError" in msg and "Traceback" not in msg, msg
+    # (which error torch's unpickler meets depends on the random bytes: UnpicklingError, UnicodeDecodeError...)
+    assert "a shard of pytorch_model_fsdp_0 cannot be read (" in msg and "Traceback" not in msg, msg
     (tmp_path / "empty-run").mkdir()
     msg = run_in_process("checkpoint", "consolidate", tmp_path / "empty-run", tmp_path / "out", check=2).stderr
     assert "no complete checkpoint found" in msg

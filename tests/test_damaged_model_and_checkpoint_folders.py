@@ -197,8 +197,9 @@ def test_a_shard_torch_cannot_read_is_a_damaged_checkpoint_not_a_traceback(tmp_p
     dcp.save({"w": torch.ones(64)}, checkpoint_id=str(shards), no_dist=True)
     for shard in shards.glob("*.distcp"):
         shard.write_bytes(os.urandom(shard.stat().st_size))
+    # which error torch meets (UnpicklingError, UnicodeDecodeError...) depends on the random bytes
     with pytest.raises(DamagedRecord, match=r"step-000002: incomplete or corrupt checkpoint: a shard of "
-                                            r"pytorch_model_fsdp_0 cannot be read \(UnpicklingError") as e:
+                                            r"pytorch_model_fsdp_0 cannot be read \(") as e:
         with damaged_if_unreadable(shards.parent, "a shard of pytorch_model_fsdp_0"):
             dcp.load({"w": torch.empty(64)}, checkpoint_id=str(shards), no_dist=True)
     assert "use an earlier complete checkpoint" in str(e.value)
