@@ -25,6 +25,17 @@ def test_the_first_rank_of_a_machine_to_claim_a_message_says_it(tmp_path, monkey
     assert lifetime._first_on_this_machine("ghi") is None  # not a launched rank: nothing to claim
 
 
+def test_claims_of_launches_long_over_are_swept_by_the_next_claim(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    gone, recent = tmp_path / "accel-fsdp-said-1-old", tmp_path / "accel-fsdp-said-2-recent"
+    gone.touch(), recent.touch()
+    old = time.time() - 2 * lifetime.CLAIM_SECONDS
+    os.utime(gone, (old, old))
+    assert lifetime._first_on_this_machine("abc") is True
+    assert sorted(p.name.rsplit("-", 1)[-1] for p in tmp_path.iterdir()) == ["abc", "recent"]
+
+
 def test_in_a_launched_rank_the_recipe_is_read_where_a_mistake_is_said_once(monkeypatch, tmp_path):
     """The recipe and the command line are checked inside `run_rank` (end_with_user_error: once for all ranks), not
     before it (click: every rank)."""

@@ -17,7 +17,7 @@ CONFIG_HELP = ("Accelerate config: a shipped name (fsdp_2gpu) or a path. Default
                "GPU, else fsdp_1gpu with one process per local GPU.")
 
 
-def _overrides_given_once(ctx, param, overrides: tuple[str, ...]) -> tuple[str, ...]:
+def _note_keys_given_twice(ctx, param, overrides: tuple[str, ...]) -> tuple[str, ...]:
     """The user's --set items, applied in order, so a key given twice takes its later value, as argparse and
     OmegaConf overrides do (a script's base flags followed by one run's change), and said in one note when the two
     values differ, never silently. (A recipe file's key given twice is refused: a file states each key once,
@@ -42,7 +42,7 @@ def _overrides_given_once(ctx, param, overrides: tuple[str, ...]) -> tuple[str, 
 def set_option(command):
     """The --set option of every command that loads a recipe."""
     return click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP,
-                        callback=_overrides_given_once)(command)
+                        callback=_note_keys_given_twice)(command)
 
 
 def load_recipe(name_or_path: str, overrides):

@@ -331,7 +331,8 @@ def first_to_say(message: str) -> bool | None:
 
 def _first_on_this_machine(digest: str) -> bool | None:
     """Claim `accel-fsdp-said-<launcher pid>-<digest>` in the temporary folder; one older than a minute is another
-    launch's whose launcher had the same process id, and is claimed anew."""
+    launch's whose launcher had the same process id, and is claimed anew. The rank that claims sweeps the claims of
+    launches that ended more than a minute ago (`_sweep_old_claims`), so the folder does not fill with them."""
     import tempfile
     import time
 
@@ -341,10 +342,11 @@ def _first_on_this_machine(digest: str) -> bool | None:
     for _ in range(2):
         try:
             os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            _sweep_old_claims(claim.parent, time.time() - CLAIM_SECONDS)
             return True
         except FileExistsError:
             try:
-                if time.time() - claim.stat().st_mtime < 60:
+                if time.time() - claim.stat().st_mtime < CLAIM_SECONDS:
                     return False
                 claim.unlink()
             except OSError:
@@ -352,6 +354,21 @@ def _first_on_this_machine(digest: str) -> bool | None:
         except OSError:
             return None
     return False
+
+
+CLAIM_SECONDS = 60
+"""How long a claim to have said a message holds: the ranks of one launch find one another's within it."""
+
+
+def _sweep_old_claims(folder: Path, before: float) -> None:
+    """Remove the `accel-fsdp-said-*` claims last written before `before` (launches long over); a claim another
+    process removes first, or one of another user's, is left to it."""
+    for old in folder.glob("accel-fsdp-said-*"):
+        try:
+            if old.stat().st_mtime < before:
+                old.unlink()
+        except OSError:
+            pass
 
 
 def end_with_user_error(error: UserError, records: RankRecords) -> None:
