@@ -155,7 +155,7 @@ def test_generate_of_a_run_whose_export_lost_files_names_final_and_the_export(go
     shutil.copytree(good_model, run / "final")
     (run / "final" / "config.json").unlink()
     message = user_error("generate", run, "--prompt", "a")
-    assert f"folder '{run / 'final'}' has no config.json" in message and "checkpoint consolidate RUN OUT" in message
+    assert f"{run / 'final'}: has no config.json" in message and "checkpoint consolidate RUN OUT" in message
 
 
 def test_streamed_loading_of_a_folder_without_safetensors_says_so(good_model, tmp_path):
@@ -217,6 +217,9 @@ def test_estimate_reads_a_model_folder_as_validate_does(good_model, tmp_path):
     assert "config.json: n_layer is 'two', not a positive whole number" in user_error("estimate", folder)
     folder = damaged_copy(good_model, tmp_path, "config:model_type=\"bert\"")
     assert "estimate reads GPT-2 and Llama model folders" in user_error("estimate", folder)
+    (tmp_path / "empty").mkdir()
+    message = user_error("estimate", tmp_path / "empty")  # the folder is the message's subject: named once
+    assert message.count("empty") == 1 and "has no config.json" in message, message
 
 
 @pytest.mark.parametrize("damage,expected", [

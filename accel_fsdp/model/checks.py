@@ -210,7 +210,8 @@ def model_folder_problems(where: str, folder: Path) -> list[Problem]:
 
     config = folder / "config.json"
     if not config.is_file():
-        return [Problem(where, f"folder {str(folder)!r} has no config.json, so it is not a Hugging Face model folder",
+        named = "" if Path(where) == folder else f"folder {str(folder)!r} "  # the message names it once
+        return [Problem(where, f"{named}has no config.json, so it is not a Hugging Face model folder",
                         "point it at a folder written by save_pretrained (or `accel-fsdp checkpoint consolidate`), "
                         "or at a hub id")]
     try:
