@@ -112,7 +112,7 @@ def test_a_preemption_of_a_one_process_command_leaves_nothing_half_written_and_s
         main({args!r})
     """)], cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "ACCEL_FSDP_CACHE": str(cache)})
     assert proc.returncode == 75, (proc.returncode, proc.stderr[-3000:])
-    said = f" {args[0]}: preempted ({name}); nothing half-written was left: run the same command again\n"
+    said = f" {command}: preempted ({name}); nothing half-written was left: run the same command again\n"
     assert proc.stderr.endswith(said), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     written = [p for p in (*tmp_path.rglob("*"),) if files.TMP_MARK in p.name or p.name == "half"]

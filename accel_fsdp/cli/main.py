@@ -82,8 +82,17 @@ class Commands(click.Group):
     command can simply run again."""
 
     def invoke(self, ctx):
-        def command() -> str:  # the command's name is known once click has parsed it
-            return f"{ctx.command_path} {ctx.invoked_subcommand or ''}".rstrip()
+        words = [*getattr(ctx, "_protected_args", ()), *ctx.args]  # click empties both as it goes down
+
+        def command() -> str:
+            """The command as the user named it, down to the last group's command (`accel-fsdp tokenizer train`)."""
+            path, group = [ctx.command_path], self
+            for word in words:
+                group = group.commands.get(word) if isinstance(group, click.Group) else None
+                if group is None:
+                    break
+                path.append(word)
+            return " ".join(path)
 
         try:
             with _preemption_unwinds():
