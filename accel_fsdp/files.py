@@ -7,6 +7,7 @@ written under a temporary sibling name and renamed into place, through this modu
     write_atomic(path, text)      a small file, whole or not at all
     write_with(path, write)       a file another library writes (numpy's tofile, save_file...) given a path
     atomic_folder(path)           a folder built under a temporary name, published by one rename when complete
+    scratch_folder(name)          a process's passing files in the temporary folder, swept if it was killed
     discard_folder(path)          a folder deleted whole: renamed aside first, so a kill leaves it whole or gone
 
 Each writer first removes the temporaries of `path` that writers killed half-way left (SIGKILL runs no cleanup), so
@@ -167,6 +168,21 @@ def new_temporary_folder(path: Path | str) -> Path:
     temporary = temporary_sibling(path)
     temporary.mkdir()
     return temporary
+
+
+@contextlib.contextmanager
+def scratch_folder(name: str) -> Iterator[Path]:
+    """A private folder in the system's temporary folder for one process's passing files (`name` says whose:
+    accel-fsdp-bench), removed when done. Those of processes of this host killed before they removed theirs (SIGKILL
+    runs no cleanup; a killed bench leaves its runs' checkpoints) are removed first."""
+    import tempfile
+
+    folder = new_temporary_folder(Path(tempfile.gettempdir()) / name)
+    os.chmod(folder, 0o700)
+    try:
+        yield folder
+    finally:
+        remove(folder)
 
 
 def publish_folder(temporary: Path, path: Path, *, sync: bool = True) -> None:

@@ -5,6 +5,7 @@ interrupted write leaves what was there."""
 from __future__ import annotations
 
 import os
+import socket
 import threading
 
 import numpy as np
@@ -93,8 +94,6 @@ def test_an_interrupted_folder_leaves_the_old_one_whole_and_no_temporary(tmp_pat
 
 
 def test_a_temporary_name_tells_its_writer_and_only_dead_writers_are_swept(tmp_path):
-    import socket
-
     target = tmp_path / "out"
     mine = files.temporary_sibling(target)
     assert files.temporary_writer(mine) == (socket.gethostname(), os.getpid())
@@ -116,3 +115,21 @@ def test_the_one_lock_is_exclusive_and_says_who_holds_it(tmp_path):
     lock.release()
     assert other.holder() is None and other.acquire(wait=False)
     other.release()
+
+
+def test_a_scratch_folder_is_private_removed_after_use_and_swept_after_a_kill(tmp_path, monkeypatch):
+    """bench, the launcher's rank records and the profiler's raw trace use the temporary folder: what a SIGKILLed
+    process left there (a bench's run folders with their checkpoints) goes with the next user of the same kind."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    killed = tmp_path / f".accel-fsdp-bench.tmp-{socket.gethostname()}-999999999-00aa11bb"
+    running = tmp_path / f".accel-fsdp-bench.tmp-{socket.gethostname()}-{os.getppid()}-00aa11bb"
+    for folder in (killed, running):
+        (folder / "run-1").mkdir(parents=True)
+    with files.scratch_folder("accel-fsdp-bench") as work:
+        assert work.parent == tmp_path and (work.stat().st_mode & 0o777) == 0o700
+        (work / "run-2").mkdir()
+        assert not killed.exists() and running.exists()
+    assert not work.exists()
+    with pytest.raises(KeyboardInterrupt), files.scratch_folder("accel-fsdp-bench") as work:
+        raise KeyboardInterrupt
+    assert not work.exists() and running.exists()

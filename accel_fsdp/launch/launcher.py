@@ -11,12 +11,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +22,7 @@ from pathlib import Path
 
 from accel_fsdp.config.accelerate import CONFIG_PATH_ENV, AccelerateConfig
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.files import scratch_folder
 from accel_fsdp.hardware import gloo_interface, network_interfaces, usable_cores
 from accel_fsdp.layout import PREEMPTED_FILE, finished_since
 from accel_fsdp.train.lifetime import (
@@ -112,14 +111,14 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
         logging.getLogger(name).setLevel(logging.CRITICAL)
     first = int(config.get("machine_rank", 0) or 0) * per_machine
     # Where a rank that ends early says why (train/lifetime.py): this launch's alone, read once the ranks are gone.
-    records = RankRecords(Path(tempfile.mkdtemp(prefix="accel-fsdp-ranks-")))
-    os.environ[RANK_RECORDS_ENV] = str(records.folder)
-    try:
-        return _launch(parsed, config, machine, run_dir, records, range(first, first + per_machine))
-    finally:
-        os.environ.pop(RANK_RECORDS_ENV, None)
-        os.environ.pop(LAUNCHER_PID_ENV, None)
-        shutil.rmtree(records.folder, ignore_errors=True)
+    with scratch_folder("accel-fsdp-ranks") as folder:
+        records = RankRecords(folder)
+        os.environ[RANK_RECORDS_ENV] = str(records.folder)
+        try:
+            return _launch(parsed, config, machine, run_dir, records, range(first, first + per_machine))
+        finally:
+            os.environ.pop(RANK_RECORDS_ENV, None)
+            os.environ.pop(LAUNCHER_PID_ENV, None)
 
 
 def _launch(parsed, config: AccelerateConfig, machine: MachineOptions, run_dir: Path | None, records: RankRecords,

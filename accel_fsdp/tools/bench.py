@@ -24,7 +24,7 @@ import yaml
 from accel_fsdp.config.accelerate import FULL_SHARD, NO_SHARD, SHARD_GRAD_OP
 from accel_fsdp.config.binder import later_wins
 from accel_fsdp.errors import UserError
-from accel_fsdp.files import write_atomic
+from accel_fsdp.files import scratch_folder, write_atomic
 from accel_fsdp.layout import RunLayout
 from accel_fsdp.model.tokenizer import offline_tokenizer
 from accel_fsdp.train.lifetime import tied_to_this_process
@@ -195,8 +195,7 @@ def run(recipe, config, overrides: list[str], *, steps: int, warmup: int, compar
     whatever the config was written for (--cpu)."""
     recipe_path = str(Path(recipe.source).absolute())
     result: dict = {"recipe": recipe.name, "config": config.label}
-    with tempfile.TemporaryDirectory(prefix="accel-fsdp-bench-") as tmp:
-        work = Path(tmp)
+    with scratch_folder("accel-fsdp-bench") as work:
         if compare == "strategies":
             rows = compare_strategies(recipe_path, config.path, overrides, steps, warmup, work, cpu)
             result["strategies"] = rows

@@ -26,12 +26,11 @@ import json
 import re
 import shutil
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from accel_fsdp.errors import Problem, UserError, first_line
-from accel_fsdp.files import write_atomic, write_with
+from accel_fsdp.files import scratch_folder, write_atomic, write_with
 
 FORWARD_BACKWARD, CLIPPING, OPTIMIZER = "forward and backward", "gradient clipping", "optimizer step"
 REGIONS = (FORWARD_BACKWARD, CLIPPING, OPTIMIZER)
@@ -186,8 +185,8 @@ class StepProfiler:
 
     def _export(self, profiler) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="accel-fsdp-profile-") as scratch:
-            raw = Path(scratch) / "trace.json"  # torch writes the whole trace; it is then published gzipped, whole
+        with scratch_folder("accel-fsdp-profile") as scratch:
+            raw = scratch / "trace.json"  # torch writes the whole trace; it is then published gzipped, whole
             profiler.export_chrome_trace(str(raw))
             write_with(self.folder / f"rank{self.rank}.trace.json.gz", lambda temporary: gzip_file(raw, temporary))
         averages = profiler.key_averages()
