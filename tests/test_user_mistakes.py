@@ -120,6 +120,48 @@ def test_overwrite_never_deletes_a_checkpoint_folder_it_cannot_prove_is_the_repl
     assert json.loads((tmp_path / "scratch" / ".accel-fsdp-run").read_text())["run_id"] == identity.run_id
 
 
+def test_an_overwrite_killed_while_deleting_leaves_each_checkpoint_whole_or_in_the_trash(tmp_path, monkeypatch):
+    """What an overwrite deletes is renamed aside first: a checkpoint elsewhere (checkpoint.dir) into the store's
+    trash, which its saves sweep; the run folder's own entries to a temporary name, which the next start sweeps. A kill
+    in the middle of a deletion never leaves a step folder that lost some of its files (which `--resume auto` would
+    have to tell from a damaged save), nor gigabytes hidden for ever."""
+    import socket
+
+    from accel_fsdp.config.recipe import load_recipe
+    from accel_fsdp.layout import TRASH_PREFIX, RunLayout
+    from accel_fsdp.run import folder
+
+    class Settings:
+        def to_dict(self):
+            return {}
+
+    scratch = tmp_path / "scratch"
+    recipe = load_recipe(shipped_recipes()["quickstart"], [f"checkpoint.dir={scratch}"])
+    run = fake_run(tmp_path / "run", "eeee", checkpoint_dir=scratch, checkpoint_steps=(3, 6))
+    before = {p.name: snapshot(p) for p in scratch.iterdir() if p.is_dir()}
+    killed_after = []
+
+    def killed_while_deleting(path):
+        (path / "weights").unlink()  # the deletion had begun
+        killed_after.append(path.name)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(folder, "remove", killed_while_deleting)
+        with pytest.raises(KeyboardInterrupt):
+            folder.apply_decision(RunLayout.of(recipe, run), recipe, Settings(), folder.Decision.OVERWRITE)
+    deleted = killed_after[0].removeprefix(TRASH_PREFIX)
+    kept = next(name for name in before if name != deleted)
+    left = {p.name: p for p in scratch.iterdir() if p.is_dir()}
+    assert left.keys() == {TRASH_PREFIX + deleted, kept} and snapshot(left[kept]) == before[kept], left
+
+    # A run's own entry left aside by a killed overwrite (its process gone) goes with the next start.
+    aside = run / f".checkpoints.tmp-{socket.gethostname()}-999999999-00aa11bb"
+    (aside / "step-000009").mkdir(parents=True)
+    folder.apply_decision(RunLayout.of(recipe, run), recipe, Settings(), folder.Decision.OVERWRITE)
+    assert not aside.exists()
+
+
 def test_a_damaged_run_json_is_named_and_nothing_is_changed(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

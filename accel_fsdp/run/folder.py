@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 from enum import Enum
@@ -22,7 +21,7 @@ from accel_fsdp.checkpoint.index import list_checkpoints
 from accel_fsdp.checkpoint.records import Manifest
 from accel_fsdp.config.recipe import incompatible_keys, read_saved_recipe
 from accel_fsdp.errors import Problem, UserError
-from accel_fsdp.files import FileLock, fsync_dir, write_atomic
+from accel_fsdp.files import FileLock, discard_folder, fsync_dir, remove, remove_dead_temporaries, write_atomic
 
 # The paths of a run are layout.py's; this module decides what a start may do with them.
 from accel_fsdp.layout import (
@@ -30,6 +29,8 @@ from accel_fsdp.layout import (
     LOCK_FILE,
     OWNER_FILE,
     RUN_FOLDER_ENTRIES,
+    STEP_PREFIX,
+    TRASH_PREFIX,
     RunIdentity,
     RunLayout,
     checkpoint_step,
@@ -176,11 +177,13 @@ def apply_decision(layout: RunLayout, recipe, settings, decision: Decision, *,
     folder."""
     root = layout.root
     old = RunIdentity.read(layout.run_file) if layout.run_file.is_file() else None
+    for name in RUN_FOLDER_ENTRIES:  # what an earlier overwrite, killed while deleting it, left aside
+        remove_dead_temporaries(root / name)
     if decision in (Decision.OVERWRITE, Decision.RESTART) and old is not None:
         for name in RUN_FOLDER_ENTRIES:
             target = root / name
             if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
+                discard_folder(target)  # whole or gone, if this is killed on the way
             elif target.exists() or target.is_symlink():
                 target.unlink()
         folders = {layout.checkpoints}
@@ -191,7 +194,9 @@ def apply_decision(layout: RunLayout, recipe, settings, decision: Decision, *,
             if owner is not None and owner.get("run_id") == old.run_id:
                 for entry in folder.iterdir():
                     if entry.name.startswith(CHECKPOINT_PREFIXES) and entry.is_dir():
-                        shutil.rmtree(entry)
+                        if entry.name.startswith(STEP_PREFIX):  # into the store's trash first, whole: its
+                            entry = entry.rename(entry.with_name(TRASH_PREFIX + entry.name))  # saves sweep that
+                        remove(entry)
     root.mkdir(parents=True, exist_ok=True)
     if decision == Decision.RESUME and old is not None:
         identity = old
