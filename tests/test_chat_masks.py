@@ -34,6 +34,10 @@ REWRITING_TEMPLATE = (  # earlier assistant turns rendered shorter than the last
     "{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['role'] == 'assistant' and not loop.last %}"
     "{{ m['content'][:3] }}{% else %}{{ m['content'] }}{% endif %}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+THINKING_TEMPLATE = (  # DeepSeek-R1's shape: the generation prompt opens a think block the rendered turns leave out
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<|end|>{% else %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|><think>\n"
+    "{% endif %}")
 GLUED_TEMPLATE = (  # the generation prompt ends in an added token, which a longer added token may run across
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -99,11 +103,13 @@ def tokenizers() -> dict:
         "an end token that strips spaces": lambda: bpe(BPE_SPECIAL, BPE_CHAT_TEMPLATE, rstrip=("<|end|>",)),
         "a template that rewrites earlier turns": lambda: bpe(BPE_SPECIAL, REWRITING_TEMPLATE),
         "an added token across the prompt's end": lambda: bpe(BPE_SPECIAL + ("<|assistant|>the",), GLUED_TEMPLATE),
+        "a generation prompt the turns leave out": lambda: bpe(BPE_SPECIAL, THINKING_TEMPLATE),
     }
 
 
 BYTE_PATH = {"byte-level BPE, the BPE template", "Llama-3 style", "ChatML, NFC (Qwen style)",
-             "a template that rewrites earlier turns", "an added token across the prompt's end"}
+             "a template that rewrites earlier turns", "an added token across the prompt's end",
+             "a generation prompt the turns leave out"}
 
 
 @pytest.fixture(scope="module", params=list(tokenizers()))
@@ -120,7 +126,15 @@ def reference_render(tok, messages: list[dict]) -> tuple[str, list[tuple[int, in
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start = len(tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)) if i else 0
+        start = 0
+        if i:
+            prompt = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            history = tok.apply_chat_template(messages[:i], tokenize=False)
+            start = len(prompt)
+            if not text.startswith(prompt) and text.startswith(history):  # where the text and the prompt part
+                start = len(history)
+                while start < min(len(text), len(prompt)) and text[start] == prompt[start]:
+                    start += 1
         upto = tok.apply_chat_template(messages[: i + 1], tokenize=False)
         spans.append((start, len(upto) if text.startswith(upto) else start + len(m["content"])))
     return text, spans
@@ -197,6 +211,21 @@ def test_preference_ids_and_masks_are_the_plain_definitions(named_tokenizer):
         text_, spans = reference_render(tok, messages)
         want.append(reference_example(tok, text_, spans[-1:]))  # the answer: the last assistant turn
     assert got == want
+
+
+@pytest.mark.parametrize("fmt", ["chat", "instruction", "preference"])
+def test_an_answer_after_a_generation_prompt_the_turn_leaves_out_carries_a_loss_from_its_first_token(fmt):
+    """DeepSeek-R1's template ends its generation prompt in "<think>\n", which its rendered assistant turns drop: the
+    turn's start was taken at the end of that prompt, 8 characters into the answer, whose first tokens carried no
+    loss."""
+    tok = bpe(BPE_SPECIAL, THINKING_TEMPLATE)
+    answer = "the cat is red ."
+    user = [{"role": "user", "content": "who ?"}]
+    row = {"chat": {"messages": [*user, {"role": "assistant", "content": answer}]},
+           "instruction": {"instruction": "who ?", "output": answer},
+           "preference": {"prompt": "who ?", "chosen": answer, "rejected": "no"}}[fmt]
+    ids, mask = examples(tok, fmt, [row])[0]
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == answer + "<|end|>"
 
 
 def test_a_conversation_the_template_refuses_is_named_by_line(tmp_path):

@@ -4,7 +4,8 @@ tokenize.py's; this module sees only texts. It imports no torch.
 
 The loss mask of a conversation is defined by the plain computation (tests/test_chat_masks.py writes it out and holds
 every path here to it, ids and masks alike): the text is `apply_chat_template(messages)`, tokenized whole; assistant
-turn i spans from the end of `apply_chat_template(messages[:i], add_generation_prompt=True)` (0 for a first message)
+turn i spans from the end of `apply_chat_template(messages[:i], add_generation_prompt=True)` (0 for a first message;
+where the text goes on with `messages[:i]` rendered alone but not with the generation prompt, from where the two part)
 to the end of `apply_chat_template(messages[:i + 1])` where the text goes on with that, else its content's length
 further (a template that rewrites earlier turns); a token carries a loss when its characters (the encoder's offsets,
 not empty) lie inside a span. Computed that way, a conversation costs 3 renders a turn through apply_chat_template
@@ -15,6 +16,7 @@ few numpy operations per batch.
 
 from __future__ import annotations
 
+import os
 import unicodedata
 from itertools import chain
 
@@ -105,6 +107,22 @@ class ChatTemplate:
                 self.compiled = None
         return text
 
+    def answer_start(self, text: str, before: list[dict], prompt: str | None = None) -> int:
+        """Where the assistant turn after `before` starts in `text`: the end of `before` rendered with the generation
+        prompt (`prompt`, when rendered already). A generation prompt that opens more than the rendered turn does
+        (DeepSeek-R1's ends in "<think>\n", which its assistant turns drop from the history) would put that end
+        inside the answer, its first characters without a loss: where the text does not go on with it but does with
+        `before` rendered alone, the turn starts where the text and the generation prompt part."""
+        if not before:
+            return 0
+        prompt = self.render(before, True) if prompt is None else prompt
+        if text.startswith(prompt):
+            return len(prompt)
+        history = self.render(before)
+        if not text.startswith(history):  # a template that rewrites earlier turns: as it was
+            return len(prompt)
+        return len(history) + len(os.path.commonprefix([text[len(history):], prompt[len(history):]]))
+
     def conversation(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The conversation as text, and the character span of each assistant turn in it (2 renders a turn)."""
         text = self.render(messages)
@@ -112,7 +130,7 @@ class ChatTemplate:
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            start = len(self.render(messages[:i], True)) if i else 0
+            start = self.answer_start(text, messages[:i])
             if i == len(messages) - 1:  # messages[:i + 1] is the conversation: the text itself
                 spans.append((start, len(text)))
                 continue

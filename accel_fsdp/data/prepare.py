@@ -41,10 +41,11 @@ from accel_fsdp.files import (FileLock, failing_write, new_temporary_folder, pub
                               write_atomic)
 from accel_fsdp.layout import cache_dir
 
-CACHE_VERSION = 8
+CACHE_VERSION = 9
 """Bump when the tables change, so caches are rebuilt. 7: tables carry CRC-32s; pairs without a preference are
 skipped; keys from data/identity.py. 8: a CSV cell is the text it holds (a number's digits as written; NA, None and
-null are words, no longer skipped rows); a .txt file's byte-order mark is not text."""
+null are words, no longer skipped rows); a .txt file's byte-order mark is not text. 9: an assistant turn after a
+generation prompt its rendered turns leave out (DeepSeek-R1's "<think>") carries a loss from its first token."""
 STATS_FILE = "stats.json"
 
 __all__ = ["PreparedData", "SourceData", "SourceStats", "cache_folder", "check_source_rows", "entry_damage",

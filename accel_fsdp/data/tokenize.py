@@ -301,7 +301,7 @@ class ExampleTokenizer:
                 rows_.append(n)
                 prompts.append(start)
                 texts += pair
-                spans += [[(len(start), len(text))] for text in pair]
+                spans += [[(self.template.answer_start(text, chosen[:-1], start), len(text))] for text in pair]
         if self.reader.problems:
             return no_examples
         return lambda: self._pairs(numbers, strings, rows_, prompts, texts, spans)
