@@ -34,6 +34,12 @@ def damaged_copy(good: Path, tmp_path: Path, damage: str) -> Path:
     elif damage.startswith("file:"):  # file:name=text
         name, text = damage.removeprefix("file:").split("=", 1)
         (folder / name).write_text(text)
+    elif damage == "tokens-added":  # special tokens added to the tokenizer, the embedding not resized
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|tool|>", "<|call|>", "<|result|>"]})
+        tokenizer.save_pretrained(folder)
     elif damage == "bin-not-torch":
         weights.unlink()
         (folder / "pytorch_model.bin").write_bytes(os.urandom(3000))
@@ -66,6 +72,12 @@ CASES = [
     ("bin-not-torch", "damaged weights: pytorch_model.bin (not a complete file torch.save wrote"),
     ("tensor-missing", None),
     ("tensor-shape", None),
+    ("file:generation_config.json={ not json", "generation_config.json is damaged (JSONDecodeError"),
+    ('file:generation_config.json={"eos_token_id": "x"}',
+     "generation_config.json: eos_token_id is 'x', not a token id from 0 to 130"),
+    ('file:generation_config.json={"eos_token_id": [0, 131]}',
+     "generation_config.json: eos_token_id is [0, 131], not a token id from 0 to 130"),
+    ("tokens-added", "vocabulary of 131 is smaller than the tokenizer's 134 tokens"),
 ]
 
 
@@ -89,6 +101,11 @@ GENERATE = {
     "tensor-missing": "the weights do not fit the model its config.json describes: "
                       "transformer.h.0.mlp.c_fc.weight is missing",
     "tensor-shape": "transformer.h.0.mlp.c_fc.weight is [64, 10] in the files but [64, 256] in the model",
+    # transformers dropped a damaged one silently (and with it the EOS ids that stop generation); an id of the wrong
+    # type stopped generate with a traceback; a tokenizer larger than the embedding, at the first added token's id
+    "file:generation_config.json={ not json": "generation_config.json is damaged (JSONDecodeError",
+    'file:generation_config.json={"eos_token_id": "x"}': "eos_token_id is 'x', not a token id from 0 to 130",
+    "tokens-added": "its tokenizer has 134 tokens, more than the model's embedding of 131",
 }
 
 
@@ -96,7 +113,7 @@ GENERATE = {
 def test_generate_names_a_damaged_model_folder_instead_of_sampling_from_it(good_model, tmp_path, damage):
     """A tensor the files lack was drawn at random by transformers (exit 0, a half-random model sampled); an encoder
     sampled nothing; a config size of the wrong type was blamed on the tokenizer."""
-    message = user_error("generate", damaged_copy(good_model, tmp_path, damage), "--prompt", "alice has a",
+    message = user_error("generate", damaged_copy(good_model, tmp_path, damage), "--prompt", "alice has a <|call|>",
                          "--max-new-tokens", "2")
     assert GENERATE[damage] in message and "fix:" in message, message
 

@@ -48,6 +48,8 @@ from accel_fsdp.errors import Problem, UserError
 JSON_FIX = "fix the file: one JSON object per line (.jsonl), or one JSON list of objects (.json)"
 FILE_TYPES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 CHAT_ROLES = ("system", "user", "assistant")
+TOOL_ROLES = ("tool", "function", "ipython")
+"""Roles of tool calls' results (OpenAI's tool and older function, Llama 3.1's ipython): named with what to do."""
 MAX_PROBLEMS = 5
 """Bad rows reported at once (the first of each kind of problem, up to this many)."""
 MAX_ROW_BYTES = 8 << 20
@@ -481,9 +483,15 @@ def check_messages(messages) -> str | None:
                 what += "; ShareGPT's form: role is from (user for human, assistant for gpt), content is value"
             return f"message {j + 1} is not a {{role, content}} object ({what})"
         if m["role"] not in CHAT_ROLES:
-            return f"message {j + 1} has unknown role {m['role']!r}"
+            hint = ("; a tool's call and its result are not trained here: leave those turns out, or write the result "
+                    "into a user turn" if m["role"] in TOOL_ROLES else "")
+            return f"message {j + 1} has unknown role {m['role']!r}{hint}"
         if not isinstance(m["content"], str):
-            return f"message {j + 1} content is not text ({json_type(m['content'])})"
+            hint = ""
+            if isinstance(m["content"], list) and all(isinstance(p, dict) and "type" in p for p in m["content"]):
+                hint = ("; a list of content parts (OpenAI's form): write the text of its parts as one string, "
+                        '{"role": ..., "content": "..."} (parts that are not text cannot be trained here)')
+            return f"message {j + 1} content is not text ({json_type(m['content'])}){hint}"
         has_assistant |= m["role"] == "assistant"
     if not has_assistant:
         return "no assistant message, so nothing to learn"

@@ -118,6 +118,13 @@ def tokenizer_files_problem(folder: Path) -> str | None:
         return None
     if not any((folder / name).exists() for name in TOKENIZER_FILES):
         return f"has no tokenizer files (none of {', '.join(TOKENIZER_FILES)})"
+    if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "config.json")):
+        # Files of a "slow" tokenizer alone: AutoTokenizer has nothing to choose its class by, and fails with
+        # "Couldn't instantiate the backend tokenizer" (tokenization_auto.py; checked with 5.24.0).
+        present = " and ".join(name for name in (*TOKENIZER_FILES, "merges.txt") if (folder / name).exists())
+        return (f"has {present} but no tokenizer.json or tokenizer_config.json, so which tokenizer they make is "
+                'unknown (GPT-2\'s vocab.json and merges.txt: write {"tokenizer_class": "GPT2Tokenizer"} into '
+                "tokenizer_config.json)")
     for name in TOKENIZER_JSON:
         try:
             if (folder / name).exists() and not isinstance(json.loads((folder / name).read_text()), dict):
@@ -225,6 +232,10 @@ def model_folder_problems(where: str, folder: Path) -> list[Problem]:
     if bad:
         return [Problem(where, f"{config}: {', '.join(bad)}, not a positive whole number",
                         "restore the file (save_pretrained writes it), or correct the value")]
+    generation = generation_config_problem(folder, values.get("vocab_size"))
+    if generation:
+        return [Problem(where, generation, "restore the file (save_pretrained writes it), correct the value, or "
+                        "delete generation_config.json (transformers' defaults are used then)")]
     present = [name for name in WEIGHT_FILES if (folder / name).is_file()]
     if not present:
         return [Problem(where, f"folder {str(folder)!r} has no weights (none of {', '.join(WEIGHT_FILES)})",
@@ -233,6 +244,41 @@ def model_folder_problems(where: str, folder: Path) -> list[Problem]:
     if broken:
         return [Problem(where, f"damaged weights: {', '.join(broken[:3])}", "download or export the model again")]
     return []
+
+
+GENERATION_TOKEN_KEYS = ("eos_token_id", "bos_token_id", "pad_token_id")
+"""Token ids of generation_config.json that generate uses; a pad id is only checked for its type (some published
+models write -1, and `accel-fsdp generate` passes its own)."""
+
+
+def generation_config_problem(folder: Path, vocab_size) -> str | None:
+    """What is wrong with a model folder's generation_config.json, or None. transformers reads it as the model loads
+    and, when it does not parse, drops it with a log line (modeling_utils.py `from_pretrained`: the defaults, so an
+    eos_token_id list such as Llama 3 Instruct's is lost and generation never stops; checked with 5.24.0); a token
+    id that is not a whole number stops `generate` with a traceback deep in generation/utils.py
+    (`_tensor_or_none`), one past the vocabulary never comes. Read as JSON alone (no transformers: the checks before a
+launch import none)."""
+    import json
+
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return None
+    try:
+        values = json.loads(path.read_text())
+        if not isinstance(values, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"{path} is damaged ({first_line(e, 120, named=True)})"
+    for key in GENERATION_TOKEN_KEYS:
+        value = values.get(key)
+        ids = value if isinstance(value, list) else [value]
+        whole = all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+        if value is None or (whole and (key == "pad_token_id" or all(
+                0 <= i and not (isinstance(vocab_size, int) and i >= vocab_size) for i in ids))):
+            continue
+        within = f" from 0 to {vocab_size - 1}" if isinstance(vocab_size, int) else ""
+        return f"{path}: {key} is {value!r}, not a token id{within} (or a list of them)"
+    return None
 
 
 def _weight_shards(folder: Path, name: str) -> list[Path]:
@@ -363,8 +409,12 @@ def structure_problems(recipe, facts, tokenizer_size: int | None = None) -> list
                                f"{facts.heads} attention heads cannot share {facts.kv_heads} key/value heads",
                                "num_attention_heads must be a multiple of num_key_value_heads"))
     if whole and tokenizer_size and facts.vocab < tokenizer_size:
-        out.append(Problem(where("vocab_size"), f"vocabulary of {facts.vocab} is smaller than the tokenizer's "
+        pretrained = not m.architecture and "vocab_size" not in m.config_overrides  # its embedding is its weights'
+        out.append(Problem(recipe.where("model.tokenizer" if m.tokenizer else "model.name_or_path") if pretrained
+                           else where("vocab_size"), f"vocabulary of {facts.vocab} is smaller than the tokenizer's "
                            f"{tokenizer_size} tokens, so its ids would index past the embedding",
+                           "use the tokenizer the model was trained with (tokens added since need a resized "
+                           "embedding: model.resize_token_embeddings, then save_pretrained)" if pretrained else
                            f"use at least {tokenizer_size} (or leave vocab_size out: it follows the tokenizer)"))
     if whole and not out and facts.params() > MAX_PARAMETERS:
         given = sorted((k for k in SIZE_KEYS if k in m.config_overrides), key=lambda k: -m.config_overrides[k])

@@ -61,6 +61,23 @@ def build_tokenizer(recipe):
             raise UserError(Problem(recipe.where(key), f"cannot load a tokenizer from {source!r}: "
                                     f"{first_line(e)}",
                                     "give a folder with tokenizer files, a hub id, or builtin:quickstart")) from None
+    return with_pad_token(recipe, tokenizer)
+
+
+def with_pad_token(recipe, tokenizer):
+    """The tokenizer, refused when it has no EOS token, with the EOS token as its pad token when it has none. Every
+    format needs the EOS: it ends each text document and each answer without a chat template (tokenize.py), and it is
+    what stops generation; without it documents would run together and answers never end, silently. The pad token
+    only fills batches: its positions carry no label and attend to nothing (data/batches.py `collate`)."""
+    if tokenizer.eos_token_id is None:
+        m = recipe.model
+        source = m.tokenizer or m.name_or_path
+        where = f"{source}/tokenizer_config.json" if is_local(source) else "its tokenizer_config.json"
+        raise UserError(Problem(recipe.where("model.tokenizer" if m.tokenizer else "model.name_or_path"),
+                                f"the tokenizer of {source!r} has no EOS token (eos_token is unset), so text "
+                                "documents would run together and answers would never end",
+                                f'set "eos_token" in {where} to the token that ends a text (one of its special '
+                                "tokens, such as </s> or <|endoftext|>), or use another tokenizer"))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -113,9 +130,7 @@ def offline_tokenizer(recipe):
         tok = AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=m.trust_remote_code)
     except (OSError, ValueError):
         return None
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return tok
+    return with_pad_token(recipe, tok)
 
 
 # ------------------------------------------------------------------------------- a tokenizer of the user's own text

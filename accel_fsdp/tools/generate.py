@@ -68,6 +68,13 @@ def load_model(folder: Path, device: str = "auto"):
                                     damaged)) from None
     else:
         model = load_pretrained(folder, dtype=dtype, where=str(folder), fix=damaged)
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:  # an id past the embedding stops generate with an IndexError from torch.embedding
+        raise UserError(Problem(str(folder), f"its tokenizer has {len(tokenizer)} tokens, more than the model's "
+                                f"embedding of {rows} (vocab_size in config.json), so a prompt with the ids from "
+                                f"{rows} on would index past it",
+                                "use the tokenizer the model was trained with (checkpoint consolidate exports both), "
+                                "or resize the embedding (model.resize_token_embeddings) and save the model again"))
     return model.to(device).eval(), tokenizer
 
 

@@ -1,0 +1,72 @@
+"""Tokenizers a user brings that we did not make: each works, or ends in one message naming the file or key, the
+value and the fix, exit status 2, before anything is tokenized. A tokenizer without an EOS token packed text
+documents with nothing between them and ended no answer (silently); a slow tokenizer's files alone stopped with
+transformers' half sentence. In-process; nothing launches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import user_error
+
+from accel_fsdp.data.sources import check_messages
+
+WORDS = ("the", "cat", "is", "red", "alice", "has", "a", "dog", ".", "[UNK]")
+
+
+def word_level(folder: Path, **special) -> Path:
+    """A WordLevel tokenizer of a few words, with only the special tokens given (none: no EOS, no pad, no BOS)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", **special).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("command", ["validate", "prepare"])
+def test_a_tokenizer_without_an_eos_token_is_refused_naming_the_file_to_set_it_in(tmp_path, command):
+    folder = word_level(tmp_path / "tok")
+    args = ["recipe", "validate"] if command == "validate" else ["data", "prepare"]
+    message = user_error(*args, "quickstart", "--set", f"model.tokenizer={folder}")
+    assert "model.tokenizer" in message and "has no EOS token" in message, message
+    assert f'set "eos_token" in {folder}/tokenizer_config.json' in message, message
+
+
+def test_the_eos_token_set_as_the_message_says_is_taken(tmp_path):
+    from accel_fsdp.config.recipe import recipe_from_text
+    from accel_fsdp.model.tokenizer import build_tokenizer
+
+    folder = word_level(tmp_path / "tok")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "."}))
+    recipe = recipe_from_text(f"model: {{architecture: gpt2, tokenizer: '{folder}'}}\n"
+                              "data: {path: 'builtin:quickstart'}\n", source="r.yaml")
+    tok = build_tokenizer(recipe)
+    assert tok.eos_token == "." and tok.pad_token == "."
+
+
+def test_a_slow_tokenizers_files_alone_are_named_with_the_line_that_loads_them(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    folder = tmp_path / "gpt2-files"
+    folder.mkdir()
+    Tokenizer(models.BPE({"a": 0, "b": 1, "ab": 2}, [("a", "b")])).model.save(str(folder))  # vocab.json, merges.txt
+    message = user_error("recipe", "validate", "quickstart", "--set", f"model.tokenizer={folder}")
+    assert "has vocab.json and merges.txt but no tokenizer.json or tokenizer_config.json" in message, message
+    assert '{"tokenizer_class": "GPT2Tokenizer"}' in message, message
+
+
+@pytest.mark.parametrize("message,hint", [
+    ({"role": "tool", "content": "42"}, "message 2 has unknown role 'tool'; a tool's call and its result are not "
+                                        "trained here"),
+    ({"role": "user", "content": [{"type": "text", "text": "hi"}]},
+     "message 2 content is not text (a list); a list of content parts (OpenAI's form): write the text of its parts as "
+     "one string"),
+])
+def test_openai_style_chat_rows_are_named_with_what_to_write_instead(message, hint):
+    problem = check_messages([{"role": "user", "content": "hi"}, message, {"role": "assistant", "content": "ok"}])
+    assert problem is not None and problem.startswith(hint), problem
