@@ -154,7 +154,7 @@ def examples(tok, fmt: str, rows: list[dict]):
     reader = SourceReader(r, source, 0)
     out = ExampleTokenizer(tok, source, reader)(list(range(1, len(rows) + 1)), rows)
     assert not reader.problems, reader.problems
-    return [(ex.ids.tolist(), ex.mask.tolist()) for ex in out]
+    return [(ex.ids.tolist(), None if ex.mask is None else ex.mask.tolist()) for ex in out]
 
 
 # ---------------------------------------------------------------------------------------------- the tests

@@ -70,3 +70,69 @@ def test_a_slow_tokenizers_files_alone_are_named_with_the_line_that_loads_them(t
 def test_openai_style_chat_rows_are_named_with_what_to_write_instead(message, hint):
     problem = check_messages([{"role": "user", "content": "hi"}, message, {"role": "assistant", "content": "ok"}])
     assert problem is not None and problem.startswith(hint), problem
+
+
+# ---------------------------------------------------------------- special tokens the tokenizer writes itself
+
+def test_an_eos_the_tokenizer_appends_itself_is_written_once_and_never_inside_a_prompt():
+    """A tokenizer whose post-processor appends its EOS (Llama 2's and Mistral's with add_eos_token): a text document
+    ended in two EOS tokens, and an Alpaca prompt, or a preference prompt without a template, in one before the
+    answer."""
+    from test_chat_masks import bpe, examples
+    from tokenizers import processors
+
+    from accel_fsdp.model.tokenizer import BPE_SPECIAL
+
+    tok = bpe(BPE_SPECIAL, None)
+    eos = tok.eos_token_id
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", eos)])
+    assert tok("the cat")["input_ids"][-1] == eos  # the tokenizer writes it
+    (text_ids, _), = examples(tok, "text", [{"text": "the cat is red"}])
+    (ids, mask), = examples(tok, "instruction", [{"instruction": "who ?", "output": "alice ."}])
+    pair = examples(tok, "preference", [{"prompt": "who ?", "chosen": "alice .", "rejected": "bob ."}])
+    assert text_ids.count(eos) == 1 and text_ids[-1] == eos
+    for ids, mask in [(ids, mask), *pair]:
+        assert ids.count(eos) == 1 and ids[-1] == eos and mask[-1], tok.decode(ids)
+
+
+# ------------------------------------------------------------------------------- chat templates that are broken
+
+BROKEN_TEMPLATE = "{% for m in messages %}{{ m['content'] }{% endfor %}"
+REFUSING_TEMPLATE = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message is required') }}"
+                     "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
+def test_a_chat_template_that_is_not_jinja_is_named_as_the_tokenizers_not_a_rows(tmp_path):
+    """It was reported as the first row's conversation that the template refuses, with the fix to change the row."""
+    from conftest import write_jsonl
+
+    from accel_fsdp.config.recipe import recipe_from_text
+    from accel_fsdp.data.prepare import prepare_data
+    from accel_fsdp.data.synthetic import build_tokenizer
+    from accel_fsdp.errors import UserError
+
+    tok = build_tokenizer()
+    tok.chat_template = BROKEN_TEMPLATE
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                               {"role": "assistant", "content": "alice ."}]}])
+    r = recipe_from_text(f"model: {{architecture: gpt2, tokenizer: 'builtin:quickstart'}}\n"
+                         f"data: {{path: '{path}', format: chat}}\n"
+                         "training: {micro_batch_size: 1, global_batch_size: 1}\n", source="r.yaml")
+    with pytest.raises(UserError, match=r"model.tokenizer: the chat template of 'builtin:quickstart' is not valid "
+                                        r"Jinja: unexpected '}' \(line 1\)"):
+        prepare_data(r, tok)
+
+
+@pytest.mark.parametrize("template,said", [(BROKEN_TEMPLATE, "is not valid Jinja: unexpected '}'"),
+                                           (REFUSING_TEMPLATE, "refuses a conversation of one user message: a system "
+                                                               "message is required")])
+def test_generate_chat_names_a_template_that_fails(tiny_gpt2, tmp_path, template, said):
+    """Both stopped `generate --chat` with jinja's traceback."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_gpt2, folder)
+    (folder / "chat_template.jinja").write_text(template)
+    message = user_error("generate", folder, "--chat", "--prompt", "who has a cat ?", "--max-new-tokens", "2")
+    assert f"--chat: the chat template of this model {said}" in message and "drop --chat" in message, message

@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from accel_fsdp.config.recipe import SourceConfig
+from accel_fsdp.data.encoder import template_syntax_error
 from accel_fsdp.data.mixture import SourceStats
 from accel_fsdp.data.sampler import held_out
 from accel_fsdp.data.sources import SourceReader, source_key
@@ -55,6 +56,12 @@ def build_source(recipe, tokenizer, index: int, source: SourceConfig, folder, *,
                                 "chat data needs a tokenizer with a chat template, and "
                                 f"{recipe.model.tokenizer or recipe.model.name_or_path!r} has none",
                                 "use an instruct/chat model's tokenizer (model.tokenizer), or format: instruction"))
+    if source.format != "text" and tokenizer.chat_template and (wrong := template_syntax_error(tokenizer)):
+        m = recipe.model
+        raise UserError(Problem(recipe.where("model.tokenizer" if m.tokenizer else "model.name_or_path"),
+                                f"the chat template of {m.tokenizer or m.name_or_path!r} is not valid Jinja: {wrong}",
+                                "correct the template (chat_template.jinja, or chat_template in "
+                                "tokenizer_config.json), or use another tokenizer"))
     build = _Build(recipe, tokenizer, index, source, reader, folder)
     # The next batch is read and rendered while this one encodes (tokenize.py ExampleTokenizer.stream).
     for numbers, batch, examples in build.tokenize.stream(reader.batches(BATCH_ROWS, BATCH_BYTES)):

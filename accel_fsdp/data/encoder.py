@@ -34,6 +34,27 @@ def encode(tokenizer, texts: list[str], *, special: bool) -> list[list[int]]:
     return [e.ids for e in fast(texts, add_special_tokens=special)]
 
 
+def encode_opening(tokenizer, texts: list[str], closing: list[int]) -> list[list[int]]:
+    """As `encode(tokenizer, texts, special=True)` without `closing`, the special tokens the tokenizer writes after a
+    text (`closing_tokens`): the tokens that open a text (a BOS) are kept. A tokenizer whose post-processor appends
+    its EOS (Llama 2's and Mistral's with add_eos_token, a `TemplateProcessing` of "$A </s>") ended an Alpaca prompt
+    with an EOS before its answer, and a text document with two (its own and the one tokenize.py appends)."""
+    ids = encode(tokenizer, texts, special=True)
+    if not closing:
+        return ids
+    k = len(closing)
+    return [i[:-k] if i[-k:] == closing else i for i in ids]
+
+
+def closing_tokens(tokenizer) -> list[int]:
+    """The ids the tokenizer's special tokens put after a text: [] for most (GPT-2's and Llama 3's add none)."""
+    plain, special = encode(tokenizer, ["a"], special=False)[0], encode(tokenizer, ["a"], special=True)[0]
+    for start in range(len(special) - len(plain) + 1):
+        if special[start:start + len(plain)] == plain:
+            return special[start + len(plain):]
+    return []
+
+
 def encode_with_offsets(tokenizer, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
     """(ids, character span of each token) of each text, without special tokens added (a chat template writes its
     own)."""
@@ -61,6 +82,21 @@ def _backend(tokenizer):
 
 
 # ------------------------------------------------------------------------------------ chat: template and mask
+
+
+def template_syntax_error(tokenizer) -> str | None:
+    """Why the tokenizer's chat template is not valid Jinja, or None. Jinja compiles a template before rendering it
+    (transformers: utils/chat_template_utils.py `_compile_jinja_template`), so a syntax error comes first, whatever the
+    messages; without this it was blamed on the first row, as a conversation the template refuses."""
+    from jinja2 import TemplateError, TemplateSyntaxError
+
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    except TemplateSyntaxError as e:
+        return f"{e.message} (line {e.lineno})"
+    except (TemplateError, ValueError, TypeError):  # a template that refuses this conversation: its rows will say
+        return None
+    return None
 
 
 class ChatTemplate:

@@ -45,7 +45,8 @@ CACHE_VERSION = 9
 """Bump when the tables change, so caches are rebuilt. 7: tables carry CRC-32s; pairs without a preference are
 skipped; keys from data/identity.py. 8: a CSV cell is the text it holds (a number's digits as written; NA, None and
 null are words, no longer skipped rows); a .txt file's byte-order mark is not text. 9: an assistant turn after a
-generation prompt its rendered turns leave out (DeepSeek-R1's "<think>") carries a loss from its first token."""
+generation prompt its rendered turns leave out (DeepSeek-R1's "<think>") carries a loss from its first token; an
+EOS the tokenizer appends itself is not written twice, nor inside a prompt."""
 STATS_FILE = "stats.json"
 
 __all__ = ["PreparedData", "SourceData", "SourceStats", "cache_folder", "check_source_rows", "entry_damage",

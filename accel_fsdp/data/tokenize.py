@@ -25,7 +25,7 @@ from itertools import chain
 import numpy as np
 
 from accel_fsdp.config.recipe import SourceConfig
-from accel_fsdp.data.encoder import ChatEncoder, ChatTemplate, encode
+from accel_fsdp.data.encoder import ChatEncoder, ChatTemplate, closing_tokens, encode, encode_opening
 from accel_fsdp.data.mixture import SourceStats
 from accel_fsdp.data.sources import CHAT_ROLES, SourceReader, check_messages
 from accel_fsdp.errors import first_line
@@ -87,6 +87,8 @@ class ExampleTokenizer:
         """`tokenizer` None: check the rows only (the tokenizer is not on this machine), returning no examples."""
         self.tokenizer, self.source, self.reader = tokenizer, source, reader
         self.eos = tokenizer.eos_token_id if tokenizer is not None else None
+        self.closing = closing_tokens(tokenizer) if tokenizer is not None else []
+        """What the tokenizer's special tokens write after a text, left out where this module writes the end."""
         has_template = tokenizer is not None and bool(tokenizer.chat_template)
         self.template = ChatTemplate(tokenizer) if has_template else None
         self.chat_encoder = ChatEncoder(tokenizer) if has_template else None
@@ -158,7 +160,7 @@ class ExampleTokenizer:
     def _text_examples(self, kept: list[int], texts: list[str]) -> list[Example]:
         # One array for the batch (numpy builds it from the id lists faster than one array per document), each
         # example a view of it, an EOS inserted after every document.
-        ids = encode(self.tokenizer, texts, special=True)
+        ids = encode_opening(self.tokenizer, texts, self.closing)
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         flat = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum()))
         if self.eos is not None:
@@ -208,7 +210,7 @@ class ExampleTokenizer:
         prompts = [(ALPACA_PROMPT_WITH_INPUT if extra else ALPACA_PROMPT).format(instruction=instruction, input=extra)
                    for _, instruction, extra, _ in good]
         eos = [self.eos] if self.eos is not None else []
-        prompt_ids = encode(self.tokenizer, prompts, special=True)
+        prompt_ids = encode_opening(self.tokenizer, prompts, self.closing)
         answer_ids = encode(self.tokenizer, [output for *_, output in good], special=False)
         out = []
         for (n, *_), p, a in zip(good, prompt_ids, answer_ids):
@@ -312,7 +314,7 @@ class ExampleTokenizer:
         out: dict[int, list[Example]] = {}
         if strings:
             eos = [self.eos] if self.eos is not None else []
-            prompt_ids = encode(self.tokenizer, [p for _, p, _, _ in strings], special=True)
+            prompt_ids = encode_opening(self.tokenizer, [p for _, p, _, _ in strings], self.closing)
             answers = encode(self.tokenizer, [a for _, _, c, r in strings for a in (c, r)], special=False)
             for k, ((n, *_), p) in enumerate(zip(strings, prompt_ids)):
                 out[n] = [Example(np.asarray(p + a + eos, dtype=np.int64),

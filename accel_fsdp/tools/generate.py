@@ -87,8 +87,17 @@ def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 64, tempera
         if not tokenizer.chat_template:
             raise UserError(Problem("--chat", "the tokenizer of this model has no chat template",
                                     "drop --chat to continue the prompt as plain text"))
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
+        from jinja2 import TemplateError, TemplateSyntaxError
+
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True)
+        except TemplateError as e:
+            what = ("is not valid Jinja" if isinstance(e, TemplateSyntaxError)
+                    else "refuses a conversation of one user message")
+            raise UserError(Problem("--chat", f"the chat template of this model {what}: {first_line(e)}",
+                                    "drop --chat to continue the prompt as plain text, or correct the model's "
+                                    "chat_template.jinja (or chat_template in tokenizer_config.json)")) from None
         inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
     else:
         inputs = tokenizer(prompt, return_tensors="pt")
