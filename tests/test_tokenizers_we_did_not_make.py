@@ -99,6 +99,7 @@ def test_an_eos_the_tokenizer_appends_itself_is_written_once_and_never_inside_a_
 # ------------------------------------------------------------------------------- chat templates that are broken
 
 BROKEN_TEMPLATE = "{% for m in messages %}{{ m['content'] }{% endfor %}"
+FAILING_TEMPLATE = "{% for m in messages %}{{ m['content'] + 1 }}{% endfor %}"  # a Python error inside it
 REFUSING_TEMPLATE = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message is required') }}"
                      "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
@@ -126,9 +127,11 @@ def test_a_chat_template_that_is_not_jinja_is_named_as_the_tokenizers_not_a_rows
 
 @pytest.mark.parametrize("template,said", [(BROKEN_TEMPLATE, "is not valid Jinja: unexpected '}'"),
                                            (REFUSING_TEMPLATE, "refuses a conversation of one user message: a system "
-                                                               "message is required")])
+                                                               "message is required"),
+                                           (FAILING_TEMPLATE, "fails on a conversation of one user message: TypeError: "
+                                                              "can only concatenate str")])
 def test_generate_chat_names_a_template_that_fails(tiny_gpt2, tmp_path, template, said):
-    """Both stopped `generate --chat` with jinja's traceback."""
+    """Each stopped `generate --chat` with jinja's traceback."""
     import shutil
 
     folder = tmp_path / "model"
@@ -136,3 +139,24 @@ def test_generate_chat_names_a_template_that_fails(tiny_gpt2, tmp_path, template
     (folder / "chat_template.jinja").write_text(template)
     message = user_error("generate", folder, "--chat", "--prompt", "who has a cat ?", "--max-new-tokens", "2")
     assert f"--chat: the chat template of this model {said}" in message and "drop --chat" in message, message
+
+
+def test_a_chat_template_that_fails_on_a_row_names_the_row_and_the_error(tmp_path):
+    """A Python error inside the template (not jinja's own TemplateError) stopped the build with a traceback."""
+    from conftest import write_jsonl
+
+    from accel_fsdp.config.recipe import recipe_from_text
+    from accel_fsdp.data.prepare import prepare_data
+    from accel_fsdp.data.synthetic import build_tokenizer
+    from accel_fsdp.errors import UserError
+
+    tok = build_tokenizer()
+    tok.chat_template = FAILING_TEMPLATE
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                               {"role": "assistant", "content": "alice ."}]}])
+    r = recipe_from_text(f"model: {{architecture: gpt2, tokenizer: 'builtin:quickstart'}}\n"
+                         f"data: {{path: '{path}', format: chat}}\n"
+                         "training: {micro_batch_size: 1, global_batch_size: 1}\n", source="r.yaml")
+    with pytest.raises(UserError, match=r"chat.jsonl line 1: the chat template fails on this conversation \(TypeError: "
+                                        r"can only concatenate str"):
+        prepare_data(r, tok)

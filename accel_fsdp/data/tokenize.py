@@ -261,7 +261,8 @@ class ExampleTokenizer:
 
     def _render(self, n: int, render, *args):
         """render(*args), or None with the row reported when the chat template refuses it (a template may raise on a
-        role order it does not support)."""
+        role order it does not support) or fails on it (a Python error inside the template: `content + 1`, a
+        missing key; it stopped the build with a traceback)."""
         from jinja2 import TemplateError
 
         try:
@@ -269,7 +270,11 @@ class ExampleTokenizer:
         except TemplateError as e:
             self.reader.bad("chat template", n, f"the chat template refuses this conversation: {first_line(e)}",
                             "fix the row's messages (roles, order), or use a tokenizer whose template accepts them")
-            return None
+        except Exception as e:  # noqa: BLE001 - raised by the template's own code, whatever it is
+            self.reader.bad("chat template", n, f"the chat template fails on this conversation "
+                            f"({first_line(e, named=True)})", "correct the template (chat_template.jinja, or "
+                            "chat_template in tokenizer_config.json), or the row's messages if it is their doing")
+        return None
 
     # ----------------------------------------------------------------------------------------- preference
 

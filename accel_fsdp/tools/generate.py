@@ -92,10 +92,12 @@ def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 64, tempera
         try:
             text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                  add_generation_prompt=True)
-        except TemplateError as e:
+        except Exception as e:  # noqa: BLE001 - the template's own refusal, or any error of its code
             what = ("is not valid Jinja" if isinstance(e, TemplateSyntaxError)
-                    else "refuses a conversation of one user message")
-            raise UserError(Problem("--chat", f"the chat template of this model {what}: {first_line(e)}",
+                    else "refuses a conversation of one user message" if isinstance(e, TemplateError)
+                    else "fails on a conversation of one user message")
+            detail = first_line(e, named=not isinstance(e, TemplateError))
+            raise UserError(Problem("--chat", f"the chat template of this model {what}: {detail}",
                                     "drop --chat to continue the prompt as plain text, or correct the model's "
                                     "chat_template.jinja (or chat_template in tokenizer_config.json)")) from None
         inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
