@@ -60,6 +60,20 @@ def test_a_slow_tokenizers_files_alone_are_named_with_the_line_that_loads_them(t
     assert '{"tokenizer_class": "GPT2Tokenizer"}' in message, message
 
 
+@pytest.mark.parametrize("content,said", [
+    ("{}", "has a tokenizer.json that is not a tokenizer's (KeyError: 'added_tokens')"),
+    ('{"version": "1.0", "added_tokens": [], "model": {"type": "Nonsense"}}',
+     "has a tokenizer.json that is not a tokenizer's (Exception: data did not match any variant"),
+], ids=["empty-object", "unknown-model"])
+def test_a_tokenizer_json_that_is_json_but_no_tokenizer_is_named(tmp_path, content, said):
+    """JSON that parses but is no tokenizer stopped with transformers' KeyError or the tokenizers library's bare
+    Exception, and a traceback."""
+    folder = word_level(tmp_path / "tok", eos_token=".")
+    (folder / "tokenizer.json").write_text(content)
+    message = user_error("recipe", "validate", "quickstart", "--set", f"model.tokenizer={folder}")
+    assert f"model.tokenizer: '{folder}' {said}" in message and "restore the file" in message, message
+
+
 @pytest.mark.parametrize("message,hint", [
     ({"role": "tool", "content": "42"}, "message 2 has unknown role 'tool'; a tool's call and its result are not "
                                         "trained here"),

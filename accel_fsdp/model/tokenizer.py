@@ -51,15 +51,21 @@ def build_tokenizer(recipe):
                 from transformers import AutoTokenizer  # imports torch (see plain_tokenizer_folder)
 
                 tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=m.trust_remote_code)
-        except (OSError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - OSError, ValueError; KeyError for a tokenizer.json without its keys,
+            # the tokenizers library's bare Exception for one it cannot read ("did not match any variant")
             key = "model.tokenizer" if m.tokenizer else "model.name_or_path"
             damaged = damaged_json_file(Path(source).expanduser()) if is_local(source) else None
             if damaged:
                 raise UserError(Problem(recipe.where(key), f"{source!r} has a damaged {damaged}",
                                         "restore the file (save_pretrained writes it), or set model.tokenizer to "
                                         "another folder, a hub id, or builtin:quickstart")) from None
+            if (not isinstance(e, (OSError, ValueError)) and is_local(source)
+                    and (Path(source).expanduser() / "tokenizer.json").is_file()):
+                raise UserError(Problem(recipe.where(key), f"{source!r} has a tokenizer.json that is not a tokenizer's "
+                                        f"({first_line(e, named=True)})", "restore the file (save_pretrained writes "
+                                        "it), or give another folder, a hub id, or builtin:quickstart")) from None
             raise UserError(Problem(recipe.where(key), f"cannot load a tokenizer from {source!r}: "
-                                    f"{first_line(e)}",
+                                    f"{first_line(e, named=not isinstance(e, (OSError, ValueError)))}",
                                     "give a folder with tokenizer files, a hub id, or builtin:quickstart")) from None
     return with_pad_token(recipe, tokenizer)
 
