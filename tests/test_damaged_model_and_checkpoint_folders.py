@@ -78,6 +78,8 @@ CASES = [
     ('file:generation_config.json={"eos_token_id": [0, 131]}',
      "generation_config.json: eos_token_id is [0, 131], not a token id from 0 to 130"),
     ("tokens-added", "vocabulary of 131 is smaller than the tokenizer's 134 tokens"),
+    ('config:eos_token_id="x"', "config.json: eos_token_id is 'x', not a token id from 0 to 130"),
+    ("config:bos_token_id=131", "config.json: bos_token_id is 131, not a token id from 0 to 130"),
 ]
 
 
@@ -106,6 +108,8 @@ GENERATE = {
     "file:generation_config.json={ not json": "generation_config.json is damaged (JSONDecodeError",
     'file:generation_config.json={"eos_token_id": "x"}': "eos_token_id is 'x', not a token id from 0 to 130",
     "tokens-added": "its tokenizer has 134 tokens, more than the model's embedding of 131",
+    # blamed on the tokenizer ("has no usable tokenizer (Validation error for field 'eos_token_id')")
+    'config:eos_token_id="x"': "config.json: eos_token_id is 'x', not a token id from 0 to 130",
 }
 
 

@@ -232,6 +232,9 @@ def model_folder_problems(where: str, folder: Path) -> list[Problem]:
     if bad:
         return [Problem(where, f"{config}: {', '.join(bad)}, not a positive whole number",
                         "restore the file (save_pretrained writes it), or correct the value")]
+    wrong_id = token_id_problem(config, values, values.get("vocab_size"))
+    if wrong_id:  # transformers 5 stopped on a type ("Validation error for field"), blamed on the tokenizer
+        return [Problem(where, wrong_id, "restore the file (save_pretrained writes it), or correct the value")]
     generation = generation_config_problem(folder, values.get("vocab_size"))
     if generation:
         return [Problem(where, generation, "restore the file (save_pretrained writes it), correct the value, or "
@@ -269,6 +272,12 @@ launch import none)."""
             raise ValueError("not a JSON object")
     except (OSError, UnicodeDecodeError, ValueError) as e:
         return f"{path} is damaged ({first_line(e, 120, named=True)})"
+    return token_id_problem(path, values, vocab_size)
+
+
+def token_id_problem(path: Path, values: dict, vocab_size) -> str | None:
+    """A special token's id in config.json or generation_config.json (`values`, read from `path`) that is not a
+    whole number, or (EOS, BOS) not an id of the vocabulary, or None."""
     for key in GENERATION_TOKEN_KEYS:
         value = values.get(key)
         ids = value if isinstance(value, list) else [value]
