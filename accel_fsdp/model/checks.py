@@ -122,9 +122,11 @@ def tokenizer_files_problem(folder: Path) -> str | None:
         # Files of a "slow" tokenizer alone: AutoTokenizer has nothing to choose its class by, and fails with
         # "Couldn't instantiate the backend tokenizer" (tokenization_auto.py; checked with 5.24.0).
         present = " and ".join(name for name in (*TOKENIZER_FILES, "merges.txt") if (folder / name).exists())
+        gpt2 = (folder / "vocab.json").exists() and (folder / "merges.txt").exists()
         return (f"has {present} but no tokenizer.json or tokenizer_config.json, so which tokenizer they make is "
-                'unknown (GPT-2\'s vocab.json and merges.txt: write {"tokenizer_class": "GPT2Tokenizer"} into '
-                "tokenizer_config.json)")
+                "unknown (" + ('GPT-2\'s vocab.json and merges.txt: write {"tokenizer_class": "GPT2Tokenizer"} into '
+                              "tokenizer_config.json" if gpt2 else "save the tokenizer with save_pretrained, which "
+                              "writes both") + ")")
     for name in TOKENIZER_JSON:
         try:
             if (folder / name).exists() and not isinstance(json.loads((folder / name).read_text()), dict):
