@@ -75,11 +75,11 @@ def test_a_tokenizer_json_that_is_json_but_no_tokenizer_is_named(tmp_path, conte
 
 
 @pytest.mark.parametrize("message,hint", [
-    ({"role": "tool", "content": "42"}, "message 2 has unknown role 'tool'; a tool's call and its result are not "
-                                        "trained here"),
+    ({"role": "tool", "content": "42"}, ("message 2 has unknown role 'tool'; a tool's call and its result are not "
+                                         "trained here")),
     ({"role": "user", "content": [{"type": "text", "text": "hi"}]},
-     "message 2 content is not text (a list); a list of content parts (OpenAI's form): write the text of its parts as "
-     "one string"),
+     ("message 2 content is not text (a list); a list of content parts (OpenAI's form): write the text of its parts "
+      "as one string")),
 ])
 def test_openai_style_chat_rows_are_named_with_what_to_write_instead(message, hint):
     problem = check_messages([{"role": "user", "content": "hi"}, message, {"role": "assistant", "content": "ok"}])
@@ -103,10 +103,10 @@ def test_an_eos_the_tokenizer_appends_itself_is_written_once_and_never_inside_a_
         single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", eos)])
     assert tok("the cat")["input_ids"][-1] == eos  # the tokenizer writes it
     (text_ids, _), = examples(tok, "text", [{"text": "the cat is red"}])
-    (ids, mask), = examples(tok, "instruction", [{"instruction": "who ?", "output": "alice ."}])
+    answered = examples(tok, "instruction", [{"instruction": "who ?", "output": "alice ."}])
     pair = examples(tok, "preference", [{"prompt": "who ?", "chosen": "alice .", "rejected": "bob ."}])
     assert text_ids.count(eos) == 1 and text_ids[-1] == eos
-    for ids, mask in [(ids, mask), *pair]:
+    for ids, mask in [*answered, *pair]:
         assert ids.count(eos) == 1 and ids[-1] == eos and mask[-1], tok.decode(ids)
 
 
@@ -139,11 +139,11 @@ def test_a_chat_template_that_is_not_jinja_is_named_as_the_tokenizers_not_a_rows
         prepare_data(r, tok)
 
 
-@pytest.mark.parametrize("template,said", [(BROKEN_TEMPLATE, "is not valid Jinja: unexpected '}'"),
-                                           (REFUSING_TEMPLATE, "refuses a conversation of one user message: a system "
-                                                               "message is required"),
-                                           (FAILING_TEMPLATE, "fails on a conversation of one user message: TypeError: "
-                                                              "can only concatenate str")])
+@pytest.mark.parametrize("template,said", [
+    (BROKEN_TEMPLATE, "is not valid Jinja: unexpected '}'"),
+    (REFUSING_TEMPLATE, "refuses a conversation of one user message: a system message is required"),
+    (FAILING_TEMPLATE, "fails on a conversation of one user message: TypeError: can only concatenate str"),
+], ids=["not-jinja", "refuses", "fails"])
 def test_generate_chat_names_a_template_that_fails(tiny_gpt2, tmp_path, template, said):
     """Each stopped `generate --chat` with jinja's traceback."""
     import shutil

@@ -270,10 +270,10 @@ launch import none)."""
         return None
     try:
         values = json.loads(path.read_text())
-        if not isinstance(values, dict):
-            raise ValueError("not a JSON object")
     except (OSError, UnicodeDecodeError, ValueError) as e:
         return f"{path} is damaged ({first_line(e, 120, named=True)})"
+    if not isinstance(values, dict):
+        return f"{path} is damaged (not a JSON object)"
     return token_id_problem(path, values, vocab_size)
 
 
