@@ -1,0 +1,44 @@
+"""The project's cache folder as the environment chooses it: a variable that names a file, a relative or `~` path, an
+empty XDG_CACHE_HOME; and a generated file in it that a disk or a person damaged since."""
+
+from __future__ import annotations
+
+import pytest
+
+from accel_fsdp.errors import UserError
+from accel_fsdp.layout import cache_dir, compile_cache_dir
+from conftest import user_error
+
+
+@pytest.mark.parametrize("below", ["", "sub/deeper"])
+def test_a_cache_variable_naming_a_file_is_one_message_naming_the_variable(tmp_path, monkeypatch, below):
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("x")
+    value = str(a_file / below) if below else str(a_file)
+    monkeypatch.setenv("ACCEL_FSDP_CACHE", value)
+    out = user_error("data", "prepare", "quickstart")
+    assert f"ACCEL_FSDP_CACHE: {value!r}: {a_file} is a file, not a folder" in out
+    assert "fix: export ACCEL_FSDP_CACHE=<a folder>" in out
+    assert a_file.read_text() == "x"  # nothing the user had is changed
+
+
+def test_the_compile_cache_variable_is_checked_like_the_cache(tmp_path, monkeypatch):
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "link"))
+    with pytest.raises(UserError, match="TORCHINDUCTOR_CACHE_DIR: .*link is a link that leads nowhere, not a folder"):
+        compile_cache_dir()
+
+
+def test_relative_home_and_empty_values_give_an_absolute_cache(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ACCEL_FSDP_CACHE", "relative/cache")
+    assert cache_dir() == tmp_path / "relative" / "cache"  # read where the command started; the ranks share it
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("ACCEL_FSDP_CACHE", "~/cache")  # quoted in a shell: no `~` folder in the current one
+    assert cache_dir() == tmp_path / "home" / "cache"
+    monkeypatch.setenv("ACCEL_FSDP_CACHE", "")  # as unset
+    for xdg in ("", "relative"):  # the XDG spec: ignored, not a folder `accel_fsdp` wherever the command runs
+        monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+        assert cache_dir() == tmp_path / "home" / ".cache" / "accel_fsdp"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "accel_fsdp"
