@@ -42,3 +42,29 @@ def test_relative_home_and_empty_values_give_an_absolute_cache(tmp_path, monkeyp
         assert cache_dir() == tmp_path / "home" / ".cache" / "accel_fsdp"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_dir() == tmp_path / "xdg" / "accel_fsdp"
+
+
+def test_a_damaged_built_in_data_file_is_generated_again_not_blamed_on_data_path(tmp_path, monkeypatch):
+    from accel_fsdp.data.synthetic import write_builtin
+
+    monkeypatch.setenv("ACCEL_FSDP_CACHE", str(tmp_path))
+    path = write_builtin("quickstart", rows=200)
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) // 2])  # cut mid-line: a disk, a copy cut short
+    assert write_builtin("quickstart", rows=200).read_bytes() == whole
+    path.with_name(path.name + ".crc32").unlink()  # a cache from before the checksum: generated once more
+    path.write_bytes(b"")
+    assert write_builtin("quickstart", rows=200).read_bytes() == whole
+
+
+def test_a_damaged_cached_tokenizer_is_trained_again(tmp_path, monkeypatch):
+    from accel_fsdp.config.recipe import recipe_from_text
+    from accel_fsdp.model.tokenizer import _bpe_cache_folder, trained_tokenizer
+
+    monkeypatch.setenv("ACCEL_FSDP_CACHE", str(tmp_path))
+    recipe = recipe_from_text('model: {architecture: gpt2, tokenizer: "bpe:300"}\n'
+                              'data: {path: "builtin:quickstart", seq_len: 64}\n', source="r.yaml")
+    words = trained_tokenizer(recipe).tokenize("alice has a red cat .")
+    saved = _bpe_cache_folder(recipe, 300) / "tokenizer.json"
+    saved.write_text(saved.read_text()[:20])
+    assert trained_tokenizer(recipe).tokenize("alice has a red cat .") == words
