@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import errno
 import gc
+import os
 import signal
 import sys
 import threading
@@ -20,6 +21,7 @@ import click
 from accel_fsdp import __version__
 from accel_fsdp.cli import checkpoint, data, plan, recipe, tools
 from accel_fsdp.errors import Problem, UserError, show_usage_error
+from accel_fsdp.hardware import settle_thread_environment
 from accel_fsdp.launch.launcher import inside_launch
 from accel_fsdp.quiet import quiet_warnings
 from accel_fsdp.train.lifetime import INTERRUPTED, PREEMPTED, PREEMPTION_SIGNALS
@@ -128,6 +130,7 @@ def main() -> None:
     accel-fsdp checkpoint consolidate runs/gpt2-xl out/gpt2-xl
     """
     quiet_warnings()
+    settle_thread_environment(os.environ)  # before any command imports torch (libgomp reads it then)
 
 
 # The commands, each in the module of its kind.

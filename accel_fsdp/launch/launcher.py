@@ -23,7 +23,13 @@ from pathlib import Path
 from accel_fsdp.config.accelerate import CONFIG_PATH_ENV, AccelerateConfig
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.files import scratch_folder
-from accel_fsdp.hardware import gloo_interface, network_interfaces, usable_cores
+from accel_fsdp.hardware import (
+    OMP_THREADS_ENV,
+    gloo_interface,
+    network_interfaces,
+    oversubscribed_cores_note,
+    usable_cores,
+)
 from accel_fsdp.layout import PREEMPTED_FILE, finished_since
 from accel_fsdp.train.lifetime import (
     CRASHED,
@@ -43,9 +49,27 @@ from accel_fsdp.train.lifetime import (
 )
 
 
+RANK_ADDRESS_ENV = ("RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun gives every rank besides LOCAL_RANK and WORLD_SIZE (torch/distributed/elastic/agent/server/api.py,
+SimpleElasticAgent._start_workers via the local agent's worker env; torch 2.13.0): the rank's place and the address
+its process group meets at."""
+
+
 def inside_launch() -> bool:
-    """True inside a rank started by torchrun / accelerate launch (or SLURM's srun with torchrun)."""
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    """True inside a rank started by torchrun / accelerate launch (or SLURM's srun with torchrun). LOCAL_RANK and
+    WORLD_SIZE without the rest of a rank's environment are left over from another launch (a shell that ran one, a
+    script that exported them): one message, where this process would train as a rank whose process group can never
+    meet (Accelerate's "MASTER_ADDR env was not set" traceback), or as one rank of one instead of launching its own."""
+    if not ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        return False
+    missing = [name for name in RANK_ADDRESS_ENV if not os.environ.get(name)]
+    if missing:
+        given = ", ".join(f"{name}={os.environ[name]}" for name in ("LOCAL_RANK", "WORLD_SIZE"))
+        raise UserError(Problem(given, f"a rank's environment only in part ({', '.join(missing)} not set): left over "
+                                "from another launch, it makes this command act as one rank of a launch that is not "
+                                "there", "unset LOCAL_RANK WORLD_SIZE (accel-fsdp then launches its own ranks), or start "
+                                "it under torchrun / accelerate launch, which set all of them"))
+    return True
 
 
 @dataclass
@@ -92,7 +116,9 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
         address = (str(config.get("main_process_ip")), int(config.get("main_process_port") or 29500))
         if int(config.get("machine_rank", 0) or 0) > 0:
             wait_for_main(*address, timeout=machine.rendezvous_timeout)
-    if config.get("use_cpu") and not os.environ.get("OMP_NUM_THREADS"):
+    if config.get("use_cpu") and (note := oversubscribed_cores_note(os.environ, per_machine)):
+        print(f"note: {note}", file=sys.stderr)
+    if config.get("use_cpu") and not os.environ.get(OMP_THREADS_ENV):
         # One thread per rank unless told otherwise: CPU ranks share the cores.
         args += ["--num_cpu_threads_per_process", str(max(1, usable_cores() // per_machine))]
     args += ["-m", "accel_fsdp", *argv]
