@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from accel_fsdp import hardware
+from accel_fsdp.errors import UserError
 from accel_fsdp.hardware import oversubscribed_cores_note, settle_thread_environment
 from conftest import cli, user_error
 
@@ -50,3 +51,65 @@ def test_a_ranks_environment_left_over_in_part_is_one_message(monkeypatch):
     assert "fix: unset LOCAL_RANK WORLD_SIZE" in out
     monkeypatch.delenv("LOCAL_RANK")
     assert cli("recipe", "validate", "quickstart")[0] == 0
+
+
+# ------------------------------------------------------------------------------ the address the ranks meet at
+
+def _launch(monkeypatch, tmp_path, **values):
+    """`launcher.launch` of a CPU config with these values, Accelerate's launch replaced: the arguments it got."""
+    import os
+
+    import accelerate.commands.launch as accelerate_launch
+
+    from accel_fsdp.config.accelerate import load_accelerate_config
+    from accel_fsdp.launch import launcher
+    from conftest import cpu_config
+
+    seen = []
+    monkeypatch.setattr(accelerate_launch, "launch_command", seen.append)
+    saved = dict(os.environ)
+    try:
+        config = load_accelerate_config(cpu_config(tmp_path / "c.yaml", **values))
+        assert launcher.launch(config, ["recipe", "run", "quickstart"]) == 0
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return seen
+
+
+@pytest.fixture
+def held_port():
+    """A port another process of this machine listens on."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        yield listener.getsockname()[1]
+
+
+def test_a_busy_port_on_one_machine_is_a_note_and_a_free_port(monkeypatch, tmp_path, capsys, held_port):
+    """Accelerate picked another port itself, with a two-line UserWarning quoting its source."""
+    (args,) = _launch(monkeypatch, tmp_path, main_process_port=held_port)
+    assert int(args.main_process_port) == 0
+    err = capsys.readouterr().err
+    assert f"note: {tmp_path / 'c.yaml'}: main_process_port {held_port} is in use by another process" in err
+    assert "UserWarning" not in err
+
+
+def test_a_busy_port_on_the_main_machine_of_several_is_one_message(monkeypatch, tmp_path, held_port):
+    """Accelerate raised ConnectionError from its launcher: a traceback."""
+    with pytest.raises(UserError, match=rf"(?s)main_process_port {held_port}: is in use by another process on this "
+                                        r"machine .* fix: choose another port, the same on every machine"):
+        _launch(monkeypatch, tmp_path, num_machines=2, num_processes=2, main_process_ip="127.0.0.1",
+                main_process_port=held_port, machine_rank=0)
+
+
+@pytest.mark.parametrize("machine_rank", [0, 1])
+def test_a_main_process_address_that_does_not_resolve_is_one_message_at_once(monkeypatch, tmp_path, machine_rank):
+    """Rank 0 waited out the whole rendezvous timeout (a C++ stack per retry) and blamed the machines that did not
+    join; rank 1 waited it out too before it said the name does not resolve."""
+    with pytest.raises(UserError, match=r"(?s)main_process_ip no.such.host.invalid: does not resolve to an address .* "
+                                        r"fix: give the IP address of the machine with machine_rank 0"):
+        _launch(monkeypatch, tmp_path, num_machines=2, num_processes=2, main_process_ip="no.such.host.invalid",
+                main_process_port=29500, machine_rank=machine_rank)

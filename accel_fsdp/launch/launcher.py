@@ -105,9 +105,16 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
     for key in ("machine_rank", "main_process_ip", "main_process_port", "num_machines"):
         if getattr(machine, key) is not None:
             args += [f"--{key}", str(getattr(machine, key))]
-    if machines == 1 and not config.get("main_process_port"):
+    port = int(config.get("main_process_port") or 0)
+    if machines == 1 and port and port_in_use(port):
+        print(f"note: {_named(config, machine, 'main_process_port')} {port} is in use by another process on this "
+              "machine: the ranks meet on a free port instead (one machine needs none in particular)", file=sys.stderr)
+        port = 0
+    if machines == 1 and not port:
         args += ["--main_process_port", "0"]  # a free port: two runs on one machine must not collide
     if machines > 1:
+        if (problem := main_address_problem(config, machine)) is not None:
+            raise UserError(problem)
         name, note = gloo_interface(os.environ, network_interfaces())
         if name:
             os.environ["GLOO_SOCKET_IFNAME"] = name  # the ranks inherit it
@@ -286,6 +293,41 @@ def _grouped(items, key) -> list[list]:
 def _ranks(ranks: list[int]) -> str:
     ranks = list(ranks)
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+
+
+def port_in_use(port: int) -> bool:
+    """Something on this machine accepts connections on `port`: Accelerate's own test (accelerate/utils/other.py,
+    is_port_in_use, a connect to localhost; accelerate 1.15), which on one machine silently picks another port (with a
+    UserWarning) and on the main machine of several raises ConnectionError."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        return probe.connect_ex(("localhost", port)) == 0
+
+
+def main_address_problem(config: AccelerateConfig, machine: MachineOptions) -> Problem | None:
+    """Before a multi-machine launch: the main process's address must resolve (else rank 0's store waits out the whole
+    rendezvous timeout with a C++ stack per retry, and the message blames the machines that did not join), and on
+    the main machine its port must be free (else Accelerate's ConnectionError traceback)."""
+    host, port = str(config.get("main_process_ip")), int(config.get("main_process_port") or 29500)
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        return Problem(f"{_named(config, machine, 'main_process_ip')} {host}",
+                       f"does not resolve to an address ({e.strerror or e})",
+                       "give the IP address of the machine with machine_rank 0, or a name every machine resolves "
+                       "(`getent hosts NAME` shows what it resolves to)")
+    if int(config.get("machine_rank", 0) or 0) == 0 and port_in_use(port):
+        return Problem(f"{_named(config, machine, 'main_process_port')} {port}",
+                       "is in use by another process on this machine (the main machine, where the ranks meet)",
+                       "choose another port, the same on every machine, or stop what holds it (`ss -ltnp "
+                       f"'sport = :{port}'` names it)")
+    return None
+
+
+def _named(config: AccelerateConfig, machine: MachineOptions, key: str) -> str:
+    """Where a machine setting came from, as the user gave it: the option, else the config's key."""
+    if getattr(machine, key) is not None:
+        return "--" + key.replace("_", "-")
+    return f"{config.label}: {key}"
 
 
 def wait_for_main(host: str, port: int, *, timeout: float, interval: float = 0.25) -> None:
