@@ -1,5 +1,6 @@
 """Silence what a user can do nothing about: library progress bars in every rank, and deprecation notices raised
-inside torch, Accelerate, transformers and PEFT about their own internals."""
+inside torch, Accelerate, transformers and PEFT about their own internals; and what a stream that is not a live
+terminal cannot show (a redrawn progress bar, colours)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,22 @@ def quiet_libraries() -> None:
 
         datasets.logging.set_verbosity_error()
         datasets.disable_progress_bars()
+
+
+def live_terminal(stream) -> bool:
+    """`stream` is a terminal that redraws a line in place: not a file, a pipe or a CI log (where a progress bar's
+    carriage returns pile up as one long line of garbage), not TERM=dumb (Emacs' shell, some CI runners)."""
+    import os
+
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):  # no such method, or closed
+        return False
+    return tty and os.environ.get("TERM", "") != "dumb"
+
+
+def colour_allowed(stream) -> bool:
+    """Colours on `stream`: a live terminal, and NO_COLOR not set to anything (no-color.org)."""
+    import os
+
+    return live_terminal(stream) and not os.environ.get("NO_COLOR")
