@@ -270,7 +270,8 @@ def folder_from_environment(variable: str, value: str, *below: str) -> Path:
     blocking = next((p for p in (path, *path.parents) if p.exists() or p.is_symlink()), None)
     if blocking is not None and not blocking.is_dir():
         what = "a file" if blocking.exists() else "a link that leads nowhere"
-        raise UserError(Problem(variable, f"{value!r}: {blocking} is {what}, not a folder",
+        shown = f"{value!r} is" if blocking == path else f"{value!r}: {blocking} is"
+        raise UserError(Problem(variable, f"{shown} {what}, not a folder",
                                 f"export {variable}=<a folder> (it is created if missing), or unset it"))
     return path
 

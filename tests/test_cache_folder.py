@@ -17,7 +17,8 @@ def test_a_cache_variable_naming_a_file_is_one_message_naming_the_variable(tmp_p
     value = str(a_file / below) if below else str(a_file)
     monkeypatch.setenv("ACCEL_FSDP_CACHE", value)
     out = user_error("data", "prepare", "quickstart")
-    assert f"ACCEL_FSDP_CACHE: {value!r}: {a_file} is a file, not a folder" in out
+    shown = f"{value!r} is" if not below else f"{value!r}: {a_file} is"
+    assert f"ACCEL_FSDP_CACHE: {shown} a file, not a folder" in out
     assert "fix: export ACCEL_FSDP_CACHE=<a folder>" in out
     assert a_file.read_text() == "x"  # nothing the user had is changed
 
@@ -25,7 +26,7 @@ def test_a_cache_variable_naming_a_file_is_one_message_naming_the_variable(tmp_p
 def test_the_compile_cache_variable_is_checked_like_the_cache(tmp_path, monkeypatch):
     (tmp_path / "link").symlink_to(tmp_path / "gone")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "link"))
-    with pytest.raises(UserError, match="TORCHINDUCTOR_CACHE_DIR: .*link is a link that leads nowhere, not a folder"):
+    with pytest.raises(UserError, match="TORCHINDUCTOR_CACHE_DIR: .*link' is a link that leads nowhere, not a folder"):
         compile_cache_dir()
 
 
@@ -68,3 +69,17 @@ def test_a_damaged_cached_tokenizer_is_trained_again(tmp_path, monkeypatch):
     saved = _bpe_cache_folder(recipe, 300) / "tokenizer.json"
     saved.write_text(saved.read_text()[:20])
     assert trained_tokenizer(recipe).tokenize("alice has a red cat .") == words
+
+
+def test_a_hugging_face_cache_variable_naming_a_file_is_named_not_taken_for_a_network_failure(tmp_path, monkeypatch):
+    """The hub libraries said "Not a directory: .../token", which the check of the hub answered with "the hub cannot be
+    reached ... fix the network"."""
+    a_file = tmp_path / "hf"
+    a_file.write_text("x")
+    monkeypatch.setenv("HF_HOME", str(a_file))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(a_file / "datasets"))
+    out = user_error("recipe", "run", "gpt2", "--cpu", "--output-dir", tmp_path / "run")
+    assert f"HF_HOME: '{a_file}' is a file, not a folder" in out
+    assert f"HF_DATASETS_CACHE: '{a_file / 'datasets'}': {a_file} is a file, not a folder" in out
+    assert "fix: export HF_HOME=<a folder> (it is created if missing), or unset it" in out
+    assert not (tmp_path / "run").exists() and a_file.read_text() == "x"
