@@ -56,7 +56,8 @@ def test_a_ranks_environment_left_over_in_part_is_one_message(monkeypatch):
 # ------------------------------------------------------------------------------ the address the ranks meet at
 
 def _launch(monkeypatch, tmp_path, **values):
-    """`launcher.launch` of a CPU config with these values, Accelerate's launch replaced: the arguments it got."""
+    """`launcher.launch` of a CPU config with these values, Accelerate's launch replaced: the arguments it got, and
+    the environment the ranks would inherit."""
     import os
 
     import accelerate.commands.launch as accelerate_launch
@@ -66,7 +67,7 @@ def _launch(monkeypatch, tmp_path, **values):
     from conftest import cpu_config
 
     seen = []
-    monkeypatch.setattr(accelerate_launch, "launch_command", seen.append)
+    monkeypatch.setattr(accelerate_launch, "launch_command", lambda args: seen.append((args, dict(os.environ))))
     saved = dict(os.environ)
     try:
         config = load_accelerate_config(cpu_config(tmp_path / "c.yaml", **values))
@@ -90,7 +91,7 @@ def held_port():
 
 def test_a_busy_port_on_one_machine_is_a_note_and_a_free_port(monkeypatch, tmp_path, capsys, held_port):
     """Accelerate picked another port itself, with a two-line UserWarning quoting its source."""
-    (args,) = _launch(monkeypatch, tmp_path, main_process_port=held_port)
+    ((args, _),) = _launch(monkeypatch, tmp_path, main_process_port=held_port)
     assert int(args.main_process_port) == 0
     err = capsys.readouterr().err
     assert f"note: {tmp_path / 'c.yaml'}: main_process_port {held_port} is in use by another process" in err
@@ -113,3 +114,16 @@ def test_a_main_process_address_that_does_not_resolve_is_one_message_at_once(mon
                                         r"fix: give the IP address of the machine with machine_rank 0"):
         _launch(monkeypatch, tmp_path, num_machines=2, num_processes=2, main_process_ip="no.such.host.invalid",
                 main_process_port=29500, machine_rank=machine_rank)
+
+
+def test_accelerate_and_fsdp_variables_left_in_the_shell_do_not_reach_the_ranks(monkeypatch, tmp_path, capsys):
+    """ACCELERATE_USE_DEEPSPEED=true made every rank ask for DeepSpeed (a traceback each); an FSDP_* key the config
+    leaves out reached Accelerate's plugin. The config and the recipe decide; a note says what was left out."""
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")
+    monkeypatch.setenv("ACCELERATE_LOG_LEVEL", "info")  # the user's to set
+    ((_, at_launch),) = _launch(monkeypatch, tmp_path)
+    assert "ACCELERATE_USE_DEEPSPEED" not in at_launch and "FSDP_ACTIVATION_CHECKPOINTING" not in at_launch
+    assert at_launch["ACCELERATE_LOG_LEVEL"] == "info"
+    assert ("note: ACCELERATE_USE_DEEPSPEED=true, FSDP_ACTIVATION_CHECKPOINTING=true exported in this shell are left "
+            "out of the launch: the accelerate config and the recipe decide") in capsys.readouterr().err

@@ -128,6 +128,12 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
     if config.get("use_cpu") and not os.environ.get(OMP_THREADS_ENV):
         # One thread per rank unless told otherwise: CPU ranks share the cores.
         args += ["--num_cpu_threads_per_process", str(max(1, usable_cores() // per_machine))]
+    if stale := stale_launch_variables(os.environ):
+        print(f"note: {', '.join(f'{name}={os.environ[name]}' for name in stale)} exported in this shell "
+              f"{'is' if len(stale) == 1 else 'are'} left out of the launch: the accelerate config and the recipe "
+              "decide (unset them to silence this note)", file=sys.stderr)
+        for name in stale:
+            del os.environ[name]
     args += ["-m", "accel_fsdp", *argv]
     parsed = launch_command_parser().parse_args(args)
     os.environ[CONFIG_PATH_ENV] = str(config.path.resolve())
@@ -201,6 +207,20 @@ def _launch(parsed, config: AccelerateConfig, machine: MachineOptions, run_dir: 
                 print(f"error: rank {rank} exited with status {code} (see its output above)", file=sys.stderr)
         return 1
     return 0
+
+
+KEPT_LAUNCH_VARIABLES = frozenset({"ACCELERATE_LOG_LEVEL", "ACCELERATE_DEBUG_MODE"})
+"""Accelerate variables a user may set around our launch: how much it logs, and its collective-shape checks."""
+
+
+def stale_launch_variables(env) -> list[str]:
+    """The ACCELERATE_* and FSDP_* variables exported before our launch (by another `accelerate launch` this shell ran,
+    or by hand). Accelerate's launcher exports those the config sets and leaves the others as they are, and the ranks
+    read them where accel-fsdp passes no value: ACCELERATE_USE_DEEPSPEED=true made every rank ask for DeepSpeed (an
+    ImportError traceback each), an FSDP_* key the config leaves out reached Accelerate's plugin. The config and the
+    recipe are what decides: these are left out."""
+    return sorted(name for name in env if name.startswith(("ACCELERATE_", "FSDP_"))
+                  and name not in KEPT_LAUNCH_VARIABLES)
 
 
 def preemption_of_ranks(codes: dict[int, int]) -> str | None:
