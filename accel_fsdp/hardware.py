@@ -94,8 +94,8 @@ def oversubscribed_cores_note(env, ranks_per_machine: int) -> str | None:
     value, cores = env.get(OMP_THREADS_ENV, ""), usable_cores()
     if not value.isdigit() or int(value) * ranks_per_machine <= cores:
         return None
-    return (f"{OMP_THREADS_ENV}={value} gives each of this machine's {ranks_per_machine} CPU rank(s) {value} thread(s): "
-            f"{int(value) * ranks_per_machine} on {cores} usable core(s), so the ranks slow each other; unset it (each "
+    return (f"{OMP_THREADS_ENV}={value} gives each of this machine's {ranks_per_machine} CPU rank(s) {value} "
+            f"thread(s): {int(value) * ranks_per_machine} on {cores} usable core(s), so the ranks slow each other; unset it (each "
             f"rank then gets {max(1, cores // ranks_per_machine)}) or lower it")
 
 

@@ -67,8 +67,8 @@ def inside_launch() -> bool:
         given = ", ".join(f"{name}={os.environ[name]}" for name in ("LOCAL_RANK", "WORLD_SIZE"))
         raise UserError(Problem(given, f"a rank's environment only in part ({', '.join(missing)} not set): left over "
                                 "from another launch, it makes this command act as one rank of a launch that is not "
-                                "there", "unset LOCAL_RANK WORLD_SIZE (accel-fsdp then launches its own ranks), or start "
-                                "it under torchrun / accelerate launch, which set all of them"))
+                                "there", "unset LOCAL_RANK WORLD_SIZE (accel-fsdp then launches its own ranks), or "
+                                "start it under torchrun / accelerate launch, which set all of them"))
     return True
 
 
