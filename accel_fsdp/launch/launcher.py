@@ -105,35 +105,8 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
     for key in ("machine_rank", "main_process_ip", "main_process_port", "num_machines"):
         if getattr(machine, key) is not None:
             args += [f"--{key}", str(getattr(machine, key))]
-    port = int(config.get("main_process_port") or 0)
-    if machines == 1 and port and port_in_use(port):
-        print(f"note: {_named(config, machine, 'main_process_port')} {port} is in use by another process on this "
-              "machine: the ranks meet on a free port instead (one machine needs none in particular)", file=sys.stderr)
-        port = 0
-    if machines == 1 and not port:
-        args += ["--main_process_port", "0"]  # a free port: two runs on one machine must not collide
-    if machines > 1:
-        if (problem := main_address_problem(config, machine)) is not None:
-            raise UserError(problem)
-        name, note = gloo_interface(os.environ, network_interfaces())
-        if name:
-            os.environ["GLOO_SOCKET_IFNAME"] = name  # the ranks inherit it
-        print(f"note: {note}", file=sys.stderr)
-        args += ["--rdzv_conf", f"timeout={machine.rendezvous_timeout}"]
-        address = (str(config.get("main_process_ip")), int(config.get("main_process_port") or 29500))
-        if int(config.get("machine_rank", 0) or 0) > 0:
-            wait_for_main(*address, timeout=machine.rendezvous_timeout)
-    if config.get("use_cpu") and (note := oversubscribed_cores_note(os.environ, per_machine)):
-        print(f"note: {note}", file=sys.stderr)
-    if config.get("use_cpu") and not os.environ.get(OMP_THREADS_ENV):
-        # One thread per rank unless told otherwise: CPU ranks share the cores.
-        args += ["--num_cpu_threads_per_process", str(max(1, usable_cores() // per_machine))]
-    if stale := stale_launch_variables(os.environ):
-        print(f"note: {', '.join(f'{name}={os.environ[name]}' for name in stale)} exported in this shell "
-              f"{'is' if len(stale) == 1 else 'are'} left out of the launch: the accelerate config and the recipe "
-              "decide (unset them to silence this note)", file=sys.stderr)
-        for name in stale:
-            del os.environ[name]
+    args += _meeting_args(config, machine, machines)
+    args += _environment_args(config, per_machine)
     args += ["-m", "accel_fsdp", *argv]
     parsed = launch_command_parser().parse_args(args)
     os.environ[CONFIG_PATH_ENV] = str(config.path.resolve())
@@ -158,6 +131,46 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
         finally:
             os.environ.pop(RANK_RECORDS_ENV, None)
             os.environ.pop(LAUNCHER_PID_ENV, None)
+
+
+def _meeting_args(config: AccelerateConfig, machine: MachineOptions, machines: int) -> list[str]:
+    """Where the ranks meet, checked first: one machine, on a free port (its own if it is in use); several, at an
+    address that resolves, a port free on the main machine, the other machines waiting for it, gloo's interface."""
+    port = int(config.get("main_process_port") or 0)
+    if machines == 1 and port and port_in_use(port):
+        print(f"note: {_named(config, machine, 'main_process_port')} {port} is in use by another process on this "
+              "machine: the ranks meet on a free port instead (one machine needs none in particular)", file=sys.stderr)
+        port = 0
+    if machines == 1:
+        return [] if port else ["--main_process_port", "0"]  # a free port: two runs on one machine must not collide
+    if (problem := main_address_problem(config, machine)) is not None:
+        raise UserError(problem)
+    name, note = gloo_interface(os.environ, network_interfaces())
+    if name:
+        os.environ["GLOO_SOCKET_IFNAME"] = name  # the ranks inherit it
+    print(f"note: {note}", file=sys.stderr)
+    if int(config.get("machine_rank", 0) or 0) > 0:
+        address = (str(config.get("main_process_ip")), int(config.get("main_process_port") or 29500))
+        wait_for_main(*address, timeout=machine.rendezvous_timeout)
+    return ["--rdzv_conf", f"timeout={machine.rendezvous_timeout}"]
+
+
+def _environment_args(config: AccelerateConfig, per_machine: int) -> list[str]:
+    """The ranks' threads (a share of the cores for CPU ranks unless OMP_NUM_THREADS says otherwise), and the
+    environment they inherit without the ACCELERATE_*/FSDP_* variables a shell left exported."""
+    args = []
+    if config.get("use_cpu") and (note := oversubscribed_cores_note(os.environ, per_machine)):
+        print(f"note: {note}", file=sys.stderr)
+    if config.get("use_cpu") and not os.environ.get(OMP_THREADS_ENV):
+        # One thread per rank unless told otherwise: CPU ranks share the cores.
+        args += ["--num_cpu_threads_per_process", str(max(1, usable_cores() // per_machine))]
+    if stale := stale_launch_variables(os.environ):
+        print(f"note: {', '.join(f'{name}={os.environ[name]}' for name in stale)} exported in this shell "
+              f"{'is' if len(stale) == 1 else 'are'} left out of the launch: the accelerate config and the recipe "
+              "decide (unset them to silence this note)", file=sys.stderr)
+        for name in stale:
+            del os.environ[name]
+    return args
 
 
 def _launch(parsed, config: AccelerateConfig, machine: MachineOptions, run_dir: Path | None, records: RankRecords,
