@@ -33,12 +33,11 @@ from accel_fsdp.config.precision import PRECISIONS, TRANSFORMERS, compute_dtype
 from accel_fsdp.errors import Problem, UserError, first_line, read_json_object
 from accel_fsdp.files import atomic_folder
 from accel_fsdp.hardware import PeakMemory
-from accel_fsdp.layout import HF_DIR, MODEL_DIR, MODEL_FILE, RECIPE_FILE, dangling_link_problem
+from accel_fsdp.layout import EXPORT_RECORD, HF_DIR, MODEL_DIR, MODEL_FILE, RECIPE_FILE, dangling_link_problem
 from accel_fsdp.model.build import load_pretrained, meta_model
 from accel_fsdp.model.checks import looks_like_path, model_folder_problems, raise_problems
 
 DTYPES = {p: compute_dtype(p) for p in PRECISIONS}
-MARKER = "accel_fsdp_export.json"
 
 
 @dataclass
@@ -96,7 +95,7 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
                 _merge_lora(tmp, tmp / "merged", dtype, base_model)
             written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
             _readable_as_umask_says(tmp)
-            (tmp / MARKER).write_text(json.dumps({"checkpoint": str(info.path), "step": info.manifest.step,
+            (tmp / EXPORT_RECORD).write_text(json.dumps({"checkpoint": str(info.path), "step": info.manifest.step,
                                                   "dtype": dtype, "adapter": adapter, "files": written,
                                                   "run_id": info.manifest.run_id}, indent=1))
     except (ValueError, KeyError, UnicodeDecodeError) as e:  # a checkpoint file damaged with its checksum updated
@@ -127,10 +126,10 @@ def _check_destination(out_dir: Path, run_id: str | None = None) -> None:
     if not out_dir.exists():
         return
     ours, theirs = None, None
-    if out_dir.is_dir() and (out_dir / MARKER).is_file():
+    if out_dir.is_dir() and (out_dir / EXPORT_RECORD).is_file():
         try:
-            marker = json.loads((out_dir / MARKER).read_text())
-            ours, theirs = set(marker.get("files", [])) | {MARKER}, marker.get("run_id")
+            marker = json.loads((out_dir / EXPORT_RECORD).read_text())
+            ours, theirs = set(marker.get("files", [])) | {EXPORT_RECORD}, marker.get("run_id")
         except (OSError, ValueError, AttributeError, TypeError):
             ours = None
     if theirs and run_id and theirs != run_id:

@@ -10,7 +10,8 @@ import torch
 from accel_fsdp.errors import Problem, UserError, first_line, read_json_object
 from accel_fsdp.layout import FINAL_DIR, dangling_link_problem
 from accel_fsdp.model.build import load_pretrained
-from accel_fsdp.model.checks import damaged_json_file, model_folder_problems, raise_problems, tokenizer_files_problem
+from accel_fsdp.model.checks import (damaged_json_file, model_folder_problems, not_a_model_folder, raise_problems,
+                                     tokenizer_files_problem)
 
 
 def resolve_model_dir(path: Path) -> Path:
@@ -25,9 +26,7 @@ def resolve_model_dir(path: Path) -> Path:
             return candidate
     if (path / FINAL_DIR).is_dir():  # a run whose export lost files: load_model names what final/ lacks
         return path / FINAL_DIR
-    raise UserError(Problem(str(path), "is not a model folder (no config.json or adapter_config.json)",
-                            "give the folder written by `accel-fsdp checkpoint consolidate`, a run folder, or any "
-                            "save_pretrained folder"))
+    raise UserError(not_a_model_folder(str(path), path))  # a checkpoint: the command that exports it
 
 
 def load_model(folder: Path, device: str = "auto"):
