@@ -70,10 +70,10 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, ste
                     trainer_state: TrainerState,
                     recipe, settings, tokenizer, lora: bool, keep_last: int | None, faults=None,
                     run_id: str | None = None, data_identity: dict | None = None,
-                    quantized_base: dict | None = None) -> Path:
+                    quantized_base: dict | None = None, starting_weights: str | None = None) -> Path:
     """Write the checkpoint of optimizer step `step` atomically; rotate old ones. Collective: all ranks call it.
-    The scheduler's state is added to `trainer_state` here. `data_identity`: what the run's data was
-    (data/identity.py), compared on resume.
+    The scheduler's state is added to `trainer_state` here. `data_identity`, `starting_weights`: what the run's data
+    and the weights it started from were (data/identity.py), compared on resume.
 
     Long: the save is one protocol every rank walks through (temporary folder, shards, barrier, agreement on
     failure, checksums, manifest, rename, barrier); split, its barriers would hide in helpers."""
@@ -138,7 +138,8 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, ste
             state_dict_type=settings.state_dict_type.value, fsdp_version=settings.fsdp_version.value, lora=lora,
             recipe_fingerprint=recipe.fingerprint(), run_id=run_id, parameters=trainer_state.parameters,
             trainable_parameters=trainer_state.trainable_parameters, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            versions=_versions(), data=data_identity, quantized_base=quantized_base, files=files, crc32=checksums)
+            versions=_versions(), data=data_identity, quantized_base=quantized_base,
+            starting_weights=starting_weights, files=files, crc32=checksums)
         write_atomic(tmp / MANIFEST, manifest.to_json())
         if final.exists():  # the same step saved again (e.g. the end of a resumed run): replace it
             shutil.rmtree(final)

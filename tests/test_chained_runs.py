@@ -1,0 +1,126 @@
+"""What one command writes, the next one reads: an SFT run's folders given to a DPO recipe as its model, and a run
+resumed after the model it started from changed. The 2-rank chains themselves run in tests/test_preference.py and
+tests/test_checkpoint.py; here, in one process, what each step of a chain decides."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import fabricate_checkpoint, tiny_recipe, user_error
+
+
+def dpo_recipe(tmp_path: Path, model: Path, **model_keys) -> Path:
+    return tiny_recipe(tmp_path / "dpo.yaml", model, "builtin:quickstart-pref", model=model_keys,
+                       data={"format": "preference"}, training={"method": "dpo"})
+
+
+def fake_run(folder: Path, model: Path | None, *, adapter: bool = False) -> Path:
+    """A run folder as an SFT run leaves it: run.json, a checkpoint, final/ (a model, or an adapter)."""
+    step = fabricate_checkpoint(folder / "checkpoints", 2)
+    (folder / "run.json").write_text(json.dumps({"run_id": "a" * 16}))
+    final = folder / "final"
+    if adapter:
+        final.mkdir()
+        (final / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(model)}))
+        (final / "accel_fsdp_export.json").write_text(json.dumps({"checkpoint": str(step), "adapter": True}))
+    elif model is not None:
+        shutil.copytree(model, final)
+    return folder
+
+
+def test_a_run_folder_a_checkpoint_or_an_adapter_as_the_model_names_what_to_give(tmp_path, tiny_gpt2):
+    """Each was "has no config.json, so it is not a Hugging Face model folder", fix: "`accel-fsdp checkpoint
+    consolidate`", which for a LoRA run writes another adapter folder."""
+    run = fake_run(tmp_path / "sft", tiny_gpt2)
+    message = user_error("recipe", "validate", dpo_recipe(tmp_path, run))
+    assert "is a run folder, not a model folder" in message and f"use its exported model, '{run / 'final'}'" in message
+
+    step = run / "checkpoints" / "step-000002"
+    message = user_error("recipe", "validate", dpo_recipe(tmp_path, step))
+    assert "is a training checkpoint" in message and f"accel-fsdp checkpoint consolidate {step} OUT" in message
+    assert "is a training checkpoint" in user_error("generate", step, "--prompt", "a")  # the same words
+
+    lora = fake_run(tmp_path / "lora", tiny_gpt2, adapter=True)
+    message = user_error("recipe", "validate", dpo_recipe(tmp_path, lora / "final"))
+    assert "holds a LoRA adapter (adapter_config.json), not a whole model" in message
+    assert (f"`accel-fsdp checkpoint consolidate {lora / 'checkpoints' / 'step-000002'} OUT --merge` and use "
+            "OUT/merged") in message, message
+    shutil.copytree(tiny_gpt2, lora / "final" / "merged")  # what consolidate --merge leaves beside the adapter
+    message = user_error("recipe", "validate", dpo_recipe(tmp_path, lora / "final"))
+    assert f"use '{lora / 'final' / 'merged'}'" in message
+
+    unfinished = fake_run(tmp_path / "unfinished", None)  # stopped before its export
+    message = user_error("recipe", "validate", dpo_recipe(tmp_path, unfinished))
+    assert f"accel-fsdp checkpoint consolidate {unfinished} OUT" in message
+
+
+def test_the_starting_weights_fingerprint_follows_their_content_not_their_times(tmp_path, tiny_gpt2):
+    """A copy (new modification times) is the same model; the same shapes trained again are not."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from accel_fsdp.config.recipe import load_recipe
+    from accel_fsdp.data.identity import weights_fingerprint
+
+    first = shutil.copytree(tiny_gpt2, tmp_path / "first", copy_function=shutil.copyfile)
+    second = shutil.copytree(tiny_gpt2, tmp_path / "second", copy_function=shutil.copyfile)
+
+    def fingerprint(folder):
+        return weights_fingerprint(load_recipe(str(dpo_recipe(tmp_path, folder)), ()))
+
+    assert fingerprint(first) == fingerprint(second) is not None
+    weights = load_file(second / "model.safetensors")
+    name = sorted(weights)[-1]  # the last tensor of the file: a change far from the start is seen too
+    weights[name] = weights[name].clone()
+    weights[name].view(-1)[-1] += 1.0
+    save_file(weights, second / "model.safetensors", metadata={"format": "pt"})
+    assert fingerprint(second) != fingerprint(first)
+    assert torch.equal(load_file(first / "model.safetensors")[name], load_file(tiny_gpt2 / "model.safetensors")[name])
+
+
+@pytest.mark.parametrize("method,lora", [("dpo", False), ("sft", True)], ids=["dpo-reference", "lora-base"])
+def test_a_resume_after_the_starting_model_changed_is_refused_when_the_checkpoint_needs_it(tmp_path, tiny_gpt2,
+                                                                                            method, lora):
+    """The SFT run a DPO run started from was resumed (a new final/): the DPO run, resumed, computed its reference
+    again from the new weights and went on against it; a LoRA run went on over another base. Both said nothing."""
+    from safetensors.torch import load_file, save_file
+
+    from accel_fsdp.checkpoint.records import Manifest
+    from accel_fsdp.config.recipe import load_recipe
+    from accel_fsdp.data.identity import starting_weights_record
+
+    model = shutil.copytree(tiny_gpt2, tmp_path / "sft-final")
+    data = {"path": "builtin:quickstart-pref", "format": "preference"} if method == "dpo" else {}
+    recipe_file = tiny_recipe(tmp_path / "r.yaml", model, "builtin:quickstart", data=data,
+                              training={"method": method}, model={"lora": {"enabled": lora}})
+    recipe = load_recipe(str(recipe_file), ())
+    step = fabricate_checkpoint(tmp_path / "run" / "checkpoints", 2)
+    manifest = Manifest.from_dict(json.loads((step / "manifest.json").read_text()))
+    manifest.starting_weights = starting_weights_record(recipe)
+    assert manifest.starting_weights is not None
+    (step / "manifest.json").write_text(manifest.to_json())
+    (step / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict()))
+
+    weights = load_file(model / "model.safetensors")
+    for tensor in weights.values():
+        tensor.mul_(0.5)  # trained further: every tensor changed, shapes the same
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    before = sorted(p.name for p in step.iterdir())
+    message = user_error("recipe", "run", recipe_file, "--output-dir", tmp_path / "again", "--resume-from", step)
+    assert f"the model '{model}' changed since the checkpoint {step} was saved" in message, message
+    assert ("LoRA adapters were trained over" if lora else "dpo reference was computed from") in message
+    assert "resume with the model files the run started from" in message
+    assert sorted(p.name for p in step.iterdir()) == before and not (tmp_path / "again").exists()
+
+
+def test_a_full_fine_tune_records_no_starting_weights(tmp_path, tiny_gpt2):
+    """Its checkpoint holds every weight: the model it started from may change freely."""
+    from accel_fsdp.config.recipe import load_recipe
+    from accel_fsdp.data.identity import starting_weights_record
+
+    recipe = load_recipe(str(tiny_recipe(tmp_path / "sft.yaml", tiny_gpt2, "builtin:quickstart")), ())
+    assert starting_weights_record(recipe) is None
