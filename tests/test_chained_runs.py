@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import fabricate_checkpoint, tiny_recipe, user_error
+from conftest import fabricate_checkpoint, run_in_process, tiny_recipe, user_error
 
 
 def dpo_recipe(tmp_path: Path, model: Path, **model_keys) -> Path:
@@ -124,3 +124,31 @@ def test_a_full_fine_tune_records_no_starting_weights(tmp_path, tiny_gpt2):
 
     recipe = load_recipe(str(tiny_recipe(tmp_path / "sft.yaml", tiny_gpt2, "builtin:quickstart")), ())
     assert starting_weights_record(recipe) is None
+
+
+def test_a_merge_into_a_base_that_changed_since_the_adapters_were_trained_is_refused(tmp_path, tiny_gpt2):
+    """`checkpoint consolidate --merge` merged the adapters into whatever the base folder held by then (the SFT run
+    they started from, resumed since): another model, without a word. --base-model says which base to use."""
+    from safetensors.torch import load_file, save_file
+
+    from accel_fsdp.checkpoint.records import Manifest
+    from accel_fsdp.config.recipe import load_recipe
+    from accel_fsdp.data.identity import starting_weights_record
+
+    model = shutil.copytree(tiny_gpt2, tmp_path / "sft-final")
+    recipe = load_recipe(str(tiny_recipe(tmp_path / "r.yaml", model, "builtin:quickstart",
+                                         model={"lora": {"enabled": True}})), ())
+    step = fabricate_checkpoint(tmp_path / "run" / "checkpoints", 2)
+    manifest = Manifest.from_dict(json.loads((step / "manifest.json").read_text()))
+    manifest.lora, manifest.starting_weights = True, starting_weights_record(recipe)
+    (step / "manifest.json").write_text(manifest.to_json())
+    (step / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict()))
+    weights = load_file(model / "model.safetensors")
+    for tensor in weights.values():
+        tensor.mul_(0.5)
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    proc = run_in_process("checkpoint", "consolidate", step, tmp_path / "out", "--merge", check=2)
+    message = proc.stderr
+    assert "Traceback" not in message and message.count("error: ") == 1
+    assert f"its LoRA adapters were trained over '{model}' as it was then" in message, message
+    assert "--base-model PATH" in message and not (tmp_path / "out").exists()

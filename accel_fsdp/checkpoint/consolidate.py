@@ -30,6 +30,8 @@ from accel_fsdp.checkpoint.index import CheckpointInfo
 from accel_fsdp.checkpoint.merge import merge_streaming
 from accel_fsdp.checkpoint.records import damaged_if_unreadable
 from accel_fsdp.config.precision import PRECISIONS, TRANSFORMERS, compute_dtype
+from accel_fsdp.config.recipe import read_saved_recipe
+from accel_fsdp.data.identity import fingerprint_of
 from accel_fsdp.errors import Problem, UserError, first_line, read_json_object
 from accel_fsdp.files import atomic_folder
 from accel_fsdp.hardware import PeakMemory
@@ -70,6 +72,8 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
     out_dir = Path(out_dir)
     _check_destination(out_dir, info.manifest.run_id)
     adapter = bool(info.manifest.lora)
+    if adapter and merge_lora and not base_model:
+        _check_merge_base(info)
     try:
         reader = _TensorSource(info)
         keys = _output_keys(info, reader, adapter)
@@ -106,6 +110,27 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
         monitor.stop()
     return ExportReport(out_dir, files, len(keys), total, largest, monitor.peak, monitor.baseline,
                         time.perf_counter() - start, adapter)
+
+
+def _check_merge_base(info: CheckpointInfo) -> None:
+    """The base `--merge` reads (the recipe's model folder) must hold the weights the adapters were trained over (the
+    manifest's `starting_weights`, data/identity.py): the SFT run it started from, resumed since, leaves other weights
+    in the same folder, and a merge into them is another model, written without a word."""
+    saved_fingerprint = info.manifest.starting_weights
+    if not saved_fingerprint:
+        return
+    saved = read_saved_recipe(info.path / RECIPE_FILE, then=", so the base the adapters were trained over is unknown",
+                              fix="merge with --base-model PATH, or export the adapter alone (without --merge)")
+    model, training = saved.get("model", {}), saved.get("training", {})
+    if model.get("architecture") or not Path(str(model.get("name_or_path") or "")).expanduser().is_dir():
+        return  # built from scratch (the base is written beside the run; QLoRA's record checks it), or not here
+    now = fingerprint_of(model["name_or_path"], None, training.get("seed"), model.get("config_overrides"))
+    if now is not None and now != saved_fingerprint:
+        raise UserError(Problem(str(info.path), f"its LoRA adapters were trained over {model['name_or_path']!r} as it "
+                                f"was then (fingerprint {saved_fingerprint}); that folder holds other weights now "
+                                f"(fingerprint {now})", "put the base back, or give the one it was trained over with "
+                                "--base-model PATH, or export the adapter alone (without --merge); nothing was "
+                                "written"))
 
 
 def _readable_as_umask_says(folder: Path) -> None:

@@ -167,18 +167,24 @@ def weights_fingerprint(recipe) -> str | None:
     A checkpoint of a run that holds only against its starting weights (LoRA adapters, a DPO reference) records it:
     checkpoint/index.py `check_resume` compares it with the model files as they are now."""
     m = recipe.model
-    if m.architecture:
-        parts: dict = {"architecture": m.architecture, "seed": recipe.training.seed}
-    elif Path(m.name_or_path).expanduser().is_dir():
-        folder = Path(m.name_or_path).expanduser()
+    return fingerprint_of(m.name_or_path, m.architecture, recipe.training.seed, m.config_overrides)
+
+
+def fingerprint_of(name_or_path: str | None, architecture: str | None, seed, config_overrides) -> str | None:
+    """`weights_fingerprint` from the recipe keys it reads (also from a checkpoint's saved recipe: `checkpoint
+    consolidate --merge` checks the base it merges into)."""
+    if architecture:
+        parts: dict = {"architecture": architecture, "seed": seed}
+    elif Path(name_or_path).expanduser().is_dir():
+        folder = Path(name_or_path).expanduser()
         files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin", ".pt"))
         try:
             parts = {"files": [[p.name, p.stat().st_size, _content_sample(p)] for p in files]}
         except OSError:
             return None
     else:
-        parts = {"hub": m.name_or_path, "snapshot": hub_revision(m.name_or_path, "model")}
-    return digest(parts, {"config_overrides": m.config_overrides})
+        parts = {"hub": name_or_path, "snapshot": hub_revision(name_or_path, "model")}
+    return digest(parts, {"config_overrides": config_overrides})
 
 
 def _content_sample(path: Path) -> str:
