@@ -43,6 +43,9 @@ def test_a_run_folder_a_checkpoint_or_an_adapter_as_the_model_names_what_to_give
     message = user_error("recipe", "validate", dpo_recipe(tmp_path, step))
     assert "is a training checkpoint" in message and f"accel-fsdp checkpoint consolidate {step} OUT" in message
     assert "is a training checkpoint" in user_error("generate", step, "--prompt", "a")  # the same words
+    shutil.copytree(tiny_gpt2, step / "hf", ignore=shutil.ignore_patterns("*.safetensors"))  # config, no weights
+    message = user_error("recipe", "validate", dpo_recipe(tmp_path, step / "hf"))
+    assert f"folder '{step}' is a training checkpoint" in message, message
 
     lora = fake_run(tmp_path / "lora", tiny_gpt2, adapter=True)
     message = user_error("recipe", "validate", dpo_recipe(tmp_path, lora / "final"))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from accel_fsdp.data.synthetic import BUILTIN_TOKENIZER
 from accel_fsdp.errors import Problem, UserError, first_line
-from accel_fsdp.layout import EXPORT_RECORD, FINAL_DIR, MANIFEST, RUN_FILE
+from accel_fsdp.layout import EXPORT_RECORD, FINAL_DIR, HF_DIR, MANIFEST, RUN_FILE
 from accel_fsdp.model.quantize import QuantizedLayer, block_layers, layer_problems
 
 
@@ -224,6 +224,8 @@ def model_folder_problems(where: str, folder: Path) -> list[Problem]:
         return [Problem(where, f"{config}: {', '.join(bad)}, not a positive whole number",
                         "restore the file (save_pretrained writes it), or correct the value")]
     present = [name for name in WEIGHT_FILES if (folder / name).is_file()]
+    if not present and folder.name == HF_DIR and (folder.parent / MANIFEST).is_file():
+        return [not_a_model_folder(where, folder.parent)]  # a checkpoint's config and tokenizer, without its weights
     if not present:
         return [Problem(where, f"folder {str(folder)!r} has no weights (none of {', '.join(WEIGHT_FILES)})",
                         "copy the weight files into it, or use model.architecture to train from scratch")]
