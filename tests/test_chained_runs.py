@@ -155,3 +155,30 @@ def test_a_merge_into_a_base_that_changed_since_the_adapters_were_trained_is_ref
     assert "Traceback" not in message and message.count("error: ") == 1
     assert f"its LoRA adapters were trained over '{model}' as it was then" in message, message
     assert "--base-model PATH" in message and not (tmp_path / "out").exists()
+
+
+def test_generate_from_an_adapter_export_whose_base_changed_is_refused(tmp_path, tiny_gpt2):
+    """An adapter export loads over the base its adapter_config.json names, as the folder is now: after the SFT run
+    it started from was resumed, `generate` sampled from adapters over other weights."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from accel_fsdp.data.identity import folder_fingerprint
+
+    base = shutil.copytree(tiny_gpt2, tmp_path / "sft-final")
+    export = tmp_path / "lora-final"
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=2, target_modules=["c_attn"]))
+    model.save_pretrained(export)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(base / name, export / name)
+    record = {"adapter": True, "base": {"path": str(base), "fingerprint": folder_fingerprint(base)}}
+    (export / "accel_fsdp_export.json").write_text(json.dumps(record))
+    assert run_in_process("generate", export, "--prompt", "a", "--max-new-tokens", "2", check=0)
+    weights = load_file(base / "model.safetensors")
+    for tensor in weights.values():
+        tensor.mul_(0.5)
+    save_file(weights, base / "model.safetensors", metadata={"format": "pt"})
+    message = user_error("generate", export, "--prompt", "a", "--max-new-tokens", "2")
+    assert f"its LoRA adapters were trained over '{base}' as it was then" in message, message
+    assert "--merge --base-model PATH" in message

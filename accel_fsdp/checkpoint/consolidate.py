@@ -31,7 +31,7 @@ from accel_fsdp.checkpoint.merge import merge_streaming
 from accel_fsdp.checkpoint.records import damaged_if_unreadable
 from accel_fsdp.config.precision import PRECISIONS, TRANSFORMERS, compute_dtype
 from accel_fsdp.config.recipe import read_saved_recipe
-from accel_fsdp.data.identity import fingerprint_of
+from accel_fsdp.data.identity import folder_fingerprint
 from accel_fsdp.errors import Problem, UserError, first_line, read_json_object
 from accel_fsdp.files import atomic_folder
 from accel_fsdp.hardware import PeakMemory
@@ -40,6 +40,8 @@ from accel_fsdp.model.build import load_pretrained, meta_model
 from accel_fsdp.model.checks import looks_like_path, model_folder_problems, raise_problems
 
 DTYPES = {p: compute_dtype(p) for p in PRECISIONS}
+MERGE_FIX = ("put the base back, or give the one it was trained over with --base-model PATH, or export the adapter "
+             "alone (without --merge); nothing was written")
 
 
 @dataclass
@@ -72,8 +74,9 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
     out_dir = Path(out_dir)
     _check_destination(out_dir, info.manifest.run_id)
     adapter = bool(info.manifest.lora)
-    if adapter and merge_lora and not base_model:
-        _check_merge_base(info)
+    base = adapter_base(info) if adapter else None
+    if merge_lora and not base_model:
+        raise_problems([p for p in [changed_base_problem(str(info.path), base, MERGE_FIX)] if p])
     try:
         reader = _TensorSource(info)
         keys = _output_keys(info, reader, adapter)
@@ -101,7 +104,7 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
             _readable_as_umask_says(tmp)
             (tmp / EXPORT_RECORD).write_text(json.dumps({"checkpoint": str(info.path), "step": info.manifest.step,
                                                   "dtype": dtype, "adapter": adapter, "files": written,
-                                                  "run_id": info.manifest.run_id}, indent=1))
+                                                  "run_id": info.manifest.run_id, "base": base}, indent=1))
     except (ValueError, KeyError, UnicodeDecodeError) as e:  # a checkpoint file damaged with its checksum updated
         raise UserError(Problem(str(info.path), f"a file of this checkpoint cannot be read "
                                 f"({first_line(e, 160, named=True)})",
@@ -112,25 +115,32 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
                         time.perf_counter() - start, adapter)
 
 
-def _check_merge_base(info: CheckpointInfo) -> None:
-    """The base `--merge` reads (the recipe's model folder) must hold the weights the adapters were trained over (the
-    manifest's `starting_weights`, data/identity.py): the SFT run it started from, resumed since, leaves other weights
-    in the same folder, and a merge into them is another model, written without a word."""
-    saved_fingerprint = info.manifest.starting_weights
-    if not saved_fingerprint:
-        return
+def adapter_base(info: CheckpointInfo) -> dict | None:
+    """Of a LoRA checkpoint whose base is a local model folder: {"path", "fingerprint"} of the weights the adapters
+    were trained over (the manifest's `starting_weights`, data/identity.py). An adapter export records it, and what
+    puts the adapters over that folder again (`--merge`, `generate`) checks it: the SFT run they started from,
+    resumed since, leaves other weights in the same folder, and adapters over them are another model, said nowhere.
+    None where there is nothing to check (a base built from scratch: QLoRA's record checks it)."""
+    if not info.manifest.lora or not info.manifest.starting_weights:
+        return None
     saved = read_saved_recipe(info.path / RECIPE_FILE, then=", so the base the adapters were trained over is unknown",
                               fix="merge with --base-model PATH, or export the adapter alone (without --merge)")
-    model, training = saved.get("model", {}), saved.get("training", {})
-    if model.get("architecture") or not Path(str(model.get("name_or_path") or "")).expanduser().is_dir():
-        return  # built from scratch (the base is written beside the run; QLoRA's record checks it), or not here
-    now = fingerprint_of(model["name_or_path"], None, training.get("seed"), model.get("config_overrides"))
-    if now is not None and now != saved_fingerprint:
-        raise UserError(Problem(str(info.path), f"its LoRA adapters were trained over {model['name_or_path']!r} as it "
-                                f"was then (fingerprint {saved_fingerprint}); that folder holds other weights now "
-                                f"(fingerprint {now})", "put the base back, or give the one it was trained over with "
-                                "--base-model PATH, or export the adapter alone (without --merge); nothing was "
-                                "written"))
+    model = saved.get("model", {})
+    if model.get("architecture") or not model.get("name_or_path"):
+        return None
+    return {"path": str(model["name_or_path"]), "fingerprint": info.manifest.starting_weights}
+
+
+def changed_base_problem(where: str, base: dict | None, fix: str) -> Problem | None:
+    """The problem of a base folder (`adapter_base`) that holds other weights now, or None."""
+    folder = Path((base or {}).get("path", "")).expanduser()
+    if not base or not folder.is_dir():
+        return None
+    now = folder_fingerprint(folder)
+    if now is None or now == base.get("fingerprint"):
+        return None
+    return Problem(where, f"its LoRA adapters were trained over {base['path']!r} as it was then (fingerprint "
+                          f"{base.get('fingerprint')}); that folder holds other weights now (fingerprint {now})", fix)
 
 
 def _readable_as_umask_says(folder: Path) -> None:

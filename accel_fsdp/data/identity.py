@@ -167,24 +167,21 @@ def weights_fingerprint(recipe) -> str | None:
     A checkpoint of a run that holds only against its starting weights (LoRA adapters, a DPO reference) records it:
     checkpoint/index.py `check_resume` compares it with the model files as they are now."""
     m = recipe.model
-    return fingerprint_of(m.name_or_path, m.architecture, recipe.training.seed, m.config_overrides)
+    if m.architecture:
+        return digest({"architecture": m.architecture, "seed": recipe.training.seed}, m.config_overrides)
+    if Path(m.name_or_path).expanduser().is_dir():
+        return folder_fingerprint(Path(m.name_or_path).expanduser())
+    return digest({"hub": m.name_or_path, "snapshot": hub_revision(m.name_or_path, "model")})
 
 
-def fingerprint_of(name_or_path: str | None, architecture: str | None, seed, config_overrides) -> str | None:
-    """`weights_fingerprint` from the recipe keys it reads (also from a checkpoint's saved recipe: `checkpoint
-    consolidate --merge` checks the base it merges into)."""
-    if architecture:
-        parts: dict = {"architecture": architecture, "seed": seed}
-    elif Path(name_or_path).expanduser().is_dir():
-        folder = Path(name_or_path).expanduser()
-        files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin", ".pt"))
-        try:
-            parts = {"files": [[p.name, p.stat().st_size, _content_sample(p)] for p in files]}
-        except OSError:
-            return None
-    else:
-        parts = {"hub": name_or_path, "snapshot": hub_revision(name_or_path, "model")}
-    return digest(parts, {"config_overrides": config_overrides})
+def folder_fingerprint(folder: Path) -> str | None:
+    """`weights_fingerprint` of a local model folder's weight files (also of the base an adapter is merged into or
+    loaded over: `checkpoint consolidate --merge`, `generate`). None when one cannot be read."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin", ".pt"))
+    try:
+        return digest([[p.name, p.stat().st_size, _content_sample(p)] for p in files])
+    except OSError:
+        return None
 
 
 def _content_sample(path: Path) -> str:
