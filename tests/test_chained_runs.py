@@ -182,3 +182,18 @@ def test_generate_from_an_adapter_export_whose_base_changed_is_refused(tmp_path,
     message = user_error("generate", export, "--prompt", "a", "--max-new-tokens", "2")
     assert f"its LoRA adapters were trained over '{base}' as it was then" in message, message
     assert "--merge --base-model PATH" in message
+
+
+def test_a_resume_that_moves_the_end_of_a_decaying_schedule_says_so(tmp_path, tiny_gpt2):
+    """training.max_steps may change on resume (a longer run); a cosine or linear schedule then decays towards the
+    new end from the checkpoint on, and the next step's lr differs from what the checkpoint's run would have used."""
+    from accel_fsdp.checkpoint.index import _schedule_notes
+    from accel_fsdp.config.recipe import load_recipe
+
+    saved = {"training": {"max_steps": 8, "epochs": None}}
+    longer = load_recipe(str(tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, "builtin:quickstart")),
+                         ["training.max_steps=20"])
+    assert _schedule_notes(saved, longer) == ["training.max_steps: 8 then, 20 now; the cosine lr schedule decays "
+                                              "towards the new end from here on"]
+    constant = load_recipe(str(tmp_path / "r.yaml"), ["training.max_steps=20", "training.scheduler=constant"])
+    assert _schedule_notes(saved, constant) == [] and _schedule_notes({"training": {"max_steps": 20}}, longer) == []

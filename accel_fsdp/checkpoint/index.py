@@ -243,7 +243,20 @@ def check_resume(info: CheckpointInfo, recipe, settings, total_steps: int | None
         notes.append(f"resharding from {m.world_size} to {settings.num_processes.value} ranks "
                      f"({m.state_dict_type} allows it); the data order is unchanged, the dropout RNG of "
                      "ranks without a saved state restarts from the seed")
+    notes += _schedule_notes(saved, recipe)
     return notes
+
+
+def _schedule_notes(saved: dict, recipe) -> list[str]:
+    """A run made longer or shorter on resume (training.max_steps, training.epochs may change) keeps its optimizer
+    state, but its decaying lr schedule is computed for the new end from here on: said, since the lr of the next
+    step then differs from what the checkpoint's run would have used."""
+    t = recipe.training
+    then = saved.get("training", {})
+    if t.scheduler == "constant":
+        return []
+    return [f"training.{key}: {then.get(key)!r} then, {getattr(t, key)!r} now; the {t.scheduler} lr schedule decays "
+            "towards the new end from here on" for key in ("max_steps", "epochs") if then.get(key) != getattr(t, key)]
 
 
 def _check_starting_weights(info: CheckpointInfo, recipe) -> None:
