@@ -197,3 +197,13 @@ def test_a_resume_that_moves_the_end_of_a_decaying_schedule_says_so(tmp_path, ti
                                               "towards the new end from here on"]
     constant = load_recipe(str(tmp_path / "r.yaml"), ["training.max_steps=20", "training.scheduler=constant"])
     assert _schedule_notes(saved, constant) == [] and _schedule_notes({"training": {"max_steps": 20}}, longer) == []
+
+
+def test_fsdp1_full_state_dict_checkpoints_on_cpu_ranks_are_refused_before_the_launch(tmp_path, tiny_gpt2):
+    """torch's FSDP1 full state dict ended rank 0 with SIGSEGV at the first save on CPU ranks: "rank 0 was killed by
+    SIGSEGV", status 1, after the run had started (a resume switching to FULL_STATE_DICT under fsdp1_2gpu --cpu)."""
+    recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, "builtin:quickstart")
+    message = user_error("recipe", "run", recipe, "--output-dir", tmp_path / "run", "--accelerate-config", "fsdp1_2gpu",
+                         "--cpu", "--set", "checkpoint.state_dict_type=FULL_STATE_DICT")
+    assert "FSDP1 cannot gather a FULL_STATE_DICT checkpoint on CPU ranks" in message
+    assert "use SHARDED_STATE_DICT" in message and not (tmp_path / "run").exists()
