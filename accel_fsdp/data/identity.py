@@ -16,7 +16,8 @@ source or a model that changed since (checkpoint/index.py `check_resume`).
                         change what a forward computes)
 
 On the data floor, the lowest that knows where a source's rows come from (sources.py `locate`). It reads file
-metadata and package versions (importlib.metadata) only: it imports no torch.
+metadata, package versions (importlib.metadata) and, for `weights_fingerprint`, a few KiB of each weight tensor: it
+imports no torch.
 """
 
 from __future__ import annotations
@@ -161,8 +162,8 @@ SAMPLE_BYTES = 4096
 def weights_fingerprint(recipe) -> str | None:
     """What the starting weights hold, from the files' content rather than their times (a copy of the same model
     keeps it, a model trained again, with the same shapes, does not): of a local folder, every safetensors file's
-    header and the first and last SAMPLE_BYTES of each tensor (a fine-tune changes every tensor it trains; a few
-    reads a tensor, not the whole file); other weight files, blocks spread over them; a hub model, its snapshot; a
+    header and the first and last SAMPLE_BYTES of each tensor (a fine-tune changes every tensor it trains; two reads
+    a tensor, not the whole file); other weight files, blocks spread over them; a hub model, its snapshot; a
     model built from scratch, the architecture and the seed. None when a file cannot be read (nothing to compare).
     A checkpoint of a run that holds only against its starting weights (LoRA adapters, a DPO reference) records it:
     checkpoint/index.py `check_resume` compares it with the model files as they are now."""
@@ -177,8 +178,8 @@ def weights_fingerprint(recipe) -> str | None:
 def folder_fingerprint(folder: Path) -> str | None:
     """`weights_fingerprint` of a local model folder's weight files (also of the base an adapter is merged into or
     loaded over: `checkpoint consolidate --merge`, `generate`). None when one cannot be read."""
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin", ".pt"))
     try:
+        files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin", ".pt"))
         return digest([[p.name, p.stat().st_size, _content_sample(p)] for p in files])
     except OSError:
         return None

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from accel_fsdp.errors import Problem, UserError, first_line, read_json_object
 from accel_fsdp.checkpoint.consolidate import changed_base_problem
+from accel_fsdp.errors import Problem, UserError, first_line, read_json_object
 from accel_fsdp.layout import EXPORT_RECORD, FINAL_DIR, dangling_link_problem
 from accel_fsdp.model.build import load_pretrained
 from accel_fsdp.model.checks import (damaged_json_file, model_folder_problems, not_a_model_folder, raise_problems,
