@@ -207,3 +207,22 @@ def test_fsdp1_full_state_dict_checkpoints_on_cpu_ranks_are_refused_before_the_l
                          "--cpu", "--set", "checkpoint.state_dict_type=FULL_STATE_DICT")
     assert "FSDP1 cannot gather a FULL_STATE_DICT checkpoint on CPU ranks" in message
     assert "use SHARDED_STATE_DICT" in message and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("resume", ["auto", "latest"])
+def test_a_run_folder_moved_away_from_its_absolute_checkpoint_dir_is_not_started_again(tmp_path, tiny_gpt2, resume):
+    """checkpoint.dir inside the run folder, given absolute; the run folder moved: --resume auto took the run for one
+    that saved no checkpoint and trained it again from step 0 over its metrics and final/ (into the old path);
+    --resume said "no complete checkpoint", fix: --overwrite."""
+    old, moved = tmp_path / "run", tmp_path / "run moved"
+    recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, "builtin:quickstart", checkpoint={"dir": str(old / "ck")})
+    fabricate_checkpoint(moved / "ck", 2)
+    (moved / "ck" / ".accel-fsdp-run").write_text(json.dumps({"run_id": "a" * 16, "run_dir": str(old)}))
+    record = {"run_id": "a" * 16, "recipe_name": "r", "checkpoint_dir": str(old / "ck")}
+    (moved / "run.json").write_text(json.dumps(record | {"created": "2026-01-01T00:00:00+0000"}))
+    (moved / "metrics.jsonl").write_text("")
+    before = sorted(p.name for p in moved.rglob("*"))
+    message = user_error("recipe", "run", recipe, "--output-dir", moved, "--resume", resume)
+    assert f"{old / 'ck'}: this run's checkpoint folder does not exist" in message, message
+    assert f"resume with --set checkpoint.dir='{moved / 'ck'}'" in message
+    assert sorted(p.name for p in moved.rglob("*")) == before and not old.exists()
