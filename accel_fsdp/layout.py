@@ -65,6 +65,10 @@ RUN_FOLDER_ENTRIES = (RUN_FILE, RECIPE_FILE, SETTINGS_FILE, SHARDING_FILE, METRI
                       REFERENCE_DIR, SCRATCH_BASE_DIR, PROFILE_DIR)
 """Everything accel-fsdp writes into a run folder: an overwrite removes these and nothing else."""
 
+EXPORT_RECORD = "accel_fsdp_export.json"
+"""In an export (a run's final/, a `checkpoint consolidate` output): the checkpoint it was made from, its step, dtype,
+whether it is an adapter, and its files."""
+
 # The checkpoint folder, and each checkpoint in it (which also carries RECIPE_FILE and SETTINGS_FILE).
 OWNER_FILE = ".accel-fsdp-run"
 MANIFEST = "manifest.json"

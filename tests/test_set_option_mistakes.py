@@ -56,6 +56,9 @@ def test_a_section_set_to_null_is_refused_not_reset_to_its_defaults():
     msg = problems_of(["training=null"])
     assert "--set training: is a section; null would drop every key the recipe sets in it" in msg, msg
     assert "fix: set the keys you mean, e.g. --set training.KEY=VALUE" in msg
+    # a mapping-valued key is not a section: null is a wrong type, and the fix shows the empty mapping
+    msg = problems_of(["model.config_overrides=null"])
+    assert "expected a mapping, found null" in msg and "to a mapping (`{}` for none)" in msg, msg
 
 
 def test_a_key_given_twice_with_two_values_takes_the_later_and_says_so_in_every_command():

@@ -210,8 +210,9 @@ def bind(cls, raw: Any, prefix: str, where, problems: list[Problem], *, root=Non
             continue
         ok, converted, expected = _check_type(value, typ)
         if not ok:
+            example = " (`{}` for none)" if expected == "a mapping" else ""
             problems.append(Problem(where(dotted), f"expected {expected}, found {_show(value)}",
-                                    f"set {dotted} to {expected}"))
+                                    f"set {dotted} to {expected}{example}"))
             continue
         kwargs[key] = converted
     return _construct(cls, kwargs)
