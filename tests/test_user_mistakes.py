@@ -541,7 +541,7 @@ CORPUS = [
     ("copy-to-a-path-that-cannot-be-made", lambda t: ["recipe", "copy", "gpt2", "/proc/accel-fsdp.yaml"],
      "/proc/accel-fsdp.yaml: No such file or directory"),
     ("cache-is-a-file", lambda t: ["data", "prepare", "quickstart", "--set", "data.path=" + str(
-        write(t / "d.jsonl", THREE_ROWS))], "accel-fsdp-cache-file/tokenized: Not a directory"),
+        write(t / "d.jsonl", THREE_ROWS))], "accel-fsdp-cache-file' is a file, not a folder"),  # named: ACCEL_FSDP_CACHE
     ("plot-in-no-image-format", lambda t: ["data", "show", "quickstart", "--plot", t / "lengths.yaml"],
      "lengths.yaml: the suffix does not name an image format"),
     ("plot-a-folder", lambda t: ["data", "show", "quickstart", "--plot", t], "is a folder"),
