@@ -85,6 +85,8 @@ def reexec_in_utf8_mode() -> None:
 
     if sys.flags.utf8_mode or locale.getpreferredencoding(False).lower().replace("-", "") == "utf8":
         return
+    if os.environ.get("PYTHONUTF8") == "1":  # started again already, and `-X utf8=0` wins over the variable: no loop
+        return
     os.environ["PYTHONUTF8"] = "1"
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
