@@ -12,7 +12,7 @@ import socket
 import threading
 from pathlib import Path
 
-from accel_fsdp.errors import first_line
+from accel_fsdp.errors import Problem, UserError, first_line
 
 # ------------------------------------------------------------------------------------------------- devices
 
@@ -64,6 +64,39 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         return os.cpu_count() or 1
+
+
+OMP_THREADS_ENV = "OMP_NUM_THREADS"
+"""Threads per process of OpenMP (torch's CPU kernels). libgomp reads it when torch loads and, for a value that is
+not a positive number, says "libgomp: Invalid value for environment variable OMP_NUM_THREADS" and uses its own
+default; Accelerate's launcher reads it with `int()` (accelerate/commands/launch.py, _validate_launch_command;
+accelerate 1.15): a traceback."""
+
+
+def settle_thread_environment(env) -> None:
+    """Before torch is imported (by any command): OMP_NUM_THREADS exported empty is as unset (removed, so no library
+    reads ""); a value that is not a positive whole number is one message naming it."""
+    value = env.get(OMP_THREADS_ENV)
+    if value is None:
+        return
+    if not value.strip():
+        del env[OMP_THREADS_ENV]
+        return
+    if not (value.strip().isascii() and value.strip().isdigit()) or int(value) == 0:
+        raise UserError(Problem(OMP_THREADS_ENV, f"{value!r} is not a positive whole number of threads",
+                                f"export {OMP_THREADS_ENV}=<threads per process>, e.g. 1, or unset it (CPU ranks then "
+                                "share this machine's usable cores equally)"))
+
+
+def oversubscribed_cores_note(env, ranks_per_machine: int) -> str | None:
+    """A note when the OMP_NUM_THREADS the user exported gives this machine's CPU ranks more threads together than
+    the cores they may use: each runs slower than with its share."""
+    value, cores = env.get(OMP_THREADS_ENV, ""), usable_cores()
+    if not value.isdigit() or int(value) * ranks_per_machine <= cores:
+        return None
+    return (f"{OMP_THREADS_ENV}={value} gives each of this machine's {ranks_per_machine} CPU rank(s) {value} "
+            f"thread(s): {int(value) * ranks_per_machine} on {cores} usable core(s), so the ranks slow each other; unset it (each "
+            f"rank then gets {max(1, cores // ranks_per_machine)}) or lower it")
 
 
 CPU_BF16_ENV = "ACCEL_FSDP_CPU_BF16"

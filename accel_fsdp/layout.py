@@ -65,6 +65,10 @@ RUN_FOLDER_ENTRIES = (RUN_FILE, RECIPE_FILE, SETTINGS_FILE, SHARDING_FILE, METRI
                       REFERENCE_DIR, SCRATCH_BASE_DIR, PROFILE_DIR)
 """Everything accel-fsdp writes into a run folder: an overwrite removes these and nothing else."""
 
+EXPORT_RECORD = "accel_fsdp_export.json"
+"""In an export (a run's final/, a `checkpoint consolidate` output): the checkpoint it was made from, its step, dtype,
+whether it is an adapter, and its files."""
+
 # The checkpoint folder, and each checkpoint in it (which also carries RECIPE_FILE and SETTINGS_FILE).
 OWNER_FILE = ".accel-fsdp-run"
 MANIFEST = "manifest.json"
@@ -245,12 +249,35 @@ def finished_since(run_dir: Path, since: float) -> bool:
     return isinstance(finished, (int, float)) and finished >= since
 
 
+CACHE_ENV = "ACCEL_FSDP_CACHE"
+"""The project's cache folder, when the user chooses one."""
+
+
 def cache_dir() -> Path:
     """The project's cache: generated built-in data and tokenizers, tokenized datasets. ACCEL_FSDP_CACHE, else
-    $XDG_CACHE_HOME/accel_fsdp, else ~/.cache/accel_fsdp."""
-    root = os.environ.get("ACCEL_FSDP_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "accel_fsdp")
-    return Path(root)
+    $XDG_CACHE_HOME/accel_fsdp, else ~/.cache/accel_fsdp. Absolute (a relative value is read from the folder the
+    command started in, which the ranks share) and a folder, or one message naming the variable that chose it."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if os.environ.get(CACHE_ENV):
+        return folder_from_environment(CACHE_ENV, os.environ[CACHE_ENV])
+    if os.path.isabs(xdg):  # the XDG spec: an empty or relative value is ignored
+        return folder_from_environment("XDG_CACHE_HOME", xdg, "accel_fsdp")
+    return Path("~/.cache/accel_fsdp").expanduser().absolute()
+
+
+def folder_from_environment(variable: str, value: str, *below: str) -> Path:
+    """The folder an environment variable names (`~` expanded, made absolute), with `below` appended; one message
+    when it, or a folder above it, is a file (every write there would fail far from the variable that chose it:
+    "Not a directory" about a path the user never typed). A folder that does not exist yet is created by its first
+    writer."""
+    path = Path(value).expanduser().absolute().joinpath(*below)
+    blocking = next((p for p in (path, *path.parents) if p.exists() or p.is_symlink()), None)
+    if blocking is not None and not blocking.is_dir():
+        what = "a file" if blocking.exists() else "a link that leads nowhere"
+        shown = f"{value!r} is" if blocking == path else f"{value!r}: {blocking} is"
+        raise UserError(Problem(variable, f"{shown} {what}, not a folder",
+                                f"export {variable}=<a folder> (it is created if missing), or unset it"))
+    return path
 
 
 COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -262,4 +289,6 @@ wins."""
 def compile_cache_dir() -> Path:
     """Where `training.compile` keeps the compiler's cache between runs: the user's TORCHINDUCTOR_CACHE_DIR, else
     <cache_dir>/compile (inductor's own default is under /tmp, which clusters clear between jobs)."""
-    return Path(os.environ.get(COMPILE_CACHE_ENV) or cache_dir() / "compile")
+    if os.environ.get(COMPILE_CACHE_ENV):
+        return folder_from_environment(COMPILE_CACHE_ENV, os.environ[COMPILE_CACHE_ENV])
+    return cache_dir() / "compile"

@@ -1,5 +1,6 @@
 """Silence what a user can do nothing about: library progress bars in every rank, and deprecation notices raised
-inside torch, Accelerate, transformers and PEFT about their own internals."""
+inside torch, Accelerate, transformers and PEFT about their own internals; and what a stream that is not a live
+terminal cannot show (a redrawn progress bar, colours)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,70 @@ def quiet_libraries() -> None:
 
         datasets.logging.set_verbosity_error()
         datasets.disable_progress_bars()
+
+
+def live_terminal(stream) -> bool:
+    """`stream` is a terminal that redraws a line in place: not a file, a pipe or a CI log (where a progress bar's
+    carriage returns pile up as one long line of garbage), not TERM=dumb (Emacs' shell, some CI runners)."""
+    import os
+
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):  # no such method, or closed
+        return False
+    return tty and os.environ.get("TERM", "") != "dumb"
+
+
+def colour_allowed(stream) -> bool:
+    """Colours on `stream`: a live terminal, and NO_COLOR not set to anything (no-color.org)."""
+    import os
+
+    return live_terminal(stream) and not os.environ.get("NO_COLOR")
+
+
+class _OutlivesItsReader:
+    """A text stream whose reader may go away (`recipe run ... | head`, a `| tee` that was killed): the first write or
+    flush that finds the pipe closed points the stream's file descriptor at /dev/null, and it and every later write
+    succeed there. Python ignores SIGPIPE and raises BrokenPipeError instead, in whatever wrote: a rank's progress
+    line in the middle of a training step ended the run."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+            self._stream.flush()  # what was buffered goes to /dev/null now
+
+    def _to_devnull(self) -> None:
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, self._stream.fileno())
+        finally:
+            os.close(devnull)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def outlive_closed_output() -> None:
+    """stdout and stderr of this process go on into /dev/null once their reader is gone, instead of raising
+    BrokenPipeError into a training step (`_OutlivesItsReader`). For a process whose work matters more than its
+    output: a rank, the launcher waiting for its ranks."""
+    import sys
+
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _OutlivesItsReader):
+            setattr(sys, name, _OutlivesItsReader(stream))

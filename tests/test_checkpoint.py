@@ -189,6 +189,12 @@ def test_full_and_sharded_checkpoints_hold_the_same_model(tmp_path, reference, t
                       "--resume-from", run / "checkpoints" / "step-000009", check=0)
     assert "at step 9" in resumed.stdout
     assert_same_weights(tmp_path / "again" / "final", reference / "final")
+    # a run that switched checkpoint.state_dict_type (resume-safe) reads the checkpoint as it was written: a sharded
+    # one read by a run saving FULL was "incomplete or corrupt" (the plugin kept the FULL type's rank-0 config)
+    switched = run_cli("recipe", "run", recipe, "--output-dir", tmp_path / "switched", "--resume-from",
+                       reference / "checkpoints" / "step-000009", check=0)
+    assert "at step 9" in switched.stdout
+    assert_same_weights(tmp_path / "switched" / "final", reference / "final")
 
 
 def test_consolidate_streams_shards_and_transformers_loads_the_same_logits(tmp_path, reference):

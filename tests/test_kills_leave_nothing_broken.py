@@ -404,6 +404,6 @@ def test_a_rank_whose_launcher_is_gone_before_it_started_ends_at_once(tmp_path):
     rank = subprocess.run([sys.executable, "-m", "accel_fsdp", "recipe", "run", "quickstart", "--output-dir",
                            str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
-                               LAUNCHER_PID_ENV: str(gone.pid)})
+                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", LAUNCHER_PID_ENV: str(gone.pid)})
     assert rank.returncode == -signal.SIGKILL, (rank.returncode, rank.stderr[-3000:])
     assert not (tmp_path / "run").exists()

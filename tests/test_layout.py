@@ -127,7 +127,7 @@ def test_manifest_round_trips_the_json_keys_and_names_damage():
     data = {"format": FORMAT, "step": 7, "epoch": 0, "world_size": 2, "state_dict_type": "SHARDED_STATE_DICT",
             "fsdp_version": 2, "lora": False, "recipe_fingerprint": "f", "run_id": "r", "parameters": 10,
             "trainable_parameters": 10, "created": "now", "versions": {"torch": "x"}, "quantized_base": None,
-            "data": {"d": {"key": "data.path", "identity": {"file": "/d.jsonl", "size": 3, "mtime_ns": 1}}},
+            "starting_weights": "w", "data": {"d": {"key": "data.path", "identity": {"file": "/d.jsonl", "size": 3, "mtime_ns": 1}}},
             "files": {"a": 1}, "crc32": {"a": "00000000"}}
     m = Manifest.from_dict(data)
     assert m.to_dict() == data and list(m.to_dict()) == list(data) and json.loads(m.to_json()) == data

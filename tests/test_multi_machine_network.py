@@ -102,6 +102,7 @@ def test_a_multi_machine_launch_sets_the_interface_and_says_so(tmp_path, monkeyp
     monkeypatch.setattr(accelerate_launch, "launch_command", lambda args: seen.update(
         gloo=os.environ.get("GLOO_SOCKET_IFNAME")))
     monkeypatch.setattr(launcher, "network_interfaces", lambda: LAUNCHER_INTERFACES)
+    monkeypatch.setattr(launcher, "port_in_use", lambda port: False)  # another test's main machine may hold it
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib")
     saved = dict(os.environ)
     try:

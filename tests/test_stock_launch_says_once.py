@@ -56,8 +56,8 @@ def test_in_a_launched_rank_the_recipe_is_read_where_a_mistake_is_said_once(monk
 
     monkeypatch.setattr(recipe_cli, "run_rank", run_rank)
     monkeypatch.setattr(recipe_cli, "die_with_launcher", lambda: None)
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name, value in dict(LOCAL_RANK="0", RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
+        monkeypatch.setenv(name, value)  # a rank's whole environment, as torchrun gives it
     result = CliRunner().invoke(main, ["recipe", "run", "quickstart", "--output-dir", str(tmp_path / "run"),
                                        "--set", "training.max_steps=2"])
     assert result.exit_code == 2 and len(seen) == 1, result.output

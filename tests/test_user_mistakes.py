@@ -541,7 +541,7 @@ CORPUS = [
     ("copy-to-a-path-that-cannot-be-made", lambda t: ["recipe", "copy", "gpt2", "/proc/accel-fsdp.yaml"],
      "/proc/accel-fsdp.yaml: No such file or directory"),
     ("cache-is-a-file", lambda t: ["data", "prepare", "quickstart", "--set", "data.path=" + str(
-        write(t / "d.jsonl", THREE_ROWS))], "accel-fsdp-cache-file/tokenized: Not a directory"),
+        write(t / "d.jsonl", THREE_ROWS))], "accel-fsdp-cache-file' is a file, not a folder"),  # named: ACCEL_FSDP_CACHE
     ("plot-in-no-image-format", lambda t: ["data", "show", "quickstart", "--plot", t / "lengths.yaml"],
      "lengths.yaml: the suffix does not name an image format"),
     ("plot-a-folder", lambda t: ["data", "show", "quickstart", "--plot", t], "is a folder"),
@@ -802,12 +802,13 @@ def test_a_csv_of_a_header_alone_and_a_base_model_without_merge_are_named(tmp_pa
 
 
 def test_an_export_of_another_run_is_not_replaced(tmp_path):
-    from accel_fsdp.checkpoint.consolidate import MARKER, _check_destination
+    from accel_fsdp.checkpoint.consolidate import _check_destination
+    from accel_fsdp.layout import EXPORT_RECORD
 
     out = tmp_path / "out"
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"w")
-    (out / MARKER).write_text(json.dumps({"files": ["model.safetensors"], "run_id": "b" * 16}))
+    (out / EXPORT_RECORD).write_text(json.dumps({"files": ["model.safetensors"], "run_id": "b" * 16}))
     _check_destination(out, "b" * 16)  # its own run's export: replaced
     with pytest.raises(Exception, match=r"holds an export of another run \(run b{16}; this checkpoint is of run a{16}"):
         _check_destination(out, "a" * 16)

@@ -30,15 +30,18 @@ from accel_fsdp.checkpoint.index import CheckpointInfo
 from accel_fsdp.checkpoint.merge import merge_streaming
 from accel_fsdp.checkpoint.records import damaged_if_unreadable
 from accel_fsdp.config.precision import PRECISIONS, TRANSFORMERS, compute_dtype
+from accel_fsdp.config.recipe import read_saved_recipe
+from accel_fsdp.data.identity import folder_fingerprint
 from accel_fsdp.errors import Problem, UserError, first_line, read_json_object
 from accel_fsdp.files import atomic_folder
 from accel_fsdp.hardware import PeakMemory
-from accel_fsdp.layout import HF_DIR, MODEL_DIR, MODEL_FILE, RECIPE_FILE, dangling_link_problem
+from accel_fsdp.layout import EXPORT_RECORD, HF_DIR, MODEL_DIR, MODEL_FILE, RECIPE_FILE, dangling_link_problem
 from accel_fsdp.model.build import load_pretrained, meta_model
 from accel_fsdp.model.checks import looks_like_path, model_folder_problems, raise_problems
 
 DTYPES = {p: compute_dtype(p) for p in PRECISIONS}
-MARKER = "accel_fsdp_export.json"
+MERGE_FIX = ("put the base back, or give the one it was trained over with --base-model PATH, or export the adapter "
+             "alone (without --merge); nothing was written")
 
 
 @dataclass
@@ -71,6 +74,9 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
     out_dir = Path(out_dir)
     _check_destination(out_dir, info.manifest.run_id)
     adapter = bool(info.manifest.lora)
+    base = adapter_base(info) if adapter else None
+    if merge_lora and not base_model:
+        raise_problems([p for p in [changed_base_problem(str(info.path), base, MERGE_FIX)] if p])
     try:
         reader = _TensorSource(info)
         keys = _output_keys(info, reader, adapter)
@@ -96,9 +102,9 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
                 _merge_lora(tmp, tmp / "merged", dtype, base_model)
             written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
             _readable_as_umask_says(tmp)
-            (tmp / MARKER).write_text(json.dumps({"checkpoint": str(info.path), "step": info.manifest.step,
+            (tmp / EXPORT_RECORD).write_text(json.dumps({"checkpoint": str(info.path), "step": info.manifest.step,
                                                   "dtype": dtype, "adapter": adapter, "files": written,
-                                                  "run_id": info.manifest.run_id}, indent=1))
+                                                  "run_id": info.manifest.run_id, "base": base}, indent=1))
     except (ValueError, KeyError, UnicodeDecodeError) as e:  # a checkpoint file damaged with its checksum updated
         raise UserError(Problem(str(info.path), f"a file of this checkpoint cannot be read "
                                 f"({first_line(e, 160, named=True)})",
@@ -107,6 +113,34 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
         monitor.stop()
     return ExportReport(out_dir, files, len(keys), total, largest, monitor.peak, monitor.baseline,
                         time.perf_counter() - start, adapter)
+
+
+def adapter_base(info: CheckpointInfo) -> dict | None:
+    """Of a LoRA checkpoint whose base is a local model folder: {"path", "fingerprint"} of the weights the adapters
+    were trained over (the manifest's `starting_weights`, data/identity.py). An adapter export records it, and what
+    puts the adapters over that folder again (`--merge`, `generate`) checks it: the SFT run they started from,
+    resumed since, leaves other weights in the same folder, and adapters over them are another model, said nowhere.
+    None where there is nothing to check (a base built from scratch: QLoRA's record checks it)."""
+    if not info.manifest.lora or not info.manifest.starting_weights:
+        return None
+    saved = read_saved_recipe(info.path / RECIPE_FILE, then=", so the base the adapters were trained over is unknown",
+                              fix="merge with --base-model PATH, or export the adapter alone (without --merge)")
+    model = saved.get("model", {})
+    if model.get("architecture") or not model.get("name_or_path"):
+        return None
+    return {"path": str(model["name_or_path"]), "fingerprint": info.manifest.starting_weights}
+
+
+def changed_base_problem(where: str, base: dict | None, fix: str) -> Problem | None:
+    """The problem of a base folder (`adapter_base`) that holds other weights now, or None."""
+    folder = Path((base or {}).get("path", "")).expanduser()
+    if not base or not folder.is_dir():
+        return None
+    now = folder_fingerprint(folder)
+    if now is None or now == base.get("fingerprint"):
+        return None
+    return Problem(where, f"its LoRA adapters were trained over {base['path']!r} as it was then (fingerprint "
+                          f"{base.get('fingerprint')}); that folder holds other weights now (fingerprint {now})", fix)
 
 
 def _readable_as_umask_says(folder: Path) -> None:
@@ -127,10 +161,10 @@ def _check_destination(out_dir: Path, run_id: str | None = None) -> None:
     if not out_dir.exists():
         return
     ours, theirs = None, None
-    if out_dir.is_dir() and (out_dir / MARKER).is_file():
+    if out_dir.is_dir() and (out_dir / EXPORT_RECORD).is_file():
         try:
-            marker = json.loads((out_dir / MARKER).read_text())
-            ours, theirs = set(marker.get("files", [])) | {MARKER}, marker.get("run_id")
+            marker = json.loads((out_dir / EXPORT_RECORD).read_text())
+            ours, theirs = set(marker.get("files", [])) | {EXPORT_RECORD}, marker.get("run_id")
         except (OSError, ValueError, AttributeError, TypeError):
             ours = None
     if theirs and run_id and theirs != run_id:

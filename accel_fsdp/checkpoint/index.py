@@ -17,7 +17,7 @@ from typing import Any
 from accel_fsdp.checkpoint.records import FORMAT, DamagedRecord, Manifest
 from accel_fsdp.config.binder import bind
 from accel_fsdp.config.recipe import DataConfig, incompatible_keys, read_saved_recipe
-from accel_fsdp.data.identity import data_changes, data_identity
+from accel_fsdp.data.identity import data_changes, data_identity, weights_fingerprint
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.files import crc32_of
 from accel_fsdp.layout import (
@@ -217,6 +217,7 @@ def check_resume(info: CheckpointInfo, recipe, settings, total_steps: int | None
                                 "or start a new run (another --output-dir) and load the consolidated export as "
                                 "model.name_or_path"))
     m = info.manifest
+    _check_starting_weights(info, recipe)
     changed = data_changes(m.data or {}, data_identity(recipe))
     if changed and not accept_data_change:
         raise UserError(Problem(str(info.path), "the data changed since this checkpoint was saved:\n      "
@@ -242,7 +243,41 @@ def check_resume(info: CheckpointInfo, recipe, settings, total_steps: int | None
         notes.append(f"resharding from {m.world_size} to {settings.num_processes.value} ranks "
                      f"({m.state_dict_type} allows it); the data order is unchanged, the dropout RNG of "
                      "ranks without a saved state restarts from the seed")
+    notes += _schedule_notes(saved, recipe)
     return notes
+
+
+def _schedule_notes(saved: dict, recipe) -> list[str]:
+    """A run made longer or shorter on resume (training.max_steps, training.epochs may change) keeps its optimizer
+    state, but its decaying lr schedule is computed for the new end from here on: said, since the lr of the next
+    step then differs from what the checkpoint's run would have used."""
+    t = recipe.training
+    then = saved.get("training", {})
+    if t.scheduler == "constant":
+        return []
+    return [f"training.{key}: {then.get(key)!r} then, {getattr(t, key)!r} now; the {t.scheduler} lr schedule decays "
+            "towards the new end from here on" for key in ("max_steps", "epochs") if then.get(key) != getattr(t, key)]
+
+
+def _check_starting_weights(info: CheckpointInfo, recipe) -> None:
+    """A checkpoint that holds only against the weights its run started from (data/identity.py
+    `starting_weights_record`) is refused once they changed: LoRA adapters would go on over another base, a DPO
+    policy against a reference computed from other weights (train/reference.py computes it again from the model
+    files), and the run would not say so. The usual cause: the SFT run it started from was resumed or run again,
+    writing a new final/."""
+    saved = info.manifest.starting_weights
+    if not saved:
+        return
+    now = weights_fingerprint(recipe)
+    if now is None or now == saved:
+        return
+    what = ("its LoRA adapters were trained over" if recipe.model.lora.enabled
+            else f"its {recipe.training.method} reference was computed from")
+    raise UserError(Problem(recipe.where("model.name_or_path"),
+                            f"the model {recipe.model.name_or_path!r} changed since the checkpoint {info.path} was "
+                            f"saved ({what} the weights as they were then; fingerprint {saved}, now {now})",
+                            "resume with the model files the run started from (put them back), or start a new run "
+                            "from the model as it is now (another --output-dir); nothing was changed"))
 
 
 def check_quantized_base(info: CheckpointInfo, current: dict | None) -> None:

@@ -101,6 +101,10 @@ class Manifest(_Record):
     quantized_base: dict | None = None
     """The 4-bit base the adapters were trained on (model.quantize: method, fingerprint; model/quantize.py
     QuantizedBase). The base itself is not saved: it is rebuilt from the model files and checked against this."""
+    starting_weights: str | None = None
+    """Of a run whose checkpoints hold only against the weights it started from (LoRA adapters over their base; a
+    DPO policy and its reference): their fingerprint (data/identity.py `weights_fingerprint`), which a resume compares
+    with the model files as they are now. None otherwise."""
     data: dict | None = None
     """The identity of each data source as the run read it (data/identity.py `data_identity`): a resume compares it
     with the data as it is now."""

@@ -27,6 +27,7 @@ and judging checkpoints (complete or not, the newest complete one, the one to re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -69,10 +70,10 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, ste
                     trainer_state: TrainerState,
                     recipe, settings, tokenizer, lora: bool, keep_last: int | None, faults=None,
                     run_id: str | None = None, data_identity: dict | None = None,
-                    quantized_base: dict | None = None) -> Path:
+                    quantized_base: dict | None = None, starting_weights: str | None = None) -> Path:
     """Write the checkpoint of optimizer step `step` atomically; rotate old ones. Collective: all ranks call it.
-    The scheduler's state is added to `trainer_state` here. `data_identity`: what the run's data was
-    (data/identity.py), compared on resume.
+    The scheduler's state is added to `trainer_state` here. `data_identity`, `starting_weights`: what the run's data
+    and the weights it started from were (data/identity.py), compared on resume.
 
     Long: the save is one protocol every rank walks through (temporary folder, shards, barrier, agreement on
     failure, checksums, manifest, rename, barrier); split, its barriers would hide in helpers."""
@@ -137,7 +138,8 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, *, root: Path, ste
             state_dict_type=settings.state_dict_type.value, fsdp_version=settings.fsdp_version.value, lora=lora,
             recipe_fingerprint=recipe.fingerprint(), run_id=run_id, parameters=trainer_state.parameters,
             trainable_parameters=trainer_state.trainable_parameters, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            versions=_versions(), data=data_identity, quantized_base=quantized_base, files=files, crc32=checksums)
+            versions=_versions(), data=data_identity, quantized_base=quantized_base,
+            starting_weights=starting_weights, files=files, crc32=checksums)
         write_atomic(tmp / MANIFEST, manifest.to_json())
         if final.exists():  # the same step saved again (e.g. the end of a resumed run): replace it
             shutil.rmtree(final)
@@ -315,6 +317,23 @@ def _create_optimizer_state(optimizer) -> None:
     _init_optim_state(getattr(optimizer, "optimizer", optimizer))  # the torch optimizer under Accelerate's wrapper
 
 
+@contextlib.contextmanager
+def _state_dict_type(plugin, state_dict_type: str):
+    """The plugin set to read or write `state_dict_type` while the block runs, then as it was. Its state dict configs
+    go with the type: `set_state_dict_type` makes them only where they are None (accelerate 1.15.0
+    utils/dataclasses.py `FullyShardedDataParallelPlugin.set_state_dict_type`), and a run saving FULL_STATE_DICT
+    kept `FullStateDictConfig(rank0_only=True)` while reading a sharded checkpoint, which asks torch for a sharded
+    load broadcast from rank 0 (utils/fsdp_utils.py `_prepare_sd_options`): refused, so a resume that switched
+    checkpoint.state_dict_type (which README promises) failed as if the checkpoint were damaged."""
+    saved = plugin.state_dict_type, plugin.state_dict_config, plugin.optim_state_dict_config
+    plugin.state_dict_config = plugin.optim_state_dict_config = None
+    plugin.set_state_dict_type(state_dict_type)
+    try:
+        yield
+    finally:
+        plugin.state_dict_type, plugin.state_dict_config, plugin.optim_state_dict_config = saved
+
+
 def _jsonable(v):
     if isinstance(v, torch.Tensor):
         return v.tolist()
@@ -330,16 +349,12 @@ def load_checkpoint(accelerator, model, optimizer, scheduler, info: CheckpointIn
     from accelerate.utils import load_fsdp_model, load_fsdp_optimizer
 
     plugin = accelerator.state.fsdp_plugin
-    current_type = plugin.state_dict_type
-    plugin.set_state_dict_type(info.manifest.state_dict_type)  # read it the way it was written
-    try:
+    with _state_dict_type(plugin, info.manifest.state_dict_type):  # read it the way it was written
         with damaged_if_unreadable(info.path, "a model or optimizer shard"):
             load_fsdp_model(plugin, accelerator, model, str(info.path), adapter_only=lora)
             if plugin.fsdp_version == 1:
                 _create_optimizer_state(optimizer)
             load_fsdp_optimizer(plugin, accelerator, optimizer, model, str(info.path), adapter_only=lora)
-    finally:
-        plugin.set_state_dict_type(current_type)
     state = TrainerState.read(info.path)
     if state.scheduler is None:
         raise DamagedRecord(info.path, f"{TRAINER_STATE} is damaged (no scheduler state)")

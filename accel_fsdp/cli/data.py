@@ -11,7 +11,7 @@ import click
 
 from accel_fsdp.cli.options import load_recipe, set_option
 from accel_fsdp.data.build import INTERRUPTED
-from accel_fsdp.quiet import quiet_libraries
+from accel_fsdp.quiet import colour_allowed, quiet_libraries
 from accel_fsdp.tools import data as data_tools
 
 
@@ -48,7 +48,8 @@ def prepare_command(name_or_path, overrides) -> None:
               help="Training sequences to decode, in the order a run reads them.")
 @click.option("--plot", type=click.Path(path_type=Path), help="Draw each source's histogram of example lengths into "
               "this PNG (needs matplotlib).")
-@click.option("--color/--no-color", default=None, help="Mark loss-carrying tokens in green (default: on a terminal), "
+@click.option("--color/--no-color", default=None, help="Mark loss-carrying tokens in green (default: on a terminal, "
+              "unless NO_COLOR is set), "
               "else between \u00ab and \u00bb.")
 @set_option
 def show_command(name_or_path, sequences, plot, color, overrides) -> None:
@@ -61,7 +62,7 @@ def show_command(name_or_path, sequences, plot, color, overrides) -> None:
     """
     r = load_recipe(name_or_path, overrides)
     quiet_libraries()
-    use_color = sys.stdout.isatty() if color is None else color
+    use_color = colour_allowed(sys.stdout) if color is None else color
     with interruptible("data show"):
         text = data_tools.show(r, sequences=sequences, color=use_color, plot=plot)
     click.echo(text)

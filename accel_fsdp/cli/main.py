@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import errno
 import gc
+import os
 import signal
 import sys
 import threading
@@ -20,6 +21,7 @@ import click
 from accel_fsdp import __version__
 from accel_fsdp.cli import checkpoint, data, plan, recipe, tools
 from accel_fsdp.errors import Problem, UserError, show_usage_error
+from accel_fsdp.hardware import settle_thread_environment
 from accel_fsdp.launch.launcher import inside_launch
 from accel_fsdp.quiet import quiet_warnings
 from accel_fsdp.train.lifetime import INTERRUPTED, PREEMPTED, PREEMPTION_SIGNALS
@@ -72,6 +74,23 @@ def _preemption_unwinds() -> Iterator[None]:
                 signal.signal(sig, handler)
 
 
+def reexec_in_utf8_mode() -> None:
+    """Start this program again in Python's UTF-8 mode where the locale's encoding is not UTF-8 (LANG=C with
+    PYTHONUTF8=0, a Latin-1 locale): every file we read or write (recipes, configs, data, records), every path and
+    every line printed is UTF-8 text, and Python would otherwise read and write them all in the locale's encoding (a
+    recipe with a unicode path was "cannot read the recipe file (UnicodeDecodeError)"). Python turns the mode on
+    itself under the C and POSIX locales unless told not to (PEP 540). The variable also reaches the ranks and every
+    command this one starts. Before any import of weight: a start of Python is what it costs, where it happens."""
+    import locale
+
+    if sys.flags.utf8_mode or locale.getpreferredencoding(False).lower().replace("-", "") == "utf8":
+        return
+    if os.environ.get("PYTHONUTF8") == "1":  # started again already, and `-X utf8=0` wins over the variable: no loop
+        return
+    os.environ["PYTHONUTF8"] = "1"
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
 class Commands(click.Group):
     """The command group; a path the user chose that cannot be read or written (a folder without permission, a
     read-only or full disk, a file where a folder must be) is one message naming the path, exit status 2, whichever
@@ -80,6 +99,12 @@ class Commands(click.Group):
     preemption signal one line and PREEMPTED (a run's own answers are train/lifetime.py's and the launcher's): every
     writer removes what it had half-written on the way out (files.py: write_with, atomic_folder), so the same
     command can simply run again."""
+
+    def main(self, args=None, *rest, **kwargs):
+        """As the program (`accel-fsdp`, `python -m accel_fsdp`: no `args` given), in Python's UTF-8 mode."""
+        if args is None:
+            reexec_in_utf8_mode()
+        return super().main(args, *rest, **kwargs)
 
     def invoke(self, ctx):
         words = [*getattr(ctx, "_protected_args", ()), *ctx.args]  # click empties both as it goes down
@@ -128,6 +153,7 @@ def main() -> None:
     accel-fsdp checkpoint consolidate runs/gpt2-xl out/gpt2-xl
     """
     quiet_warnings()
+    settle_thread_environment(os.environ)  # before any command imports torch (libgomp reads it then)
 
 
 # The commands, each in the module of its kind.

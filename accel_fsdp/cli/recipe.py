@@ -21,7 +21,7 @@ from accel_fsdp.launch.launcher import MachineOptions, inside_launch
 from accel_fsdp.layout import COMPILE_CACHE_ENV, RunLayout, compile_cache_dir
 from accel_fsdp.planning.plan import print_plan
 from accel_fsdp.preflight import load_config_or_default, preflight
-from accel_fsdp.quiet import quiet_libraries
+from accel_fsdp.quiet import outlive_closed_output, quiet_libraries
 from accel_fsdp.run.folder import file_in_the_way
 from accel_fsdp.train.lifetime import DIE_WITH_PARENT_ENV, die_with_launcher, run_rank
 from accel_fsdp.train.metrics import START_ENV
@@ -209,6 +209,9 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
     machine options and preflight); each branch calls one function.
     """
     os.environ.setdefault(START_ENV, repr(time.time()))  # the ranks measure time to first step from here
+    # `recipe run ... 2>&1 | head`: the launch and the run go on with their lines into /dev/null (a BrokenPipeError
+    # ended the launcher before it launched, or a rank in the middle of a step).
+    outlive_closed_output()
     # Before anything in this process asks inductor for its cache folder: the first ask sets the variable to /tmp's
     # default for the rest of the process (torch/_inductor/runtime/cache_dir_utils.py, cache_dir; torch 2.13.0).
     os.environ.setdefault(COMPILE_CACHE_ENV, str(compile_cache_dir()))

@@ -387,6 +387,13 @@ def check_settings(settings: FsdpSettings, recipe, *, visible_gpus: int | None =
                          "model.attn_implementation: sdpa"))
     if s.device.value == "cuda" and visible_gpus is not None:
         p += gpu_count_problems(settings, visible_gpus)
+    if s.fsdp_version.value == 1 and s.device.value == "cpu" and s.state_dict_type.value == "FULL_STATE_DICT":
+        # torch 2.13.0's FSDP1 full state dict on CPU ranks ends rank 0 with SIGSEGV in the first save, cloning a
+        # gathered parameter (fsdp/_state_dict_utils.py, _full_post_state_dict_hook's param_hook), offload or not.
+        p.append(Problem(s.state_dict_type.where(recipe, "checkpoint.state_dict_type", "fsdp_state_dict_type"),
+                         "FSDP1 cannot gather a FULL_STATE_DICT checkpoint on CPU ranks (torch's FSDP1 crashes "
+                         "the first save there)", "use SHARDED_STATE_DICT (the exported model is the same; "
+                         "`checkpoint consolidate` gathers it), or an FSDP2 config"))
     if s.fsdp_version.value == 1 and recipe.model.quantize:
         # FSDP1 flattens each unit into one tensor of one dtype: it cannot hold torchao's NF4Tensor, whose sharding
         # (fsdp_pre_all_gather / fsdp_post_all_gather) is FSDP2's extension point.

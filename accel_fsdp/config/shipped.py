@@ -2,14 +2,18 @@
 
 The YAML folders sit at the top of the repository (`recipes/`, `accelerate_configs/`) and are installed
 inside the package as `accel_fsdp.recipes` / `accel_fsdp.accelerate_configs`, so an editable checkout and a
-plain wheel install find them the same way. A user path always wins over a shipped name.
+plain wheel install find them the same way. A user path always wins over a shipped name; a bare name is always
+the shipped file (a `<name>.yaml` beside it in the current folder is named in a note).
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 from pathlib import Path
+
+import click
 
 from accel_fsdp.errors import Problem, UserError
 
@@ -46,6 +50,8 @@ def _resolve(name_or_path: str, shipped: dict[str, Path], folder: str, what: str
     # working directory that has no such folder.
     spelled_as_shipped = len(path.parts) == 1 or (len(path.parts) == 2 and path.parts[0] == folder)
     if name in shipped and spelled_as_shipped:
+        if len(path.parts) == 1 and Path(f"{name}.yaml").is_file():
+            _say_shadowed(name, what)
         return shipped[name]
     if path.exists():
         article = "an" if what[0] in "aeiou" else "a"
@@ -56,6 +62,14 @@ def _resolve(name_or_path: str, shipped: dict[str, Path], folder: str, what: str
     hint = f"did you mean {', '.join(close)}? " if close else ""
     raise UserError(Problem(name_or_path, f"no such {what} file, and no shipped {what} by that name",
                             f"{hint}see `{list_command}` for the shipped ones, or give the path to a .yaml file"))
+
+
+@functools.cache
+def _say_shadowed(name: str, what: str) -> None:
+    """A bare name is the shipped file even where the current folder holds `<name>.yaml` (a copy being edited): said,
+    once per process, so an edit that seems to change nothing is explained."""
+    click.echo(f"note: {name} is the shipped {what}; ./{name}.yaml in this folder is not read (give ./{name}.yaml to "
+               "use it)", err=True)
 
 
 def resolve_recipe(name_or_path: str) -> Path:

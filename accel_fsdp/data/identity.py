@@ -1,8 +1,9 @@
 """The identity of what a run starts from, in one place: its data, its tokenizer and its starting weights.
 
 Caches are keyed by it (data/prepare.py: a source's tables; model/tokenizer.py: a tokenizer trained on the data;
-train/reference.py: DPO's reference log-probabilities of the starting weights), and a checkpoint records the data's,
-so that a resume notices a source that changed since (checkpoint/store.py `check_resume`).
+train/reference.py: DPO's reference log-probabilities of the starting weights), and a checkpoint records the data's
+and, where it holds only against them, the starting weights' (`weights_fingerprint`), so that a resume notices a
+source or a model that changed since (checkpoint/index.py `check_resume`).
 
   a data source         a local file: its absolute path, size and modification time; built-in data: its name and
                         the version of its generator; a hub dataset: its id, configuration, split and the commit the
@@ -15,7 +16,8 @@ so that a resume notices a source that changed since (checkpoint/store.py `check
                         change what a forward computes)
 
 On the data floor, the lowest that knows where a source's rows come from (sources.py `locate`). It reads file
-metadata and package versions (importlib.metadata) only: it imports no torch.
+metadata, package versions (importlib.metadata) and, for `weights_fingerprint`, a few KiB of each weight tensor: it
+imports no torch.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 
+from accel_fsdp.config.methods import METHODS
 from accel_fsdp.data.sources import locate, source_key
 from accel_fsdp.data.synthetic import VERSION as BUILTIN_VERSION
 
@@ -141,6 +144,76 @@ def weights_identity(recipe) -> dict:
     out.update(config_overrides=m.config_overrides, trust_remote_code=m.trust_remote_code,
                versions=library_versions())
     return out
+
+
+def starting_weights_record(recipe) -> str | None:
+    """What a checkpoint records of the starting weights: their fingerprint where its weights hold only against them
+    (LoRA adapters are saved without their base; a DPO policy was trained against the reference computed from them),
+    else None (a full fine-tune's checkpoint holds every weight, wherever it started)."""
+    if recipe.model.lora.enabled or METHODS[recipe.training.method].reference:
+        return weights_fingerprint(recipe)
+    return None
+
+
+SAMPLE_BYTES = 4096
+"""Of each tensor's bytes, the first and the last this many go into `weights_fingerprint`."""
+
+
+def weights_fingerprint(recipe) -> str | None:
+    """What the starting weights hold, from the files' content rather than their times (a copy of the same model
+    keeps it, a model trained again, with the same shapes, does not): of a local folder, every safetensors file's
+    header and the first and last SAMPLE_BYTES of each tensor (a fine-tune changes every tensor it trains; two reads
+    a tensor, not the whole file); other weight files, blocks spread over them; a hub model, its snapshot; a
+    model built from scratch, the architecture and the seed. None when a file cannot be read (nothing to compare).
+    A checkpoint of a run that holds only against its starting weights (LoRA adapters, a DPO reference) records it:
+    checkpoint/index.py `check_resume` compares it with the model files as they are now."""
+    m = recipe.model
+    if m.architecture:
+        return digest({"architecture": m.architecture, "seed": recipe.training.seed}, m.config_overrides)
+    if Path(m.name_or_path).expanduser().is_dir():
+        return folder_fingerprint(Path(m.name_or_path).expanduser())
+    return digest({"hub": m.name_or_path, "snapshot": hub_revision(m.name_or_path, "model")})
+
+
+def folder_fingerprint(folder: Path) -> str | None:
+    """`weights_fingerprint` of a local model folder's weight files (also of the base an adapter is merged into or
+    loaded over: `checkpoint consolidate --merge`, `generate`). None when one cannot be read."""
+    try:
+        files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin", ".pt"))
+        return digest([[p.name, p.stat().st_size, _content_sample(p)] for p in files])
+    except OSError:
+        return None
+
+
+def _content_sample(path: Path) -> str:
+    """A hash of a weight file's samples (`weights_fingerprint`). The safetensors layout: 8 bytes of header length
+    (little-endian), the JSON header with each tensor's `data_offsets` from the end of the header, then the data."""
+    import struct
+
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        spans = []
+        if path.suffix == ".safetensors" and size >= 8:
+            length = struct.unpack("<Q", f.read(8))[0]
+            header = f.read(min(length, size - 8))
+            h.update(header)
+            try:
+                tensors = json.loads(header)
+                spans = sorted((8 + length + t["data_offsets"][0], 8 + length + t["data_offsets"][1])
+                               for name, t in tensors.items() if name != "__metadata__")
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+                spans = []  # not one we can read: sampled as any other file
+        if not spans:
+            step = max(1, size // 64)
+            spans = [(start, min(size, start + SAMPLE_BYTES)) for start in range(0, size, step)]
+        for start, end in spans:
+            f.seek(start)
+            h.update(f.read(min(SAMPLE_BYTES, end - start)))
+            if end - start > SAMPLE_BYTES:
+                f.seek(max(start + SAMPLE_BYTES, end - SAMPLE_BYTES))
+                h.update(f.read(end - max(start + SAMPLE_BYTES, end - SAMPLE_BYTES)))
+    return h.hexdigest()[:20]
 
 
 def library_versions() -> dict[str, str | None]:

@@ -18,7 +18,7 @@ import json
 import random
 from pathlib import Path
 
-from accel_fsdp.files import write_with
+from accel_fsdp.files import Crc32Writer, crc32_of, write_atomic, write_with
 from accel_fsdp.layout import cache_dir
 
 VERSION = 1  # bump when the generators change, so caches are rebuilt
@@ -85,24 +85,41 @@ def _question(rng: random.Random, c: dict) -> tuple[str, str]:
 
 
 def write_builtin(name: str, rows: int = 20000, seed: int = 0) -> Path:
-    """Generate `builtin:<name>` data once into the cache; return the .jsonl path."""
+    """Generate `builtin:<name>` data once into the cache; return the .jsonl path. The file's CRC-32 is written beside
+    it: a file that no longer matches it (a disk, a person, a copy cut short since) is generated again, where reading
+    it would blame a damaged line on the recipe's `data.path` and ask the user to fix a file they never wrote."""
     generators = {"quickstart": _text_rows, "quickstart-instruct": _instruct_rows, "quickstart-chat": _chat_rows,
                   "quickstart-pref": _preference_rows}
     if name not in generators:
         raise KeyError(name)
     path = cache_dir() / "builtin" / f"{name}-v{VERSION}-{rows}-{seed}.jsonl"
-    if path.exists():
+    record = path.with_name(path.name + ".crc32")
+    if _intact(path, record):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
+    crc = ""
 
     def write(temporary: Path) -> None:
-        with temporary.open("w") as f:
+        nonlocal crc
+        out = Crc32Writer(temporary)
+        try:
             for row in generators[name](rng, rows):
-                f.write(json.dumps(row) + "\n")
+                out.write((json.dumps(row) + "\n").encode())
+        finally:
+            crc = out.close()
 
     write_with(path, write)  # concurrent ranks never read a half-written file
+    write_atomic(record, crc + "\n")
     return path
+
+
+def _intact(path: Path, record: Path) -> bool:
+    """`path` is there and its CRC-32 is the one written beside it when it was generated (4 ms for 4 MB)."""
+    try:
+        return record.read_text().strip() == crc32_of(path)
+    except OSError:
+        return False
 
 
 BUILTIN_DATA = ("quickstart", "quickstart-instruct", "quickstart-chat", "quickstart-pref")

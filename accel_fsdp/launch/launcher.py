@@ -23,7 +23,13 @@ from pathlib import Path
 from accel_fsdp.config.accelerate import CONFIG_PATH_ENV, AccelerateConfig
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.files import scratch_folder
-from accel_fsdp.hardware import gloo_interface, network_interfaces, usable_cores
+from accel_fsdp.hardware import (
+    OMP_THREADS_ENV,
+    gloo_interface,
+    network_interfaces,
+    oversubscribed_cores_note,
+    usable_cores,
+)
 from accel_fsdp.layout import PREEMPTED_FILE, finished_since
 from accel_fsdp.train.lifetime import (
     CRASHED,
@@ -43,9 +49,27 @@ from accel_fsdp.train.lifetime import (
 )
 
 
+RANK_ADDRESS_ENV = ("RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun gives every rank besides LOCAL_RANK and WORLD_SIZE (torch/distributed/elastic/agent/server/api.py,
+SimpleElasticAgent._start_workers via the local agent's worker env; torch 2.13.0): the rank's place and the address
+its process group meets at."""
+
+
 def inside_launch() -> bool:
-    """True inside a rank started by torchrun / accelerate launch (or SLURM's srun with torchrun)."""
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    """True inside a rank started by torchrun / accelerate launch (or SLURM's srun with torchrun). LOCAL_RANK and
+    WORLD_SIZE without the rest of a rank's environment are left over from another launch (a shell that ran one, a
+    script that exported them): one message, where this process would train as a rank whose process group can never
+    meet (Accelerate's "MASTER_ADDR env was not set" traceback), or as one rank of one instead of launching its own."""
+    if not ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        return False
+    missing = [name for name in RANK_ADDRESS_ENV if not os.environ.get(name)]
+    if missing:
+        given = ", ".join(f"{name}={os.environ[name]}" for name in ("LOCAL_RANK", "WORLD_SIZE"))
+        raise UserError(Problem(given, f"a rank's environment only in part ({', '.join(missing)} not set): left over "
+                                "from another launch, it makes this command act as one rank of a launch that is not "
+                                "there", "unset LOCAL_RANK WORLD_SIZE (accel-fsdp then launches its own ranks), or "
+                                "start it under torchrun / accelerate launch, which set all of them"))
+    return True
 
 
 @dataclass
@@ -81,20 +105,8 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
     for key in ("machine_rank", "main_process_ip", "main_process_port", "num_machines"):
         if getattr(machine, key) is not None:
             args += [f"--{key}", str(getattr(machine, key))]
-    if machines == 1 and not config.get("main_process_port"):
-        args += ["--main_process_port", "0"]  # a free port: two runs on one machine must not collide
-    if machines > 1:
-        name, note = gloo_interface(os.environ, network_interfaces())
-        if name:
-            os.environ["GLOO_SOCKET_IFNAME"] = name  # the ranks inherit it
-        print(f"note: {note}", file=sys.stderr)
-        args += ["--rdzv_conf", f"timeout={machine.rendezvous_timeout}"]
-        address = (str(config.get("main_process_ip")), int(config.get("main_process_port") or 29500))
-        if int(config.get("machine_rank", 0) or 0) > 0:
-            wait_for_main(*address, timeout=machine.rendezvous_timeout)
-    if config.get("use_cpu") and not os.environ.get("OMP_NUM_THREADS"):
-        # One thread per rank unless told otherwise: CPU ranks share the cores.
-        args += ["--num_cpu_threads_per_process", str(max(1, usable_cores() // per_machine))]
+    args += _meeting_args(config, machine, machines)
+    args += _environment_args(config, per_machine)
     args += ["-m", "accel_fsdp", *argv]
     parsed = launch_command_parser().parse_args(args)
     os.environ[CONFIG_PATH_ENV] = str(config.path.resolve())
@@ -119,6 +131,46 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
         finally:
             os.environ.pop(RANK_RECORDS_ENV, None)
             os.environ.pop(LAUNCHER_PID_ENV, None)
+
+
+def _meeting_args(config: AccelerateConfig, machine: MachineOptions, machines: int) -> list[str]:
+    """Where the ranks meet, checked first: one machine, on a free port (its own if it is in use); several, at an
+    address that resolves, a port free on the main machine, the other machines waiting for it, gloo's interface."""
+    port = int(config.get("main_process_port") or 0)
+    if machines == 1 and port and port_in_use(port):
+        print(f"note: {_named(config, machine, 'main_process_port')} {port} is in use by another process on this "
+              "machine: the ranks meet on a free port instead (one machine needs none in particular)", file=sys.stderr)
+        port = 0
+    if machines == 1:
+        return [] if port else ["--main_process_port", "0"]  # a free port: two runs on one machine must not collide
+    if (problem := main_address_problem(config, machine)) is not None:
+        raise UserError(problem)
+    name, note = gloo_interface(os.environ, network_interfaces())
+    if name:
+        os.environ["GLOO_SOCKET_IFNAME"] = name  # the ranks inherit it
+    print(f"note: {note}", file=sys.stderr)
+    if int(config.get("machine_rank", 0) or 0) > 0:
+        address = (str(config.get("main_process_ip")), int(config.get("main_process_port") or 29500))
+        wait_for_main(*address, timeout=machine.rendezvous_timeout)
+    return ["--rdzv_conf", f"timeout={machine.rendezvous_timeout}"]
+
+
+def _environment_args(config: AccelerateConfig, per_machine: int) -> list[str]:
+    """The ranks' threads (a share of the cores for CPU ranks unless OMP_NUM_THREADS says otherwise), and the
+    environment they inherit without the ACCELERATE_*/FSDP_* variables a shell left exported."""
+    args = []
+    if config.get("use_cpu") and (note := oversubscribed_cores_note(os.environ, per_machine)):
+        print(f"note: {note}", file=sys.stderr)
+    if config.get("use_cpu") and not os.environ.get(OMP_THREADS_ENV):
+        # One thread per rank unless told otherwise: CPU ranks share the cores.
+        args += ["--num_cpu_threads_per_process", str(max(1, usable_cores() // per_machine))]
+    if stale := stale_launch_variables(os.environ):
+        print(f"note: {', '.join(f'{name}={os.environ[name]}' for name in stale)} exported in this shell "
+              f"{'is' if len(stale) == 1 else 'are'} left out of the launch: the accelerate config and the recipe "
+              "decide (unset them to silence this note)", file=sys.stderr)
+        for name in stale:
+            del os.environ[name]
+    return args
 
 
 def _launch(parsed, config: AccelerateConfig, machine: MachineOptions, run_dir: Path | None, records: RankRecords,
@@ -168,6 +220,20 @@ def _launch(parsed, config: AccelerateConfig, machine: MachineOptions, run_dir: 
                 print(f"error: rank {rank} exited with status {code} (see its output above)", file=sys.stderr)
         return 1
     return 0
+
+
+KEPT_LAUNCH_VARIABLES = frozenset({"ACCELERATE_LOG_LEVEL", "ACCELERATE_DEBUG_MODE"})
+"""Accelerate variables a user may set around our launch: how much it logs, and its collective-shape checks."""
+
+
+def stale_launch_variables(env) -> list[str]:
+    """The ACCELERATE_* and FSDP_* variables exported before our launch (by another `accelerate launch` this shell ran,
+    or by hand). Accelerate's launcher exports those the config sets and leaves the others as they are, and the ranks
+    read them where accel-fsdp passes no value: ACCELERATE_USE_DEEPSPEED=true made every rank ask for DeepSpeed (an
+    ImportError traceback each), an FSDP_* key the config leaves out reached Accelerate's plugin. The config and the
+    recipe are what decides: these are left out."""
+    return sorted(name for name in env if name.startswith(("ACCELERATE_", "FSDP_"))
+                  and name not in KEPT_LAUNCH_VARIABLES)
 
 
 def preemption_of_ranks(codes: dict[int, int]) -> str | None:
@@ -260,6 +326,41 @@ def _grouped(items, key) -> list[list]:
 def _ranks(ranks: list[int]) -> str:
     ranks = list(ranks)
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+
+
+def port_in_use(port: int) -> bool:
+    """Something on this machine accepts connections on `port`: Accelerate's own test (accelerate/utils/other.py,
+    is_port_in_use, a connect to localhost; accelerate 1.15), which on one machine silently picks another port (with a
+    UserWarning) and on the main machine of several raises ConnectionError."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        return probe.connect_ex(("localhost", port)) == 0
+
+
+def main_address_problem(config: AccelerateConfig, machine: MachineOptions) -> Problem | None:
+    """Before a multi-machine launch: the main process's address must resolve (else rank 0's store waits out the whole
+    rendezvous timeout with a C++ stack per retry, and the message blames the machines that did not join), and on
+    the main machine its port must be free (else Accelerate's ConnectionError traceback)."""
+    host, port = str(config.get("main_process_ip")), int(config.get("main_process_port") or 29500)
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        return Problem(f"{_named(config, machine, 'main_process_ip')} {host}",
+                       f"does not resolve to an address ({e.strerror or e})",
+                       "give the IP address of the machine with machine_rank 0, or a name every machine resolves "
+                       "(`getent hosts NAME` shows what it resolves to)")
+    if int(config.get("machine_rank", 0) or 0) == 0 and port_in_use(port):
+        return Problem(f"{_named(config, machine, 'main_process_port')} {port}",
+                       "is in use by another process on this machine (the main machine, where the ranks meet)",
+                       "choose another port, the same on every machine, or stop what holds it (`ss -ltnp "
+                       f"'sport = :{port}'` names it)")
+    return None
+
+
+def _named(config: AccelerateConfig, machine: MachineOptions, key: str) -> str:
+    """Where a machine setting came from, as the user gave it: the option, else the config's key."""
+    if getattr(machine, key) is not None:
+        return "--" + key.replace("_", "-")
+    return f"{config.label}: {key}"
 
 
 def wait_for_main(host: str, port: int, *, timeout: float, interval: float = 0.25) -> None:

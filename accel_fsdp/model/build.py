@@ -18,7 +18,8 @@ import torch
 from accel_fsdp.errors import Problem, UserError, first_line
 from accel_fsdp.files import atomic_folder
 from accel_fsdp.model import architectures
-from accel_fsdp.model.checks import ModelView, lora_target_problems, override_problems, raise_problems
+from accel_fsdp.model.checks import (ModelView, lora_target_problems, not_a_model_folder, override_problems,
+                                     raise_problems)
 from accel_fsdp.model.nf4 import layers_to_quantize, quantize_model
 from accel_fsdp.model.quantize import known_layers
 from accel_fsdp.model.streaming_load import ModuleTensors, SafetensorsFiles, model_folder
@@ -82,10 +83,7 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
     name = m.name_or_path
     if is_local(name):
         if not (Path(name).expanduser() / "config.json").is_file():
-            raise UserError(Problem(recipe.where("model.name_or_path"),
-                                    f"folder {name!r} has no config.json, so it is not a Hugging Face model folder",
-                                    "point it at a folder written by save_pretrained (or `accel-fsdp checkpoint "
-                                    "consolidate`), or at a hub id"))
+            raise UserError(not_a_model_folder(recipe.where("model.name_or_path"), Path(name).expanduser()))
         try:
             config = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code)
         except (OSError, ValueError, KeyError, TypeError, StrictDataclassError) as e:  # unreadable, untyped, unknown

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from accel_fsdp.data.synthetic import BUILTIN_TOKENIZER
 from accel_fsdp.errors import Problem, UserError, first_line
+from accel_fsdp.layout import EXPORT_RECORD, FINAL_DIR, HF_DIR, MANIFEST, RUN_FILE
 from accel_fsdp.model.quantize import QuantizedLayer, block_layers, layer_problems
 
 
@@ -219,10 +220,7 @@ def model_folder_problems(where: str, folder: Path) -> list[Problem]:
 
     config = folder / "config.json"
     if not config.is_file():
-        named = "" if Path(where) == folder else f"folder {str(folder)!r} "  # the message names it once
-        return [Problem(where, f"{named}has no config.json, so it is not a Hugging Face model folder",
-                        "point it at a folder written by save_pretrained (or `accel-fsdp checkpoint consolidate`), "
-                        "or at a hub id")]
+        return [not_a_model_folder(where, folder)]
     try:
         values = json.loads(config.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -242,6 +240,8 @@ def model_folder_problems(where: str, folder: Path) -> list[Problem]:
         return [Problem(where, generation, "restore the file (save_pretrained writes it), correct the value, or "
                         "delete generation_config.json (transformers' defaults are used then)")]
     present = [name for name in WEIGHT_FILES if (folder / name).is_file()]
+    if not present and folder.name == HF_DIR and (folder.parent / MANIFEST).is_file():
+        return [not_a_model_folder(where, folder.parent)]  # a checkpoint's config and tokenizer, without its weights
     if not present:
         return [Problem(where, f"folder {str(folder)!r} has no weights (none of {', '.join(WEIGHT_FILES)})",
                         "copy the weight files into it, or use model.architecture to train from scratch")]
@@ -262,7 +262,7 @@ def generation_config_problem(folder: Path, vocab_size) -> str | None:
     eos_token_id list such as Llama 3 Instruct's is lost and generation never stops; checked with 5.24.0); a token
     id that is not a whole number stops `generate` with a traceback deep in generation/utils.py
     (`_tensor_or_none`), one past the vocabulary never comes. Read as JSON alone (no transformers: the checks before a
-launch import none)."""
+    launch import none)."""
     import json
 
     path = folder / "generation_config.json"
@@ -290,6 +290,48 @@ def token_id_problem(path: Path, values: dict, vocab_size) -> str | None:
         within = f" from 0 to {vocab_size - 1}" if isinstance(vocab_size, int) else ""
         return f"{path}: {key} is {value!r}, not a token id{within} (or a list of them)"
     return None
+
+
+def not_a_model_folder(where: str, folder: Path) -> Problem:
+    """A folder without config.json, named for what it is, with the command that makes a model folder from it: what
+    accel-fsdp writes in a chain of runs (SFT, then DPO from it) is a run folder, a checkpoint, a LoRA adapter; each
+    needs a different next step, and "not a Hugging Face model folder" alone left the user to guess which."""
+    named = "" if Path(where) == folder else f"folder {str(folder)!r} "  # the message names it once
+    final = folder / FINAL_DIR
+    if (folder / "adapter_config.json").is_file():
+        merged = folder / "merged"
+        if (merged / "config.json").is_file():
+            fix = f"use {str(merged)!r}: this adapter merged into its base"
+        else:
+            source = _exported_from(folder) or "RUN"
+            fix = (f"merge it into its base with `accel-fsdp checkpoint consolidate {source} OUT --merge` and use "
+                   "OUT/merged; or train on its base model (adapter_config.json's base_model_name_or_path)")
+        return Problem(where, f"{named}holds a LoRA adapter (adapter_config.json), not a whole model", fix)
+    if (folder / MANIFEST).is_file():
+        return Problem(where, f"{named}is a training checkpoint (sharded state, no config.json), not a model folder",
+                       f"export it with `accel-fsdp checkpoint consolidate {folder} OUT` (add --merge for a LoRA "
+                       "run) and use OUT")
+    if (folder / RUN_FILE).is_file() or final.is_dir():
+        if (final / "config.json").is_file():
+            fix = f"use its exported model, {str(final)!r}"
+        else:
+            fix = (f"export its newest checkpoint with `accel-fsdp checkpoint consolidate {folder} OUT` (add --merge "
+                   "for a LoRA run) and use OUT (OUT/merged with --merge)")
+        return Problem(where, f"{named}is a run folder, not a model folder", fix)
+    return Problem(where, f"{named}has no config.json, so it is not a Hugging Face model folder",
+                   "point it at a folder written by save_pretrained (or `accel-fsdp checkpoint consolidate`), or at a "
+                   "hub id")
+
+
+def _exported_from(folder: Path) -> str | None:
+    """The checkpoint an export of ours was made from (its EXPORT_RECORD), when the record says and it still exists."""
+    import json
+
+    try:
+        checkpoint = json.loads((folder / EXPORT_RECORD).read_text()).get("checkpoint")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return None
+    return checkpoint if isinstance(checkpoint, str) and Path(checkpoint).is_dir() else None
 
 
 def _weight_shards(folder: Path, name: str) -> list[Path]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 
 from accel_fsdp.data.sources import locate, source_key
-from accel_fsdp.errors import Problem, first_line
+from accel_fsdp.errors import Problem, UserError, first_line
+from accel_fsdp.layout import folder_from_environment
 from accel_fsdp.model.tokenizer import BUILTIN_TOKENIZER, bpe_vocab_size, is_local
 
 TIMEOUT_S = 10
@@ -54,12 +55,33 @@ def in_cache(repo: str, kind: str, files: tuple[str, ...]) -> bool:
     return len(files) == 1 or any(cached(name) for name in files[1:])
 
 
+HUB_CACHE_ENV = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE")
+"""The variables that move the Hugging Face libraries' caches (huggingface_hub/constants.py, datasets/config.py)."""
+
+
+def hub_cache_problems(env) -> list[Problem]:
+    """A Hugging Face cache variable that names a file (or lies below one): one problem naming it, where the hub
+    libraries would fail with "Not a directory" about a path below it, which the check of the hub read as "the hub
+    cannot be reached" and answered "fix the network"."""
+    problems = []
+    for variable in HUB_CACHE_ENV:
+        if env.get(variable):
+            try:
+                folder_from_environment(variable, env[variable])
+            except UserError as e:
+                problems += e.problems
+    return problems
+
+
 def hub_problems(recipe) -> list[Problem]:
     """One problem per hub id this machine cannot get; asks the hub at most once per id."""
     from huggingface_hub.errors import HFValidationError
 
+    ids = hub_ids(recipe)
+    if ids and (problems := hub_cache_problems(os.environ)):
+        return problems
     problems = []
-    for key, repo, kind, files in hub_ids(recipe):
+    for key, repo, kind, files in ids:
         where = recipe.where(key)
         try:
             if in_cache(repo, kind, files):

@@ -168,7 +168,10 @@ def trained_tokenizer(recipe, out_dir: Path | None = None):
     vocab = bpe_vocab_size(recipe.model.tokenizer) or 8192
     folder = out_dir or _bpe_cache_folder(recipe, vocab)
     if out_dir is None and (folder / "tokenizer.json").exists():
-        return PreTrainedTokenizerFast.from_pretrained(folder)
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(folder)
+        except Exception:  # noqa: BLE001 - our cache entry, damaged since (JSONDecodeError, or the Rust
+            pass  # library's bare Exception): trained again and replaced, never blamed on the user's data
     tokenizer = _train_bpe(recipe, vocab)
     with atomic_folder(folder) as temporary:  # a concurrent reader never sees half a tokenizer
         tokenizer.save_pretrained(temporary)

@@ -90,6 +90,8 @@ def decide(layout: RunLayout, recipe, *, resume: str | None = None, resume_from:
                                     "(nothing was changed)"))
         check_checkpoint_folder(layout, owner=identity)
         return Decision.RESUME
+    if resume in ("latest", "auto") and not layout.checkpoints.exists():
+        _refuse_missing_checkpoint_folder(layout, identity)
     if resume == "latest":
         check_checkpoint_folder(layout, owner=identity)
         return Decision.RESUME
@@ -110,6 +112,19 @@ def decide(layout: RunLayout, recipe, *, resume: str | None = None, resume_from:
     raise UserError(Problem(str(root), f"already holds {what}",
                             "add --resume to continue it, --overwrite to replace it, or choose another --output-dir "
                             "(nothing was changed)"))
+
+
+def _refuse_missing_checkpoint_folder(layout: RunLayout, identity: RunIdentity) -> None:
+    """Every start of a run creates its checkpoint folder (`apply_decision`): a run folder whose checkpoint folder is
+    gone had it moved or deleted, most often a run folder moved with an absolute checkpoint.dir inside it. `--resume
+    auto` took it for a run that saved no checkpoint and started it again from step 0 over its metrics and final/."""
+    moved = [p for p in sorted(layout.root.iterdir())
+             if p.is_dir() and (read_owner(p) or {}).get("run_id") == identity.run_id]
+    where = (f"it holds {moved[0]}: resume with --set checkpoint.dir='{moved[0]}'" if moved else
+             "set checkpoint.dir to where they are now")
+    raise UserError(Problem(str(layout.checkpoints), "this run's checkpoint folder does not exist (moved or deleted "
+                            f"since the run saved into it; the run folder {layout.root} holds the run)",
+                            f"{where}, or add --overwrite to start the run over (nothing was changed)"))
 
 
 def check_checkpoint_folder(layout: RunLayout, *, owner: RunIdentity | None) -> None:

@@ -3,14 +3,17 @@ learned: greedy by default, or temperature / top-p sampling with a seed."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
+from accel_fsdp.checkpoint.consolidate import changed_base_problem
 from accel_fsdp.errors import Problem, UserError, first_line, read_json_object
-from accel_fsdp.layout import FINAL_DIR, dangling_link_problem
+from accel_fsdp.layout import EXPORT_RECORD, FINAL_DIR, dangling_link_problem
 from accel_fsdp.model.build import load_pretrained
-from accel_fsdp.model.checks import damaged_json_file, model_folder_problems, raise_problems, tokenizer_files_problem
+from accel_fsdp.model.checks import (damaged_json_file, model_folder_problems, not_a_model_folder, raise_problems,
+                                     tokenizer_files_problem)
 
 
 def resolve_model_dir(path: Path) -> Path:
@@ -25,9 +28,7 @@ def resolve_model_dir(path: Path) -> Path:
             return candidate
     if (path / FINAL_DIR).is_dir():  # a run whose export lost files: load_model names what final/ lacks
         return path / FINAL_DIR
-    raise UserError(Problem(str(path), "is not a model folder (no config.json or adapter_config.json)",
-                            "give the folder written by `accel-fsdp checkpoint consolidate`, a run folder, or any "
-                            "save_pretrained folder"))
+    raise UserError(not_a_model_folder(str(path), path))  # a checkpoint: the command that exports it
 
 
 def load_model(folder: Path, device: str = "auto"):
@@ -47,7 +48,8 @@ def load_model(folder: Path, device: str = "auto"):
     export_again = "export the model again with `accel-fsdp checkpoint consolidate RUN OUT`"
     adapter = (folder / "adapter_config.json").exists()
     if adapter:
-        read_json_object(folder / "adapter_config.json", what="is not a valid config", fix=export_again)
+        config = read_json_object(folder / "adapter_config.json", what="is not a valid config", fix=export_again)
+        _check_adapter_base(folder, config.get("base_model_name_or_path"))
     else:  # the reader of `recipe validate` and the launch: the same file named with the same words
         raise_problems([Problem(p.where, p.message, f"{export_again} (or {p.fix})")
                         for p in model_folder_problems(str(folder), folder)])
@@ -78,6 +80,22 @@ def load_model(folder: Path, device: str = "auto"):
     return model.to(device).eval(), tokenizer
 
 
+
+
+def _check_adapter_base(folder: Path, base: str | None) -> None:
+    """An adapter export loads over the base its adapter_config.json names: refused once that folder holds other
+    weights than the adapters were trained over (checkpoint/consolidate.py `adapter_base`, in the export record)."""
+    try:
+        recorded = json.loads((folder / EXPORT_RECORD).read_text()).get("base")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return  # not an export of ours, or one from before the record said
+    if not isinstance(recorded, dict) or recorded.get("path") != base:
+        return
+    problem = changed_base_problem(str(folder), recorded, "put the base back, or merge the adapter into the base it "
+                                   "was trained over (`accel-fsdp checkpoint consolidate RUN OUT --merge --base-model "
+                                   "PATH`) and generate from OUT/merged")
+    if problem is not None:
+        raise UserError(problem)
 
 
 def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,

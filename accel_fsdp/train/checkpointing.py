@@ -28,7 +28,8 @@ class Checkpointer:
     def __init__(self, *, accelerator, model, optimizer, scheduler, sampler, logger: TrainLogger, recipe, settings,
                  tokenizer, layout: RunLayout, terminal: Terminal, preemption: Preemption, total_steps: int,
                  parameters: int, trainable_parameters: int, data_identity: dict | None = None,
-                 faults: Faults | None = None, quantized_base: dict | None = None):
+                 faults: Faults | None = None, quantized_base: dict | None = None,
+                 starting_weights: str | None = None):
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
         self.sampler = sampler
         """Where the data stands is saved with the weights."""
@@ -45,6 +46,9 @@ class Checkpointer:
         self.quantized_base = quantized_base
         """The 4-bit base's record (model.quantize): saved in each manifest, checked against the checkpoint's on
         resume."""
+        self.starting_weights = starting_weights
+        """The fingerprint of the weights the run started from, where its checkpoints hold only against them
+        (data/identity.py `weights_fingerprint`): saved in each manifest, compared on resume."""
 
     def after_step(self, state: TrainingState) -> None:
         if self.every and state.step % self.every == 0 and state.step != self.total_steps:
@@ -67,7 +71,8 @@ class Checkpointer:
                                     root=self.layout.checkpoints, step=step, trainer_state=state, recipe=recipe,
                                     settings=self.settings, tokenizer=self.tokenizer, lora=recipe.model.lora.enabled,
                                     keep_last=recipe.checkpoint.keep_last, faults=self.faults, run_id=self._run_id(),
-                                    data_identity=self.data_identity, quantized_base=self.quantized_base)
+                                    data_identity=self.data_identity, quantized_base=self.quantized_base,
+                                    starting_weights=self.starting_weights)
         self.last_saved_step = step
         self.terminal.say(f"checkpoint: {path}")
         return path

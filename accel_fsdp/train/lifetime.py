@@ -38,6 +38,7 @@ from pathlib import Path
 
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.files import write_atomic
+from accel_fsdp.quiet import outlive_closed_output
 
 PREEMPTED = 75
 """Exit status of a run stopped by a preemption signal after writing its checkpoint: resume it."""
@@ -412,6 +413,7 @@ def run_rank(train) -> None:
     user's mistake), PREEMPTED, 130 (Ctrl-C), PEER_FAILED, 1 (a collective timed out). A bug of ours keeps its
     traceback (and is recorded, so the other ranks end quietly)."""
     records = RankRecords.from_env()
+    outlive_closed_output()  # `recipe run ... | head`: the run goes on, its lines into /dev/null
     try:
         train()
     except UserError as e:

@@ -7,6 +7,7 @@ synchronizes ranks once per logging window (one all-reduce of the window's loss 
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 
@@ -15,6 +16,7 @@ import torch
 from accel_fsdp.checkpoint.records import LogWindow
 from accel_fsdp.config.precision import is_half
 from accel_fsdp.hardware import device_peak_flops, peak_memory_bytes, reset_peak_memory
+from accel_fsdp.quiet import live_terminal
 from accel_fsdp.train.metrics import MetricsWriter, StartupClock, StartupRow, TrainRow
 from accel_fsdp.train.sharding import gather_ints
 from accel_fsdp.train.state import TrainingState
@@ -22,11 +24,14 @@ from accel_fsdp.train.state import TrainingState
 
 class Terminal:
     """The person at the terminal: the main process's lines, written above its progress bar while the bar is open.
-    The only owner of the bar."""
+    The only owner of the bar. Where stderr is no live terminal (a log file, a pipe, TERM=dumb) there is no bar: each
+    logged step is a line of its own instead ("step 20/100: loss 3.1416, tok_s 12,345")."""
 
     def __init__(self, accelerator):
         self.main = accelerator.is_main_process
         self.bar = None
+        self.live = live_terminal(sys.stderr)
+        self.step, self.total = 0, 0
 
     def say(self, text: str) -> None:
         if not self.main:
@@ -37,14 +42,18 @@ class Terminal:
             print(text, flush=True)
 
     def open_bar(self, total: int, initial: int) -> None:
-        if self.main:
+        self.step, self.total = initial, total
+        if self.main and self.live:
             self.bar = _progress_bar(total, initial)
 
     def advance(self, **postfix) -> None:
+        self.step += 1
         if self.bar is not None:
             if postfix:
                 self.bar.set_postfix(**postfix, refresh=False)
             self.bar.update(1)
+        elif postfix:
+            self.say(f"step {self.step}/{self.total}: " + ", ".join(f"{k} {v}" for k, v in postfix.items()))
 
     def close_bar(self) -> None:
         if self.bar is not None:

@@ -35,6 +35,7 @@ from accel_fsdp.config.precision import compute_dtype
 from accel_fsdp.config.settings import FsdpSettings, cpu_guess_note
 from accel_fsdp.data import batches
 from accel_fsdp.data import prepare as data_lib
+from accel_fsdp.data.identity import starting_weights_record
 from accel_fsdp.data.sampler import GlobalBatchSampler, total_steps
 from accel_fsdp.data.store import Sequence
 from accel_fsdp.errors import UserError
@@ -479,7 +480,8 @@ def build_components(run: Run, switches: TestSwitches) -> Components:
                                 tokenizer=run.tokenizer, layout=run.layout, terminal=run.terminal,
                                 preemption=run.preemption, total_steps=run.total_steps, parameters=run.parameters,
                                 trainable_parameters=run.trainable_parameters, data_identity=run.data.identity,
-                                faults=hooks.faults, quantized_base=run.sharding.quantized_base)
+                                faults=hooks.faults, quantized_base=run.sharding.quantized_base,
+                                starting_weights=starting_weights_record(recipe))
     profiler = StepProfiler(run.request.profile, folder=run.layout.profile, rank=acc.process_index,
                             device_type=acc.device.type, say=run.terminal.say)
     return Components(logger=logger, evaluator=Evaluator(run, metrics), checkpointer=checkpointer, hooks=hooks,
