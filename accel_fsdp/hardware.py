@@ -95,8 +95,8 @@ def oversubscribed_cores_note(env, ranks_per_machine: int) -> str | None:
     if not value.isdigit() or int(value) * ranks_per_machine <= cores:
         return None
     return (f"{OMP_THREADS_ENV}={value} gives each of this machine's {ranks_per_machine} CPU rank(s) {value} "
-            f"thread(s): {int(value) * ranks_per_machine} on {cores} usable core(s), so the ranks slow each other; unset it (each "
-            f"rank then gets {max(1, cores // ranks_per_machine)}) or lower it")
+            f"thread(s): {int(value) * ranks_per_machine} on {cores} usable core(s), so the ranks slow each other; "
+            f"unset it (each rank then gets {max(1, cores // ranks_per_machine)}) or lower it")
 
 
 CPU_BF16_ENV = "ACCEL_FSDP_CPU_BF16"

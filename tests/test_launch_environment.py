@@ -3,6 +3,8 @@ the cores), a rank's environment only in part. Each works, or is one message nam
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from accel_fsdp import hardware
@@ -119,6 +121,8 @@ def test_a_main_process_address_that_does_not_resolve_is_one_message_at_once(mon
 def test_accelerate_and_fsdp_variables_left_in_the_shell_do_not_reach_the_ranks(monkeypatch, tmp_path, capsys):
     """ACCELERATE_USE_DEEPSPEED=true made every rank ask for DeepSpeed (a traceback each); an FSDP_* key the config
     leaves out reached Accelerate's plugin. The config and the recipe decide; a note says what was left out."""
+    for name in [n for n in os.environ if n.startswith(("ACCELERATE_", "FSDP_"))]:  # an earlier in-process test's
+        monkeypatch.delenv(name)  # (accelerate's fsdp_utils sets FSDP_CPU_RAM_EFFICIENT_LOADING in the process)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")
     monkeypatch.setenv("ACCELERATE_LOG_LEVEL", "info")  # the user's to set
