@@ -118,25 +118,31 @@ REFUSING_TEMPLATE = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception
                      "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
 
-def test_a_chat_template_that_is_not_jinja_is_named_as_the_tokenizers_not_a_rows(tmp_path):
-    """It was reported as the first row's conversation that the template refuses, with the fix to change the row."""
+def prepare_one_conversation(tmp_path, template: str) -> None:
+    """Tokenize a chat file of one conversation with the built-in tokenizer under `template`, as the ranks would."""
     from conftest import write_jsonl
 
     from accel_fsdp.config.recipe import recipe_from_text
     from accel_fsdp.data.prepare import prepare_data
     from accel_fsdp.data.synthetic import build_tokenizer
-    from accel_fsdp.errors import UserError
 
     tok = build_tokenizer()
-    tok.chat_template = BROKEN_TEMPLATE
+    tok.chat_template = template
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"},
                                                                {"role": "assistant", "content": "alice ."}]}])
     r = recipe_from_text(f"model: {{architecture: gpt2, tokenizer: 'builtin:quickstart'}}\n"
                          f"data: {{path: '{path}', format: chat}}\n"
                          "training: {micro_batch_size: 1, global_batch_size: 1}\n", source="r.yaml")
+    prepare_data(r, tok)
+
+
+def test_a_chat_template_that_is_not_jinja_is_named_as_the_tokenizers_not_a_rows(tmp_path):
+    """It was reported as the first row's conversation that the template refuses, with the fix to change the row."""
+    from accel_fsdp.errors import UserError
+
     with pytest.raises(UserError, match=r"model.tokenizer: the chat template of 'builtin:quickstart' is not valid "
                                         r"Jinja: unexpected '}' \(line 1\)"):
-        prepare_data(r, tok)
+        prepare_one_conversation(tmp_path, BROKEN_TEMPLATE)
 
 
 @pytest.mark.parametrize("template,said", [
@@ -157,20 +163,8 @@ def test_generate_chat_names_a_template_that_fails(tiny_gpt2, tmp_path, template
 
 def test_a_chat_template_that_fails_on_a_row_names_the_row_and_the_error(tmp_path):
     """A Python error inside the template (not jinja's own TemplateError) stopped the build with a traceback."""
-    from conftest import write_jsonl
-
-    from accel_fsdp.config.recipe import recipe_from_text
-    from accel_fsdp.data.prepare import prepare_data
-    from accel_fsdp.data.synthetic import build_tokenizer
     from accel_fsdp.errors import UserError
 
-    tok = build_tokenizer()
-    tok.chat_template = FAILING_TEMPLATE
-    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"},
-                                                               {"role": "assistant", "content": "alice ."}]}])
-    r = recipe_from_text(f"model: {{architecture: gpt2, tokenizer: 'builtin:quickstart'}}\n"
-                         f"data: {{path: '{path}', format: chat}}\n"
-                         "training: {micro_batch_size: 1, global_batch_size: 1}\n", source="r.yaml")
     with pytest.raises(UserError, match=r"chat.jsonl line 1: the chat template fails on this conversation \(TypeError: "
                                         r"can only concatenate str"):
-        prepare_data(r, tok)
+        prepare_one_conversation(tmp_path, FAILING_TEMPLATE)
