@@ -481,7 +481,8 @@ def build_components(run: Run, switches: TestSwitches) -> Components:
                                 preemption=run.preemption, total_steps=run.total_steps, parameters=run.parameters,
                                 trainable_parameters=run.trainable_parameters, data_identity=run.data.identity,
                                 faults=hooks.faults, quantized_base=run.sharding.quantized_base,
-                                starting_weights=starting_weights_record(recipe))
+                                # read by the process that writes the manifest alone (checkpoint/store.py)
+                                starting_weights=starting_weights_record(recipe) if acc.is_main_process else None)
     profiler = StepProfiler(run.request.profile, folder=run.layout.profile, rank=acc.process_index,
                             device_type=acc.device.type, say=run.terminal.say)
     return Components(logger=logger, evaluator=Evaluator(run, metrics), checkpointer=checkpointer, hooks=hooks,
