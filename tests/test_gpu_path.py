@@ -286,7 +286,11 @@ def test_only_rank0_reads_pretrained_weights_and_training_is_unchanged(gpu_check
     rank0, rank1 = growth["rank0"]
     assert rank1 < 0.7 * size, (rank1, size)  # its half shard and one parameter in flight
     assert rank0 < 0.7 * size, (rank0, size)  # its half shard and one block read from disk, not the whole model
-    assert min(growth["every"]) > 0.9 * size, (growth["every"], size)
+    # Loading on every rank holds a whole copy on each before sharding (1.0x to 1.5x here), clearly more than either
+    # rank grows by with rank 0 reading. Not an absolute floor: the growth is the peak (the kernel's exact mark) less
+    # the resident size when loading began, and memory the process returns inside the window (huge pages split,
+    # arenas trimmed) lowers it; a CI machine once measured 0.88x on rank 0.
+    assert min(growth["every"]) > max(rank0, rank1) + 0.2 * size, (growth, size)
     assert len(losses["rank0"]) == 2 and losses["rank0"] == losses["every"]
 
 
