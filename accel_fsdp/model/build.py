@@ -209,6 +209,26 @@ def load_pretrained(folder, *, where: str, fix: str, **kwargs):
     return model
 
 
+def weights_fit_problems(recipe) -> list[Problem]:
+    """`recipe validate` of a model in a local folder of safetensors files: the files' tensors against the model its
+    config (with config_overrides) builds, read on the meta device, so only the files' headers are read. The same
+    judgement as a run's loading (`load_pretrained`), which would otherwise find a missing or misshapen tensor only
+    after the launch, in every rank. Folders of pytorch_model.bin alone are left to the run: reading their names
+    means unpickling the weights."""
+    m = recipe.model
+    folder = Path(m.name_or_path or "").expanduser()
+    if m.architecture or not folder.is_dir() or not any(folder.glob("*.safetensors")):
+        return []
+    config = model_config(recipe, offline=True)
+    kwargs: dict[str, Any] = {"trust_remote_code": m.trust_remote_code}
+    try:
+        load_pretrained(folder, config=config, device_map="meta", where=recipe.where("model.name_or_path"),
+                        fix="download or export the model again (its weights and config.json together)", **kwargs)
+    except UserError as e:
+        return e.problems
+    return []
+
+
 def unknown_override_problems(recipe, config_class, overrides: dict) -> None:
     """Raise for model.config_overrides keys the (transformers) config class does not have."""
     try:
