@@ -93,30 +93,12 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
                                     "a newer model type")) from None
     else:
         arch = architectures.lookup(name)
-        config = None
-        if offline:
-            if arch is not None:
-                config = AutoConfig.for_model(arch.model_type, **arch.config_kwargs())
-            else:
-                try:
-                    config = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code,
-                                                        local_files_only=True)
-                except (OSError, ValueError):
-                    return None
+        if offline and arch is not None:
+            config = AutoConfig.for_model(arch.model_type, **arch.config_kwargs())
         else:
-            try:
-                config = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code)
-            except OSError as e:
-                raise UserError(Problem(recipe.where("model.name_or_path"),
-                                        f"cannot load {name!r}: {first_line(e)}",
-                                        "check the hub id and your network or HF_TOKEN (gated models such as Llama "
-                                        "need an accepted licence), or give a local folder")) from None
-            except ValueError as e:
-                if "trust_remote_code" in str(e):
-                    raise UserError(Problem(recipe.where("model.trust_remote_code"),
-                                            f"{name!r} ships its own model code", "set model.trust_remote_code: "
-                                            "true if you trust that repository")) from None
-                raise
+            config = _hub_config(recipe, name, offline=offline)
+            if config is None:
+                return None
     if config is not None:
         _refuse_non_decoder(recipe, config, "model.name_or_path")
         unknown_override_problems(recipe, type(config), overrides)
@@ -171,6 +153,46 @@ def _refuse_non_decoder(recipe, config, key: str) -> None:
 def _non_decoder_problem(where: str, why: str) -> Problem:
     return Problem(where, f"{why}: accel-fsdp trains and samples decoder-only language models that predict the next "
                    "token", "use a decoder model (GPT-2, Llama, Mistral, Qwen, ...)")
+
+
+def _hub_config(recipe, name: str, *, offline: bool):
+    """The config of a hub id: downloaded, or with `offline` from the hub cache alone (None when the cache lacks it:
+    transformers' OSError). A copy transformers cannot read (a model type newer than it, a damaged config.json in the
+    cache) is one message, online and offline alike."""
+    from transformers import AutoConfig
+
+    m = recipe.model
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code, local_files_only=offline)
+    except OSError as e:
+        cached = _cached_file(name, "config.json")
+        if cached is not None:  # transformers' OSError for a config.json that is not JSON; offline, for a missing one
+            raise UserError(Problem(recipe.where("model.name_or_path"), f"the hub cache's copy of {name!r} cannot be "
+                                    f"read ({first_line(e)})", "delete it from the hub cache (`hf cache delete`) and "
+                                    "download it again")) from None
+        if offline:
+            return None
+        raise UserError(Problem(recipe.where("model.name_or_path"), f"cannot load {name!r}: {first_line(e)}",
+                                "check the hub id and your network or HF_TOKEN (gated models such as Llama need an "
+                                "accepted licence), or give a local folder")) from None
+    except (ValueError, KeyError, TypeError, StrictDataclassError) as e:  # JSONDecodeError is a ValueError
+        if "trust_remote_code" in str(e):
+            raise UserError(Problem(recipe.where("model.trust_remote_code"), f"{name!r} ships its own model code",
+                                    "set model.trust_remote_code: true if you trust that repository")) from None
+        raise UserError(Problem(recipe.where("model.name_or_path"), f"transformers cannot read the config of "
+                                f"{name!r}: {first_line(e)}", "update transformers for a newer model type, or delete "
+                                "the hub cache's copy (`hf cache delete`) and download it again")) from None
+
+
+def _cached_file(repo_id: str, filename: str) -> str | None:
+    """The path of a hub repository's file in this machine's hub cache, or None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, filename)
+    except Exception:  # an id that is no repository name (HFValidationError)
+        return None
+    return found if isinstance(found, str) else None
 
 
 def load_pretrained(folder, *, where: str, fix: str, **kwargs):
