@@ -19,7 +19,7 @@ from accel_fsdp.errors import Problem, UserError, first_line
 from accel_fsdp.files import atomic_folder
 from accel_fsdp.model import architectures
 from accel_fsdp.model.checks import (ModelView, lora_target_problems, not_a_model_folder, override_problems,
-                                     raise_problems)
+                                     raise_problems, safetensors_folder)
 from accel_fsdp.model.nf4 import layers_to_quantize, quantize_model
 from accel_fsdp.model.quantize import known_layers
 from accel_fsdp.model.streaming_load import ModuleTensors, SafetensorsFiles, model_folder
@@ -238,8 +238,8 @@ def weights_fit_problems(recipe) -> list[Problem]:
     after the launch, in every rank. Folders of pytorch_model.bin alone are left to the run: reading their names
     means unpickling the weights."""
     m = recipe.model
-    folder = Path(m.name_or_path or "").expanduser()
-    if m.architecture or not folder.is_dir() or not any(folder.glob("*.safetensors")):
+    folder = safetensors_folder(recipe)
+    if folder is None:
         return []
     config = model_config(recipe, offline=True)
     kwargs: dict[str, Any] = {"trust_remote_code": m.trust_remote_code}
