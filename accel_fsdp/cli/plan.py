@@ -13,7 +13,7 @@ from accel_fsdp.config.precision import MEMORY, MEMORY_CHOICES
 from accel_fsdp.config.settings import batch_problem
 from accel_fsdp.errors import Problem, UserError, raise_if
 from accel_fsdp.files import write_atomic
-from accel_fsdp.launch.slurm import GENERATED, render
+from accel_fsdp.launch.slurm import GENERATED, edited_since_written, render
 from accel_fsdp.layout import RunLayout
 from accel_fsdp.planning.estimate import format_report, resolve_target, table
 from accel_fsdp.planning.memory import parse_bytes, size_problem
@@ -142,14 +142,7 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
                  f"is under {script.parent}, which is a file" if script.parent.exists() else
                  "is in a folder that does not exist")
         raise UserError(Problem(str(script), where, "give the path of the script file to write (-o job.sbatch)"))
-    if script.exists():
-        try:
-            ours = script.read_text(errors="replace").splitlines()[1].startswith(GENERATED)
-        except (OSError, IndexError):
-            ours = False
-        if not ours:
-            raise UserError(Problem(str(script), "exists and was not written by `accel-fsdp slurm`",
-                                    "give another -o (nothing was changed)"))
+    replacing = script.exists() and _replaceable_script(script)
     layout = RunLayout.of(r, output_dir)
     decide(layout, r, resume="auto")  # the folder the job will write: not a file, not another run's
     run_dir = layout.root
@@ -170,7 +163,28 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     script.chmod(0o755)
     k = t.accumulation_steps(nodes * gpus_per_node)
     ranks = "CPU ranks" if str(config.get("use_cpu", False)).lower() == "true" else "GPUs"  # as render() decides
+    if replacing:
+        click.echo(f"note: {script} was replaced: an earlier script of `accel-fsdp slurm`, not edited since")
     click.echo(f"wrote {script}: {nodes} node(s) x {gpus_per_node} {ranks}, global batch {t.global_batch_size} = "
                f"micro {t.micro_batch_size} x {nodes * gpus_per_node} {ranks} x {k} accumulation steps; run folder "
                f"{run_dir}")
     click.echo(f"submit with: sbatch {script}")
+
+
+def _replaceable_script(script: Path) -> bool:
+    """An existing -o file is replaced only where nothing of the user's is lost: a script this command wrote and
+    nobody edited since (the digest in its header says so). Anything else is one message, and it stays as it is."""
+    try:
+        text = script.read_text(errors="replace")
+    except OSError:
+        text = ""
+    lines = text.split("\n", 2)
+    if len(lines) < 3 or not lines[1].startswith(GENERATED):
+        raise UserError(Problem(str(script), "exists and was not written by `accel-fsdp slurm`",
+                                "give another -o (nothing was changed)"))
+    edited = edited_since_written(text)
+    if edited is not False:
+        why = ("was edited since `accel-fsdp slurm` wrote it: replacing it would lose the edits" if edited else
+               "was written by an older `accel-fsdp slurm`, which kept no checksum: edits to it cannot be told")
+        raise UserError(Problem(str(script), why, "give another -o, or move it away first (nothing was changed)"))
+    return True

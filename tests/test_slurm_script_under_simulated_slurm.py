@@ -1,0 +1,229 @@
+"""The sbatch script `accel-fsdp slurm` writes, run by bash under a model of SLURM: what each node's launcher is
+given (machine rank, main address, cores), how the job ends (requeued on a preemption), and the message for a
+cluster or a submission set up wrong. One process each: `srun`, `scontrol` and `accel-fsdp` itself are stand-ins
+that record what they were asked, so no rank starts (the run under SLURM with real ranks is in test_multinode.py).
+
+The srun stand-in behaves as srun(1) says: it starts --ntasks tasks (else the job's SLURM_NTASKS, what `sbatch
+--ntasks-per-node` made it), --ntasks-per-node of them per node, with SLURM_NODEID and SLURM_PROCID; since SLURM
+22.05 a task gets the job's --cpus-per-task only when srun is given it again; with --kill-on-bad-exit=1 (or the
+cluster's KillOnBadExit=1 without the option) a task that exits non-zero has the others killed; srun's status is
+the highest of its tasks', a killed task's 128 + signal."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run_in_process
+
+SRUN = r'''#!PYTHON
+import json, os, signal, subprocess, sys, time
+args, options = sys.argv[1:], {}
+while args and args[0].startswith("--"):
+    key, _, value = args.pop(0)[2:].partition("=")
+    options[key] = value
+with open(os.environ["FAKE_LOG"], "a") as log:
+    log.write(json.dumps({"srun": options}) + "\n")
+tasks = int(options.get("ntasks") or os.environ.get("SLURM_NTASKS") or os.environ["SLURM_JOB_NUM_NODES"])
+per_node = int(options.get("ntasks-per-node") or os.environ.get("SLURM_NTASKS_PER_NODE") or 1)
+kill = options.get("kill-on-bad-exit", os.environ.get("FAKE_KILL_ON_BAD_EXIT", "0")) == "1"
+procs = []
+for task in range(tasks):
+    env = dict(os.environ, SLURM_PROCID=str(task), SLURM_NODEID=str(task // per_node), SLURM_STEP_ID="0")
+    env.pop("SLURM_CPUS_PER_TASK", None)  # SLURM >= 22.05: not inherited from sbatch
+    if "cpus-per-task" in options:
+        env["SLURM_CPUS_PER_TASK"] = options["cpus-per-task"]
+    procs.append(subprocess.Popen(args, env=env))
+codes = {}
+while len(codes) < len(procs):
+    for task, proc in enumerate(procs):
+        if task not in codes and proc.poll() is not None:
+            codes[task] = proc.returncode
+            if kill and proc.returncode != 0:
+                for other in procs:
+                    if other.poll() is None:
+                        other.send_signal(signal.SIGKILL)
+    time.sleep(0.01)
+sys.exit(max(128 - c if c < 0 else c for c in codes.values()))
+'''
+
+SCONTROL = r'''#!PYTHON
+import os, sys
+if sys.argv[1:3] == ["show", "hostnames"]:
+    names = os.environ["FAKE_HOSTNAMES"]  # or @file, for a list longer than one variable may hold
+    print((open(names[1:]).read() if names.startswith("@") else names).replace(",", "\n"))
+elif sys.argv[1] == "requeue":
+    with open(os.environ["FAKE_LOG"], "a") as log:
+        log.write('{"requeue": "%s"}\n' % sys.argv[2])
+'''
+
+ACCEL_FSDP = r'''#!PYTHON
+import json, os, sys, time
+node = os.environ.get("SLURM_NODEID", "batch")
+keep = ("SLURM_NODEID", "SLURM_PROCID", "SLURM_CPUS_PER_TASK", "MAIN_ADDR", "RUN_DIR")
+with open(os.environ["FAKE_LOG"], "a") as log:
+    log.write(json.dumps({"accel-fsdp": sys.argv[1:], "env": {k: os.environ.get(k) for k in keep}}) + "\n")
+if sys.argv[1:3] == ["recipe", "run"]:
+    time.sleep(float(os.environ.get("FAKE_RUN_SECONDS_" + node, "0")))
+    sys.exit(int(os.environ.get("FAKE_RUN_STATUS", "0")))
+'''
+
+
+def write_script(tmp_path: Path, *args: str, name: str = "job.sbatch") -> Path:
+    script = tmp_path / name
+    run_in_process("slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "4", "--cpus-per-node", "16",
+                   "--output-dir", tmp_path / "run", *args, "-o", script, check=0)
+    return script
+
+
+def run_job(script: Path, tmp_path: Path, *, without: tuple[str, ...] = (), **env_values: str):
+    """bash runs the script as sbatch would on the first node, with the stand-ins first on PATH (the script's own
+    PATH line, the venv's bin folder, is pointed at them). Returns the exit status, stderr, and what each stand-in
+    recorded, in order."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for tool, text in (("srun", SRUN), ("scontrol", SCONTROL), ("accel-fsdp", ACCEL_FSDP)):
+        if tool not in without:
+            (bin_dir / tool).write_text(text.replace("PYTHON", sys.executable, 1))
+            (bin_dir / tool).chmod(0o755)
+    text = script.read_text()
+    path_line = next(line for line in text.splitlines() if line.startswith("export PATH="))
+    job = tmp_path / "as-submitted.sbatch"
+    job.write_text(text.replace(path_line, f"export PATH={bin_dir}:/usr/bin:/bin"))
+    log = tmp_path / "log.jsonl"
+    log.unlink(missing_ok=True)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "FAKE_LOG": str(log), "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[01-02]", "FAKE_HOSTNAMES": "node01,node02",
+           "SLURM_CPUS_PER_TASK": "16", "SLURM_NTASKS": "2", **env_values}
+    for name in [name for name, value in env.items() if value is None]:
+        del env[name]
+    proc = subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return proc.returncode, proc.stderr, records
+
+
+def launches(records) -> list[dict]:
+    return [r for r in records if r.get("accel-fsdp", [None, None])[:2] == ["recipe", "run"]]
+
+
+def option(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_one_launcher_per_node_with_its_machine_rank_and_cores_whatever_sbatch_was_told(tmp_path):
+    """`sbatch --ntasks-per-node=4 job.sbatch` (one task per GPU, as many scripts do) made srun start 4 launchers per
+    node, each with the node's machine rank; and since SLURM 22.05 srun gave each 1 core, not --cpus-per-task."""
+    script = write_script(tmp_path)
+    code, err, records = run_job(script, tmp_path, SLURM_NTASKS="8", SLURM_NTASKS_PER_NODE="4")
+    assert code == 0, err
+    runs = launches(records)
+    assert sorted(option(r["accel-fsdp"], "--machine-rank") for r in runs) == ["0", "1"], runs
+    for run in runs:
+        argv = run["accel-fsdp"]
+        assert option(argv, "--main-process-ip") == "node01" and option(argv, "--num-machines") == "2"
+        assert option(argv, "--num-processes") == "8" and run["env"]["SLURM_CPUS_PER_TASK"] == "16"
+    (srun,) = [r["srun"] for r in records if "srun" in r]
+    assert srun["ntasks-per-node"] == "1" and srun["nodes"] == srun["ntasks"] == "2"
+
+
+@pytest.mark.parametrize("cluster_kills", ["0", "1"])
+def test_a_preemption_is_requeued_when_the_nodes_end_one_after_the_other(tmp_path, cluster_kills):
+    """Every node's launcher exits 75 after the checkpoint, not at the same instant: with --kill-on-bad-exit=1 the
+    first 75 had srun kill the other node (137), and the script ended the job instead of requeueing it."""
+    script = write_script(tmp_path)
+    code, err, records = run_job(script, tmp_path, FAKE_RUN_STATUS="75", FAKE_RUN_SECONDS_1="0.5",
+                                 FAKE_KILL_ON_BAD_EXIT=cluster_kills)
+    assert code == 0, err
+    assert [r["requeue"] for r in records if "requeue" in r] == ["4242"]
+    code, err, records = run_job(script, tmp_path, FAKE_RUN_STATUS="2")  # a user's mistake: said, not requeued
+    assert code == 2 and not [r for r in records if "requeue" in r]
+
+
+@pytest.mark.parametrize("nodelist,hostnames", [
+    ({"SLURM_JOB_NODELIST": "node[01-04,07]"}, "node01,node02,node03,node04,node07"),
+    ({"SLURM_JOB_NODELIST": "gpu-a[1-2],gpu-b3"}, "gpu-a1,gpu-a2,gpu-b3"),
+    ({"SLURM_JOB_NODELIST": "n1.cluster.example"}, "n1.cluster.example"),
+    # SLURM_NODELIST, the older name of the same list, where a site's environment has only it
+    ({"SLURM_JOB_NODELIST": None, "SLURM_NODELIST": "node[01-02]"}, "node01,node02"),
+    # a list longer than a pipe holds: scontrol must not be left writing into a closed pipe
+    ({"SLURM_JOB_NODELIST": "node[00001-20000]"}, ",".join(f"node{i:05d}" for i in range(1, 20001))),
+])
+def test_the_main_process_is_the_first_node_of_the_list_as_scontrol_expands_it(tmp_path, nodelist, hostnames):
+    script = write_script(tmp_path)
+    (tmp_path / "hostnames").write_text(hostnames)
+    code, err, records = run_job(script, tmp_path, FAKE_HOSTNAMES=f"@{tmp_path / 'hostnames'}", **nodelist)
+    assert code == 0, err
+    first = hostnames.split(",")[0]
+    assert {option(r["accel-fsdp"], "--main-process-ip") for r in launches(records)} == {first}
+
+
+@pytest.mark.parametrize("setup,expected", [
+    ({"without": ("scontrol",)}, "error: SLURM_JOB_NODELIST=node[01-02]: 'scontrol show hostnames' named no first "
+                                 "node"),
+    ({"FAKE_HOSTNAMES": ""}, "'scontrol show hostnames' named no first node"),
+    ({"SLURM_JOB_NODELIST": None}, "error: SLURM_JOB_NODELIST=: 'scontrol show hostnames' named no first node"),
+    ({"SLURM_JOB_ID": None}, "error: SLURM_JOB_ID is not set: this script runs inside a SLURM job"),
+])
+def test_a_job_without_slurms_node_list_is_one_message_before_any_launch(tmp_path, setup, expected):
+    """scontrol missing or failing left MAIN_ADDR empty (`export X=$(...)` hides the failure) and every node launched
+    towards an empty address; run outside a job, bash stopped at the first unset SLURM variable."""
+    script = write_script(tmp_path)
+    without = setup.pop("without", ())
+    code, err, records = run_job(script, tmp_path, without=without, **setup)
+    assert code == 2 and expected in err, err
+    assert "fix: " in err and not launches(records) and not [r for r in records if "srun" in r]
+
+
+HOSTILE = ["a b", "$(touch INJECTED)", "`touch INJECTED`", "it's", 'say "hi"', "back\\slash", "ünïcode ✓",
+           "two\nlines; touch INJECTED"]
+
+
+def test_every_value_reaches_the_nodes_as_given_and_none_runs_as_a_command(tmp_path, monkeypatch):
+    """Values with blanks, quotes, `$(...)`, backslashes, unicode and newlines, in --set, the run folder, the recipe's
+    name and the script's own name: each arrives byte for byte, nothing is executed, and the header's comments stay
+    comments (a newline in -o or in the command line ended the comment: the rest ran as a command)."""
+    folder = tmp_path / "runs with 'quotes' $(touch INJECTED) ✓"
+    name = "job $(touch INJECTED)\ntouch INJECTED\n.sbatch"
+    args = ["--set", "logging.sample_prompt=" + " | ".join(HOSTILE), "--set", 'name=my run "x" $(touch INJECTED)']
+    monkeypatch.setattr(sys, "argv", ["accel-fsdp", "slurm", "quickstart", *args, "-o", name])
+    script = tmp_path / name
+    run_in_process("slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "4", "--output-dir", folder, *args,
+                   "-o", script, check=0)
+    text = script.read_text()
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    for line in text.splitlines():
+        if line.startswith("#SBATCH "):
+            assert len(line.split()) == 2, line  # sbatch reads one option per line, split at blanks
+    assert "#SBATCH --job-name=accel-fsdp-my_run__x____touch_INJECTED_" in text
+    code, err, records = run_job(script, tmp_path)
+    assert code == 0, err
+    assert not list(tmp_path.rglob("INJECTED")), "a value ran as a command"
+    calls = [r["accel-fsdp"] for r in records if "accel-fsdp" in r]
+    assert len(calls) == 3  # recipe validate on the first node, recipe run on both
+    for argv in calls:
+        assert [argv[i + 1] for i, a in enumerate(argv) if a == "--set"] == args[1::2]
+        assert option(argv, "--output-dir") == str(folder.resolve())
+
+
+def test_an_existing_script_is_replaced_only_when_nothing_of_the_users_is_lost(tmp_path):
+    """A script `accel-fsdp slurm` wrote was silently replaced, the user's edits to it (the header invites them:
+    module loads, containers) included. Now: replaced with a note when unedited; else one message, and it stays."""
+    script = write_script(tmp_path)
+    out = run_in_process("slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "2", "-o", script, check=0)
+    assert f"note: {script} was replaced: an earlier script of `accel-fsdp slurm`, not edited since" in out.stdout
+    edited = script.read_text().replace("# The Python environment", "module load cuda/12.4\n# The Python environment")
+    script.write_text(edited)
+    err = run_in_process("slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "4", "-o", script, check=2).stderr
+    assert (f"error: {script}: was edited since `accel-fsdp slurm` wrote it: replacing it would lose the edits\n"
+            "    fix: give another -o, or move it away first (nothing was changed)") in err
+    assert script.read_text() == edited
+    lines = edited.split("\n")
+    older = "\n".join([lines[0], lines[1].split(";")[0] + ":", *lines[2:]])  # as accel-fsdp wrote it before
+    script.write_text(older)
+    err = run_in_process("slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "4", "-o", script, check=2).stderr
+    assert "was written by an older `accel-fsdp slurm`, which kept no checksum: edits to it cannot be told" in err
+    assert script.read_text() == older and "Traceback" not in err
