@@ -178,6 +178,23 @@ def test_a_job_without_slurms_node_list_is_one_message_before_any_launch(tmp_pat
     assert "fix: " in err and not launches(records) and not [r for r in records if "srun" in r]
 
 
+@pytest.mark.parametrize("gpus_on_node,works", [("4", True), ("8", True), (None, True), ("2", False)])
+def test_fewer_gpus_per_node_than_the_script_starts_ranks_is_one_message(tmp_path, gpus_on_node, works):
+    """`sbatch --gres=gpu:2 job.sbatch` on a script of 4 ranks per node: every node's launcher refused it, each with
+    a fix about num_processes that does not apply to the script. More GPUs than ranks is a note (they stay idle)."""
+    script = write_script(tmp_path)
+    code, err, records = run_job(script, tmp_path, SLURM_GPUS_ON_NODE=gpus_on_node)
+    if works:
+        assert code == 0 and len(launches(records)) == 2, err
+        return
+    assert code == 2 and not launches(records)
+    assert ("error: SLURM_GPUS_ON_NODE=2: this job has 2 GPU(s) per node, and the script starts 4 ranks per node, one "
+            "per GPU\n    fix: submit it without changing its GPUs (--gres, --gpus-per-node), or write it again with "
+            "accel-fsdp slurm --gpus-per-node 2") in err
+    cpu = write_script(tmp_path, "--accelerate-config", "fsdp_cpu", name="cpu.sbatch")
+    assert "SLURM_GPUS_ON_NODE" not in cpu.read_text()  # CPU ranks: GPUs the job may have are not theirs
+
+
 HOSTILE = ["a b", "$(touch INJECTED)", "`touch INJECTED`", "it's", 'say "hi"', "back\\slash", "ünïcode ✓",
            "two\nlines; touch INJECTED"]
 

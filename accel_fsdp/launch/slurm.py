@@ -54,7 +54,7 @@ export RUN_DIR={run_dir}
 export NODES=${{SLURM_JOB_NUM_NODES:-{nodes}}}
 export GPUS_PER_NODE={gpus}
 export TOTAL_GPUS=$((NODES * GPUS_PER_NODE))
-# The main process runs on the first node of the allocation: SLURM's own expansion of its host list (node[01-04,7]
+{gpu_check}# The main process runs on the first node of the allocation: SLURM's own expansion of its host list (node[01-04,7]
 # -> node01). A plain assignment, so a failing scontrol is seen (`export X=$(...)` hides it); sed reads all of it,
 # where head would leave scontrol writing into a closed pipe (SIGPIPE, which pipefail makes a failure).
 NODELIST=${{SLURM_JOB_NODELIST:-${{SLURM_NODELIST:-}}}}
@@ -167,8 +167,8 @@ def render(recipe, config, *, nodes: int, gpus_per_node: int, time_limit: str, p
         rank_kind="CPU" if cpu else "GPU", gres_line="" if cpu else f"#SBATCH --gres=gpu:{gpus_per_node}\n",
         bin_dir=shlex.quote(str(Path(sys.executable).parent)), recipe=shlex.quote(str(Path(recipe.source).resolve())),
         config=shlex.quote(str(config.path.resolve())), run_dir=shlex.quote(str(output_dir.resolve())),
-        extra_sets=extra, validate_sets=validate_sets, rendezvous_timeout=rendezvous_timeout,
-        signal_lead=signal_lead, preempted=PREEMPTED)
+        gpu_check="" if cpu else GPU_CHECK, extra_sets=extra, validate_sets=validate_sets,
+        rendezvous_timeout=rendezvous_timeout, signal_lead=signal_lead, preempted=PREEMPTED)
     shebang, generated, below = text.split("\n", 2)
     return "\n".join([shebang, generated.replace("{digest}", _digest(below)), below])
 
@@ -192,6 +192,18 @@ def _comment(text: str) -> str:
     """`text` for a comment line of the script: a newline (or any control character) in a value the user gave
     would end the comment and make the rest a command; it is written escaped, as Python writes it."""
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+GPU_CHECK = """# The GPUs SLURM gave each node (SLURM_GPUS_ON_NODE; changed by `sbatch --gres/--gpus-per-node` at submission),
+# against the ranks started per node, one per GPU: fewer would put two ranks on one GPU.
+if [ -n "${SLURM_GPUS_ON_NODE:-}" ] && [ "$SLURM_GPUS_ON_NODE" -lt "$GPUS_PER_NODE" ]; then
+  echo "error: SLURM_GPUS_ON_NODE=$SLURM_GPUS_ON_NODE: this job has $SLURM_GPUS_ON_NODE GPU(s) per node, and the script starts $GPUS_PER_NODE ranks per node, one per GPU" >&2
+  echo "    fix: submit it without changing its GPUs (--gres, --gpus-per-node), or write it again with accel-fsdp slurm --gpus-per-node $SLURM_GPUS_ON_NODE" >&2
+  exit 2
+elif [ -n "${SLURM_GPUS_ON_NODE:-}" ] && [ "$SLURM_GPUS_ON_NODE" -gt "$GPUS_PER_NODE" ]; then
+  echo "note: this job has $SLURM_GPUS_ON_NODE GPUs per node (SLURM_GPUS_ON_NODE); $GPUS_PER_NODE ranks per node leave $((SLURM_GPUS_ON_NODE - GPUS_PER_NODE)) idle"
+fi
+"""
 
 
 def _inner_quote(text: str) -> str:
