@@ -195,6 +195,22 @@ def test_fewer_gpus_per_node_than_the_script_starts_ranks_is_one_message(tmp_pat
     assert "SLURM_GPUS_ON_NODE" not in cpu.read_text()  # CPU ranks: GPUs the job may have are not theirs
 
 
+def test_a_config_that_picks_gpus_by_number_is_refused_for_a_slurm_job(tmp_path):
+    """accelerate launch sets CUDA_VISIBLE_DEVICES from gpu_ids, replacing the GPUs SLURM gave the node: without a
+    cgroup that hides the others, gpu_ids: 0,1 trains on GPUs 0 and 1 whichever job holds them."""
+    import yaml
+
+    from conftest import REPO
+
+    values = yaml.safe_load((REPO / "accelerate_configs" / "fsdp_multinode.yaml").read_text())
+    config = tmp_path / "picked.yaml"
+    config.write_text(yaml.safe_dump({**values, "gpu_ids": "0,1"}))
+    err = run_in_process("slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "2", "--accelerate-config", config,
+                         "-o", tmp_path / "job.sbatch", check=2).stderr
+    assert f"error: {config}: gpu_ids: 0,1 would replace the GPUs SLURM gives each node" in err
+    assert "fix: set gpu_ids: all in a copy of the config" in err and not (tmp_path / "job.sbatch").exists()
+
+
 HOSTILE = ["a b", "$(touch INJECTED)", "`touch INJECTED`", "it's", 'say "hi"', "back\\slash", "ünïcode ✓",
            "two\nlines; touch INJECTED"]
 

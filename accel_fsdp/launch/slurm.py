@@ -152,10 +152,18 @@ def render(recipe, config, *, nodes: int, gpus_per_node: int, time_limit: str, p
                                 f"set parallelism_config_dp_replicate_size: {nodes} and "
                                 f"parallelism_config_dp_shard_size: {gpus_per_node} in a copy of the config, or "
                                 f"use --nodes {rep} --gpus-per-node {shard}"))
+    cpu = bool(str(config.get("use_cpu", False)).lower() == "true")  # CPU ranks: ask SLURM for no GPUs
+    gpu_ids = config.get("gpu_ids")
+    if not cpu and gpu_ids is not None and str(gpu_ids).strip().lower() != "all":
+        # accelerate launch sets CUDA_VISIBLE_DEVICES from gpu_ids (accelerate/utils/launch.py,
+        # prepare_multi_gpu_env; accelerate 1.15): SLURM's choice of each node's GPUs would be replaced.
+        problems.append(Problem(f"{config.label}: gpu_ids", f"{gpu_ids} would replace the GPUs SLURM gives each node "
+                                "(its CUDA_VISIBLE_DEVICES): without a cgroup that hides the others, the ranks would "
+                                "use GPUs of other jobs", "set gpu_ids: all in a copy of the config (SLURM chooses "
+                                "each node's GPUs)"))
     if problems:
         raise UserError(problems, title=f"{len(problems)} problems with this job")
 
-    cpu = bool(str(config.get("use_cpu", False)).lower() == "true")  # CPU ranks: ask SLURM for no GPUs
     extra = "".join(f" \\\n  --set {_inner_quote(o)}" for o in overrides)
     validate_sets = "".join(f" --set {shlex.quote(o)}" for o in overrides)
     text = TEMPLATE.format(
