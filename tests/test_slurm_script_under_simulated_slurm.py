@@ -260,3 +260,41 @@ def test_an_existing_script_is_replaced_only_when_nothing_of_the_users_is_lost(t
     err = run_in_process("slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "4", "-o", script, check=2).stderr
     assert "was written by an older `accel-fsdp slurm`, which kept no checksum: edits to it cannot be told" in err
     assert script.read_text() == older and "Traceback" not in err
+
+
+# ------------------------------------------------------- `recipe run` in a job step the user's own script started
+
+STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2"}
+
+
+@pytest.mark.parametrize("step,args,expected", [
+    # srun -N 2 --ntasks-per-node=4 accel-fsdp recipe run ...: one task per GPU, as for a program that is its own rank
+    ({"SLURM_STEP_NUM_TASKS": "8", "SLURM_NODEID": "0"}, ["--machine-rank", "0"],
+     "error: SLURM_STEP_NUM_TASKS=8: srun started 8 tasks on 2 node(s), and each `accel-fsdp recipe run` launches all "
+     "of its machine's ranks itself"),
+    # one task per node, the machine rank left to the config (0 on every node)
+    ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "1"}, [],
+     "machine_rank 0: runs on node 1 of the 2 of this SLURM step (SLURM_NODEID=1): each node needs its own machine "
+     "rank"),
+    ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "1"}, ["--machine-rank", "0"], "error: --machine-rank 0: runs on "
+     "node 1"),
+    ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "1"}, ["--machine-rank", "1"], None),  # as the script does it
+])
+def test_recipe_run_as_a_task_of_the_users_own_srun_step(tmp_path, monkeypatch, step, args, expected):
+    """Several launchers on one node (each starting every rank of the node), or two nodes claiming one machine rank
+    (a rendezvous that never completes): refused before anything is checked or launched, naming the variable."""
+    from conftest import cli
+
+    launched = []
+    monkeypatch.setattr("accel_fsdp.launch.launcher.launch", lambda config, argv, **k: launched.append(argv) or 0)
+    monkeypatch.setattr("accel_fsdp.launch.launcher.wait_for_main", lambda *a, **k: None)
+    for name, value in {**STEP, **step}.items():
+        monkeypatch.setenv(name, value)
+    code, out = cli("recipe", "run", "quickstart", "--accelerate-config", "fsdp_multinode", "--num-machines", "2",
+                    "--num-processes", "4", "--main-process-ip", "127.0.0.1", "--cpu", "--output-dir",
+                    tmp_path / "run", *args)
+    if expected is None:
+        assert code == 0 and len(launched) == 1, out
+        return
+    assert code == 2 and expected in out and "fix: " in out and "Traceback" not in out, out
+    assert not launched and not (tmp_path / "run").exists()
