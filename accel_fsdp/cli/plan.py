@@ -111,8 +111,8 @@ def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offlo
               "Default: runs/<recipe name>.")
 @set_option
 @click.option("-o", "--output", "script", type=click.Path(path_type=Path), default=None,
-              help="Where to write the script. Default: <recipe name>.sbatch. An existing file is replaced only if this "
-              "command wrote it and it was not edited since.")
+              help="Where to write the script. Default: <recipe name>.sbatch. An existing file is replaced only if "
+              "this command wrote it and it was not edited since.")
 def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_limit, partition, cpus_per_node,
                   signal_lead, accelerate_config, output_dir, overrides, script) -> None:
     """Write an sbatch script that trains a recipe on N nodes x G GPUs (one `accelerate launch` per node),

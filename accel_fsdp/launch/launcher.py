@@ -91,8 +91,8 @@ def srun_step_problem(env, config: AccelerateConfig, machine: MachineOptions) ->
                        "start several ranks per GPU", "start one task per node (srun --ntasks-per-node=1), or write "
                        "the job with `accel-fsdp slurm`")
     if machines == nodes > 1 and machine_rank != node:
-        return Problem(f"{_named(config, machine, 'machine_rank')} {machine_rank}", f"runs on node {node} of the {nodes} "
-                       f"of this SLURM step (SLURM_NODEID={node}): each node needs its own machine rank, else two "
+        return Problem(f"{_named(config, machine, 'machine_rank')} {machine_rank}",
+                       f"runs on node {node} of the {nodes} of this SLURM step (SLURM_NODEID={node}): each node needs its own machine rank, else two "
                        "claim one and the machines never all meet", 'give --machine-rank "$SLURM_NODEID" (in the '
                        "command srun runs on every node), as a script of `accel-fsdp slurm` does")
     return None
