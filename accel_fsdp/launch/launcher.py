@@ -92,9 +92,10 @@ def srun_step_problem(env, config: AccelerateConfig, machine: MachineOptions) ->
                        "the job with `accel-fsdp slurm`")
     if machines == nodes > 1 and machine_rank != node:
         return Problem(f"{_named(config, machine, 'machine_rank')} {machine_rank}",
-                       f"runs on node {node} of the {nodes} of this SLURM step (SLURM_NODEID={node}): each node needs its own machine rank, else two "
-                       "claim one and the machines never all meet", 'give --machine-rank "$SLURM_NODEID" (in the '
-                       "command srun runs on every node), as a script of `accel-fsdp slurm` does")
+                       f"runs on node {node} of the {nodes} of this SLURM step (SLURM_NODEID={node}): each node "
+                       "needs its own machine rank, else two claim one and the machines never all meet",
+                       'give --machine-rank "$SLURM_NODEID" (in the command srun runs on every node), as a script of '
+                       "`accel-fsdp slurm` does")
     return None
 
 
