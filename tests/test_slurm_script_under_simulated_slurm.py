@@ -12,7 +12,6 @@ the highest of its tasks', a killed task's 128 + signal."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
