@@ -77,7 +77,7 @@ export MAIN_PORT=${{MAIN_PORT:-$((20000 + SLURM_JOB_ID % 20000))}}
 export PET_SHUTDOWN_TIMEOUT=${{PET_SHUTDOWN_TIMEOUT:-{signal_lead}}}
 
 echo "----- accel-fsdp job ${{SLURM_JOB_ID:-?}} (restart ${{SLURM_RESTART_COUNT:-0}}) -----"
-echo "nodes:         $NODES x $GPUS_PER_NODE GPUs = $TOTAL_GPUS ranks; main process $MAIN_ADDR:$MAIN_PORT"
+echo "nodes:         $NODES x $GPUS_PER_NODE {rank_kind} ranks = $TOTAL_GPUS ranks; main process $MAIN_ADDR:$MAIN_PORT"
 echo "run folder:    $RUN_DIR (resumed if it holds this run with a checkpoint, started if it saved none)"
 echo "gloo binds:    ${{GLOO_SOCKET_IFNAME:-derived on each node from NCCL_SOCKET_IFNAME=${{NCCL_SOCKET_IFNAME:-<unset>}}}}"
 # The recipe on this allocation, checked and described by accel-fsdp itself (batch arithmetic included).
