@@ -210,6 +210,27 @@ def test_a_config_that_picks_gpus_by_number_is_refused_for_a_slurm_job(tmp_path)
     assert "fix: set gpu_ids: all in a copy of the config" in err and not (tmp_path / "job.sbatch").exists()
 
 
+@pytest.mark.parametrize("where,named", [
+    (["--output-dir", "/dev/shm/accel-fsdp-run"], "the run folder /dev/shm/accel-fsdp-run is"),
+    (["--output-dir", "{tmp}/run"], "the run folder {tmp}/run is"),  # TMPDIR
+    (["--set", "checkpoint.dir=/var/tmp/accel-fsdp-ckpt"], "checkpoint.dir /var/tmp/accel-fsdp-ckpt is"),
+    (["--output-dir", "{shared}"], None),
+])
+def test_a_run_folder_on_each_nodes_own_disk_is_said_when_the_script_is_written(tmp_path, monkeypatch, where, named):
+    """Every node writes its shards into the run's checkpoints, and a requeued job may run on other nodes: on /tmp
+    (or /dev/shm, /var/tmp, TMPDIR) neither sees the others', and the requeued job started the run again, silently."""
+    paths = {"tmp": tmp_path / "node-tmp", "shared": tmp_path / "shared"}
+    monkeypatch.setenv("TMPDIR", str(paths["tmp"]))
+    monkeypatch.setattr("accel_fsdp.launch.slurm.NODE_LOCAL", ("/var/tmp", "/dev/shm"))  # tmp_path is in /tmp
+    err = run_in_process("slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "2",
+                         *[w.format(**paths) for w in where], "-o", tmp_path / "job.sbatch", check=0).stderr
+    if named is None:
+        assert "note:" not in err, err
+        return
+    assert f"note: {named.format(**paths)} usually each node's own disk" in err, err
+    assert "a job requeued onto other nodes would start again" in err
+
+
 HOSTILE = ["a b", "$(touch INJECTED)", "`touch INJECTED`", "it's", 'say "hi"', "back\\slash", "ünïcode ✓",
            "two\nlines; touch INJECTED"]
 

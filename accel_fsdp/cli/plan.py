@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from accel_fsdp.config.precision import MEMORY, MEMORY_CHOICES
 from accel_fsdp.config.settings import batch_problem
 from accel_fsdp.errors import Problem, UserError, raise_if
 from accel_fsdp.files import write_atomic
-from accel_fsdp.launch.slurm import GENERATED, edited_since_written, render
+from accel_fsdp.launch.slurm import GENERATED, edited_since_written, node_local_note, render
 from accel_fsdp.layout import RunLayout
 from accel_fsdp.planning.estimate import format_report, resolve_target, table
 from accel_fsdp.planning.memory import parse_bytes, size_problem
@@ -164,6 +165,10 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     script.chmod(0o755)
     k = t.accumulation_steps(nodes * gpus_per_node)
     ranks = "CPU ranks" if str(config.get("use_cpu", False)).lower() == "true" else "GPUs"  # as render() decides
+    folders = {"the run folder": run_dir, **({"checkpoint.dir": layout.checkpoints} if layout.external_checkpoints
+                                              else {})}
+    if note := node_local_note(folders, os.environ):
+        click.echo(f"note: {note}", err=True)
     if replacing:
         click.echo(f"note: {script} was replaced: an earlier script of `accel-fsdp slurm`, not edited since")
     click.echo(f"wrote {script}: {nodes} node(s) x {gpus_per_node} {ranks}, global batch {t.global_batch_size} = "

@@ -214,6 +214,24 @@ fi
 """
 
 
+NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm")
+"""Folders that are each node's own on every cluster we know (a node's TMPDIR too, where SLURM's job_container or a
+prolog makes one per job)."""
+
+
+def node_local_note(folders: dict[str, Path], env) -> str | None:
+    """A note where the run folder or the checkpoints are on a node's own disk: every node writes its shards there,
+    and a job requeued onto other nodes would find no checkpoint and start the run again."""
+    local = [Path(p).resolve() for p in (*NODE_LOCAL, env.get("TMPDIR") or "/tmp")]
+    named = [f"{what} {folder}" for what, folder in folders.items()
+             if any(folder.resolve().is_relative_to(root) for root in local)]
+    if not named:
+        return None
+    return (f"{' and '.join(named)} {'is' if len(named) == 1 else 'are'} usually each node's own disk (/tmp, "
+            "/var/tmp, /dev/shm, TMPDIR): the nodes would not see each other's shards, and a job requeued onto "
+            "other nodes would start again; give --output-dir (or checkpoint.dir) on a filesystem every node sees")
+
+
 def _inner_quote(text: str) -> str:
     """Quote for the bash that runs inside srun's single-quoted `bash -c '...'` command."""
     inner = '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$").replace("`", "\\`") + '"'
