@@ -140,6 +140,9 @@ def test_a_preemption_is_requeued_when_the_nodes_end_one_after_the_other(tmp_pat
     assert [r["requeue"] for r in records if "requeue" in r] == ["4242"]
     code, err, records = run_job(script, tmp_path, FAKE_RUN_STATUS="2")  # a user's mistake: said, not requeued
     assert code == 2 and not [r for r in records if "requeue" in r]
+    # The requeued job writes to the same log file (%j is the same job ID): appended to, not truncated, so the log
+    # of the attempt that was preempted stays.
+    assert "#SBATCH --output=%x-%j.out\n#SBATCH --open-mode=append\n" in script.read_text()
 
 
 @pytest.mark.parametrize("nodelist,hostnames", [

@@ -35,7 +35,10 @@ TEMPLATE = """#!/bin/bash
 #SBATCH --ntasks-per-node=1
 {gres_line}#SBATCH --cpus-per-task={cpus}
 #SBATCH --time={time}
-{partition_line}#SBATCH --output=%x-%j.out
+{partition_line}# A requeued job keeps its job ID, and so its log file: appended to (whatever JobFileAppend says), the log of
+# the attempt before (its preemption, its error) is kept.
+#SBATCH --output=%x-%j.out
+#SBATCH --open-mode=append
 #SBATCH --requeue
 #SBATCH --signal=USR1@{signal_lead}
 set -euo pipefail
