@@ -127,7 +127,6 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     """
     import shlex
 
-
     given = [item for item in overrides if item.partition("=")[0].strip() == "training.global_batch_size"]
     if global_batch_size and given and given[0].partition("=")[2].strip() != str(global_batch_size):
         raise UserError(Problem("--global-batch-size", f"{global_batch_size} and --set {given[0].strip()} both set "
