@@ -7,7 +7,8 @@ The srun stand-in behaves as srun(1) says: it starts --ntasks tasks (else the jo
 --ntasks-per-node` made it), --ntasks-per-node of them per node, with SLURM_NODEID and SLURM_PROCID; since SLURM
 22.05 a task gets the job's --cpus-per-task only when srun is given it again; with --kill-on-bad-exit=1 (or the
 cluster's KillOnBadExit=1 without the option) a task that exits non-zero has the others killed; srun's status is
-the highest of its tasks', a killed task's 128 + signal."""
+the highest of its tasks', a killed task's 128 + signal; without --export, a task gets what SLURM_EXPORT_ENV says
+(sbatch sets it from its own --export: NONE gives the tasks SLURM's variables alone)."""
 
 from __future__ import annotations
 
@@ -30,9 +31,12 @@ with open(os.environ["FAKE_LOG"], "a") as log:
 tasks = int(options.get("ntasks") or os.environ.get("SLURM_NTASKS") or os.environ["SLURM_JOB_NUM_NODES"])
 per_node = int(options.get("ntasks-per-node") or os.environ.get("SLURM_NTASKS_PER_NODE") or 1)
 kill = options.get("kill-on-bad-exit", os.environ.get("FAKE_KILL_ON_BAD_EXIT", "0")) == "1"
+exported = options.get("export", os.environ.get("SLURM_EXPORT_ENV", "ALL"))
 procs = []
 for task in range(tasks):
-    env = dict(os.environ, SLURM_PROCID=str(task), SLURM_NODEID=str(task // per_node), SLURM_STEP_ID="0")
+    given = {k: v for k, v in os.environ.items() if exported == "ALL" or k.startswith(("SLURM_", "FAKE_"))}
+    env = dict(given, SLURM_PROCID=str(task), SLURM_NODEID=str(task // per_node), SLURM_STEP_ID="0")
+    env.setdefault("PATH", "/usr/bin:/bin")
     env.pop("SLURM_CPUS_PER_TASK", None)  # SLURM >= 22.05: not inherited from sbatch
     if "cpus-per-task" in options:
         env["SLURM_CPUS_PER_TASK"] = options["cpus-per-task"]
@@ -115,9 +119,11 @@ def option(argv: list[str], name: str) -> str:
 
 def test_one_launcher_per_node_with_its_machine_rank_and_cores_whatever_sbatch_was_told(tmp_path):
     """`sbatch --ntasks-per-node=4 job.sbatch` (one task per GPU, as many scripts do) made srun start 4 launchers per
-    node, each with the node's machine rank; and since SLURM 22.05 srun gave each 1 core, not --cpus-per-task."""
+    node, each with the node's machine rank; since SLURM 22.05 srun gave each 1 core, not --cpus-per-task; and
+    `sbatch --export=NONE` (which sites recommend) started each task without the script's variables."""
     script = write_script(tmp_path)
-    code, err, records = run_job(script, tmp_path, SLURM_NTASKS="8", SLURM_NTASKS_PER_NODE="4")
+    code, err, records = run_job(script, tmp_path, SLURM_NTASKS="8", SLURM_NTASKS_PER_NODE="4",
+                                 SLURM_EXPORT_ENV="NONE")
     assert code == 0, err
     runs = launches(records)
     assert sorted(option(r["accel-fsdp"], "--machine-rank") for r in runs) == ["0", "1"], runs
@@ -125,6 +131,7 @@ def test_one_launcher_per_node_with_its_machine_rank_and_cores_whatever_sbatch_w
         argv = run["accel-fsdp"]
         assert option(argv, "--main-process-ip") == "node01" and option(argv, "--num-machines") == "2"
         assert option(argv, "--num-processes") == "8" and run["env"]["SLURM_CPUS_PER_TASK"] == "16"
+        assert run["env"]["MAIN_ADDR"] == "node01" and run["env"]["RUN_DIR"] == str((tmp_path / "run").resolve())
     (srun,) = [r["srun"] for r in records if "srun" in r]
     assert srun["ntasks-per-node"] == "1" and srun["nodes"] == srun["ntasks"] == "2"
 

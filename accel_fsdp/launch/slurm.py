@@ -98,9 +98,11 @@ set +e
 # for another's status. srun ends with the highest status of its tasks, a killed task's 128 + signal (srun(1),
 # RETURN VALUE): with --kill-on-bad-exit=1 the first node to exit 75 had the others killed (137), and the job was not
 # requeued; a rank that fails ends the other nodes' collectives, and each node's launcher says why. --wait=0 (no
-# limit, whatever WaitTime says): the main node exports the model alone after the others have ended.
+# limit, whatever WaitTime says): the main node exports the model alone after the others have ended. --export=ALL:
+# the tasks get this script's variables also where it was submitted with --export=NONE (srun reads that from
+# SLURM_EXPORT_ENV, which sbatch sets, and would start each task without RECIPE, CONFIG, MAIN_ADDR, PATH).
 srun --nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --cpus-per-task="${{SLURM_CPUS_PER_TASK:-{cpus}}}" \\
-  --kill-on-bad-exit=0 --wait=0 bash -c 'exec accel-fsdp recipe run "$RECIPE" --accelerate-config "$CONFIG" \\
+  --kill-on-bad-exit=0 --wait=0 --export=ALL bash -c 'exec accel-fsdp recipe run "$RECIPE" --accelerate-config "$CONFIG" \\
   --num-machines "$NODES" --num-processes "$TOTAL_GPUS" --machine-rank "$SLURM_NODEID" \\
   --main-process-ip "$MAIN_ADDR" --main-process-port "$MAIN_PORT" --rendezvous-timeout {rendezvous_timeout} \\
   --output-dir "$RUN_DIR" --resume auto{extra_sets}'
