@@ -152,6 +152,18 @@ def test_a_preemption_is_requeued_when_the_nodes_end_one_after_the_other(tmp_pat
     assert "#SBATCH --output=%x-%j.out\n#SBATCH --open-mode=append\n" in script.read_text()
 
 
+def test_the_main_port_is_the_jobs_own_and_below_the_ephemeral_ports(tmp_path):
+    """20000 + job ID % 20000 reached 39999: in Linux's ephemeral range (32768-60999 by default), where an outgoing
+    connection of the node may hold the port, and the main process then cannot bind it. A port set is kept."""
+    script = write_script(tmp_path)
+    for job, port in (("4242", "24242"), ("99999", "23999"), ("31999", "27999")):
+        code, err, records = run_job(script, tmp_path, SLURM_JOB_ID=job)
+        assert code == 0, err
+        assert {option(r["accel-fsdp"], "--main-process-port") for r in launches(records)} == {port}
+    code, err, records = run_job(script, tmp_path, MAIN_PORT="29500")
+    assert {option(r["accel-fsdp"], "--main-process-port") for r in launches(records)} == {"29500"}
+
+
 @pytest.mark.parametrize("nodelist,hostnames", [
     ({"SLURM_JOB_NODELIST": "node[01-04,07]"}, "node01,node02,node03,node04,node07"),
     ({"SLURM_JOB_NODELIST": "gpu-a[1-2],gpu-b3"}, "gpu-a1,gpu-a2,gpu-b3"),

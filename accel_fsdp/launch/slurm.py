@@ -71,7 +71,9 @@ if [ -z "$MAIN_ADDR" ]; then
   exit 2
 fi
 export MAIN_ADDR
-export MAIN_PORT=${{MAIN_PORT:-$((20000 + SLURM_JOB_ID % 20000))}}
+# A port of the job's own (a requeued job keeps it), below Linux's ephemeral ports (ip_local_port_range, 32768 up
+# by default), where an outgoing connection of the node may hold the port and the main process could not bind it.
+export MAIN_PORT=${{MAIN_PORT:-$((20000 + SLURM_JOB_ID % 12000))}}
 # Barriers and object collectives ride on gloo, which binds GLOO_SOCKET_IFNAME, else whatever address this node's
 # name resolves to (loopback, with a Debian-style /etc/hosts: the job hangs until the collective timeout).
 # accel-fsdp derives it on every node from NCCL_SOCKET_IFNAME (names or prefixes, "=name"; not "^exclusions"):
