@@ -232,6 +232,17 @@ def test_a_config_that_picks_gpus_by_number_is_refused_for_a_slurm_job(tmp_path)
     assert "fix: set gpu_ids: all in a copy of the config" in err and not (tmp_path / "job.sbatch").exists()
 
 
+def test_accelerate_launch_sets_the_visible_gpus_from_gpu_ids():
+    """What the refusal above relies on (accelerate/utils/launch.py, prepare_multi_gpu_env; accelerate 1.15)."""
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(
+        ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--gpu_ids", "0,1", "--main_process_port",
+         "29500", "--mixed_precision", "no", "--dynamo_backend", "no", "train.py"])
+    assert prepare_multi_gpu_env(args)["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
 @pytest.mark.parametrize("where,named", [
     (["--output-dir", "/dev/shm/accel-fsdp-run"], "the run folder /dev/shm/accel-fsdp-run is"),
     (["--output-dir", "{tmp}/run"], "the run folder {tmp}/run is"),  # TMPDIR
