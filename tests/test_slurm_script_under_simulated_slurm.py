@@ -332,6 +332,8 @@ STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2
     ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "1"}, ["--machine-rank", "0"], "error: --machine-rank 0: runs on "
      "node 1"),
     ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "1"}, ["--machine-rank", "1"], None),  # as the script does it
+    # a sweep: each task a run of one machine (srun -n 8 --gpus-per-task=1), placed by the user
+    ({"SLURM_STEP_NUM_TASKS": "8", "SLURM_NODEID": "1"}, ["--num-machines", "1"], None),
 ])
 def test_recipe_run_as_a_task_of_the_users_own_srun_step(tmp_path, monkeypatch, step, args, expected):
     """Several launchers on one node (each starting every rank of the node), or two nodes claiming one machine rank
