@@ -187,7 +187,8 @@ def check_same_data(acc, data) -> None:
                      "units" for ranks in groups.values())
     raise UserError(Problem("data", f"the machines prepared different data ({read}, differing in count or content)",
                             "give every machine the same data: data.path on a filesystem every machine sees (or "
-                            f"identical copies), and a cache ({CACHE_ENV}) built from them"))
+                            f"identical copies), and a cache ({CACHE_ENV}) built from them (a tokenizer made on each "
+                            "machine, bpe:N, is made from the data and kept there too)"))
 
 
 def gather_ints(acc, values: list[int]) -> list[int]:
