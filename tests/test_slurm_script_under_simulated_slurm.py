@@ -264,6 +264,28 @@ def test_a_run_folder_on_each_nodes_own_disk_is_said_when_the_script_is_written(
     assert "a job requeued onto other nodes would start again" in err
 
 
+@pytest.mark.parametrize("text,seconds", [
+    ("30", 1800), ("30:00", 1800), ("90:30", 5430), ("2:00:00", 7200), ("100:00:00", 360000), ("1-0", 86400),
+    ("1-12", 129600), ("1-12:30", 131400), ("7-00:00:00", 604800), (" 12:00:00 ", 43200),
+    ("12:99:99", None), ("1-24", None), ("1-12:60", None), ("30:60", None), ("1 day", None), ("-5", None), ("", None),
+])
+def test_every_form_of_time_limit_sbatch_takes(text, seconds):
+    """sbatch(1): minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes and
+    days-hours:minutes:seconds. `--time 30:00` (half an hour) was refused as "not a SLURM time"."""
+    from accel_fsdp.launch.slurm import time_seconds
+
+    assert time_seconds(text) == seconds
+
+
+def test_a_time_limit_of_minutes_and_seconds_is_written_and_an_unlimited_one_refused(tmp_path):
+    script = write_script(tmp_path, "--time", "30:00")
+    assert "#SBATCH --time=30:00\n" in script.read_text()
+    err = run_in_process("slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "2", "--time", "UNLIMITED", "-o",
+                         tmp_path / "other.sbatch", check=2).stderr
+    assert ("error: --time: UNLIMITED: a job without a time limit gets no warning signal to checkpoint on before it "
+            "ends\n    fix: give a limit, e.g. 7-00:00:00") in err
+
+
 HOSTILE = ["a b", "$(touch INJECTED)", "`touch INJECTED`", "it's", 'say "hi"', "back\\slash", "ünïcode ✓",
            "two\nlines; touch INJECTED"]
 
