@@ -99,8 +99,8 @@ def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offlo
 @click.option("--nodes", required=True, type=click.IntRange(1, 4096), help="Machines to allocate.")
 @click.option("--gpus-per-node", required=True, type=click.IntRange(1, 64))
 @click.option("--global-batch-size", type=click.IntRange(1, 1 << 24), help="Override the recipe's global batch.")
-@click.option("--time", "time_limit", default="24:00:00", show_default=True, help="Wall-clock limit, in any form sbatch takes "
-              "(HH:MM:SS, D-HH:MM:SS, minutes, MM:SS, D-HH, D-HH:MM).")
+@click.option("--time", "time_limit", default="24:00:00", show_default=True,
+              help="Wall-clock limit, in any form sbatch takes (HH:MM:SS, D-HH:MM:SS, minutes, MM:SS, D-HH, D-HH:MM).")
 @click.option("--partition", help="SLURM partition.")
 @click.option("--cpus-per-node", default=32, show_default=True, type=click.IntRange(1, 1024),
               help="CPU cores per node (data loading, tokenization, offload).")
