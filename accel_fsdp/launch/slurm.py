@@ -59,16 +59,16 @@ export GPUS_PER_NODE={gpus}
 export TOTAL_GPUS=$((NODES * GPUS_PER_NODE))
 {gpu_check}# The main process runs on the first node of the allocation: SLURM's own expansion of its host list (node[01-04,7]
 # -> node01). A plain assignment, so a failing scontrol is seen (`export X=$(...)` hides it); sed reads all of it,
-# where head would leave scontrol writing into a closed pipe (SIGPIPE, which pipefail makes a failure).
+# where head would leave scontrol writing into a closed pipe (SIGPIPE, which pipefail makes a failure). Without an
+# answer (no scontrol here: a container), this node's name: SLURM runs the batch script on the allocation's first node.
 NODELIST=${{SLURM_JOB_NODELIST:-${{SLURM_NODELIST:-}}}}
 MAIN_ADDR=""
 if [ -n "$NODELIST" ]; then
   MAIN_ADDR=$(scontrol show hostnames "$NODELIST" | sed -n 1p) || MAIN_ADDR=""
 fi
 if [ -z "$MAIN_ADDR" ]; then
-  echo "error: SLURM_JOB_NODELIST=$NODELIST: 'scontrol show hostnames' named no first node (its message, if any, is above)" >&2
-  echo "    fix: run this script with sbatch, where SLURM sets SLURM_JOB_NODELIST and scontrol is on the PATH" >&2
-  exit 2
+  MAIN_ADDR=$(hostname)
+  echo "note: SLURM_JOB_NODELIST=$NODELIST: 'scontrol show hostnames' named no first node (its message, if any, is above): the main process is this node, $MAIN_ADDR, where SLURM runs the batch script (the allocation's first)" >&2
 fi
 export MAIN_ADDR
 # A port of the job's own (a requeued job keeps it), below Linux's ephemeral ports (ip_local_port_range, 32768 up
