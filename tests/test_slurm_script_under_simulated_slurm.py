@@ -326,7 +326,7 @@ def test_an_existing_script_is_replaced_only_when_nothing_of_the_users_is_lost(t
     module loads, containers) included. Now: replaced with a note when unedited; else one message, and it stays."""
     script = write_script(tmp_path)
     out = run_in_process("slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "2", "-o", script, check=0)
-    assert f"note: {script} was replaced: an earlier script of `accel-fsdp slurm`, not edited since" in out.stdout
+    assert f"note: {script} was replaced: an earlier script of `accel-fsdp slurm`, not edited since" in out.stderr
     edited = script.read_text().replace("# The Python environment", "module load cuda/12.4\n# The Python environment")
     script.write_text(edited)
     err = run_in_process("slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "4", "-o", script, check=2).stderr

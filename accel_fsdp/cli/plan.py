@@ -170,7 +170,8 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     if note := node_local_note(folders, os.environ):
         click.echo(f"note: {note}", err=True)
     if replacing:
-        click.echo(f"note: {script} was replaced: an earlier script of `accel-fsdp slurm`, not edited since")
+        click.echo(f"note: {script} was replaced: an earlier script of `accel-fsdp slurm`, not edited since",
+                   err=True)
     click.echo(f"wrote {script}: {nodes} node(s) x {gpus_per_node} {ranks}, global batch {t.global_batch_size} = "
                f"micro {t.micro_batch_size} x {nodes * gpus_per_node} {ranks} x {k} accumulation steps; run folder "
                f"{run_dir}")
