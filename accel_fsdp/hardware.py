@@ -30,6 +30,15 @@ def visible_cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def visible_devices_said(env=None) -> str:
+    """CUDA_VISIBLE_DEVICES as a message shows it: a value (indices, or GPU UUIDs as SLURM or a container may give),
+    "'' (empty: no GPU)", or "unset" (every GPU)."""
+    visible = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return "CUDA_VISIBLE_DEVICES unset"
+    return f"CUDA_VISIBLE_DEVICES={visible}" if visible.strip() else "CUDA_VISIBLE_DEVICES='' (empty: no GPU)"
+
+
 def cuda_unavailable_reason() -> str:
     """Why this process cannot use CUDA, in torch's words where it has them: a torch built without CUDA, no device
     visible, or the error CUDA's initialization reports (a driver too old, none loaded). Imports torch."""
@@ -37,7 +46,6 @@ def cuda_unavailable_reason() -> str:
 
     if torch.version.cuda is None:
         return f"this torch ({torch.__version__}) is built without CUDA"
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if not any(Path(p).exists() for p in _NVIDIA_NODES):
         return "no NVIDIA device node (/dev/nvidia*) on this machine or in this container"
     try:
@@ -45,7 +53,7 @@ def cuda_unavailable_reason() -> str:
     except Exception as e:  # torch raises RuntimeError, AssertionError or AcceleratorError: all say why
         return f"CUDA failed to initialize: {first_line(e)}"
     if torch.cuda.device_count() == 0:
-        return f"no CUDA device is visible (CUDA_VISIBLE_DEVICES={visible if visible is not None else 'unset'})"
+        return f"no CUDA device is visible ({visible_devices_said()})"
     return "torch.cuda.is_available() is false"
 
 

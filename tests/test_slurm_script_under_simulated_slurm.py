@@ -220,6 +220,29 @@ def test_fewer_gpus_per_node_than_the_script_starts_ranks_is_one_message(tmp_pat
     assert "SLURM_GPUS_ON_NODE" not in cpu.read_text()  # CPU ranks: GPUs the job may have are not theirs
 
 
+@pytest.mark.parametrize("visible,said", [
+    ("0,1", "CUDA_VISIBLE_DEVICES=0,1"),
+    ("GPU-5d3f9a1e-1b2c-4d5e-8f90-123456789abc,GPU-6e4fab2f-2c3d-4e5f-9a01-23456789abcd",
+     "CUDA_VISIBLE_DEVICES=GPU-5d3f9a1e-1b2c-4d5e-8f90-123456789abc,GPU-6e4fab2f"),  # UUIDs, as SLURM may give them
+    ("", "CUDA_VISIBLE_DEVICES='' (empty: no GPU)"),  # was "CUDA_VISIBLE_DEVICES=)", as if cut off
+    (None, "CUDA_VISIBLE_DEVICES unset"),
+])
+def test_a_node_showing_fewer_gpus_than_ranks_names_what_it_was_given(monkeypatch, visible, said):
+    from accel_fsdp.config.accelerate import load_accelerate_config
+    from accel_fsdp.config.recipe import load_recipe
+    from accel_fsdp.config.settings import gpu_count_problems, resolve_settings
+    from accel_fsdp.config.shipped import resolve_recipe
+
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    settings = resolve_settings(load_recipe(resolve_recipe("quickstart")), load_accelerate_config("fsdp_multinode"),
+                                cuda_available=True, num_processes=8, num_machines=2)
+    (problem,) = gpu_count_problems(settings, 2 if visible else 0)
+    assert f"4 processes per machine, but this machine shows {2 if visible else 0} GPU(s) ({said}" in problem.message
+
+
 def test_a_config_that_picks_gpus_by_number_is_refused_for_a_slurm_job(tmp_path):
     """accelerate launch sets CUDA_VISIBLE_DEVICES from gpu_ids, replacing the GPUs SLURM gave the node: without a
     cgroup that hides the others, gpu_ids: 0,1 trains on GPUs 0 and 1 whichever job holds them."""
