@@ -48,8 +48,9 @@ from accel_fsdp.errors import Problem, UserError
 JSON_FIX = "fix the file: one JSON object per line (.jsonl), or one JSON list of objects (.json)"
 FILE_TYPES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 CHAT_ROLES = ("system", "user", "assistant")
-TOOL_ROLES = ("tool", "function", "ipython")
-"""Roles of tool calls' results (OpenAI's tool and older function, Llama 3.1's ipython): named with what to do."""
+TOOL_ROLES = ("tool", "function", "ipython", "function_call", "observation")
+"""Roles of tool calls and their results (OpenAI's tool and older function, Llama 3.1's ipython, ShareGPT's
+function_call and observation): named with what to do."""
 MAX_PROBLEMS = 5
 """Bad rows reported at once (the first of each kind of problem, up to this many)."""
 MAX_ROW_BYTES = 8 << 20
