@@ -228,3 +228,17 @@ def test_a_bpe_tokenizer_learns_from_sharegpt_values_as_from_contents(tmp_path, 
     bpe = ("--set", "model.tokenizer=bpe:300")
     assert (prepared_tokens(write_jsonl(tmp_path / "theirs.jsonl", [theirs] * 3), fmt, *bpe)
             == prepared_tokens(write_jsonl(tmp_path / "ours.jsonl", [ours] * 3), fmt, *bpe))
+
+
+def test_sharegpt_rows_read_as_text_are_told_to_be_chat(tmp_path):
+    path = write_jsonl(tmp_path / "sg.jsonl", [{"conversations": sharegpt(("human", "alice has"), ("gpt", "a cat"))}])
+    msg = user_error(*prepare(path, "text"))
+    assert "fix: the rows look like chat data: set data.format: chat" in msg, msg
+
+
+def test_recipe_validate_reads_a_sharegpt_file(tmp_path):
+    path = write_jsonl(tmp_path / "sg.jsonl", [{"conversations": sharegpt(*SHAREGPT_TURNS)}] * 4)
+    code, out = cli("recipe", "validate", "quickstart", "--set", f"data.path={path}", "--set", "data.format=chat",
+                    "--set", "training.micro_batch_size=1", "--set", "training.global_batch_size=2",
+                    "--set", "data.eval_fraction=0")
+    assert code == 0 and "data: sg (chat): 4 rows read" in out, out

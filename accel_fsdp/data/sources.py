@@ -42,6 +42,7 @@ from accel_fsdp.data.file_checks import (
     surrogate_escapes,
     utf16,
 )
+from accel_fsdp.data.shapes import SHAREGPT_FIELD
 from accel_fsdp.data.synthetic import BUILTIN_DATA, write_builtin
 from accel_fsdp.errors import Problem, UserError
 
@@ -435,13 +436,14 @@ class SourceReader:
 
 
 def _format_of(row: dict) -> str | None:
-    """The format whose default fields a row holds all of (chosen and rejected: preference), or None."""
+    """The format whose default fields a row holds all of (chosen and rejected: preference; ShareGPT's conversations:
+    chat), or None."""
     defaults = DataConfig()
     for fmt, fields in (("preference", ("chosen_field", "rejected_field")), ("chat", ("messages_field",)),
                         ("instruction", ("instruction_field", "output_field")), ("text", ("text_field",))):
         if all(getattr(defaults, f) in row for f in fields):
             return fmt
-    return None
+    return "chat" if SHAREGPT_FIELD in row else None  # ShareGPT's conversations (data/shapes.py)
 
 
 def _data_files_in(folder: Path) -> str:
