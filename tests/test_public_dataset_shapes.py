@@ -242,3 +242,17 @@ def test_recipe_validate_reads_a_sharegpt_file(tmp_path):
                     "--set", "training.micro_batch_size=1", "--set", "training.global_batch_size=2",
                     "--set", "data.eval_fraction=0")
     assert code == 0 and "data: sg (chat): 4 rows read" in out, out
+
+
+def test_a_parquet_column_of_both_message_forms_reads_each_row_by_the_keys_it_fills(tmp_path):
+    """Parquet gives every message of a column every key any message has (null where it had none): a ShareGPT row
+    and an OpenAI row in one file read as the same conversation."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"messages": sharegpt(*SHAREGPT_TURNS)}, {"messages": openai(*TURNS)}] * 2
+    parquet = tmp_path / "both.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    assert pq.read_table(parquet).to_pylist()[0]["messages"][0]["role"] is None  # the shape this holds
+    same = write_jsonl(tmp_path / "same.jsonl", [{"messages": openai(*TURNS)}] * 4)
+    assert prepared_tokens(parquet, "chat") == prepared_tokens(same, "chat")

@@ -49,7 +49,9 @@ def as_messages(value):
     value."""
     if not isinstance(value, list):
         return value, None
-    sharegpt = [j for j, m in enumerate(value) if isinstance(m, dict) and "from" in m and "role" not in m]
+    # A key holding null is a key left out: a Parquet column of messages has every key any of its messages has.
+    sharegpt = [j for j, m in enumerate(value) if isinstance(m, dict) and m.get("from") is not None
+                and m.get("role") is None]
     if not sharegpt:
         return value, None
     if len(sharegpt) < len(value):
@@ -61,7 +63,7 @@ def as_messages(value):
         if "value" not in m:
             return None, (f"message {j + 1} is ShareGPT's form without a value (its keys: "
                           f"{', '.join(map(str, m))})")
-        rest = {k: v for k, v in m.items() if k not in ("from", "value")}
+        rest = {k: v for k, v in m.items() if k not in ("from", "value", "role", "content")}
         out.append({"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"], **rest})
     return out, None
 
