@@ -5,7 +5,6 @@ row ends in one message naming the file and line. In-process (`data prepare`, Ex
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -67,7 +66,8 @@ def sharegpt(*turns) -> list[dict]:
 
 
 TURNS = (("system", "alice has a cat ."), ("user", "what does alice have ?"), ("assistant", "alice has a red cat ."))
-SHAREGPT_TURNS = (("system", "alice has a cat ."), ("human", "what does alice have ?"), ("gpt", "alice has a red cat ."))
+SHAREGPT_TURNS = (("system", "alice has a cat ."), ("human", "what does alice have ?"),
+                  ("gpt", "alice has a red cat ."))
 
 
 # ------------------------------------------------------------------------------------------------ ShareGPT
@@ -116,7 +116,8 @@ def test_sharegpt_preference_pairs_read_as_the_same_conversations(tok):
     row = {"conversations": sharegpt(("human", "what does alice have ?")),
            "chosen": {"from": "gpt", "value": "alice has a red cat ."},
            "rejected": {"from": "gpt", "value": "alice has a dog ."}}
-    ours = {"prompt": openai(("user", "what does alice have ?")), "chosen": openai(("assistant", "alice has a red cat .")),
+    ours = {"prompt": openai(("user", "what does alice have ?")),
+            "chosen": openai(("assistant", "alice has a red cat .")),
             "rejected": openai(("assistant", "alice has a dog ."))}
     assert examples(tok, "preference", [row]) == examples(tok, "preference", [ours])
     # and conversations of {from, value} messages as chosen and rejected (no prompt: TRL's implicit one)
