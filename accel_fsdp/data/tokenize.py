@@ -346,8 +346,8 @@ class ExampleTokenizer:
         return [ex for n in numbers if n in out for ex in out[n]]
 
     def _pair(self, n: int, row: dict):
-        """(prompt, chosen, rejected) of a row: three strings, or the prompt None and two conversations; None when the
-        row is bad (recorded)."""
+        """(prompt, chosen, rejected) of a row: three strings (the prompt a PlainPrompt where the answers held it), or
+        the prompt None and two conversations; None when the row is bad (recorded)."""
         s = self.source
         for role, column in (("chosen", s.chosen_field), ("rejected", s.rejected_field)):
             if column not in row:
