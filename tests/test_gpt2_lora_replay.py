@@ -1,0 +1,159 @@
+"""LoRA on GPT-2's Conv1D layers, replayed from the docs: GPT-2 holds each projection's weight as in x out and computes
+x W + b (PEFT's fan_in_fan_out), so an adapter that reads A or B in the other orientation, or a merge that adds B A
+untransposed, trains or exports another model. The recipe keys' docstrings (model.lora.*) give the formula: W x +
+(alpha / r) B A dropout(x), A r x in and B out x r; `checkpoint consolidate --merge` writes W + (alpha / r) (B A)^T
+into GPT-2's in x out layout. A run with `target_modules` as GPT-2 users write them (c_attn, c_proj, c_fc), a
+clipping small enough to clip every step and a linear schedule after a warm-up is replayed in float64 by the helpers
+of tests/test_logged_numbers_replay.py (their noise model: fp32 rounding alone).
+
+With lora.dropout > 0 the masks are drawn inside each rank's forward and cannot be recovered from the run's files,
+so what a replay can hold is: step 1's loss (B starts at 0, so the adapters add exactly 0 whatever their input's
+mask: a loss off the base's means the dropout reached the base path), the evaluation after the last step (dropout
+off) from the exported adapters, the merge, and, one layer at a time in-process, that the mask falls on the adapter's
+input alone at 1 / (1 - p) scale.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import LOGIT_PATH, TRACE_UNITS, load_weights, read_metrics, run_cli, run_in_process, units_by_step
+from conftest import tiny_recipe
+from test_logged_numbers_replay import (GPT2_LORA_TARGETS, LR, WEIGHT_DECAY, adapter_key, answer_logps,
+                                        assert_weights_replayed, documented_lora, documented_lr, float64_model,
+                                        prepared, replay_adamw, sft_batch_loss, token_error)
+
+from accel_fsdp.config.recipe import load_recipe
+from accel_fsdp.tools.noise import ROUNDOFF, reordered
+
+STEPS = 3
+CLIP = 0.01
+"""training.max_grad_norm: below every step's gradient norm here (asserted), so every step clips."""
+
+
+def lora_run(tmp_path, model_path, dropout: float):
+    recipe = tiny_recipe(tmp_path / "sft.yaml", model_path, "builtin:quickstart",
+                         data={"max_rows": 200, "seq_len": 64, "eval_fraction": 0.05},
+                         training={"micro_batch_size": 2, "global_batch_size": 8, "max_steps": STEPS, "lr": LR,
+                                   "warmup_steps": 1, "min_lr_ratio": 0.2, "scheduler": "linear",
+                                   "mixed_precision": "fp32", "weight_decay": WEIGHT_DECAY, "max_grad_norm": CLIP},
+                         model={"lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": GPT2_LORA_TARGETS,
+                                         "dropout": dropout}},
+                         checkpoint={"export_dtype": "fp32"})
+    run = tmp_path / "run"
+    run_cli("recipe", "run", recipe, "--output-dir", run, env=TRACE_UNITS, check=0)
+    return load_recipe(recipe), run
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("dropout", [0.0, pytest.param(0.1, marks=pytest.mark.slow)])
+def test_lora_on_gpt2_conv1d_layers_trains_and_merges_what_a_replay_computes(tmp_path, tiny_gpt2, dropout):
+    """2 ranks x 2 micro-steps, 3 steps: every step's loss, gradient norm (before clipping: README's metrics table) and
+    lr, the exported adapters (after 3 clipped AdamW steps with decay on A and B), the final evaluation and the merged
+    export against the float64 replay. With dropout: step 1's loss, the evaluation and the merge."""
+    recipe, run = lora_run(tmp_path, tiny_gpt2, dropout)
+    data = prepared(run / "recipe.yaml")
+    rows = read_metrics(run)
+    train = {r["step"]: r for r in rows if r["kind"] == "train"}
+    units = units_by_step(run)
+    assert sorted(train) == sorted(units) == list(range(1, STEPS + 1))
+    lrs = [documented_lr(s, recipe.training) for s in range(1, STEPS + 1)]
+    assert [train[s]["lr"] for s in train] == pytest.approx(lrs, rel=1e-12)
+    model = float64_model(tiny_gpt2)
+    parameters, initial = documented_lora(model, recipe)
+    assert len(parameters) == 2 * 4 * 2  # A and B of c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj, in both blocks
+    exported = {adapter_key(name): tensor for name, tensor in load_weights(run / "final").items()}
+    if dropout == 0:
+        replayed = replay_adamw(parameters, recipe.training, lrs,
+                                [lambda s=s: sft_batch_loss(model, data, units[s]) for s in range(1, STEPS + 1)])
+        for step, (loss, grad_norm, tokens, scale) in enumerate(replayed, start=1):
+            assert train[step]["loss"] == pytest.approx(loss, abs=token_error(scale) + step * reordered(tokens) * loss)
+            assert train[step]["grad_norm"] == pytest.approx(grad_norm, rel=step * reordered(tokens * LOGIT_PATH))
+            assert grad_norm > 2 * CLIP, step  # the step clipped (the replay scaled its gradient by CLIP / norm)
+        assert_weights_replayed(exported, parameters, initial, recipe.training, lrs, [r[2] for r in replayed])
+    else:
+        # step 1: B = 0, so the adapters add 0 under any mask and the loss is the base model's, dropout-free
+        with torch.no_grad():
+            loss, tokens, scale = sft_batch_loss(model, data, units[1])
+        assert train[1]["loss"] == pytest.approx(float(loss), abs=token_error(scale) + reordered(tokens) * float(loss))
+        assert set(exported) == set(initial)
+
+    # The evaluation after the last step: the exported adapters over the base, dropout off.
+    final = float64_model(tiny_gpt2)
+    documented_lora(final, recipe, exported)
+    (source,) = data.sources
+    sums = [answer_logps(final, s) for j in range(source.units("eval")) for s in source.sequences(j, "eval")]
+    tokens = sum(c for _, c, _ in sums)
+    expected = -sum(t for t, _, _ in sums) / tokens
+    (held_out,) = [r for r in rows if r["kind"] == "eval"]
+    assert held_out["eval_tokens"] == tokens
+    assert held_out["eval_loss"] == pytest.approx(
+        expected, abs=token_error(max(m for _, _, m in sums)) + reordered(tokens) * expected)
+
+    assert_merge_replayed(run, tmp_path / "out", tiny_gpt2, recipe, exported)
+
+
+def assert_merge_replayed(run, out, model_path, recipe, adapters: dict) -> None:
+    """`checkpoint consolidate --merge`: every base tensor, each adapted Conv1D weight (in x out) plus (alpha / r)
+    (B A)^T. Noise: fp32 computes B A (r products summed), its scaling and the sum with W, each rounding at most 2^-24
+    of the magnitudes it adds (Higham's gamma_n, worst case): within (r + 2) 2^-24 (|W| + (alpha / r) |B| |A|)."""
+    run_in_process("checkpoint", "consolidate", run, out, "--merge", check=0)
+    merged = load_weights(out / "merged")
+    base = load_weights(model_path)
+    lora = recipe.model.lora
+    scale = lora.alpha / lora.r
+    assert set(merged) >= set(base) - {"lm_head.weight"} and not any("lora" in k for k in merged), sorted(merged)
+    adapted = 0
+    for name, weight in base.items():
+        if name not in merged:
+            continue
+        module = name.removesuffix(".weight")
+        w = weight.double()
+        if f"{module}.lora_A.weight" in adapters:
+            a, b = adapters[f"{module}.lora_A.weight"].double(), adapters[f"{module}.lora_B.weight"].double()
+            assert w.shape == (a.shape[1], b.shape[0]), name  # Conv1D: in x out
+            expected = w + scale * (b @ a).T
+            bound = (lora.r + 2) * ROUNDOFF["fp32"] * (w.abs() + scale * (b.abs() @ a.abs()).T)
+            # the transposed (wrong) orientation would be off by |B A - (B A)^T|: far above the bound on c_proj (64 x 64)
+            adapted += 1
+        else:
+            expected, bound = w, torch.zeros_like(w)
+        assert bool(((merged[name].double() - expected).abs() <= bound).all()), (
+            name, float((merged[name].double() - expected).abs().max()))
+    assert adapted == 8
+
+
+def test_lora_dropout_on_a_conv1d_layer_masks_the_adapter_input_alone():
+    """One adapted GPT-2 layer in train mode, p = 0.5: its output is x W + b + (alpha / r) (dropout(x) A^T) B^T with
+    the mask of torch's dropout drawn from the same seed (kept entries scaled by 1 / (1 - p)); in eval mode x W + b +
+    (alpha / r) x A^T B^T. fp32 against float64 on the same values: the products of at most 64 + 4 + 4 terms (width 64,
+    rank 4), each within (72) 2^-24 of the magnitudes it adds."""
+    import torch.nn.functional as F
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from accel_fsdp.config.recipe import recipe_from_text
+    from accel_fsdp.model.build import apply_lora
+
+    config = AutoConfig.for_model("gpt2", n_layer=1, n_embd=64, n_head=4, n_positions=32, vocab_size=50)
+    recipe = recipe_from_text("model: {architecture: gpt2, tokenizer: 'builtin:quickstart', lora: {enabled: true, "
+                              "r: 4, alpha: 8, dropout: 0.5, target_modules: [c_fc]}}\ndata: {path: x.jsonl}\n",
+                              source="r.yaml")
+    model = apply_lora(AutoModelForCausalLM.from_config(config), recipe)
+    layer = model.base_model.model.transformer.h[0].mlp.c_fc
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_()
+    w, bias = layer.base_layer.weight.double(), layer.base_layer.bias.double()
+    a, b = layer.lora_A["default"].weight.double(), layer.lora_B["default"].weight.double()
+    x = torch.randn(3, 7, 64)
+    for train in (True, False):
+        layer.train(train)
+        torch.manual_seed(11)
+        with torch.no_grad():
+            out = layer(x).double()
+        torch.manual_seed(11)
+        seen = F.dropout(x, 0.5, training=train).double()
+        expected = x.double() @ w + bias + 2.0 * (seen @ a.T) @ b.T
+        magnitude = x.double().abs() @ w.abs() + bias.abs() + 2.0 * (seen.abs() @ a.abs().T) @ b.abs().T
+        assert bool(((out - expected).abs() <= 72 * ROUNDOFF["fp32"] * magnitude).all()), train
+        if train:  # the mask did fall (else this proves nothing): half the adapter's input entries are 0
+            assert 0.3 < float((seen == 0).double().mean()) < 0.7
