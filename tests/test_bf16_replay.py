@@ -1,5 +1,5 @@
 """A bf16 run (the default precision users run) replayed from what the docs say bf16 is (the recipe key
-training.mixed_precision, docs/VERIFY.md "What bf16 computes"): the fp32 master weights cast to bf16 for every
+training.mixed_precision, README "An optimizer step, exactly"): the fp32 master weights cast to bf16 for every
 forward and backward (FSDP2's param_dtype; norms and embeddings too), every operation of the model in bf16 (autocast),
 the logits turned to fp32 for the log-softmax and the loss, each micro-step's bf16 gradient cast to fp32 before the
 ranks' reduction (reduce_dtype) and added up over the micro-steps in fp32, then clipping and AdamW on the fp32 master

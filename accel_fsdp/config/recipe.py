@@ -39,17 +39,18 @@ class LoraConfig:
 
     enabled: bool = False
     """Train LoRA adapters instead of all weights: each target layer computes W x + (alpha / r) B A dropout(x), the
-    base W frozen; only A (r x in, drawn as nn.Linear's weight from training.seed + 1) and B (out x r, zeros) train."""
+    base W frozen; only A (r x in, drawn as nn.Linear's weight from training.seed + 1) and B (out x r, zeros) train.
+    GPT-2's Conv1D layers hold W as in x out (x W + b): A and B the same, and a merge adds (alpha / r) (B A)^T."""
     r: int = 16
     """Rank of the adapter matrices."""
     alpha: int = 32
     """Scaling numerator: the adapter output is multiplied by alpha / r (not rsLoRA's alpha / sqrt(r))."""
     dropout: float = 0.0
-    """Dropout on the adapter input x (the base layer sees x whole); preference tuning turns it off (docs/PREFERENCE.md:
-    preference.keep_dropout keeps it)."""
+    """Dropout on the adapter input x (torch's: kept entries scaled by 1 / (1 - p); the base layer sees x whole; off in
+    evaluation); preference tuning turns it off (docs/PREFERENCE.md: preference.keep_dropout keeps it)."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
     """Names of the Linear modules that get adapters, in every block: a module whose name ends in one of them (GPT-2:
-    c_attn; Llama: q_proj, k_proj, v_proj, o_proj...)."""
+    c_attn, c_proj (attention and MLP output), c_fc; Llama: q_proj, k_proj, v_proj, o_proj...)."""
 
 
 QUANTIZE_METHODS = ("nf4",)
@@ -255,7 +256,8 @@ class TrainingConfig:
     seed: int = 42
     """Seed for weights created from scratch, data order, and dropout."""
     mixed_precision: Literal[precision.TRAINING] | None = None
-    """bf16: bf16 compute with fp32 master weights; fp32: full precision; fp16: needs a GPU and a grad scaler; fp8:
+    """bf16: bf16 compute with fp32 master weights (README, "An optimizer step, exactly", says which numbers are
+    bf16); fp32: full precision; fp16: needs a GPU and a grad scaler; fp8:
     the blocks' linear layers in float8 (torchao), the rest bf16, for Llama on GPUs of compute capability 8.9+ (not
     exact: `verify` bounds it against bf16). Default: the accelerate config's mixed_precision, else bf16."""
     compile: bool = False
