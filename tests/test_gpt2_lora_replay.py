@@ -29,17 +29,21 @@ from accel_fsdp.tools.noise import ROUNDOFF, reordered
 STEPS = 3
 CLIP = 0.01
 """training.max_grad_norm: below every step's gradient norm here (asserted), so every step clips."""
+WINDOW = 2
+"""logging.every_steps and training.eval_every_steps of the run replayed step by step: train rows at steps 2 (the
+mean of steps 1 and 2) and 3 (step 3 alone), evaluations after steps 2 and 3."""
 
 
-def lora_run(tmp_path, model_path, dropout: float):
+def lora_run(tmp_path, model_path, dropout: float, windowed: bool):
     recipe = tiny_recipe(tmp_path / "sft.yaml", model_path, "builtin:quickstart",
                          data={"max_rows": 200, "seq_len": 64, "eval_fraction": 0.05},
                          training={"micro_batch_size": 2, "global_batch_size": 8, "max_steps": STEPS, "lr": LR,
                                    "warmup_steps": 1, "min_lr_ratio": 0.2, "scheduler": "linear",
-                                   "mixed_precision": "fp32", "weight_decay": WEIGHT_DECAY, "max_grad_norm": CLIP},
+                                   "mixed_precision": "fp32", "weight_decay": WEIGHT_DECAY, "max_grad_norm": CLIP,
+                                   "eval_every_steps": WINDOW if windowed else None},
                          model={"lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": GPT2_LORA_TARGETS,
                                          "dropout": dropout}},
-                         checkpoint={"export_dtype": "fp32"})
+                         checkpoint={"export_dtype": "fp32"}, logging={"every_steps": WINDOW if windowed else 1})
     run = tmp_path / "run"
     run_cli("recipe", "run", recipe, "--output-dir", run, env=TRACE_UNITS, check=0)
     return load_recipe(recipe), run
@@ -48,28 +52,43 @@ def lora_run(tmp_path, model_path, dropout: float):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("dropout", [0.0, pytest.param(0.1, marks=pytest.mark.slow)])
 def test_lora_on_gpt2_conv1d_layers_trains_and_merges_what_a_replay_computes(tmp_path, tiny_gpt2, dropout):
-    """2 ranks x 2 micro-steps, 3 steps: every step's loss, gradient norm (before clipping: README's metrics table) and
-    lr, the exported adapters (after 3 clipped AdamW steps with decay on A and B), the final evaluation and the merged
-    export against the float64 replay. With dropout: step 1's loss, the evaluation and the merge."""
-    recipe, run = lora_run(tmp_path, tiny_gpt2, dropout)
+    """2 ranks x 2 micro-steps, 3 steps: the train rows' windows (README: the mean of the window's steps' losses and
+    gradient norms, before clipping; the lr of its last step), the exported adapters (after 3 clipped AdamW steps with
+    decay on A and B), the evaluations after steps 2 and 3 and the merged export against the float64 replay. With
+    dropout (a row every step): step 1's loss, the last evaluation and the merge."""
+    windowed = dropout == 0
+    recipe, run = lora_run(tmp_path, tiny_gpt2, dropout, windowed)
     data = prepared(run / "recipe.yaml")
     rows = read_metrics(run)
     train = {r["step"]: r for r in rows if r["kind"] == "train"}
     units = units_by_step(run)
-    assert sorted(train) == sorted(units) == list(range(1, STEPS + 1))
+    windows = {2: [1, 2], 3: [3]} if windowed else {s: [s] for s in range(1, STEPS + 1)}
+    assert sorted(units) == list(range(1, STEPS + 1)) and sorted(train) == sorted(windows)
     lrs = [documented_lr(s, recipe.training) for s in range(1, STEPS + 1)]
-    assert [train[s]["lr"] for s in train] == pytest.approx(lrs, rel=1e-12)
+    assert [train[s]["lr"] for s in sorted(train)] == pytest.approx([lrs[s - 1] for s in sorted(train)], rel=1e-12)
+    (source,) = data.sources
+    evaluations = {r["step"]: r for r in rows if r["kind"] == "eval"}
+    assert sorted(evaluations) == ([WINDOW, STEPS] if windowed else [STEPS])
     model = float64_model(tiny_gpt2)
     parameters, initial = documented_lora(model, recipe)
     assert len(parameters) == 2 * 4 * 2  # A and B of c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj, in both blocks
     exported = {adapter_key(name): tensor for name, tensor in load_weights(run / "final").items()}
-    if dropout == 0:
-        replayed = replay_adamw(parameters, recipe.training, lrs,
-                                [lambda s=s: sft_batch_loss(model, data, units[s]) for s in range(1, STEPS + 1)])
-        for step, (loss, grad_norm, tokens, scale) in enumerate(replayed, start=1):
-            assert train[step]["loss"] == pytest.approx(loss, abs=token_error(scale) + step * reordered(tokens) * loss)
-            assert train[step]["grad_norm"] == pytest.approx(grad_norm, rel=step * reordered(tokens * LOGIT_PATH))
-            assert grad_norm > 2 * CLIP, step  # the step clipped (the replay scaled its gradient by CLIP / norm)
+    if windowed:
+        def step_loss(s: int):
+            if s == WINDOW + 1:  # the weights after step 2's update: what the evaluation after step 2 saw
+                assert_evaluation_replayed(evaluations[WINDOW], model, source, carried_steps=WINDOW)
+            return sft_batch_loss(model, data, units[s])
+
+        replayed = replay_adamw(parameters, recipe.training, lrs, [lambda s=s: step_loss(s) for s in units])
+        for end, steps in windows.items():
+            losses, norms = [replayed[s - 1][0] for s in steps], [replayed[s - 1][1] for s in steps]
+            # a later step's weights differ from the run's by the earlier steps' rounding: its bound grows
+            loss_error = max(token_error(replayed[s - 1][3]) + s * reordered(replayed[s - 1][2]) * replayed[s - 1][0]
+                             for s in steps)
+            assert train[end]["loss"] == pytest.approx(sum(losses) / len(steps), abs=loss_error), end
+            norm_error = max(s * reordered(replayed[s - 1][2] * LOGIT_PATH) for s in steps)
+            assert train[end]["grad_norm"] == pytest.approx(sum(norms) / len(steps), rel=norm_error), end
+        assert all(r[1] > 2 * CLIP for r in replayed)  # every step clipped (the replay scaled its gradient)
         assert_weights_replayed(exported, parameters, initial, recipe.training, lrs, [r[2] for r in replayed])
     else:
         # step 1: B = 0, so the adapters add 0 under any mask and the loss is the base model's, dropout-free
@@ -81,16 +100,20 @@ def test_lora_on_gpt2_conv1d_layers_trains_and_merges_what_a_replay_computes(tmp
     # The evaluation after the last step: the exported adapters over the base, dropout off.
     final = float64_model(tiny_gpt2)
     documented_lora(final, recipe, exported)
-    (source,) = data.sources
-    sums = [answer_logps(final, s) for j in range(source.units("eval")) for s in source.sequences(j, "eval")]
+    assert_evaluation_replayed(evaluations[STEPS], final, source, carried_steps=0)
+    assert_merge_replayed(run, tmp_path / "out", tiny_gpt2, recipe, exported)
+
+
+def assert_evaluation_replayed(row: dict, model, source, carried_steps: int) -> None:
+    """An eval row against `model` on every held-out sequence (README: -log p summed over their loss-carrying tokens
+    over their count), within fp32 rounding (tests/test_logged_numbers_replay.py) and, for weights replayed through
+    `carried_steps` steps, the rounding those steps carried into them (as a later step's loss)."""
+    sums = [answer_logps(model, s) for j in range(source.units("eval")) for s in source.sequences(j, "eval")]
     tokens = sum(c for _, c, _ in sums)
     expected = -sum(t for t, _, _ in sums) / tokens
-    (held_out,) = [r for r in rows if r["kind"] == "eval"]
-    assert held_out["eval_tokens"] == tokens
-    assert held_out["eval_loss"] == pytest.approx(
-        expected, abs=token_error(max(m for _, _, m in sums)) + reordered(tokens) * expected)
-
-    assert_merge_replayed(run, tmp_path / "out", tiny_gpt2, recipe, exported)
+    assert row["eval_tokens"] == tokens
+    assert row["eval_loss"] == pytest.approx(
+        expected, abs=token_error(max(m for _, _, m in sums)) + max(1, carried_steps) * reordered(tokens) * expected)
 
 
 def assert_merge_replayed(run, out, model_path, recipe, adapters: dict) -> None:
