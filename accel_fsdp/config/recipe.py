@@ -336,7 +336,7 @@ class FsdpConfig:
     """Reduce-scatter gradients after every micro-step, so each rank only ever holds its gradient shard. false
     defers the reduction to the last micro-step of an optimizer step: less communication, but between micro-steps
     every rank holds the unsharded fp32 gradients of the whole model (on the GPU even with CPU offload): only for
-    models small enough that this fits."""
+    models small enough that this fits. Refused under FSDP1 with 16-bit compute, which would add them up in bf16."""
     collective_timeout_minutes: float = 60.0
     """How long a collective (all-gather, barrier, broadcast) may wait before the run fails, naming the rank that
     stopped making progress. Generous, because the first run tokenizes the data on one rank while the others wait,
