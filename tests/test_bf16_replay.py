@@ -19,15 +19,15 @@ bf16 grid, where an fp32 weight falls by chance with probability 2^-16).
 
 from __future__ import annotations
 
-import copy
 import math
 
 import numpy as np
 import pytest
 import torch
 from conftest import TRACE_UNITS, load_weights, read_metrics, run_cli, tiny_recipe, units_by_step
-from test_logged_numbers_replay import (LR, assert_weights_replayed, documented_lr, documents, float64_model,
-                                        prepared, replay_adamw)
+from test_logged_numbers_replay import (GPT2_LORA_TARGETS, LR, adapter_key, assert_weights_replayed,
+                                        documented_lora, documented_lr, documents, float64_model, prepared,
+                                        replay_adamw)
 
 from accel_fsdp.config.recipe import load_recipe
 from accel_fsdp.data.store import IGNORE_INDEX
@@ -38,19 +38,22 @@ BF16_WEIGHT_DECAY = 50.0
 """Large, so that the decay's move of a weight stands above the replay's bf16 bound (assert_weights_replayed)."""
 
 
-def bf16_loss_and_gradient(model16, master: dict, data, units: list[int]) -> tuple[torch.Tensor, int, float, int]:
-    """The documented bf16 step of one global batch: `master`'s values cast to bf16 (via fp32, as the run holds them),
+def bf16_loss_and_gradient(model16, master: dict | None, data, units: list[int]) -> tuple[torch.Tensor, int, float,
+                                                                                         int]:
+    """The documented bf16 step of one global batch: a full fine-tune's `master` values cast to bf16 (via fp32, as the
+    run holds them; LoRA: `master` None, the float64 adapters cast by autocast at each product over the bf16 base),
     each document run alone in bf16, its logits in float64 for the log-softmax, -log p summed over its loss-carrying
-    tokens divided by the batch's count, backward in bf16, its gradients added up in float64 into each master's
-    .grad. Returns (the loss, the count, the largest |logit|, the documents)."""
-    with torch.no_grad():
-        for name, p in model16.named_parameters():
-            p.copy_(master[name].detach().float().to(torch.bfloat16))
+    tokens divided by the batch's count, backward in bf16, its gradients added up in float64 (into each master's
+    .grad; LoRA: into the adapters' own). Returns (the loss, the count, the largest |logit|, the documents)."""
+    if master is not None:
+        with torch.no_grad():
+            for name, p in model16.named_parameters():
+                p.copy_(master[name].detach().float().to(torch.bfloat16))
+        for p in master.values():
+            p.grad = torch.zeros_like(p)
     pieces = [piece for u in units for sequence in data.sequences(u) for piece in documents(sequence)]
     count = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in pieces)
     total, scale = 0.0, 0.0
-    for p in master.values():
-        p.grad = torch.zeros_like(p)
     for ids, labels in pieces:
         model16.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -61,23 +64,27 @@ def bf16_loss_and_gradient(model16, master: dict, data, units: list[int]) -> tup
         loss.backward()
         total += float(loss.detach())
         scale = max(scale, float(logits.detach().abs().max()))
-        for name, p in model16.named_parameters():
-            master[name].grad += p.grad.double()
+        if master is not None:
+            for name, p in model16.named_parameters():
+                master[name].grad += p.grad.double()
     return torch.tensor(total, dtype=torch.float64), count, scale, len(pieces)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_bf16_run_logs_what_a_replay_of_the_documented_bf16_computes(tmp_path, tiny_gpt2):
-    """Full fine-tune of a GPT-2 in bf16, 2 ranks x 2 micro-steps, 2 steps with weight decay and clipping, exported in
-    fp32: each step's loss and gradient norm, the exported (master) weights and the final evaluation against the
-    replay of the documented bf16 step; and the master weights are fp32 (off the bf16 grid)."""
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_bf16_run_logs_what_a_replay_of_the_documented_bf16_computes(tmp_path, tiny_gpt2, lora):
+    """A GPT-2 in bf16, a full fine-tune or LoRA on its Conv1D layers (the base held in bf16), 2 ranks x 2
+    micro-steps, 2 steps with weight decay and clipping, exported in fp32: each step's loss and gradient norm, the
+    exported (master) weights and the final evaluation against the replay of the documented bf16 step; and the master
+    weights are fp32 (off the bf16 grid)."""
+    adapters = {"lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": GPT2_LORA_TARGETS}} if lora else {}
     recipe_path = tiny_recipe(tmp_path / "bf16.yaml", tiny_gpt2, "builtin:quickstart",
                               data={"max_rows": 200, "seq_len": 64, "eval_fraction": 0.05},
                               training={"micro_batch_size": 2, "global_batch_size": 8, "max_steps": STEPS, "lr": LR,
                                         "warmup_steps": 1, "mixed_precision": "bf16",
                                         "weight_decay": BF16_WEIGHT_DECAY},
-                              checkpoint={"export_dtype": "fp32"})
+                              model=adapters, checkpoint={"export_dtype": "fp32"})
     run = tmp_path / "run"
     proc = run_cli("recipe", "run", recipe_path, "--output-dir", run, env=TRACE_UNITS, check=0)
     assert "bf16 compute" in proc.stdout, proc.stdout
@@ -87,14 +94,19 @@ def test_a_bf16_run_logs_what_a_replay_of_the_documented_bf16_computes(tmp_path,
     train = {r["step"]: r for r in rows if r["kind"] == "train"}
     units = units_by_step(run)
     lrs = [documented_lr(s, recipe.training) for s in range(1, STEPS + 1)]
-    model = float64_model(tiny_gpt2)
-    model16 = copy.deepcopy(model).to(torch.bfloat16)
-    parameters = dict(model.named_parameters())  # a tied output projection is its embedding
+    model16 = float64_model(tiny_gpt2).to(torch.bfloat16)  # LoRA's frozen base: bf16, read from the fp32 files
+    if lora:
+        parameters, initial = documented_lora(model16, recipe)
+        master = None
+        exported = {adapter_key(name): tensor for name, tensor in load_weights(run / "final").items()}
+    else:
+        parameters = dict(float64_model(tiny_gpt2).named_parameters())  # a tied output projection is its embedding
+        initial, master, exported = load_weights(tiny_gpt2), parameters, load_weights(run / "final")
     micro_batches = 2 * 2  # ranks x micro-steps: the run's bf16 gradient parts of a step
     parts: list[int] = []
 
     def step(s: int):
-        loss, count, scale, pieces = bf16_loss_and_gradient(model16, parameters, data, units[s])
+        loss, count, scale, pieces = bf16_loss_and_gradient(model16, master, data, units[s])
         parts.append(micro_batches + pieces)
         return loss, count, scale
 
@@ -104,16 +116,18 @@ def test_a_bf16_run_logs_what_a_replay_of_the_documented_bf16_computes(tmp_path,
         assert train[s]["loss"] == pytest.approx(loss, rel=bound["loss"]), s
         assert train[s]["grad_norm"] == pytest.approx(grad_norm, rel=bound["grad_norm"]), s
     gradient_noise = [2 * math.sqrt(n) * ROUNDOFF["bf16"] for n in parts]
-    exported = load_weights(run / "final")
-    assert_weights_replayed(exported, parameters, load_weights(tiny_gpt2), recipe.training, lrs,
-                            [r[2] for r in replayed], gradient_noise=gradient_noise)
+    assert_weights_replayed(exported, parameters, initial, recipe.training, lrs, [r[2] for r in replayed],
+                            gradient_noise=gradient_noise)
     # fp32 master weights: an fp32 value lies on the bf16 grid with probability 2^-16 (its 16 low bits all 0)
     values = torch.cat([w.flatten() for w in exported.values()])
     on_grid = float((values.bfloat16().float() == values).double().mean())
     assert on_grid < 0.01, on_grid
 
-    # The evaluation after the last step: the exported weights cast to bf16, the same computation without gradients.
-    final16 = float64_model(run / "final").to(torch.bfloat16)
+    # The evaluation after the last step: the exported weights cast to bf16 (LoRA: the exported adapters over the
+    # bf16 base), the same computation without gradients.
+    final16 = float64_model(tiny_gpt2 if lora else run / "final").to(torch.bfloat16)
+    if lora:
+        documented_lora(final16, recipe, exported)
     (source,) = data.sources
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         sums = []

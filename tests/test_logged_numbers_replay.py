@@ -526,10 +526,16 @@ def documented_lora(model, recipe, values: dict | None = None) -> tuple[dict, di
         # GPT-2's Conv1D holds its weight as in x out and computes x W + b: A is still r x in, B out x r
         fan_in, fan_out = (module.weight.shape if type(module).__name__ == "Conv1D" else module.weight.shape[::-1])
         assert a.shape == (lora.r, fan_in) and b.shape == (fan_out, lora.r), name
-        module.register_forward_hook(lambda _, inputs, out, a=a, b=b: out + lora.alpha / lora.r * inputs[0] @ a.T @ b.T)
+        module.register_forward_hook(lambda _, inputs, out, a=a, b=b: adapted(out, inputs[0], a, b, lora.alpha / lora.r))
         parameters[f"{name}.lora_A.weight"], parameters[f"{name}.lora_B.weight"] = a, b
     assert set(parameters) == set(first), set(parameters) ^ set(first)
     return parameters, first
+
+
+def adapted(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """A layer's output plus its adapters' scale B A x, the products in the input's dtype (bf16 where the run computes
+    in bf16: tests/test_bf16_replay.py; autocast leaves float64 tensors alone, so the float64 adapters are cast here)."""
+    return out + scale * x @ a.T.to(x.dtype) @ b.T.to(x.dtype)
 
 
 def adapter_key(name: str) -> str:

@@ -1,8 +1,8 @@
 """What only the whole job shows, refused before any rank starts: a --profile window after the run's last step, a
 warm-up longer than a run whose length comes from training.epochs, a checkpoint.dir that is the run folder or above
-it, `recipe validate` judging --num-machines / --num-processes / --output-dir as `recipe run` does; and a recipe
-precision that overrules the accelerate config's is said; a deferred gradient reduction that FSDP1 would sum in bf16. In-process;
-the launch is replaced, so nothing here starts a rank even where a check is missing."""
+it, `recipe validate` judging --num-machines / --num-processes / --output-dir as `recipe run` does, a deferred
+gradient reduction that FSDP1 would sum in bf16; and a recipe precision that overrules the accelerate config's is said.
+In-process; the launch is replaced, so nothing here starts a rank even where a check is missing."""
 
 from __future__ import annotations
 
