@@ -32,6 +32,8 @@ CLIP = 0.01
 WINDOW = 2
 """logging.every_steps and training.eval_every_steps of the run replayed step by step: train rows at steps 2 (the
 mean of steps 1 and 2) and 3 (step 3 alone), evaluations after steps 2 and 3."""
+EVAL_BATCHES = 1
+"""training.eval_max_batches of that run: the first 1 x micro batch 2 x 2 ranks = 4 held-out sequences (of 7)."""
 
 
 def lora_run(tmp_path, model_path, dropout: float, windowed: bool):
@@ -40,7 +42,8 @@ def lora_run(tmp_path, model_path, dropout: float, windowed: bool):
                          training={"micro_batch_size": 2, "global_batch_size": 8, "max_steps": STEPS, "lr": LR,
                                    "warmup_steps": 1, "min_lr_ratio": 0.2, "scheduler": "linear",
                                    "mixed_precision": "fp32", "weight_decay": WEIGHT_DECAY, "max_grad_norm": CLIP,
-                                   "eval_every_steps": WINDOW if windowed else None},
+                                   "eval_every_steps": WINDOW if windowed else None,
+                                   "eval_max_batches": EVAL_BATCHES if windowed else None},
                          model={"lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": GPT2_LORA_TARGETS,
                                          "dropout": dropout}},
                          checkpoint={"export_dtype": "fp32"}, logging={"every_steps": WINDOW if windowed else 1})
@@ -69,6 +72,9 @@ def test_lora_on_gpt2_conv1d_layers_trains_and_merges_what_a_replay_computes(tmp
     (source,) = data.sources
     evaluations = {r["step"]: r for r in rows if r["kind"] == "eval"}
     assert sorted(evaluations) == ([WINDOW, STEPS] if windowed else [STEPS])
+    # the recipe key: the first eval_max_batches x micro_batch_size x processes held-out sequences
+    evaluated = min(source.units("eval"), EVAL_BATCHES * 2 * 2) if windowed else source.units("eval")
+    assert evaluated < source.units("eval") or not windowed  # the limit did leave sequences out
     model = float64_model(tiny_gpt2)
     parameters, initial = documented_lora(model, recipe)
     assert len(parameters) == 2 * 4 * 2  # A and B of c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj, in both blocks
@@ -76,7 +82,7 @@ def test_lora_on_gpt2_conv1d_layers_trains_and_merges_what_a_replay_computes(tmp
     if windowed:
         def step_loss(s: int):
             if s == WINDOW + 1:  # the weights after step 2's update: what the evaluation after step 2 saw
-                assert_evaluation_replayed(evaluations[WINDOW], model, source, carried_steps=WINDOW)
+                assert_evaluation_replayed(evaluations[WINDOW], model, source, WINDOW, evaluated)
             return sft_batch_loss(model, data, units[s])
 
         replayed = replay_adamw(parameters, recipe.training, lrs, [lambda s=s: step_loss(s) for s in units])
@@ -100,15 +106,15 @@ def test_lora_on_gpt2_conv1d_layers_trains_and_merges_what_a_replay_computes(tmp
     # The evaluation after the last step: the exported adapters over the base, dropout off.
     final = float64_model(tiny_gpt2)
     documented_lora(final, recipe, exported)
-    assert_evaluation_replayed(evaluations[STEPS], final, source, carried_steps=0)
+    assert_evaluation_replayed(evaluations[STEPS], final, source, 0, evaluated)
     assert_merge_replayed(run, tmp_path / "out", tiny_gpt2, recipe, exported)
 
 
-def assert_evaluation_replayed(row: dict, model, source, carried_steps: int) -> None:
-    """An eval row against `model` on every held-out sequence (README: -log p summed over their loss-carrying tokens
-    over their count), within fp32 rounding (tests/test_logged_numbers_replay.py) and, for weights replayed through
-    `carried_steps` steps, the rounding those steps carried into them (as a later step's loss)."""
-    sums = [answer_logps(model, s) for j in range(source.units("eval")) for s in source.sequences(j, "eval")]
+def assert_evaluation_replayed(row: dict, model, source, carried_steps: int, evaluated: int) -> None:
+    """An eval row against `model` on the first `evaluated` held-out sequences (README: -log p summed over their
+    loss-carrying tokens over their count), within fp32 rounding (tests/test_logged_numbers_replay.py) and, for weights
+    replayed through `carried_steps` steps, the rounding those steps carried into them (as a later step's loss)."""
+    sums = [answer_logps(model, s) for j in range(evaluated) for s in source.sequences(j, "eval")]
     tokens = sum(c for _, c, _ in sums)
     expected = -sum(t for t, _, _ in sums) / tokens
     assert row["eval_tokens"] == tokens
@@ -137,7 +143,7 @@ def assert_merge_replayed(run, out, model_path, recipe, adapters: dict) -> None:
             assert w.shape == (a.shape[1], b.shape[0]), name  # Conv1D: in x out
             expected = w + scale * (b @ a).T
             bound = (lora.r + 2) * ROUNDOFF["fp32"] * (w.abs() + scale * (b.abs() @ a.abs()).T)
-            # the transposed (wrong) orientation would be off by |B A - (B A)^T|: far above the bound on c_proj (64 x 64)
+            # the transposed (wrong) orientation would be off by |B A - (B A)^T|: far above the bound (c_proj: 64 x 64)
             adapted += 1
         else:
             expected, bound = w, torch.zeros_like(w)
@@ -180,3 +186,22 @@ def test_lora_dropout_on_a_conv1d_layer_masks_the_adapter_input_alone():
         assert bool(((out - expected).abs() <= 72 * ROUNDOFF["fp32"] * magnitude).all()), train
         if train:  # the mask did fall (else this proves nothing): half the adapter's input entries are 0
             assert 0.3 < float((seen == 0).double().mean()) < 0.7
+
+
+def test_lora_on_gpt2_says_fan_in_fan_out_itself_and_peft_warns_of_nothing(tiny_gpt2):
+    """PEFT told every rank of every GPT-2 LoRA run, in a UserWarning, that it had set fan_in_fan_out itself; the
+    config now says it (Conv1D targets only), and the adapter folder records it."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from accel_fsdp.config.recipe import recipe_from_text
+    from accel_fsdp.model.build import apply_lora
+
+    recipe = recipe_from_text(f"model: {{name_or_path: '{tiny_gpt2}', lora: {{enabled: true, target_modules: "
+                              f"{GPT2_LORA_TARGETS}}}}}\ndata: {{path: x.jsonl}}\n", source="r.yaml")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_gpt2), recipe)
+    assert not [w for w in caught if "fan_in_fan_out" in str(w.message)], [str(w.message) for w in caught]
+    assert model.peft_config["default"].fan_in_fan_out is True

@@ -389,7 +389,8 @@ def documented_pair(method: str, chosen: tuple, rejected: tuple, reference: tupl
 def test_a_preference_run_logs_what_a_replay_computes(tmp_path, method, lora, eps):
     """Built-in pairs, 2 ranks x 2 micro-steps, 2 steps with weight decay, a full fine-tune of a GPT-2 (DPO with label
     smoothing) or LoRA on a Llama, on its 4-bit base (QLoRA) too, or on a GPT-2's Conv1D layers named as GPT-2 users
-    name them (its lora.dropout set, which preference tuning turns off): step 1's loss and every statistic recomputed from the
+    name them (its lora.dropout set, which preference tuning turns off): step 1's loss and every statistic recomputed
+    from the
     starting weights' log-probabilities by docs/PREFERENCE.md (DPO's reference is the starting weights too:
     precomputed, or the base with the adapters off, whose B matrices start at 0; QLoRA's base is dequantized); both
     steps' gradient norms and the exported weights (LoRA: the adapters) replayed from the start by the documented
@@ -526,7 +527,8 @@ def documented_lora(model, recipe, values: dict | None = None) -> tuple[dict, di
         # GPT-2's Conv1D holds its weight as in x out and computes x W + b: A is still r x in, B out x r
         fan_in, fan_out = (module.weight.shape if type(module).__name__ == "Conv1D" else module.weight.shape[::-1])
         assert a.shape == (lora.r, fan_in) and b.shape == (fan_out, lora.r), name
-        module.register_forward_hook(lambda _, inputs, out, a=a, b=b: adapted(out, inputs[0], a, b, lora.alpha / lora.r))
+        scale = lora.alpha / lora.r
+        module.register_forward_hook(lambda _, inputs, out, a=a, b=b: adapted(out, inputs[0], a, b, scale))
         parameters[f"{name}.lora_A.weight"], parameters[f"{name}.lora_B.weight"] = a, b
     assert set(parameters) == set(first), set(parameters) ^ set(first)
     return parameters, first
@@ -534,7 +536,8 @@ def documented_lora(model, recipe, values: dict | None = None) -> tuple[dict, di
 
 def adapted(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """A layer's output plus its adapters' scale B A x, the products in the input's dtype (bf16 where the run computes
-    in bf16: tests/test_bf16_replay.py; autocast leaves float64 tensors alone, so the float64 adapters are cast here)."""
+    in bf16, tests/test_bf16_replay.py: autocast leaves float64 tensors alone, so the float64 adapters are cast
+    here)."""
     return out + scale * x @ a.T.to(x.dtype) @ b.T.to(x.dtype)
 
 

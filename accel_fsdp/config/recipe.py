@@ -270,7 +270,9 @@ class TrainingConfig:
     eval_every_steps: int | None = None
     """Evaluate on the held-out split every N optimizer steps (and at the end). Default: at the end only."""
     eval_max_batches: int | None = None
-    """Evaluate on at most this many micro-batches per rank (of each source). Default: the whole held-out split."""
+    """Evaluate on at most this many micro-batches per rank (of each source): its first eval_max_batches x
+    micro_batch_size x processes held-out sequences (pairs), rank r taking r, r + processes, ... Default: the whole
+    held-out split."""
     chunked_loss: bool = True
     """Compute the loss from the hidden states of the loss-carrying positions only, a chunk at a time, never the full
     logits: the same loss and gradients, a fraction of the memory (docs/PERFORMANCE.md). false: the full logits."""

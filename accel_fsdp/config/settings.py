@@ -403,8 +403,9 @@ def check_settings(settings: FsdpSettings, recipe, *, visible_gpus: int | None =
         p.append(Problem(s.reduce_every_micro_step.where(recipe, "fsdp.reduce_every_micro_step"),
                          f"false under FSDP1 with {s.mixed_precision.value} compute would add the micro-steps' "
                          f"gradients up in {s.mixed_precision.value} (FSDP1 accumulates the unsharded gradient in its "
-                         "compute dtype), not in fp32", "keep fsdp.reduce_every_micro_step: true (the default), use an "
-                         "FSDP2 config (fsdp_version: 2, which accumulates in fp32), or training.mixed_precision: fp32"))
+                         "compute dtype), not in fp32", "keep fsdp.reduce_every_micro_step: true (the default), use "
+                         "an FSDP2 config (fsdp_version: 2, which accumulates in fp32), or training.mixed_precision: "
+                         "fp32"))
     if s.fsdp_version.value == 1 and recipe.model.quantize:
         # FSDP1 flattens each unit into one tensor of one dtype: it cannot hold torchao's NF4Tensor, whose sharding
         # (fsdp_pre_all_gather / fsdp_post_all_gather) is FSDP2's extension point.
