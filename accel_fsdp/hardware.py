@@ -250,6 +250,20 @@ class PeakMemory:
         return self.peak - self.baseline
 
 
+def oom_kills() -> int | None:
+    """Processes the kernel's out-of-memory killer has ended on this machine since it booted (oom_kill in /proc/vmstat,
+    Linux 4.13 on; a memory cgroup's kills count too: mm/oom_kill.c `__oom_kill_process`); None where it is not
+    said. Read before and after a launch, it tells a rank the OOM killer ended from one `kill -9` ended."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def rss_bytes() -> int:
     """Current resident memory of this process."""
     try:

@@ -27,6 +27,7 @@ from accel_fsdp.hardware import (
     OMP_THREADS_ENV,
     gloo_interface,
     network_interfaces,
+    oom_kills,
     oversubscribed_cores_note,
     usable_cores,
 )
@@ -35,6 +36,7 @@ from accel_fsdp.train.lifetime import (
     CRASHED,
     INTERRUPTED,
     LAUNCHER_PID_ENV,
+    OUT_OF_MEMORY_FIX,
     PEER_FAILED,
     PREEMPTED,
     PREEMPTION_SIGNALS,
@@ -179,7 +181,7 @@ def _launch(parsed, config: AccelerateConfig, machine: MachineOptions, run_dir: 
     from accelerate.commands.launch import launch_command
 
     machines = int(config.get("num_machines", 1) or 1)
-    started = time.time()
+    started, oom_kills_before = time.time(), oom_kills()
     try:
         launch_command(parsed)
     except subprocess.CalledProcessError as e:  # the single-process launcher
@@ -213,13 +215,36 @@ def _launch(parsed, config: AccelerateConfig, machine: MachineOptions, run_dir: 
         interrupted = sorted(rank for rank, code in codes.items() if code == INTERRUPTED)
         if interrupted:  # Ctrl-C (SIGINT) to a rank alone, which stopped; the others followed it
             return _interrupted(f"SIGINT to {_ranks(interrupted)}")
+        status = 1
         for rank, code in sorted(codes.items()):
             if code < 0:
-                print(f"error: rank {rank} was killed by {signal.Signals(-code).name}", file=sys.stderr)
+                said, oom = killed_rank_message(rank, signal.Signals(-code), oom_kills_before, oom_kills())
+                print(said, file=sys.stderr)
+                status = 2 if oom else status
             elif code != PEER_FAILED:
                 print(f"error: rank {rank} exited with status {code} (see its output above)", file=sys.stderr)
-        return 1
+        return status
     return 0
+
+
+def killed_rank_message(rank: int, sig: signal.Signals, oom_kills_before: int | None,
+                        oom_kills_after: int | None) -> tuple[str, bool]:
+    """What to say of a rank a signal ended, and whether the kernel's out-of-memory killer did it: a SIGKILL while the
+    machine's count of OOM kills rose (`oom_kills`) is that, and the recipe asks for more host memory than there is
+    (exit status 2, as for a rank that ran out of memory itself: train/lifetime.py `out_of_memory_error`)."""
+    said = f"error: rank {rank} was killed by {sig.name}"
+    resume = "\n    the run can go on from its newest checkpoint: the same command with --resume auto"
+    if sig in (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGABRT):
+        return f"{said} (a crash in native code: torch, a compiled kernel, or the hardware)", False
+    if sig != signal.SIGKILL:
+        return said, False
+    if oom_kills_before is not None and oom_kills_after is not None and oom_kills_after > oom_kills_before:
+        return (f"{said}: the kernel's out-of-memory killer ended a process of this machine while the run trained "
+                f"(oom_kill in /proc/vmstat went from {oom_kills_before} to {oom_kills_after})\n    fix: "
+                f"{OUT_OF_MEMORY_FIX['host']}{resume}"), True
+    known = oom_kills_before is not None and oom_kills_after is not None
+    return (f"{said} ({'not by the out-of-memory killer, which ended nothing meanwhile: ' if known else ''}"
+            f"`kill -9`, a job scheduler's limit{'' if known else ', or the out-of-memory killer'}){resume}"), False
 
 
 KEPT_LAUNCH_VARIABLES = frozenset({"ACCELERATE_LOG_LEVEL", "ACCELERATE_DEBUG_MODE"})
