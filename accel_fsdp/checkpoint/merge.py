@@ -67,8 +67,10 @@ def merge_streaming(adapter_dir: Path, out: Path, *, base: str, dtype: str, quan
     out_dtype = compute_dtype(dtype)
     files = SafetensorsFiles(folder)
     config = AutoConfig.from_pretrained(folder)
-    layers = {f"{layer.name}.weight": layer for layer in layers_to_quantize(meta_model(config))}
+    skeleton = meta_model(config)
+    layers = {f"{layer.name}.weight": layer for layer in layers_to_quantize(skeleton)}
     deltas, scaling = adapter_deltas(adapter_dir)
+    untied = tied_head_of(skeleton, deltas)
     compute = getattr(torch, quantized_base.get("compute_dtype") or "bfloat16") if quantized_base else None
     digests: dict[str, bytes] = {}
     out.mkdir(parents=True, exist_ok=True)
@@ -84,8 +86,21 @@ def merge_streaming(adapter_dir: Path, out: Path, *, base: str, dtype: str, quan
             weight_map.update({k: name for k in shard})
         shard, used = {}, 0
 
+    def add(name: str, tensor: torch.Tensor) -> None:
+        nonlocal used
+        tensor = tensor.to(out_dtype).contiguous()
+        if shard and used + tensor.numel() * tensor.element_size() > max_shard_size:
+            flush()
+        shard[name] = tensor
+        used += tensor.numel() * tensor.element_size()
+
     for name in sorted(files.names(), key=_natural):
+        if untied and name == f"{untied[0]}.weight":
+            continue  # a tied head's copy in the files: the head is written from the embeddings below
         tensor = files.read(name)
+        if untied and name == f"{untied[1]}.weight":  # the adapted head's own copy of the embeddings it was tied to
+            a, b = deltas.pop(untied[0])
+            add(f"{untied[0]}.weight", tensor.float() + (b @ a) * scaling)
         layer = layers.get(name)
         if layer is not None and compute is not None:
             weight = tensor.to(compute)
@@ -98,11 +113,7 @@ def merge_streaming(adapter_dir: Path, out: Path, *, base: str, dtype: str, quan
             a, b = deltas.pop(module)
             delta = (b @ a) * scaling  # out x in
             tensor = tensor.float() + (delta.t() if layer is not None and layer.from_conv1d else delta)
-        tensor = tensor.to(out_dtype).contiguous()
-        if shard and used + tensor.numel() * tensor.element_size() > max_shard_size:
-            flush()
-        shard[name] = tensor
-        used += tensor.numel() * tensor.element_size()
+        add(name, tensor)
     flush()
     if deltas:
         raise UserError(Problem(where, f"the adapters of {', '.join(sorted(deltas)[:3])} have no weight in {folder}",
@@ -110,7 +121,7 @@ def merge_streaming(adapter_dir: Path, out: Path, *, base: str, dtype: str, quan
     if quantized_base:
         check_fingerprint(digests, quantized_base, folder, where)
     _name_shards(out, names, weight_map)
-    _copy_config(folder, out, dtype)
+    _copy_config(folder, out, dtype, untied=bool(untied))
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out)
 
 
@@ -141,12 +152,25 @@ def _name_shards(out: Path, names: list[str], weight_map: dict[str, str]) -> Non
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def _copy_config(folder: Path, out: Path, dtype: str) -> None:
+def tied_head_of(model, deltas: dict) -> tuple[str, str] | None:
+    """(the output projection's name, the input embeddings' name) where the adapters adapt an output projection tied
+    to the input embeddings (GPT-2's lm_head): the model files hold only the embeddings, and the merge writes the head
+    its own weight, the embeddings plus (alpha / r) B A, leaving the embeddings as they were (as they were trained)."""
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embeddings is None or head.weight is not embeddings.weight:
+        return None
+    names = {id(m): n for n, m in model.named_modules()}
+    return (names[id(head)], names[id(embeddings)]) if names[id(head)] in deltas else None
+
+
+def _copy_config(folder: Path, out: Path, dtype: str, *, untied: bool = False) -> None:
     for name in ("config.json", "generation_config.json"):
         if (folder / name).exists():
             shutil.copy2(folder / name, out / name)
     config = json.loads((out / "config.json").read_text())
     config["dtype"] = TRANSFORMERS[dtype]
+    if untied:
+        config["tie_word_embeddings"] = False
     config.pop("quantization_config", None)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
