@@ -52,8 +52,9 @@ def lora_run(tmp_path, model_path, dropout: float, windowed: bool):
     return load_recipe(recipe), run
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("dropout", [0.0, pytest.param(0.1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_lora_on_gpt2_conv1d_layers_trains_and_merges_what_a_replay_computes(tmp_path, tiny_gpt2, dropout):
     """2 ranks x 2 micro-steps, 3 steps: the train rows' windows (README: the mean of the window's steps' losses and
     gradient norms, before clipping; the lr of its last step), the exported adapters (after 3 clipped AdamW steps with
