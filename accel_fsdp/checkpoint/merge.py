@@ -149,4 +149,3 @@ def _copy_config(folder: Path, out: Path, dtype: str) -> None:
     config["dtype"] = TRANSFORMERS[dtype]
     config.pop("quantization_config", None)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
