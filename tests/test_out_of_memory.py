@@ -7,6 +7,7 @@ not give up."""
 from __future__ import annotations
 
 import pytest
+from conftest import user_error
 
 from accel_fsdp.train.lifetime import USER_ERROR
 
@@ -97,3 +98,20 @@ def test_the_oom_kill_count_is_read_where_linux_says_it():
         assert isinstance(count, int) and count >= 0
     else:
         assert count is None
+
+
+@pytest.mark.parametrize("error,said", [
+    (cuda_failure, " generate: out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB"),
+    (host_allocation_failure, " generate: out of host memory ([enforce fail at"),
+], ids=["cuda", "host"])
+def test_a_command_of_one_process_out_of_memory_says_so_once(tiny_gpt2, monkeypatch, error, said):
+    """`generate` (or consolidate, data prepare) out of memory was torch's traceback, exit status 1."""
+    import accel_fsdp.tools.generate as generate
+
+    def fails(*args, **kwargs):
+        raise error()
+
+    monkeypatch.setattr(generate, "generate", fails)
+    message = user_error("generate", tiny_gpt2, "--prompt", "alice has a", "--max-new-tokens", "2")
+    assert message.startswith("error: ") and said in message.splitlines()[0], message
+    assert ("--device cpu" if "GPU" in said else "--max-shard-size") in message, message

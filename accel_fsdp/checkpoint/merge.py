@@ -183,4 +183,3 @@ def _copy_config(folder: Path, out: Path, dtype: str, *, untied: bool = False) -
         config["tie_word_embeddings"] = False
     config.pop("quantization_config", None)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-

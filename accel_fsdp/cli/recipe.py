@@ -266,6 +266,8 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
         machine.apply(config)
         raise_if(check_accelerate_config(config), f"{config.label} with these options has problems")
         machines, rank = int(config.get("num_machines", 1) or 1), int(config.get("machine_rank", 0) or 0)
+        if (problem := launcher.srun_step_problem(os.environ, config, machine)) is not None:
+            raise UserError(problem)
         main_machine = rank == 0
         # Only the main machine looks at the (shared) run folder: the others would race with its ranks writing there.
         report = preflight(r, config, num_processes=n, run_dir=run_dir if main_machine else None, resume=resume,

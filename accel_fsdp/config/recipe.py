@@ -32,7 +32,6 @@ from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.layout import CHECKPOINTS_DIR
 
 
-
 @dataclass(kw_only=True)
 class LoraConfig:
     """Parameter-efficient fine-tuning with PEFT LoRA adapters."""
@@ -431,7 +430,6 @@ class Recipe:
         return f"{self.source}:{line}: {key}" if line else f"{self.source}: {key}"
 
 
-
 # Keys that may change between a checkpoint and the run resuming from it: they change how the run is observed,
 # how long it lasts or how the same global batch is split over ranks, not what is being trained.
 RESUME_SAFE_KEYS = (
@@ -550,4 +548,3 @@ def recipe_from_text(text: str, *, source: str, overrides=(), default_name: str 
 def key_reference() -> list[tuple[str, str, str, str]]:
     """(dotted key, type, default, documentation) of every recipe key, in schema order."""
     return schema_keys(Recipe)
-

@@ -74,6 +74,34 @@ def inside_launch() -> bool:
     return True
 
 
+def srun_step_problem(env, config: AccelerateConfig, machine: MachineOptions) -> Problem | None:
+    """Under srun (a SLURM job step), where each task that runs `recipe run` of several machines is one machine's
+    launcher: more tasks than nodes (`srun --ntasks-per-node=8`, one per GPU, as for a program that is its own rank)
+    would start several launchers on a node, each with all of its ranks (tasks that are runs of one machine each, a
+    sweep, are the user's to place); with one task per node on as many nodes as the job's machines,
+    a machine rank other than the node's (SLURM_NODEID: the same rank on every node, where --machine-rank was not
+    given) would make several machines claim one rank and the rendezvous never completes. The step's size and this
+    node's place are what srun sets in every task (srun(1), OUTPUT ENVIRONMENT VARIABLES); without them, no check."""
+    try:
+        tasks, nodes = int(env["SLURM_STEP_NUM_TASKS"]), int(env["SLURM_STEP_NUM_NODES"])
+        node = int(env["SLURM_NODEID"])
+    except (KeyError, ValueError):
+        return None
+    machines, machine_rank = int(config.get("num_machines", 1) or 1), int(config.get("machine_rank", 0) or 0)
+    if machines > 1 and tasks > nodes:
+        return Problem(f"SLURM_STEP_NUM_TASKS={tasks}", f"srun started {tasks} tasks on {nodes} node(s), and each "
+                       "`accel-fsdp recipe run` launches all of its machine's ranks itself: several per node would "
+                       "start several ranks per GPU", "start one task per node (srun --ntasks-per-node=1), or write "
+                       "the job with `accel-fsdp slurm`")
+    if machines == nodes > 1 and machine_rank != node:
+        return Problem(f"{_named(config, machine, 'machine_rank')} {machine_rank}",
+                       f"runs on node {node} of the {nodes} of this SLURM step (SLURM_NODEID={node}): each node "
+                       "needs its own machine rank, else two claim one and the machines never all meet",
+                       'give --machine-rank "$SLURM_NODEID" (in the command srun runs on every node), as a script of '
+                       "`accel-fsdp slurm` does")
+    return None
+
+
 @dataclass
 class MachineOptions:
     """Per-machine launch settings that override the config (what differs between the machines of one job)."""

@@ -519,5 +519,3 @@ def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> in
         seen.add(id(p))
         n += p.numel()
     return n
-
-

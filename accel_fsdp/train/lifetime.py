@@ -36,7 +36,7 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.errors import Problem, UserError, allocation_figures, out_of_memory
 from accel_fsdp.files import write_atomic
 from accel_fsdp.quiet import outlive_closed_output
 
@@ -408,18 +408,6 @@ def stopped_by_launcher(records: RankRecords) -> bool:
     return True
 
 
-def out_of_memory(error: BaseException) -> str | None:
-    """"GPU" or "host" when `error` is an allocation that failed, else None: torch.OutOfMemoryError (the CUDA caching
-    allocator's, a RuntimeError), the CPU allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory",
-    c10/core/impl/alloc_cpu.cpp; torch 2.13.0), Python's MemoryError. Linux's overcommit usually ends a process out
-    of host memory with SIGKILL instead: our launcher says that one (launch/launcher.py `killed_rank_message`)."""
-    if isinstance(error, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error):
-        return "host"
-    if type(error).__name__ == "OutOfMemoryError":
-        return "GPU"
-    return None
-
-
 OUT_OF_MEMORY_FIX = {
     "GPU": ("lower training.micro_batch_size (the global batch stays: more accumulation steps), turn on "
             "model.activation_checkpointing or training.activation_offload, or offload to the CPU (fsdp.cpu_offload); "
@@ -435,12 +423,7 @@ offload is a cost, not a cure."""
 def out_of_memory_error(kind: str, error: BaseException, doing: str) -> UserError:
     """A rank out of memory, as the one message the user sees (exit status 2: the recipe asks for more memory than
     the machine has), with torch's own figures (what it tried to allocate, what was free)."""
-    sentences, detail = " ".join(str(error).split()).split(". "), ""
-    for sentence in sentences:  # CUDA's: what it tried to allocate, the capacity and what was free; not its advice
-        if detail and len(detail) + len(sentence) > 240:
-            break
-        detail += ("" if not detail else ". ") + sentence
-    return UserError(Problem(f"rank {rank()}", f"out of {kind} memory in {doing} ({detail})",
+    return UserError(Problem(f"rank {rank()}", f"out of {kind} memory in {doing} ({allocation_figures(error)})",
                              OUT_OF_MEMORY_FIX[kind]))
 
 
