@@ -257,3 +257,10 @@ def test_a_parquet_column_of_both_message_forms_reads_each_row_by_the_keys_it_fi
     assert pq.read_table(parquet).to_pylist()[0]["messages"][0]["role"] is None  # the shape this holds
     same = write_jsonl(tmp_path / "same.jsonl", [{"messages": openai(*TURNS)}] * 4)
     assert prepared_tokens(parquet, "chat") == prepared_tokens(same, "chat")
+
+
+def test_a_sharegpt_pair_mixing_forms_names_its_conversations_column(tmp_path):
+    row = {"conversations": [{"from": "human", "value": "alice has"}, {"role": "user", "content": "a cat"}],
+           "chosen": {"from": "gpt", "value": "a red cat ."}, "rejected": {"from": "gpt", "value": "the dog ."}}
+    msg = user_error(*prepare(write_jsonl(tmp_path / "sgp.jsonl", [row]), "preference"))
+    assert "sgp.jsonl line 1: conversations: message 1 is ShareGPT's {from, value} form and message 2 is not" in msg

@@ -29,17 +29,23 @@ def chat_field(row: dict, source: SourceConfig) -> str:
     return field
 
 
+def prompt_left_out(row: dict, source: SourceConfig) -> bool:
+    """Whether a preference row leaves its prompt to be read from elsewhere (ShareGPT's conversations, or the start
+    its answers share): it has no prompt column, and the source's prompt_field is the default. A field the user named
+    is read as named, and a row without it is refused."""
+    return source.prompt_field not in row and source.prompt_field == DataConfig.prompt_field
+
+
 def prompt_field(row: dict, source: SourceConfig) -> str:
     """The column of a preference row's prompt: the source's prompt_field, or ShareGPT's `conversations` when the
     prompt_field is the default and the row has that column instead and a message (or a list) as an answer
     (LLaMA-Factory's ShareGPT pairs: the conversation, then one message each). A field the user named is read as
     named."""
-    field = source.prompt_field
     answers = (row.get(source.chosen_field), row.get(source.rejected_field))
-    if (field not in row and field == DataConfig.prompt_field and isinstance(row.get(SHAREGPT_FIELD), list)
+    if (prompt_left_out(row, source) and isinstance(row.get(SHAREGPT_FIELD), list)
             and any(isinstance(a, (dict, list)) for a in answers)):
         return SHAREGPT_FIELD
-    return field
+    return source.prompt_field
 
 
 def as_messages(value):

@@ -24,10 +24,10 @@ from itertools import chain
 
 import numpy as np
 
-from accel_fsdp.config.recipe import DataConfig, SourceConfig
+from accel_fsdp.config.recipe import SourceConfig
 from accel_fsdp.data.encoder import ChatEncoder, ChatTemplate, closing_tokens, encode, encode_opening
 from accel_fsdp.data.mixture import SourceStats
-from accel_fsdp.data.shapes import as_messages, chat_field, implicit_prompt, prompt_field
+from accel_fsdp.data.shapes import as_messages, chat_field, implicit_prompt, prompt_field, prompt_left_out
 from accel_fsdp.data.sources import CHAT_ROLES, SourceReader, check_messages
 from accel_fsdp.errors import first_line
 
@@ -353,10 +353,11 @@ class ExampleTokenizer:
             if column not in row:
                 self.reader.missing_field(n, row, role)
                 return None
-        prompt, chosen, rejected = row.get(prompt_field(row, s)), row[s.chosen_field], row[s.rejected_field]
+        prompt_column = prompt_field(row, s)
+        prompt, chosen, rejected = row.get(prompt_column), row[s.chosen_field], row[s.rejected_field]
         chosen, rejected = ([a] if isinstance(a, dict) else a for a in (chosen, rejected))  # one message each
         if isinstance(chosen, list) or isinstance(rejected, list):
-            return self._conversations(n, prompt, chosen, rejected)
+            return self._conversations(n, prompt, chosen, rejected, prompt_column)
         for column, value in ((s.chosen_field, chosen), (s.rejected_field, rejected)):
             if not isinstance(value, str) or not value.strip():
                 what = ("is empty" if isinstance(value, str) or value is None
@@ -364,7 +365,7 @@ class ExampleTokenizer:
                 self.reader.bad("empty answer", n, f"answer {column!r} {what}",
                                 "every pair needs two non-empty answers")
                 return None
-        if s.prompt_field not in row and s.prompt_field == DataConfig.prompt_field:
+        if prompt_left_out(row, s):
             return self._implicit_pair(n, chosen, rejected)
         if s.prompt_field not in row:  # a prompt field the user named is read as named
             self.reader.missing_field(n, row, "prompt")
@@ -388,12 +389,13 @@ class ExampleTokenizer:
             return None
         return PlainPrompt(chosen[:start]), chosen[start:], rejected[start:]
 
-    def _conversations(self, n: int, prompt, chosen, rejected):
+    def _conversations(self, n: int, prompt, chosen, rejected, prompt_column: str):
+        """`prompt_column`: where the prompt was read (prompt_field, or ShareGPT's conversations)."""
         s = self.source
         prompt, problem = as_messages(prompt)
         chosen, chosen_problem = as_messages(chosen)
         rejected, rejected_problem = as_messages(rejected)
-        for column, problem in ((s.prompt_field, problem), (s.chosen_field, chosen_problem),
+        for column, problem in ((prompt_column, problem), (s.chosen_field, chosen_problem),
                                 (s.rejected_field, rejected_problem)):
             if problem:
                 self.reader.bad("pair messages", n, f"{column}: {problem}", "chosen and rejected are conversations "
