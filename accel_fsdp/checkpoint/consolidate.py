@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from accel_fsdp.checkpoint.index import CheckpointInfo
-from accel_fsdp.checkpoint.merge import merge_streaming
+from accel_fsdp.checkpoint.merge import adapter_deltas, adapter_misfit, merge_streaming
 from accel_fsdp.checkpoint.records import damaged_if_unreadable
 from accel_fsdp.config.precision import PRECISIONS, TRANSFORMERS, compute_dtype
 from accel_fsdp.config.recipe import read_saved_recipe
@@ -336,6 +336,12 @@ def _merge_lora(adapter_dir: Path, out: Path, dtype: str, base_model: str | None
     base = _adapter_base(adapter_dir, base_model)
     model = load_pretrained(base, dtype=torch.float32, where=f"{_base_where(base_model)} {base}",
                             fix="merge into the base model the adapters were trained on, its files complete")
+    weights = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    deltas, _ = adapter_deltas(adapter_dir)
+    for module, (a, b) in sorted(deltas.items()):  # before PEFT, whose refusals would blame the checkpoint
+        if (misfit := adapter_misfit(module, a, b, weights.get(f"{module}.weight"), _base_where(base_model),
+                                     base)) is not None:
+            raise misfit
     merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     merged.to(DTYPES[dtype]).save_pretrained(out)
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out)

@@ -80,7 +80,7 @@ def checkpoint_consolidate(checkpoint_or_run, out_dir, dtype, max_shard_size, me
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def checkpoint_inspect(path: Path, as_json: bool) -> None:
     """Describe a checkpoint, or every checkpoint of a run folder: step, world size, type, parameters, bytes,
-    recipe, complete or not.
+    recipe, complete or not. With --json: one object for a checkpoint folder, a list for a run folder.
 
     \b
     accel-fsdp checkpoint inspect runs/quickstart
@@ -92,7 +92,8 @@ def checkpoint_inspect(path: Path, as_json: bool) -> None:
     if not path.is_dir():
         raise UserError(Problem(str(path), "is a file, not a checkpoint or run folder",
                                 "give a step-NNNNNN folder or a run folder"))
-    if (path / MANIFEST).exists() or path.name.startswith(CHECKPOINT_PREFIXES[:2]):
+    one_checkpoint = (path / MANIFEST).exists() or path.name.startswith(CHECKPOINT_PREFIXES[:2])
+    if one_checkpoint:
         infos = [inspect_checkpoint(path, verify=True)]
     else:
         folders = checkpoint_folders_of(path)  # the run's own checkpoint folder first (RunLayout.at)
@@ -103,8 +104,10 @@ def checkpoint_inspect(path: Path, as_json: bool) -> None:
         raise UserError(Problem(str(path), "holds no checkpoints", "give a run folder or a step-NNNNNN folder"))
     described = [describe(i) for i in infos]
     if as_json:
+        # The shape follows what was given, never how many checkpoints a run holds: a script reads a run folder's
+        # list the same way whether it saved one checkpoint or ten.
         records = [d.to_dict() for d in described]
-        click.echo(json.dumps(records if len(records) > 1 else records[0], indent=1))
+        click.echo(json.dumps(records[0] if one_checkpoint else records, indent=1))
         return
     click.echo("\n".join(format_description(d) for d in described))
 

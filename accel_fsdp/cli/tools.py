@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from accel_fsdp.cli.options import CONFIG_HELP, CPU_HELP, finite, load_recipe, set_option
+from accel_fsdp.config.recipe_checks import SEED_MAX
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.files import write_atomic
 from accel_fsdp.layout import RunLayout
@@ -181,7 +182,8 @@ def report_command(run_dir: Path, as_json: bool) -> None:
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True),
               callback=lambda ctx, param, v: finite(param, v),
               help="Nucleus sampling: keep the most likely tokens up to this probability mass.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed for sampling.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, SEED_MAX),
+              help="Seed for sampling (the range of training.seed).")
 @click.option("--chat", is_flag=True, help="Render the prompt as a user turn with the tokenizer's chat template.")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 def generate_command(model_dir, prompt, max_new_tokens, temperature, top_p, seed, chat, device) -> None:

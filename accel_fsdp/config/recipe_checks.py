@@ -12,6 +12,10 @@ import re
 from accel_fsdp.config.methods import METHODS, PAIR_METHODS, method_problems
 from accel_fsdp.errors import Problem
 
+SEED_MAX = 2**32 - 1
+"""The largest seed a run or `generate --seed` takes: NumPy's seed range (torch.manual_seed takes more, and raises
+past 2**64 - 1)."""
+
 TRACKERS = ("tensorboard", "wandb")
 ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 MAX_STEPS = 10**9
@@ -142,7 +146,7 @@ def _training_problems(r) -> list[Problem]:
         "e.g. 1e-8")
     rng(t.max_grad_norm is None or t.max_grad_norm > 0, "training.max_grad_norm",
         f"{t.max_grad_norm} must be positive", "a positive number", "e.g. 1.0, or null to disable clipping")
-    rng(0 <= t.seed <= 2**32 - 1, "training.seed", f"{t.seed} is outside [0, 2**32 - 1]",
+    rng(0 <= t.seed <= SEED_MAX, "training.seed", f"{t.seed} is outside [0, 2**32 - 1]",
         "a non-negative integer below 4294967296", "NumPy's seed range")
     rng(t.eval_every_steps is None or t.eval_every_steps >= 1, "training.eval_every_steps",
         f"{t.eval_every_steps} must be at least 1", "at least 1", "or null to evaluate at the end only")
