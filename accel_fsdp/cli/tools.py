@@ -53,6 +53,9 @@ def tokenizer_train(name_or_path, out_dir, vocab_size, overrides) -> None:
     tok = trained_tokenizer(r, out_dir=out_dir.absolute())
     sample = ", ".join(s.path or s.name for s in r.data.resolved_sources())
     click.echo(f"wrote a byte-level BPE tokenizer of {len(tok):,} tokens trained on {sample} to {out_dir}")
+    if len(tok) < vocab_size:  # BPE stops when no pair of tokens is left to merge: said, never a silent surprise
+        click.echo(f"note: the text has merges for {len(tok):,} tokens, fewer than --vocab-size {vocab_size:,}: the "
+                   f"vocabulary is {len(tok):,} (more text gives more)", err=True)
 
 
 # ----------------------------------------------------------------------------------------------- bench
