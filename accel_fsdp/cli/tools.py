@@ -88,6 +88,16 @@ def bench_command(name_or_path, accelerate_config, steps, warmup, overrides, com
     accel-fsdp bench gpt2-xl --accelerate-config fsdp_1gpu --set data.path=builtin:quickstart --steps 20
     accel-fsdp bench quickstart --accelerate-config fsdp_2gpu --cpu  # a GPU config's sharding, on CPU ranks
     """
+    from click.core import ParameterSource
+
+    # An option the chosen measurement would not read is refused, as `consolidate --base-model` without --merge is:
+    # never silently ignored (the baseline was dropped under --compare, --rounds without the baseline).
+    if compare_baseline and compare:
+        raise UserError(Problem("--compare-baseline", f"cannot be combined with --compare {compare}",
+                                "run them as two commands"))
+    if not compare_baseline and click.get_current_context().get_parameter_source("rounds") != ParameterSource.DEFAULT:
+        raise UserError(Problem("--rounds", "only applies to --compare-baseline (the rounds alternate ours and the "
+                                "baseline)", "add --compare-baseline, or drop --rounds"))
     r = load_recipe(name_or_path, overrides)
     config, n, _ = load_config_or_default(accelerate_config)
     if cpu:
@@ -200,6 +210,15 @@ def generate_command(model_dir, prompt, max_new_tokens, temperature, top_p, seed
 
     if not prompt.strip():
         raise UserError(Problem("--prompt", "is empty", 'give some text to continue, e.g. --prompt "alice has a"'))
+    if temperature == 0:  # a note, not a refusal: a sweep over temperatures from 0 passes the same options to each
+        from click.core import ParameterSource
+
+        given = [f"--{name.replace('_', '-')}" for name in ("top_p", "seed")
+                 if click.get_current_context().get_parameter_source(name) != ParameterSource.DEFAULT]
+        if given:
+            verb, them = ("apply", "them") if len(given) > 1 else ("applies", "it")
+            click.echo(f"note: {' and '.join(given)} only {verb} to sampling (--temperature above 0): greedy decoding "
+                       f"ignores {them}", err=True)
     quiet_libraries()
     folder = resolve_model_dir(model_dir)
     model, tokenizer = load_model(folder, device)
