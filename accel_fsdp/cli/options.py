@@ -53,6 +53,14 @@ def load_recipe(name_or_path: str, overrides):
     return r
 
 
+def names_a_folder(typed: str) -> bool:
+    """A path typed with a trailing separator (`jobs/`) names a folder, whatever is there now: pathlib drops the
+    separator (Path("jobs/") is Path("jobs")), and a command that writes a file there wrote a file named `jobs`."""
+    import os
+
+    return typed.endswith(("/", os.sep))
+
+
 def finite(param, value):
     import math
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from accel_fsdp.cli.options import load_recipe, set_option
+from accel_fsdp.cli.options import load_recipe, names_a_folder, set_option
 from accel_fsdp.config.accelerate import BY_SHARDING, HYBRID_SHARD, load_accelerate_config
 from accel_fsdp.config.precision import MEMORY, MEMORY_CHOICES
 from accel_fsdp.config.settings import batch_problem
@@ -110,7 +110,7 @@ def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offlo
 @click.option("--output-dir", type=click.Path(path_type=Path), help="Run folder, on a filesystem every node sees. "
               "Default: runs/<recipe name>.")
 @set_option
-@click.option("-o", "--output", "script", type=click.Path(path_type=Path), default=None,
+@click.option("-o", "--output", "script", type=click.Path(), default=None,
               help="Where to write the script. Default: <recipe name>.sbatch.")
 def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_limit, partition, cpus_per_node,
                   signal_lead, accelerate_config, output_dir, overrides, script) -> None:
@@ -136,12 +136,14 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     config = load_accelerate_config(accelerate_config)
     config.values.update(num_machines=nodes, machine_rank=0)
 
-    script = script or Path(f"{r.name}.sbatch")
-    if script.is_dir() or not script.parent.is_dir():
-        where = ("is a folder" if script.is_dir() else
+    typed, script = script, Path(script or f"{r.name}.sbatch")
+    if script.is_dir() or not script.parent.is_dir() or (typed and names_a_folder(typed)):
+        where = ("is a folder" if script.is_dir() else "ends with a separator, so it names a folder"
+                 if typed and names_a_folder(typed) else
                  f"is under {script.parent}, which is a file" if script.parent.exists() else
                  "is in a folder that does not exist")
-        raise UserError(Problem(str(script), where, "give the path of the script file to write (-o job.sbatch)"))
+        raise UserError(Problem(typed or str(script), where,
+                                "give the path of the script file to write (-o job.sbatch)"))
     if script.exists():
         try:
             ours = script.read_text(errors="replace").splitlines()[1].startswith(GENERATED)

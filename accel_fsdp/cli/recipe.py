@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from accel_fsdp.cli.catalog import recipe_rows
-from accel_fsdp.cli.options import CONFIG_HELP, CPU_HELP, child_argv, load_recipe, set_option
+from accel_fsdp.cli.options import CONFIG_HELP, CPU_HELP, child_argv, load_recipe, names_a_folder, set_option
 from accel_fsdp.config.accelerate import check_accelerate_config
 from accel_fsdp.config.recipe import key_reference
 from accel_fsdp.config.shipped import resolve_recipe
@@ -85,9 +85,9 @@ def recipe_show(name: str) -> None:
 
 @recipe.command("copy")
 @click.argument("name")
-@click.argument("dest", type=click.Path(path_type=Path))
+@click.argument("dest", type=click.Path())
 @click.option("--force", is_flag=True, help="Replace DEST if it exists.")
-def recipe_copy(name: str, dest: Path, force: bool) -> None:
+def recipe_copy(name: str, dest: str, force: bool) -> None:
     """Copy a shipped recipe to DEST (a file or a folder) to edit it.
 
     \b
@@ -95,6 +95,10 @@ def recipe_copy(name: str, dest: Path, force: bool) -> None:
     accel-fsdp recipe run my-gpt2.yaml --set data.path=mydata.jsonl
     """
     src = resolve_recipe(name)
+    if names_a_folder(dest) and not Path(dest).is_dir():
+        raise UserError(Problem(dest, "folder does not exist", f"create it first (mkdir -p {dest}), or give a file "
+                                "name to copy to"))
+    dest = Path(dest)
     target = dest / src.name if dest.is_dir() else dest
     if target.exists() and target.resolve() == src.resolve():
         raise UserError(Problem(str(target), "is the recipe being copied", "give another destination"))
