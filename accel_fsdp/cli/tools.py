@@ -188,7 +188,8 @@ def report_command(run_dir: Path, as_json: bool) -> None:
 
 @click.command("generate")
 @click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option("--prompt", required=True, help="Text to continue (with --chat: the user's message).")
+@click.option("--prompt", required=True, help="Text to continue (with --chat: the user's message); - reads it from "
+              "standard input, @FILE from a UTF-8 text file (a prompt of several lines); @@ starts a text with @.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 100_000))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0, 10.0),
               callback=lambda ctx, param, v: finite(param, v), help="0 is greedy; above 0 samples.")
@@ -205,9 +206,11 @@ def generate_command(model_dir, prompt, max_new_tokens, temperature, top_p, seed
     \b
     accel-fsdp generate runs/quickstart --prompt "alice has a"
     accel-fsdp generate out/llama-lora --chat --prompt "Name three prime numbers." --temperature 0.7 --top-p 0.9
+    accel-fsdp generate runs/quickstart --prompt @prompt.txt
     """
     from accel_fsdp.tools.generate import generate, load_model, resolve_model_dir
 
+    prompt = read_prompt(prompt)
     if not prompt.strip():
         raise UserError(Problem("--prompt", "is empty", 'give some text to continue, e.g. --prompt "alice has a"'))
     if temperature == 0:  # a note, not a refusal: a sweep over temperatures from 0 passes the same options to each
@@ -225,3 +228,25 @@ def generate_command(model_dir, prompt, max_new_tokens, temperature, top_p, seed
     text = generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                     seed=seed, chat=chat)
     click.echo(f"{prompt} {text}" if not chat else text)
+
+
+def read_prompt(typed: str) -> str:
+    """--prompt as typed: `-` is standard input, `@FILE` a UTF-8 text file, anything else the text itself. The
+    line break that ends a file or an `echo` is not part of the prompt (it would be the first token continued)."""
+    if typed == "-":
+        return sys.stdin.read().rstrip("\r\n")
+    if not typed.startswith("@") or typed == "@":
+        return typed
+    if typed.startswith("@@"):  # a prompt that itself starts with @
+        return typed[1:]
+    path = Path(typed[1:]).expanduser()
+    fix = ("give a UTF-8 text file holding the prompt, e.g. --prompt @prompt.txt, or the text itself (@@ for a text "
+           "that starts with @)")
+    if path.is_dir():
+        raise UserError(Problem(f"--prompt {typed}", f"{path} is a folder", fix))
+    try:
+        return path.read_text(encoding="utf-8").rstrip("\r\n")
+    except FileNotFoundError:
+        raise UserError(Problem(f"--prompt {typed}", f"{path} does not exist", fix)) from None
+    except UnicodeDecodeError as e:
+        raise UserError(Problem(f"--prompt {typed}", f"{path} is not UTF-8 text (byte {e.start})", fix)) from None
