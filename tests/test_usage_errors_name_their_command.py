@@ -32,3 +32,12 @@ def test_an_option_without_its_value_points_to_its_command_help_on_every_command
         assert re.search(rf"requires an argument\n    fix: see `\S+ {' '.join(path)} --help`", out), (path, out)
         checked += 1
     assert checked >= 10
+
+
+def test_an_option_of_two_names_is_spelled_as_slurm_spells_it_and_named_by_both():
+    from conftest import cli
+
+    assert cli("estimate", "7B", "--gpus-per-node", "8", "--nodes", "2") == cli("estimate", "7B", "--gpus", "8",
+                                                                               "--nodes", "2")
+    out = user_error("estimate", "7B", "--gpus-per-node", "0")
+    assert out.startswith("error: --gpus / --gpus-per-node: 0 is not in the range 1<=x<=4096"), out

@@ -15,6 +15,7 @@ from accel_fsdp.checkpoint.index import (
     list_checkpoints,
     resolve_checkpoint,
 )
+from accel_fsdp.cli.options import GivenPath, not_empty
 from accel_fsdp.config.precision import PRECISIONS
 from accel_fsdp.config.recipe import read_saved_recipe
 from accel_fsdp.errors import Problem, UserError
@@ -30,15 +31,16 @@ def checkpoint() -> None:
 
 
 @checkpoint.command("consolidate")
-@click.argument("checkpoint_or_run", type=click.Path(path_type=Path))
-@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.argument("checkpoint_or_run", type=GivenPath(path_type=Path))
+@click.argument("out_dir", type=GivenPath(path_type=Path))
 @click.option("--dtype", type=click.Choice(PRECISIONS), default=None,
               help="Weight dtype of the export. Default: the recipe's checkpoint.export_dtype.")
 @click.option("--max-shard-size", default="2GB", show_default=True, help="Split the weights into files of at most "
               "this size (with an index file); also bounds the memory used.")
 @click.option("--merge", is_flag=True, help="LoRA checkpoints: also write the base model with the adapter merged "
               "into OUT_DIR/merged.")
-@click.option("--base-model", help="LoRA with --merge: the base model (default: the one the adapter names).")
+@click.option("--base-model", callback=not_empty,
+              help="LoRA with --merge: the base model (default: the one the adapter names).")
 def checkpoint_consolidate(checkpoint_or_run, out_dir, dtype, max_shard_size, merge, base_model) -> None:
     """Turn a checkpoint (or a run folder's newest complete one) into a folder `from_pretrained` loads.
 
@@ -76,7 +78,7 @@ def checkpoint_consolidate(checkpoint_or_run, out_dir, dtype, max_shard_size, me
 
 
 @checkpoint.command("inspect")
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", type=GivenPath(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def checkpoint_inspect(path: Path, as_json: bool) -> None:
     """Describe a checkpoint, or every checkpoint of a run folder: step, world size, type, parameters, bytes,

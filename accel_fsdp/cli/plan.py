@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from accel_fsdp.cli.options import load_recipe, names_a_folder, set_option
+from accel_fsdp.cli.options import GivenPath, load_recipe, names_a_folder, not_empty, set_option
 from accel_fsdp.config.accelerate import BY_SHARDING, HYBRID_SHARD, load_accelerate_config
 from accel_fsdp.config.precision import MEMORY, MEMORY_CHOICES
 from accel_fsdp.config.settings import batch_problem
@@ -39,7 +39,8 @@ class _NegativeNumberArgument(click.Command):
 
 @click.command("estimate", cls=_NegativeNumberArgument)
 @click.argument("what", metavar="MODEL|RECIPE|PARAM_COUNT")
-@click.option("--gpus", default=1, show_default=True, type=click.IntRange(1, 4096), help="GPUs per node.")
+@click.option("--gpus", "--gpus-per-node", "gpus", default=1, show_default=True, type=click.IntRange(1, 4096),
+              help="GPUs per node (--gpus-per-node, as `slurm` spells it, is the same option).")
 @click.option("--nodes", default=1, show_default=True, type=click.IntRange(1, 4096))
 @click.option("--gpu-memory", default="80GB", show_default=True, metavar="SIZE", help="Memory of one GPU.")
 @click.option("--precision", default=MEMORY["bf16"], show_default=True, type=click.Choice(MEMORY_CHOICES))
@@ -106,11 +107,12 @@ def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offlo
               help="Seconds before the time limit at which SLURM signals the job to checkpoint and requeue: more "
               "than one optimizer step plus one checkpoint save.")
 @click.option("--accelerate-config", "accelerate_config", default="fsdp_multinode", show_default=True,
+              callback=not_empty,
               metavar="NAME|PATH", help="Accelerate config; node counts and addresses are set by the script.")
-@click.option("--output-dir", type=click.Path(path_type=Path), help="Run folder, on a filesystem every node sees. "
+@click.option("--output-dir", type=GivenPath(path_type=Path), help="Run folder, on a filesystem every node sees. "
               "Default: runs/<recipe name>.")
 @set_option
-@click.option("-o", "--output", "script", type=click.Path(), default=None,
+@click.option("-o", "--output", "script", type=GivenPath(), default=None,
               help="Where to write the script. Default: <recipe name>.sbatch.")
 def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_limit, partition, cpus_per_node,
                   signal_lead, accelerate_config, output_dir, overrides, script) -> None:

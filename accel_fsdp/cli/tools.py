@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from accel_fsdp.cli.options import CONFIG_HELP, CPU_HELP, finite, load_recipe, set_option
+from accel_fsdp.cli.options import CONFIG_HELP, CPU_HELP, GivenPath, finite, load_recipe, not_empty, set_option
 from accel_fsdp.config.recipe_checks import SEED_MAX
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.files import write_atomic
@@ -31,7 +31,7 @@ def tokenizer() -> None:
 
 @tokenizer.command("train")
 @click.argument("name_or_path")
-@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=GivenPath(path_type=Path))
 @click.option("--vocab-size", default=8192, show_default=True, type=click.IntRange(300, 1_000_000),
               help="Tokens in the vocabulary (special tokens included).")
 @set_option
@@ -63,7 +63,7 @@ def tokenizer_train(name_or_path, out_dir, vocab_size, overrides) -> None:
 
 @click.command("bench")
 @click.argument("name_or_path")
-@click.option("--accelerate-config", "accelerate_config", metavar="NAME|PATH", help=CONFIG_HELP)
+@click.option("--accelerate-config", "accelerate_config", metavar="NAME|PATH", callback=not_empty, help=CONFIG_HELP)
 @click.option("--steps", default=10, show_default=True, type=click.IntRange(1, 100_000),
               help="Optimizer steps measured, after the warm-up.")
 @click.option("--warmup", default=3, show_default=True, type=click.IntRange(1, 1000))
@@ -113,7 +113,7 @@ def bench_command(name_or_path, accelerate_config, steps, warmup, overrides, com
 
 @click.command("verify")
 @click.argument("name_or_path")
-@click.option("--accelerate-config", "accelerate_config", metavar="NAME|PATH", help=CONFIG_HELP)
+@click.option("--accelerate-config", "accelerate_config", metavar="NAME|PATH", callback=not_empty, help=CONFIG_HELP)
 @set_option
 @click.option("--quick", is_flag=True, help="Fewer probes: no run on fewer ranks (equivalence and data compare one).")
 @click.option("--steps", default=4, show_default=True, type=click.IntRange(2, 100),
@@ -123,7 +123,7 @@ def bench_command(name_or_path, accelerate_config, steps, warmup, overrides, com
 @click.option("--num-processes", type=click.IntRange(1, 1 << 20), help="Ranks, overriding the config.")
 @click.option("--only", "only", multiple=True, type=click.Choice(CHECKS),
               help="Only these checks (repeatable). Default: all.")
-@click.option("--output-dir", type=click.Path(path_type=Path), help="Where the probes and report.json go. Default: "
+@click.option("--output-dir", type=GivenPath(path_type=Path), help="Where the probes and report.json go. Default: "
               "runs/<recipe name>-verify.")
 @click.option("--cpu", is_flag=True, help=CPU_HELP)
 def verify_command(name_or_path, accelerate_config, overrides, quick, steps, layers, num_processes, only,
@@ -158,7 +158,7 @@ def verify_command(name_or_path, accelerate_config, overrides, quick, steps, lay
 
 
 @click.command("report")
-@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.argument("run_dir", type=GivenPath(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def report_command(run_dir: Path, as_json: bool) -> None:
     """Summarize a run (steps, final and best eval loss, tokens/s, peak memory) and draw its loss curve into
@@ -187,7 +187,7 @@ def report_command(run_dir: Path, as_json: bool) -> None:
 
 
 @click.command("generate")
-@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("model_dir", type=GivenPath(path_type=Path))
 @click.option("--prompt", required=True, help="Text to continue (with --chat: the user's message); - reads it from "
               "standard input, @FILE from a UTF-8 text file (a prompt of several lines); @@ starts a text with @.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 100_000))
