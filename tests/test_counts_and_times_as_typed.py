@@ -1,6 +1,6 @@
 """Numbers as users type them into `estimate` and `slurm`: a decimal comma is not a thousands separator (1,5B was
 read as 15B), and a SLURM time or partition is ASCII and whole, since it goes into the script as typed (full-width
-digits were accepted, a trailing line break slipped into an #SBATCH line)."""
+digits were accepted, a partition's trailing line break slipped into an #SBATCH line; a time is written stripped)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_a_decimal_comma_is_refused_not_read_as_thousands():
         assert f"{text}: is not a parameter count: a comma only groups thousands" in out and "1.5B" in out
 
 
-@pytest.mark.parametrize("option, value", [("--time", "\uff11\uff12:00:00"), ("--time", "12:00:00\n"),
+@pytest.mark.parametrize("option, value", [("--time", "\uff11\uff12:00:00"), ("--time", "1-\uff10"),
                                            ("--partition", "gpu\n"), ("--partition", "gp\u00fc")])
 def test_slurm_time_and_partition_are_ascii_and_whole(tmp_path, option, value):
     script = tmp_path / "job.sbatch"

@@ -453,8 +453,7 @@ def gpu_count_problems(settings: FsdpSettings, visible_gpus: int) -> list[Proble
     source = settings.num_processes.source_text
     if per_machine > visible_gpus:
         return [Problem(f"{source}: num_processes", f"{per_machine} processes per machine, but this machine shows "
-                        f"{visible_gpus} GPU(s) (CUDA_VISIBLE_DEVICES="
-                        f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})",
+                        f"{visible_gpus} GPU(s) ({hardware.visible_devices_said()})",
                         f"use one process per GPU: num_processes: {visible_gpus * settings.num_machines.value} "
                         f"(or an accelerate config for {visible_gpus} GPU(s)), or make more GPUs visible")]
     return []

@@ -19,7 +19,7 @@ from accel_fsdp.errors import Problem, UserError, first_line
 from accel_fsdp.files import atomic_folder
 from accel_fsdp.model import architectures
 from accel_fsdp.model.checks import (ModelView, lora_target_problems, not_a_model_folder, override_problems,
-                                     raise_problems)
+                                     raise_problems, safetensors_folder)
 from accel_fsdp.model.nf4 import layers_to_quantize, quantize_model
 from accel_fsdp.model.quantize import known_layers
 from accel_fsdp.model.streaming_load import ModuleTensors, SafetensorsFiles, model_folder
@@ -93,30 +93,12 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
                                     "a newer model type")) from None
     else:
         arch = architectures.lookup(name)
-        config = None
-        if offline:
-            if arch is not None:
-                config = AutoConfig.for_model(arch.model_type, **arch.config_kwargs())
-            else:
-                try:
-                    config = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code,
-                                                        local_files_only=True)
-                except (OSError, ValueError):
-                    return None
+        if offline and arch is not None:
+            config = AutoConfig.for_model(arch.model_type, **arch.config_kwargs())
         else:
-            try:
-                config = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code)
-            except OSError as e:
-                raise UserError(Problem(recipe.where("model.name_or_path"),
-                                        f"cannot load {name!r}: {first_line(e)}",
-                                        "check the hub id and your network or HF_TOKEN (gated models such as Llama "
-                                        "need an accepted licence), or give a local folder")) from None
-            except ValueError as e:
-                if "trust_remote_code" in str(e):
-                    raise UserError(Problem(recipe.where("model.trust_remote_code"),
-                                            f"{name!r} ships its own model code", "set model.trust_remote_code: "
-                                            "true if you trust that repository")) from None
-                raise
+            config = _hub_config(recipe, name, offline=offline)
+            if config is None:
+                return None
     if config is not None:
         _refuse_non_decoder(recipe, config, "model.name_or_path")
         unknown_override_problems(recipe, type(config), overrides)
@@ -173,6 +155,46 @@ def _non_decoder_problem(where: str, why: str) -> Problem:
                    "token", "use a decoder model (GPT-2, Llama, Mistral, Qwen, ...)")
 
 
+def _hub_config(recipe, name: str, *, offline: bool):
+    """The config of a hub id: downloaded, or with `offline` from the hub cache alone (None when the cache lacks it:
+    transformers' OSError). A copy transformers cannot read (a model type newer than it, a damaged config.json in the
+    cache) is one message, online and offline alike."""
+    from transformers import AutoConfig
+
+    m = recipe.model
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code, local_files_only=offline)
+    except OSError as e:
+        cached = _cached_file(name, "config.json")
+        if cached is not None:  # transformers' OSError for a config.json that is not JSON; offline, for a missing one
+            raise UserError(Problem(recipe.where("model.name_or_path"), f"the hub cache's copy of {name!r} cannot be "
+                                    f"read ({first_line(e)})", "delete it from the hub cache (`hf cache delete`) and "
+                                    "download it again")) from None
+        if offline:
+            return None
+        raise UserError(Problem(recipe.where("model.name_or_path"), f"cannot load {name!r}: {first_line(e)}",
+                                "check the hub id and your network or HF_TOKEN (gated models such as Llama need an "
+                                "accepted licence), or give a local folder")) from None
+    except (ValueError, KeyError, TypeError, StrictDataclassError) as e:  # JSONDecodeError is a ValueError
+        if "trust_remote_code" in str(e):
+            raise UserError(Problem(recipe.where("model.trust_remote_code"), f"{name!r} ships its own model code",
+                                    "set model.trust_remote_code: true if you trust that repository")) from None
+        raise UserError(Problem(recipe.where("model.name_or_path"), f"transformers cannot read the config of "
+                                f"{name!r}: {first_line(e)}", "update transformers for a newer model type, or delete "
+                                "the hub cache's copy (`hf cache delete`) and download it again")) from None
+
+
+def _cached_file(repo_id: str, filename: str) -> str | None:
+    """The path of a hub repository's file in this machine's hub cache, or None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, filename)
+    except Exception:  # an id that is no repository name (HFValidationError)
+        return None
+    return found if isinstance(found, str) else None
+
+
 def load_pretrained(folder, *, where: str, fix: str, **kwargs):
     """AutoModelForCausalLM.from_pretrained(folder), refusing weights that do not fit the model its config builds:
     transformers 5 initializes a tensor the files lack at random with a log line (a run would train, and `generate`
@@ -207,6 +229,26 @@ def load_pretrained(folder, *, where: str, fix: str, **kwargs):
                                 + "; ".join(wrong[:4]) + (f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else ""),
                                 fix))
     return model
+
+
+def weights_fit_problems(recipe) -> list[Problem]:
+    """`recipe validate` of a model in a local folder of safetensors files: the files' tensors against the model its
+    config (with config_overrides) builds, read on the meta device, so only the files' headers are read. The same
+    judgement as a run's loading (`load_pretrained`), which would otherwise find a missing or misshapen tensor only
+    after the launch, in every rank. Folders of pytorch_model.bin alone are left to the run: reading their names
+    means unpickling the weights."""
+    m = recipe.model
+    folder = safetensors_folder(recipe)
+    if folder is None:
+        return []
+    config = model_config(recipe, offline=True)
+    kwargs: dict[str, Any] = {"trust_remote_code": m.trust_remote_code}
+    try:
+        load_pretrained(folder, config=config, device_map="meta", where=recipe.where("model.name_or_path"),
+                        fix="download or export the model again (its weights and config.json together)", **kwargs)
+    except UserError as e:
+        return e.problems
+    return []
 
 
 def unknown_override_problems(recipe, config_class, overrides: dict) -> None:
