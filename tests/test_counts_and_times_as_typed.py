@@ -31,3 +31,10 @@ def test_slurm_time_and_partition_are_ascii_and_whole(tmp_path, option, value):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"error: {option}: {value!r} is not a" in proc.stderr
     assert not script.exists()
+
+
+def test_a_bare_count_refuses_each_activation_option_alike():
+    """--micro-batch with a bare count was refused and --seq-len silently ignored: both need the model's shape."""
+    for option, value in (("--micro-batch", "2"), ("--seq-len", "512")):
+        out = user_error("estimate", "7B", option, value)
+        assert f"error: {option}: activations need the model's shape" in out and f"drop {option}" in out

@@ -82,9 +82,10 @@ def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offlo
     if target.context and target.seq_len > target.context:
         raise UserError(Problem("--seq-len", f"{target.seq_len} exceeds {target.name}'s context of {target.context} "
                                 "tokens", f"use at most {target.context}"))
-    if target.micro_batch and target.shape is None:
-        raise UserError(Problem("--micro-batch", "activations need the model's shape, and a bare parameter count "
-                                "has none", "name a model (gpt2-xl, llama-3.1-8b) or a recipe, or drop --micro-batch"))
+    for option, given in (("--micro-batch", target.micro_batch), ("--seq-len", seq_len)):
+        if given and target.shape is None:  # --seq-len was ignored without a word
+            raise UserError(Problem(option, "activations need the model's shape, and a bare parameter count has none",
+                                    f"name a model (gpt2-xl, llama-3.1-8b) or a recipe, or drop {option}"))
     rows = table(target, gpus=gpus, nodes=nodes, precision=precision, activation_checkpointing=activation_checkpointing,
                  strategies=list(strategies) or list(BY_SHARDING), offload=offload, gpu_memory=budget,
                  deferred_reduce=defer_reduce)
