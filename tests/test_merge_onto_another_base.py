@@ -51,14 +51,14 @@ def merges(adapter, out, base):
 
     yield lambda: _merge_lora(adapter, out / "plain", "fp32", str(base))
     yield lambda: merge_streaming(adapter, out / "streamed", base=str(base), dtype="fp32", quantized_base=None,
-                                  max_shard_size=1 << 30, where="--base-model")
+                                  max_shard_size=1 << 30, where=str(adapter), base_where="--base-model")
 
 
 def test_a_base_of_another_width_is_refused_with_both_shapes(tmp_path, adapter, narrow_llama):
     for merge in merges(adapter, tmp_path, narrow_llama):
-        with pytest.raises(UserError, match=r"(?s)--base-model.*the adapter of model\.layers\.0\.self_attn\.q_proj is for "
-                           r"a 64 x 64 weight, and .*narrow-llama.* has model\.layers\.0\.self_attn\.q_proj\.weight of "
-                           r"32 x 32.*the base model the adapters were trained on \(--base-model PATH\)"):
+        with pytest.raises(UserError, match=r"(?s)^--base-model: the adapter of model\.layers\.0\.self_attn\.q_proj is "
+                           r"for a 64 x 64 weight, and .*narrow-llama.* has model\.layers\.0\.self_attn\.q_proj\.weight "
+                           r"of 32 x 32.*the base model the adapters were trained on \(--base-model PATH\)"):
             merge()
 
 

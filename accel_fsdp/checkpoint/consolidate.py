@@ -97,7 +97,8 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
             if adapter and merge_lora and info.manifest.quantized_base:  # QLoRA: streamed (checkpoint/merge.py)
                 merge_streaming(tmp, tmp / "merged", base=_adapter_base(tmp, base_model), dtype=dtype,
                                 quantized_base=None if base_model else info.manifest.quantized_base,
-                                max_shard_size=max_shard_size, where=str(info.path))
+                                max_shard_size=max_shard_size, where=str(info.path),
+                                base_where="--base-model" if base_model else None)
             elif adapter and merge_lora:
                 _merge_lora(tmp, tmp / "merged", dtype, base_model)
             written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())

@@ -73,10 +73,11 @@ def _natural(name: str):
 
 
 def merge_streaming(adapter_dir: Path, out: Path, *, base: str, dtype: str, quantized_base: dict | None,
-                    max_shard_size: int, where: str) -> None:
+                    max_shard_size: int, where: str, base_where: str | None = None) -> None:
     """Write `out`: the base's tensors, one at a time, with every adapted weight merged (and with `quantized_base`,
     each 4-bit weight quantized and dequantized as training saw it, checked against its fingerprint), into safetensors
-    shards of at most `max_shard_size` bytes; the base's config and the adapter folder's tokenizer."""
+    shards of at most `max_shard_size` bytes; the base's config and the adapter folder's tokenizer. `where` names the
+    checkpoint; `base_where` the base where the user chose it (--base-model), for a base the adapters do not fit."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 
@@ -113,7 +114,7 @@ def merge_streaming(adapter_dir: Path, out: Path, *, base: str, dtype: str, quan
         module = name.removesuffix(".weight")
         if module in deltas:
             a, b = deltas.pop(module)
-            if (misfit := adapter_misfit(module, a, b, tensor.shape, where, folder)) is not None:
+            if (misfit := adapter_misfit(module, a, b, tensor.shape, base_where or where, folder)) is not None:
                 raise misfit
             delta = (b @ a) * scaling  # out x in
             tensor = tensor.float() + (delta.t() if layer is not None and layer.from_conv1d else delta)
@@ -124,8 +125,8 @@ def merge_streaming(adapter_dir: Path, out: Path, *, base: str, dtype: str, quan
         used += tensor.numel() * tensor.element_size()
     flush()
     if deltas:
-        raise UserError(Problem(where, f"the adapters of {', '.join(sorted(deltas)[:3])} have no weight in {folder}",
-                                BASE_FIX))
+        raise UserError(Problem(base_where or where, f"the adapters of {', '.join(sorted(deltas)[:3])} have no weight "
+                                f"in {folder}", BASE_FIX))
     if quantized_base:
         check_fingerprint(digests, quantized_base, folder, where)
     _name_shards(out, names, weight_map)
