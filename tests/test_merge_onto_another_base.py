@@ -56,9 +56,9 @@ def merges(adapter, out, base):
 
 def test_a_base_of_another_width_is_refused_with_both_shapes(tmp_path, adapter, narrow_llama):
     for merge in merges(adapter, tmp_path, narrow_llama):
-        with pytest.raises(UserError, match=r"(?s)^--base-model: the adapter of model\.layers\.0\.self_attn\.q_proj is "
-                           r"for a 64 x 64 weight, and .*narrow-llama.* has model\.layers\.0\.self_attn\.q_proj\.weight "
-                           r"of 32 x 32.*the base model the adapters were trained on \(--base-model PATH\)"):
+        with pytest.raises(UserError, match=r"(?s)^--base-model: the adapter of model\.layers\.0\.self_attn\.q_proj "
+                           r"is for a 64 x 64 weight, and .*narrow-llama.* has model\.layers\.0\.self_attn\.q_proj\."
+                           r"weight of 32 x 32.*the base model the adapters were trained on \(--base-model PATH\)"):
             merge()
 
 
