@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from accel_fsdp.cli.options import CONFIG_HELP, CPU_HELP, GivenPath, finite, load_recipe, not_empty, set_option
-from accel_fsdp.config.recipe_checks import SEED_MAX
+from accel_fsdp.config.recipe_checks import BPE_VOCAB_MAX, BPE_VOCAB_MIN, SEED_MAX
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.files import write_atomic
 from accel_fsdp.layout import RunLayout
@@ -32,7 +32,7 @@ def tokenizer() -> None:
 @tokenizer.command("train")
 @click.argument("name_or_path")
 @click.argument("out_dir", type=GivenPath(path_type=Path))
-@click.option("--vocab-size", default=8192, show_default=True, type=click.IntRange(300, 1_000_000),
+@click.option("--vocab-size", default=8192, show_default=True, type=click.IntRange(BPE_VOCAB_MIN, BPE_VOCAB_MAX),
               help="Tokens in the vocabulary (special tokens included).")
 @set_option
 def tokenizer_train(name_or_path, out_dir, vocab_size, overrides) -> None:
