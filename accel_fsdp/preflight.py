@@ -96,14 +96,12 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
     if not for_target_hardware:  # about to run here: a GPU config must find CUDA
         problems += cuda_problems(settings, config, hardware.cuda_unavailable_reason, cpu_option=cpu_option)
     if here is not None:
-
         if for_target_hardware:  # judged for other hardware: what this machine would do is only a note
             report.notes += [f"on this machine: {p.message}" for p in gpu_count_problems(settings, here)]
         note = idle_gpu_note(settings, here)
         if note:
             report.notes.append(note)
     if run_dir is not None:
-
         layout = RunLayout.of(recipe, run_dir)
         locked, unwritable = lock_problems(layout), writable_problems(layout)
         problems += locked + unwritable
@@ -120,7 +118,6 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
 
     problems += _tracker_problems(recipe)
     if check_hub:  # about to launch: a hub id this machine cannot get stops here, once, not in every rank
-
         problems += hub_problems(recipe)
     try:
         view = model_view(recipe)

@@ -168,4 +168,3 @@ def test_a_chat_template_that_fails_on_a_row_names_the_row_and_the_error(tmp_pat
     with pytest.raises(UserError, match=r"chat.jsonl line 1: the chat template fails on this conversation \(TypeError: "
                                         r"can only concatenate str"):
         prepare_one_conversation(tmp_path, FAILING_TEMPLATE)
-

@@ -478,7 +478,12 @@ def apply_lora(model, recipe, *, draw: bool = True, on_meta: bool = False):
     # The adapters' first values from the recipe's seed alone, whatever building the base drew before: each rank of
     # a run builds them itself, with the base read or not (model/streaming_load.py sends the base only). A stream of
     # their own (seed + 1), not the one a from-scratch base's initialization began with.
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+    # GPT-2's Conv1D layers hold their weight as in x out: PEFT needs fan_in_fan_out for them, and said so in a
+    # warning on every rank when left to find out itself (peft 0.21.2 tuners/lora/layer.py, dispatch_default). Only
+    # where every target is a Conv1D: a 4-bit base has replaced them by Linear layers.
+    targets = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in lora.target_modules]
+    fan_in_fan_out = bool(targets) and all(type(m).__name__ == "Conv1D" for m in targets)
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, fan_in_fan_out=fan_in_fan_out,
                         target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
     with init_empty_weights(include_buffers=False) if on_meta else nullcontext():
         model = get_peft_model(model, config)
@@ -514,5 +519,3 @@ def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> in
         seen.add(id(p))
         n += p.numel()
     return n
-
-

@@ -32,7 +32,6 @@ def build_tokenizer(recipe, *, local_files_only: bool = False):
     m = recipe.model
     source = m.tokenizer or m.name_or_path
     if source == BUILTIN_TOKENIZER:
-
         tokenizer = builtin()
     elif bpe_vocab_size(source) is not None:
         tokenizer = trained_tokenizer(recipe)

@@ -489,8 +489,6 @@ def build_components(run: Run, switches: TestSwitches) -> Components:
                       profiler=profiler)
 
 
-
-
 def name_scratch_base(engine: Engine, recipe, config, tokenizer, model, folder: Path) -> None:
     """A 4-bit base built from scratch has no model files: the main process writes them into the run folder
     (model/build.py `write_scratch_base`), and the adapters name that folder as their base, so that
@@ -501,12 +499,6 @@ def name_scratch_base(engine: Engine, recipe, config, tokenizer, model, folder: 
     unwrapped = engine.accelerator.unwrap_model(model)
     if hasattr(unwrapped, "peft_config"):
         unwrapped.peft_config["default"].base_model_name_or_path = str(folder)
-
-
-
-
-
-
 
 
 def prepare_run_data(recipe, tokenizer, accelerator, terminal: Terminal,
