@@ -38,3 +38,11 @@ def test_a_bare_count_refuses_each_activation_option_alike():
     for option, value in (("--micro-batch", "2"), ("--seq-len", "512")):
         out = user_error("estimate", "7B", option, value)
         assert f"error: {option}: activations need the model's shape" in out and f"drop {option}" in out
+
+
+def test_a_bare_count_is_named_as_typed_and_counted_once():
+    """The header said "estimate: 7,000,000,000 parameters: 7,000,000,000 parameters (...)"."""
+    from conftest import cli
+
+    code, out = cli("estimate", "7B")
+    assert code == 0 and out.startswith("estimate: 7B: 7,000,000,000 parameters (7,000,000,000 trainable)"), out

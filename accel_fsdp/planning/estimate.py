@@ -86,7 +86,7 @@ def resolve_target(what: str, micro_batch: int | None, seq_len: int | None) -> T
         raise UserError(Problem(what, "is not a parameter count: it must be at least 1",
                                 "give e.g. 7B or 104960000, a model name (gpt2-xl) or a recipe"))
     if count is not None:
-        return Target(f"{count:,} parameters", count, count, 0, None, micro_batch or 0, seq_len or 0,
+        return Target(what.strip(), count, count, 0, None, micro_batch or 0, seq_len or 0,  # as typed: 7B, 1.5e9
                       note="a bare parameter count: no activations or gathered units unless a model is named")
     arch = architectures.lookup(what)
     if arch is not None:
