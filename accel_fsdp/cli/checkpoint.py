@@ -102,6 +102,10 @@ def checkpoint_inspect(path: Path, as_json: bool) -> None:
         folder = next((f for f in folders if list_checkpoints(f)), folders[0])
         infos = [inspect_checkpoint(c.path, verify=True) for c in list_checkpoints(folder)]
         infos += [inspect_checkpoint(p) for p in sorted(folder.glob(f"{CHECKPOINT_PREFIXES[1]}*"))]
+    if not infos and any((path / name).is_file() for name in ("config.json", "adapter_config.json")):
+        raise UserError(Problem(str(path), "is an exported model folder, which holds no checkpoints",
+                                "give the run folder it came from, or a step-NNNNNN folder (`generate` and "
+                                "from_pretrained read this one)"))
     if not infos:
         raise UserError(Problem(str(path), "holds no checkpoints", "give a run folder or a step-NNNNNN folder"))
     described = [describe(i) for i in infos]
