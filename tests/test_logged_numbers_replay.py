@@ -390,9 +390,9 @@ def test_a_preference_run_logs_what_a_replay_computes(tmp_path, method, lora, ep
     """Built-in pairs, 2 ranks x 2 micro-steps, 2 steps with weight decay, a full fine-tune of a GPT-2 (DPO with label
     smoothing) or LoRA on a Llama, on its 4-bit base (QLoRA) too, or on a GPT-2's Conv1D layers named as GPT-2 users
     name them (its lora.dropout set, which preference tuning turns off): step 1's loss and every statistic recomputed
-    from the
-    starting weights' log-probabilities by docs/PREFERENCE.md (DPO's reference is the starting weights too:
-    precomputed, or the base with the adapters off, whose B matrices start at 0; QLoRA's base is dequantized); both
+    from the starting weights' log-probabilities by docs/PREFERENCE.md (DPO's reference is the starting weights too:
+    precomputed, or the base with the adapters off, whose B matrices start at 0, so LoRA's step 1 ties every pair
+    exactly at ln 2 and its last step, the adapters on in the policy alone, does not; QLoRA's base is dequantized); both
     steps' gradient norms and the exported weights (LoRA: the adapters) replayed from the start by the documented
     loss, LoRA and AdamW; and the final evaluation's from the exported model."""
     model_path = save_tiny_model(tmp_path / "m", "llama" if lora in ("lora", "qlora") else "gpt2")
@@ -409,7 +409,7 @@ def test_a_preference_run_logs_what_a_replay_computes(tmp_path, method, lora, ep
                          model=adapters, checkpoint={"export_dtype": "fp32"},
                          preference={"label_smoothing": eps})
     run = tmp_path / "run"
-    run_cli("recipe", "run", recipe, "--output-dir", run, env=TRACE_UNITS, check=0)
+    proc = run_cli("recipe", "run", recipe, "--output-dir", run, env=TRACE_UNITS, check=0)
     loaded = load_recipe(recipe)
     p = loaded.preference
     beta, gamma, lam = p.beta_for(method) if method != "orpo" else 0.0, p.gamma, p.lambda_
@@ -422,7 +422,12 @@ def test_a_preference_run_logs_what_a_replay_computes(tmp_path, method, lora, ep
     assert [len(pairs) for pairs in steps] == [8, 8]
     assert_pairs_replayed(train[0], "", method, steps[0], start, start, **parameters)
     if lora and method == "dpo":  # the adapters' B starts at 0: policy and reference are the same bits, all ties
+        assert "reference: the base model with the LoRA adapters switched off" in proc.stdout, proc.stdout
         assert train[0]["reward_margin"] == 0 and train[0]["reward_accuracy"] == 0  # docs: a tie counts as wrong
+        assert train[0]["loss"] == pytest.approx(math.log(2), abs=1e-7)  # every pair's z is exactly 0
+        # after a step the adapters are on in the policy and off in the reference (train/reference.py AdaptersOff):
+        # a reference that left them on would tie every pair at every step
+        assert train[-1]["reward_margin"] != 0
     replay_preference_steps(run, model_path, loaded, method, steps, train, start, **parameters)
     # The evaluation at the end: the exported weights (after the last step) on every held-out pair; DPO's reference
     # is the starting weights, a held-out source's loss its mean pair loss (ORPO: + its chosen answers' NLL per token).

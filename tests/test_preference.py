@@ -260,23 +260,6 @@ def test_simpo_and_orpo_run_from_the_dpo_recipe(tmp_path, method):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_lora_dpo_on_a_llama_uses_the_adapters_off_as_reference(tmp_path, tiny_llama):
-    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 12)
-    r = tiny_recipe(tmp_path / "r.yaml", tiny_llama, data,
-                    model={"lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}},
-                    data={"format": "preference", "eval_fraction": 0},
-                    training={"method": "dpo", "max_steps": 3, "mixed_precision": "fp32", "micro_batch_size": 2,
-                              "global_batch_size": 4})
-    proc = run_cli("recipe", "run", r, "--output-dir", tmp_path / "run", check=0)
-    assert "reference: the base model with the LoRA adapters switched off" in proc.stdout
-    train = [x for x in read_metrics(tmp_path / "run") if x["kind"] == "train"]
-    # LoRA's B matrices start at zero: the policy is the base model, bit for bit, at the first step
-    assert train[0]["loss"] == pytest.approx(math.log(2), abs=1e-7) and train[0]["reward_margin"] == 0
-    assert train[-1]["reward_margin"] != 0
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
 def test_verify_proves_split_invariance_and_exact_resume_on_a_preference_recipe(tmp_path):
     out = tmp_path / "verify"
     run_cli("verify", "quickstart-dpo", "--quick", "--only", "equivalence", "--only", "resume", "--output-dir", out,
