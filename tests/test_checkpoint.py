@@ -177,25 +177,27 @@ def test_resume_on_two_ranks_from_a_one_rank_checkpoint(tmp_path, reference, res
 
 @pytest.mark.slow
 def test_full_and_sharded_checkpoints_hold_the_same_model(tmp_path, reference, tiny_gpt2, stories):
+    """A run saving FULL_STATE_DICT that resumes from the reference's sharded step 6 (a switched
+    checkpoint.state_dict_type, resume-safe) ends where the reference does, writing FULL checkpoints at steps 9 and 12;
+    a run resumed from its FULL step 9 ends there too. Two resumes, not a third run from the start: the reference's
+    sharded checkpoints and final export are the yardstick of both."""
     recipe = make_recipe(tmp_path, tiny_gpt2, stories, checkpoint={"state_dict_type": "FULL_STATE_DICT"})
-    run = tmp_path / "run"
-    run_cli("recipe", "run", recipe, "--output-dir", run, check=0)
-    described = json.loads(run_in_process("checkpoint", "inspect", run / "checkpoints" / "step-000012", "--json",
+    # a run that switched checkpoint.state_dict_type reads the checkpoint as it was written: a sharded one read by a
+    # run saving FULL was "incomplete or corrupt" (the plugin kept the FULL type's rank-0 config)
+    switched = tmp_path / "switched"
+    proc = run_cli("recipe", "run", recipe, "--output-dir", switched, "--resume-from",
+                   reference / "checkpoints" / "step-000006", check=0)
+    assert "at step 6" in proc.stdout
+    assert_same_weights(switched / "final", reference / "final")
+    described = json.loads(run_in_process("checkpoint", "inspect", switched / "checkpoints" / "step-000012", "--json",
                                           check=0).stdout)
     assert described["state_dict_type"] == "FULL_STATE_DICT" and described["complete"]
-    assert (run / "checkpoints" / "step-000012" / "pytorch_model_fsdp.bin").exists()
-    assert_same_weights(run / "final", reference / "final")
+    assert (switched / "checkpoints" / "step-000012" / "pytorch_model_fsdp.bin").exists()
     # and a FULL checkpoint resumes like a sharded one
     resumed = run_cli("recipe", "run", recipe, "--output-dir", tmp_path / "again", "--set", "training.max_steps=12",
-                      "--resume-from", run / "checkpoints" / "step-000009", check=0)
+                      "--resume-from", switched / "checkpoints" / "step-000009", check=0)
     assert "at step 9" in resumed.stdout
     assert_same_weights(tmp_path / "again" / "final", reference / "final")
-    # a run that switched checkpoint.state_dict_type (resume-safe) reads the checkpoint as it was written: a sharded
-    # one read by a run saving FULL was "incomplete or corrupt" (the plugin kept the FULL type's rank-0 config)
-    switched = run_cli("recipe", "run", recipe, "--output-dir", tmp_path / "switched", "--resume-from",
-                       reference / "checkpoints" / "step-000009", check=0)
-    assert "at step 9" in switched.stdout
-    assert_same_weights(tmp_path / "switched" / "final", reference / "final")
 
 
 def test_consolidate_streams_shards_and_transformers_loads_the_same_logits(tmp_path, reference):
