@@ -99,8 +99,15 @@ def test_the_precision_packing_and_resume_checks_fail_when_their_properties_are_
 
 @pytest.mark.slow
 def test_the_data_check_passes_on_a_mixture(tmp_path):
+    """On a GPU config run on CPU ranks (--cpu), with the sharding check beside it, so the one verify holds
+    `verify --cpu` too (the promise of tests/test_gpu_config_on_cpu_ranks.py)."""
     out = tmp_path / "verify"
-    run_cli("verify", "quickstart-mix", "--quick", "--only", "data", "--output-dir", out, check=0)
-    (result,) = report_of(out)["checks"]
+    proc = run_cli("verify", "quickstart-mix", "--accelerate-config", "fsdp_2gpu", "--cpu", "--quick", "--only", "data",
+                   "--only", "sharding", "--output-dir", out, check=0)
+    report = report_of(out)
+    assert report["device"] == "cpu" and report["ranks"] == 2
+    result, sharding = (next(c for c in report["checks"] if c["name"] == name) for name in ("data", "sharding"))
+    assert [c["name"] for c in report["checks"]] == ["sharding", "data"], proc.stdout
+    assert sharding["status"] == "PASS", sharding
     assert result["status"] == "PASS" and result["data"]["max_share_deviation"] <= 0.01, result
     assert result["data"]["repeats"] == result["data"]["missing"] == 0 and result["data"]["epochs_completed"] >= 1
