@@ -168,12 +168,15 @@ def slurm_stand_ins(tmp_path: Path) -> tuple[dict, Path]:
 
 
 @pytest.mark.slow
-def test_slurm_script_runs_and_resumes_when_requeued(tmp_path, tiny_gpt2, stories):
-    """The generated sbatch script, run by bash with stand-ins for srun and scontrol (one node, 2 CPU ranks): it
-    checks and prints the recipe on the allocation, trains, and when run again after a crash resumes. With the
-    checkpoints outside the run folder (scratch), as in the requeue that used to delete them: nothing is deleted."""
+def test_slurm_script_resumes_after_a_crash_and_requeues_itself_at_the_warning_signal(tmp_path, tiny_gpt2, stories):
+    """The generated sbatch script, run by bash with stand-ins for srun and scontrol (one node, 2 CPU ranks), as one
+    job started three times (three starts, not two jobs of two): it checks and prints the recipe on the allocation
+    and trains until a crash, which is not requeued; run again, it resumes, and at SLURM's SIGUSR1 before the time
+    limit (here sent to the launcher by a rank) the ranks checkpoint, the run exits 75 and the script requeues the
+    job; the requeued job resumes and finishes. With the checkpoints outside the run folder (scratch), as in the
+    requeue that used to delete them: nothing is deleted."""
     scratch = tmp_path / "scratch"
-    recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, stories, training={"max_steps": 6},
+    recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, stories, training={"max_steps": 8},
                          checkpoint={"every_steps": 3, "dir": str(scratch)})
     script = tmp_path / "job.sbatch"
     run = tmp_path / "run"
@@ -185,38 +188,25 @@ def test_slurm_script_runs_and_resumes_when_requeued(tmp_path, tiny_gpt2, storie
     assert crashed.returncode != 0
     assert "batch: global 8 = micro 4 x 2 processes x 1 accumulation steps" in crashed.stdout
     assert (scratch / "step-000003" / "manifest.json").exists() and not (run / "checkpoints").exists()
+    assert not requeues.exists()  # a crash is not a preemption
     kept = {p: p.stat().st_mtime_ns for p in (scratch / "step-000003").rglob("*")}
-    requeued = subprocess.run(["bash", str(script)], env=dict(env, SLURM_RESTART_COUNT="1"), capture_output=True,
+
+    warned = subprocess.run(["bash", str(script)], env=dict(env, SLURM_RESTART_COUNT="1",
+                                                            ACCEL_FSDP_FAULT="sigusr1-launcher:4"),
+                            capture_output=True, text=True, timeout=600)
+    assert warned.returncode == 0, warned.stderr[-3000:]
+    assert "(restart 1)" in warned.stdout and "continuing from" in warned.stdout and "at step 3" in warned.stdout
+    assert "preempted: the run wrote a checkpoint; requeueing job 4242" in warned.stdout
+    assert requeues.read_text().split() == ["4242"]
+    # step 3 untouched by the requeued start (its checkpoints: 3 and the preemption's; kept by rotation: 2)
+    assert {p: p.stat().st_mtime_ns for p in kept if p.exists()} == kept
+    step = json.loads((run / "preempted.json").read_text())["step"]
+
+    requeued = subprocess.run(["bash", str(script)], env=dict(env, SLURM_RESTART_COUNT="2"), capture_output=True,
                               text=True, timeout=600)
     assert requeued.returncode == 0, requeued.stderr[-3000:]
-    assert ("(restart 1)" in requeued.stdout and "continuing from" in requeued.stdout
-            and "at step 3" in requeued.stdout)
-    assert "sample: 'alice has a' -> " in requeued.stdout
-    assert (run / "final" / "model.safetensors").exists() and not requeues.exists()
-    assert {p: p.stat().st_mtime_ns for p in kept if p.exists()} == kept  # step 3 untouched (kept by rotation: 2)
-
-
-@pytest.mark.slow
-def test_slurm_warning_signal_checkpoints_and_requeues(tmp_path, tiny_gpt2, stories):
-    """SLURM's SIGUSR1 before the time limit (here sent to the launcher by a rank): the ranks checkpoint, the run
-    exits 75, the script requeues the job; the requeued job resumes and finishes."""
-    recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, stories, training={"max_steps": 8},
-                         checkpoint={"every_steps": 100})
-    script = tmp_path / "job.sbatch"
-    run = tmp_path / "run"
-    run_in_process("slurm", recipe, "--nodes", "1", "--gpus-per-node", "2", "--accelerate-config", "fsdp_cpu",
-            "--output-dir", run, "-o", script, check=0)
-    env, requeues = slurm_stand_ins(tmp_path)
-    first = subprocess.run(["bash", str(script)], env=dict(env, ACCEL_FSDP_FAULT="sigusr1-launcher:3"),
-                           capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "preempted: the run wrote a checkpoint; requeueing job 4242" in first.stdout
-    assert requeues.read_text().split() == ["4242"]
-    step = json.loads((run / "preempted.json").read_text())["step"]
-    second = subprocess.run(["bash", str(script)], env=dict(env, SLURM_RESTART_COUNT="1"), capture_output=True,
-                            text=True, timeout=600)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert f"at step {step}" in second.stdout and (run / "final" / "model.safetensors").exists()
+    assert f"at step {step}" in requeued.stdout and "sample: 'alice has a' -> " in requeued.stdout
+    assert (run / "final" / "model.safetensors").exists() and requeues.read_text().split() == ["4242"]
     assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"][-1] == 8
 
 
