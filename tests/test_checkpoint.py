@@ -379,34 +379,19 @@ def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_rank_checkpoints_the_step_it_arrived_in_and_resumes_exactly(tmp_path, reference, tiny_gpt2,
-                                                                                     stories):
-    recipe = make_recipe(tmp_path, tiny_gpt2, stories)
-    run = tmp_path / "run"
-    step = random.choice([4, 7, 10])  # between checkpoints (every 3 steps)
-    stopped = run_cli("recipe", "run", recipe, "--output-dir", run,
-                      env={**TRACE_UNITS, "ACCEL_FSDP_FAULT": f"sigterm:{step}@1"})  # rank 1 alone, within step `step`
-    assert stopped.returncode == 75, stopped.stderr[-3000:]  # preempted, resumable
-    # README's promise: every rank finishes the optimizer step the signal arrived in, and the run stops after it.
-    assert f"preempted (SIGTERM to another rank): the ranks stopped after step {step} " in stopped.stderr
-    assert json.loads((run / "preempted.json").read_text())["step"] == step
-    assert (run / "checkpoints" / f"step-{step:06d}" / "manifest.json").exists()
-    assert not (run / "checkpoints" / f"step-{step + 1:06d}").exists()
-    assert not (run / "final").exists()
-    run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", env=TRACE_UNITS, check=0)
-    assert_same_weights(run / "final", reference / "final")
-    assert units_by_step(run) == units_by_step(reference)
-
-
-@pytest.mark.slow
 @pytest.mark.multiprocess
-def test_sigusr1_to_a_rank_still_starting_ends_the_run_with_75_and_auto_starts_it_again(tmp_path, reference,
-                                                                                        tiny_gpt2, stories):
-    """SLURM's warning signal to a rank in its start (after its imports, before its process group): the rank has
-    nothing to save, and its handler could not run while the process group's rendezvous blocks, so the signal's default
-    action ends it (and torchrun's agent the others). That is a preemption, 75 with one line (it was "rank 1 was killed
-    by SIGUSR1" and 1, which the SLURM script does not requeue); `--resume auto` then starts the run, which ends as an
-    uninterrupted one."""
+def test_signals_to_one_rank_stop_the_run_as_each_says_and_it_continues_exactly(tmp_path, reference, tiny_gpt2,
+                                                                                 stories):
+    """One run stopped three times by a signal to rank 1 and continued each time (four starts, not three runs of two,
+    each stop holding its own promise), which ends as the uninterrupted reference does:
+    - SLURM's warning signal (SIGUSR1) in its start (after its imports, before its process group): the rank has
+      nothing to save, and its handler could not run while the process group's rendezvous blocks, so the signal's
+      default action ends it (and torchrun's agent the others). That is a preemption, 75 with one line (it was "rank 1
+      was killed by SIGUSR1" and 1, which the SLURM script does not requeue); `--resume auto` then starts the run.
+    - `kill -INT` after step 5: it stops at once, the others after it; the launcher says it was interrupted, 130, in
+      one line (it was "rank 1 exited with status 130" and 1); `--resume auto` continues from the checkpoint before.
+    - SIGTERM within a step between checkpoints: README's promise, every rank finishes the optimizer step the signal
+      arrived in, checkpoints it, and the run stops after it with 75 (preempted, resumable); `--resume` continues."""
     recipe = make_recipe(tmp_path, tiny_gpt2, stories)
     run = tmp_path / "run"
     stopped = run_cli("recipe", "run", recipe, "--output-dir", run,
@@ -416,28 +401,25 @@ def test_sigusr1_to_a_rank_still_starting_ends_the_run_with_75_and_auto_starts_i
     assert said.startswith("preempted (") and "SIGUSR1 to rank 1" in said, stopped.stderr[-3000:]
     assert said.endswith(". Continue with the same command and --resume auto.") and "error" not in stopped.stderr
     assert "Traceback" not in stopped.stderr and not (run / "checkpoints" / "step-000001").exists()
-    run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", "auto", env=TRACE_UNITS, check=0)
-    assert_same_weights(run / "final", reference / "final")
-    assert units_by_step(run) == units_by_step(reference)
 
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_ctrl_c_to_one_rank_alone_is_one_line_and_130_and_the_run_continues_exactly(tmp_path, reference, tiny_gpt2,
-                                                                                   stories):
-    """`kill -INT` to rank 1 after step 5: it stops at once, the others after it; the launcher says it was interrupted,
-    130, in one line (it was "rank 1 exited with status 130" and 1), and `--resume auto` continues from the
-    checkpoint before as an uninterrupted run."""
-    recipe = make_recipe(tmp_path, tiny_gpt2, stories)
-    run = tmp_path / "run"
-    stopped = run_cli("recipe", "run", recipe, "--output-dir", run,
+    stopped = run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", "auto",
                       env={**TRACE_UNITS, "ACCEL_FSDP_FAULT": "sigint:5@1"})
     assert stopped.returncode == 130, stopped.stderr[-3000:]
     said = [line for line in stopped.stderr.splitlines()
             if line.strip() and "%|" not in line and not line.startswith(("accel-fsdp: launching", "note: "))]
     assert said == [("interrupted (SIGINT to rank 1): the ranks were stopped. Continue with the same command and "
                      "--resume auto (from the newest complete checkpoint, if any).")], stopped.stderr[-3000:]
-    run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", "auto", env=TRACE_UNITS, check=0)
+
+    step = random.choice([7, 10])  # between checkpoints (every 3 steps), after the resume from step 3
+    stopped = run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", "auto",
+                      env={**TRACE_UNITS, "ACCEL_FSDP_FAULT": f"sigterm:{step}@1"})  # rank 1 alone, within `step`
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert f"preempted (SIGTERM to another rank): the ranks stopped after step {step} " in stopped.stderr
+    assert json.loads((run / "preempted.json").read_text())["step"] == step
+    assert (run / "checkpoints" / f"step-{step:06d}" / "manifest.json").exists()
+    assert not (run / "checkpoints" / f"step-{step + 1:06d}").exists()
+    assert not (run / "final").exists()
+    run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", env=TRACE_UNITS, check=0)
     assert_same_weights(run / "final", reference / "final")
     assert units_by_step(run) == units_by_step(reference)
 
