@@ -237,7 +237,8 @@ class PeakMemory:
     cores saw 0.88 of a model it held whole)."""
 
     def __init__(self, interval: float = 0.002):
-        self._kernel_mark = _reset_high_water_mark()
+        self.exact = _reset_high_water_mark()
+        """Whether the kernel's high-water mark was reset here and so backs the peak (not the sampler alone)."""
         self.baseline = self.peak = rss_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, args=(interval,), daemon=True)
@@ -251,7 +252,7 @@ class PeakMemory:
     def stop(self) -> "PeakMemory":
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, rss_bytes(), (self._kernel_mark and _vm_hwm()) or 0)
+        self.peak = max(self.peak, rss_bytes(), (self.exact and _vm_hwm()) or 0)
         return self
 
     @property

@@ -116,6 +116,9 @@ def test_a_peak_shorter_than_the_sampling_interval_is_measured():
 
     size = 64 << 20
     monitor = PeakMemory(interval=3600)
+    if not monitor.exact:  # clear_refs present but not writable (a sandboxed /proc): the sampler alone measures
+        monitor.stop()
+        pytest.skip("this kernel's high-water mark cannot be reset here")
     transient = torch.ones(size // 4)  # 64 MiB, touched, then freed before the monitor stops
     del transient
     monitor.stop()
