@@ -100,18 +100,30 @@ def test_the_oom_kill_count_is_read_where_linux_says_it():
         assert count is None
 
 
-@pytest.mark.parametrize("error,said", [
-    (cuda_failure, " generate: out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB"),
-    (host_allocation_failure, " generate: out of host memory ([enforce fail at"),
-], ids=["cuda", "host"])
-def test_a_command_of_one_process_out_of_memory_says_so_once(tiny_gpt2, monkeypatch, error, said):
-    """`generate` (or consolidate, data prepare) out of memory was torch's traceback, exit status 1."""
+@pytest.mark.parametrize("command,error,said,own", [
+    ("generate", cuda_failure, " generate: out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB",
+     "--device cpu"),
+    ("generate", host_allocation_failure, " generate: out of host memory ([enforce fail at", None),
+    ("consolidate", host_allocation_failure, " checkpoint consolidate: out of host memory ([enforce fail at",
+     "--max-shard-size"),
+], ids=["generate-cuda", "generate-host", "consolidate-host"])
+def test_a_command_of_one_process_out_of_memory_says_so_once(tmp_path, tiny_gpt2, monkeypatch, command, error, said,
+                                                             own):
+    """`generate` (or consolidate, data prepare) out of memory was torch's traceback, exit status 1. The fix names a
+    command's own knob only for that command: generate out of host memory was told to write smaller shards
+    (consolidate's --max-shard-size, which generate does not take)."""
+    import accel_fsdp.cli.checkpoint as checkpoint_cli
     import accel_fsdp.tools.generate as generate
 
     def fails(*args, **kwargs):
         raise error()
 
-    monkeypatch.setattr(generate, "generate", fails)
-    message = user_error("generate", tiny_gpt2, "--prompt", "alice has a", "--max-new-tokens", "2")
+    if command == "generate":
+        monkeypatch.setattr(generate, "generate", fails)
+        message = user_error("generate", tiny_gpt2, "--prompt", "alice has a", "--max-new-tokens", "2")
+    else:
+        monkeypatch.setattr(checkpoint_cli, "resolve_checkpoint", fails)
+        message = user_error("checkpoint", "consolidate", str(tmp_path), str(tmp_path / "out"))
     assert message.startswith("error: ") and said in message.splitlines()[0], message
-    assert ("--device cpu" if "GPU" in said else "--max-shard-size") in message, message
+    for knob in ("--device cpu", "--max-shard-size"):
+        assert (knob in message) == (knob == own), message
