@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from accel_fsdp.config.recipe_checks import SEED_MAX
 from accel_fsdp.errors import Problem, UserError, first_line
 from accel_fsdp.files import atomic_folder
 from accel_fsdp.model import architectures
@@ -488,7 +489,7 @@ def apply_lora(model, recipe, *, draw: bool = True, on_meta: bool = False):
     with init_empty_weights(include_buffers=False) if on_meta else nullcontext():
         model = get_peft_model(model, config)
     if draw:
-        draw_adapters(model, (recipe.training.seed + 1) % 2**32)
+        draw_adapters(model, (recipe.training.seed + 1) % (SEED_MAX + 1))
     return model
 
 
