@@ -169,7 +169,7 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     write_atomic(script, text)
     script.chmod(0o755)
     k = t.accumulation_steps(nodes * gpus_per_node)
-    ranks = "CPU ranks" if str(config.get("use_cpu", False)).lower() == "true" else "GPUs"  # as render() decides
+    ranks = "CPU ranks" if config.uses_cpu() else "GPUs"
     folders = {"the run folder": run_dir, **({"checkpoint.dir": layout.checkpoints} if layout.external_checkpoints
                                               else {})}
     if note := node_local_note(folders, os.environ):

@@ -139,6 +139,13 @@ class AccelerateConfig:
     def where(self, key: str) -> str:
         return f"{self.label}: {key}"
 
+    def uses_cpu(self) -> bool:
+        """Whether the ranks run on CPUs: use_cpu as `as_bool` reads it, the one rule for every reader (the ranks'
+        settings, the launcher, the SLURM script; Accelerate's own str_to_bool agrees): `use_cpu: 1` is true and
+        `use_cpu: "false"` false, where str(value) == "true" and the value's truth in Python read them the other
+        way."""
+        return as_bool(self.get("use_cpu", False)) is True
+
 
 def load_accelerate_config(name_or_path: str | os.PathLike) -> AccelerateConfig:
     """Read and check an Accelerate config file; raise one `UserError` with every problem."""

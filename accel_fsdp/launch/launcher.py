@@ -189,9 +189,9 @@ def _environment_args(config: AccelerateConfig, per_machine: int) -> list[str]:
     """The ranks' threads (a share of the cores for CPU ranks unless OMP_NUM_THREADS says otherwise), and the
     environment they inherit without the ACCELERATE_*/FSDP_* variables a shell left exported."""
     args = []
-    if config.get("use_cpu") and (note := oversubscribed_cores_note(os.environ, per_machine)):
+    if config.uses_cpu() and (note := oversubscribed_cores_note(os.environ, per_machine)):
         print(f"note: {note}", file=sys.stderr)
-    if config.get("use_cpu") and not os.environ.get(OMP_THREADS_ENV):
+    if config.uses_cpu() and not os.environ.get(OMP_THREADS_ENV):
         # One thread per rank unless told otherwise: CPU ranks share the cores.
         args += ["--num_cpu_threads_per_process", str(max(1, usable_cores() // per_machine))]
     if stale := stale_launch_variables(os.environ):

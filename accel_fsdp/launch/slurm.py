@@ -178,7 +178,7 @@ def render(recipe, config, *, nodes: int, gpus_per_node: int, time_limit: str, p
                                 f"set parallelism_config_dp_replicate_size: {nodes} and "
                                 f"parallelism_config_dp_shard_size: {gpus_per_node} in a copy of the config, or "
                                 f"use --nodes {rep} --gpus-per-node {shard}"))
-    cpu = bool(str(config.get("use_cpu", False)).lower() == "true")  # CPU ranks: ask SLURM for no GPUs
+    cpu = config.uses_cpu()  # CPU ranks: ask SLURM for no GPUs
     gpu_ids = config.get("gpu_ids")
     if not cpu and gpu_ids is not None and str(gpu_ids).strip().lower() != "all":
         # accelerate launch sets CUDA_VISIBLE_DEVICES from gpu_ids (accelerate/utils/launch.py,
