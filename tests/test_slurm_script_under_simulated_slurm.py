@@ -311,6 +311,10 @@ def test_a_time_limit_of_minutes_and_seconds_is_written_and_an_unlimited_one_ref
                          tmp_path / "other.sbatch", check=2).stderr
     assert ("error: --time: UNLIMITED: a job without a time limit gets no warning signal to checkpoint on before it "
             "ends\n    fix: give a limit, e.g. 7-00:00:00") in err
+    err = run_in_process("slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "2", "--time", "0", "-o",
+                         tmp_path / "other.sbatch", check=2).stderr  # sbatch(1): a time limit of zero is none
+    assert ("error: --time: 0: a job without a time limit (sbatch reads a limit of 0 as none) gets no warning signal "
+            "to checkpoint on before it ends") in err, err
 
 
 HOSTILE = ["a b", "$(touch INJECTED)", "`touch INJECTED`", "it's", 'say "hi"', "back\\slash", "ünïcode ✓",

@@ -158,8 +158,9 @@ def render(recipe, config, *, nodes: int, gpus_per_node: int, time_limit: str, p
     checks `recipe run` uses, and again by `recipe validate` at job start."""
     problems = []
     seconds = time_seconds(time_limit)
-    if time_limit.strip().lower() in _UNLIMITED:
-        problems.append(Problem("--time", f"{time_limit}: a job without a time limit gets no warning signal to "
+    if time_limit.strip().lower() in _UNLIMITED or seconds == 0:  # sbatch(1): "a time limit of zero" is none
+        zero = " (sbatch reads a limit of 0 as none)" if seconds == 0 else ""
+        problems.append(Problem("--time", f"{time_limit}: a job without a time limit{zero} gets no warning signal to "
                                 "checkpoint on before it ends", "give a limit, e.g. 7-00:00:00 (the job requeues "
                                 "itself before it)"))
     elif seconds is None:
