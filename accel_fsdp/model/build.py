@@ -19,8 +19,8 @@ from accel_fsdp.config.recipe_checks import SEED_MAX
 from accel_fsdp.errors import Problem, UserError, first_line
 from accel_fsdp.files import atomic_folder
 from accel_fsdp.model import architectures
-from accel_fsdp.model.checks import (ModelView, lora_target_problems, not_a_model_folder, override_problems,
-                                     raise_problems, safetensors_folder)
+from accel_fsdp.model.checks import (ModelView, hub_cache_remove, lora_target_problems, not_a_model_folder,
+                                     override_problems, raise_problems, safetensors_folder)
 from accel_fsdp.model.nf4 import layers_to_quantize, quantize_model
 from accel_fsdp.model.quantize import known_layers
 from accel_fsdp.model.streaming_load import ModuleTensors, SafetensorsFiles, model_folder
@@ -169,7 +169,7 @@ def _hub_config(recipe, name: str, *, offline: bool):
         cached = _cached_file(name, "config.json")
         if cached is not None:  # transformers' OSError for a config.json that is not JSON; offline, for a missing one
             raise UserError(Problem(recipe.where("model.name_or_path"), f"the hub cache's copy of {name!r} cannot be "
-                                    f"read ({first_line(e)})", "delete it from the hub cache (`hf cache delete`) and "
+                                    f"read ({first_line(e)})", f"delete it from the hub cache (`{hub_cache_remove(name)}`) and "
                                     "download it again")) from None
         if offline:
             return None
@@ -182,7 +182,7 @@ def _hub_config(recipe, name: str, *, offline: bool):
                                     "set model.trust_remote_code: true if you trust that repository")) from None
         raise UserError(Problem(recipe.where("model.name_or_path"), f"transformers cannot read the config of "
                                 f"{name!r}: {first_line(e)}", "update transformers for a newer model type, or delete "
-                                "the hub cache's copy (`hf cache delete`) and download it again")) from None
+                                f"the hub cache's copy (`{hub_cache_remove(name)}`) and download it again")) from None
 
 
 def _cached_file(repo_id: str, filename: str) -> str | None:
