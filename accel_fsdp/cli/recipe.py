@@ -96,6 +96,9 @@ def recipe_copy(name: str, dest: str, force: bool) -> None:
     accel-fsdp recipe run my-gpt2.yaml --set data.path=mydata.jsonl
     """
     src = resolve_recipe(name)
+    if names_a_folder(dest) and Path(dest).exists() and not Path(dest).is_dir():  # mkdir -p would fail on it
+        raise UserError(Problem(dest, f"names a folder, and {Path(dest)} is a file", f"give a folder, or {Path(dest)} "
+                                "without the trailing separator (with --force) to replace the file"))
     if names_a_folder(dest) and not Path(dest).is_dir():
         raise UserError(Problem(dest, "folder does not exist", f"create it first (mkdir -p {dest}), or give a file "
                                 "name to copy to"))
