@@ -100,6 +100,8 @@ def merge_streaming(adapter_dir: Path, out: Path, *, base: str, dtype: str, quan
         tensor = files.read(name)
         if untied and name == f"{untied[1]}.weight":  # the adapted head's own copy of the embeddings it was tied to
             a, b = deltas.pop(untied[0])
+            if (misfit := adapter_misfit(untied[0], a, b, tensor.shape, base_where or where, folder)) is not None:
+                raise misfit
             shards.add(f"{untied[0]}.weight", tensor.float() + (b @ a) * scaling)
         layer = layers.get(name)
         if layer is not None and compute is not None:
