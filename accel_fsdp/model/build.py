@@ -169,8 +169,8 @@ def _hub_config(recipe, name: str, *, offline: bool):
         cached = _cached_file(name, "config.json")
         if cached is not None:  # transformers' OSError for a config.json that is not JSON; offline, for a missing one
             raise UserError(Problem(recipe.where("model.name_or_path"), f"the hub cache's copy of {name!r} cannot be "
-                                    f"read ({first_line(e)})", f"delete it from the hub cache (`{hub_cache_remove(name)}`) and "
-                                    "download it again")) from None
+                                    f"read ({first_line(e)})", f"delete it from the hub cache "
+                                    f"(`{hub_cache_remove(name)}`) and download it again")) from None
         if offline:
             return None
         raise UserError(Problem(recipe.where("model.name_or_path"), f"cannot load {name!r}: {first_line(e)}",
