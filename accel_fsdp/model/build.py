@@ -191,7 +191,7 @@ def _cached_file(repo_id: str, filename: str) -> str | None:
 
     try:
         found = try_to_load_from_cache(repo_id, filename)
-    except Exception:  # an id that is no repository name (HFValidationError)
+    except ValueError:  # an id that is no repository name (huggingface_hub's HFValidationError, a ValueError)
         return None
     return found if isinstance(found, str) else None
 
