@@ -4,7 +4,6 @@ really hold, measured on 2 CPU ranks for each sharding strategy."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -106,7 +105,6 @@ def test_estimate_matches_measured_per_rank_state(tmp_path, stories, strategy, c
     assert p > 1_500_000 and predicted.model_state < GiB
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="the kernel's high-water mark is Linux's")
 def test_a_peak_shorter_than_the_sampling_interval_is_measured():
     """PeakMemory reads the kernel's high-water mark, reset when it starts: a peak the sampling thread never sees
     (here it looks once an hour) is measured all the same, as the 2-rank loading test's bounds need on busy cores."""
@@ -116,6 +114,9 @@ def test_a_peak_shorter_than_the_sampling_interval_is_measured():
 
     size = 64 << 20
     monitor = PeakMemory(interval=3600)
+    if not monitor.exact:  # not Linux, or a kernel (a sandbox's) that does not let the mark be reset
+        monitor.stop()
+        pytest.skip("the kernel's high-water mark cannot be reset here")
     transient = torch.ones(size // 4)  # 64 MiB, touched, then freed before the monitor stops
     del transient
     monitor.stop()
