@@ -121,3 +121,18 @@ def test_a_peak_shorter_than_the_sampling_interval_is_measured():
     del transient
     monitor.stop()
     assert monitor.growth > 0.9 * size, monitor.growth
+
+
+@pytest.mark.parametrize("mark_mib,exact", [(102, True), (200, False)])
+def test_the_high_water_mark_counts_as_reset_across_a_huge_page_freed_meanwhile(monkeypatch, tmp_path, mark_mib,
+                                                                               exact):
+    """Another thread frees a 2 MiB huge page (THP `always`) between the reads around the reset: the mark, reset to the
+    resident size at that moment, reads 2 MiB above the size after it, and is still the kernel's (else loading figures
+    fall back to the sampler, which missed peaks on busy cores). A kernel that ignored the write leaves the old peak."""
+    from accel_fsdp import hardware
+
+    resident = iter([102 << 20, 100 << 20])  # before the reset, after it
+    monkeypatch.setattr(hardware, "rss_bytes", lambda: next(resident))
+    monkeypatch.setattr(hardware, "_vm_hwm", lambda: mark_mib << 20)
+    monkeypatch.setattr("builtins.open", lambda path, mode="r": (tmp_path / "clear_refs").open(mode))
+    assert hardware._reset_high_water_mark() is exact
