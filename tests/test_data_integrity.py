@@ -234,7 +234,12 @@ from accel_fsdp.train.setup import prepare_run_data
 from accel_fsdp.train.hooks import TestSwitches
 
 rank = int(os.environ["RANK"])
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=2))  # the collective timeout, short
+# The ranks meet with time to spare (their imports above end seconds apart on a busy machine), then the store and every
+# collective get the short timeout, as a launcher's init_process_group gives both the collective timeout.
+store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 2, rank == 0,
+                      timeout=datetime.timedelta(seconds=300))
+store.set_timeout(datetime.timedelta(seconds=2))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=2))
 r = recipe_from_text(sys.argv[1], source="r.yaml")
 acc = SimpleNamespace(num_processes=2, process_index=rank, is_main_process=rank == 0,
                       is_local_main_process=rank == 0)
