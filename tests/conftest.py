@@ -326,6 +326,15 @@ class WallClockBound:
         return elapsed
 
 
+@pytest.fixture
+def cpu_with_native_bf16(monkeypatch):
+    """This CPU computes bf16 natively, whatever CPU runs the suite: on one without it (AVX2 only) a config's bf16 on
+    CPU ranks becomes fp32 (config/settings.py), and a plan's figures and settings with it."""
+    from accel_fsdp.hardware import CPU_BF16_ENV
+
+    monkeypatch.setenv(CPU_BF16_ENV, "1")
+
+
 TRACE_UNITS = {"ACCEL_FSDP_TRACE_UNITS": "1"}
 """The environment of a run that records, per rank and step, the training units it read (train/hooks.py)."""
 

@@ -10,7 +10,6 @@ from accel_fsdp.config.recipe import recipe_from_text
 from accel_fsdp.config.settings import Source, check_settings, resolve_settings
 from accel_fsdp.config.shipped import shipped_accelerate_configs
 from accel_fsdp.errors import UserError
-from accel_fsdp.hardware import CPU_BF16_ENV
 
 RECIPE = """
 model: {architecture: gpt2, tokenizer: "builtin:quickstart"}
@@ -36,15 +35,14 @@ def test_shipped_config_is_valid_and_fully_commented(name):
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-def test_ranks_read_the_same_settings_as_the_file(name, monkeypatch):
+def test_ranks_read_the_same_settings_as_the_file(name, monkeypatch, cpu_with_native_bf16):
     """Inside a rank started by a stock `accelerate launch`, the FSDP_* variables Accelerate exports from the
     file must resolve to exactly the settings read from the file itself."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    # The device is not exported (skipped below), and on CPU the precision follows it: bf16 falls back to fp32 on a CPU
-    # without native bf16 (config/settings.py). Pinned, so that the CPU running the suite does not decide the compare.
-    monkeypatch.setenv(CPU_BF16_ENV, "1")
+    # The device is not exported (skipped below), and on CPU the precision follows it (cpu_with_native_bf16): with the
+    # CPU's bf16 pinned, the CPU that runs the suite does not decide the comparison.
     path = shipped_accelerate_configs()[name]
     args = launch_command_parser().parse_args(["--config_file", str(path), "--main_process_port", "0", "x.py"])
     args, _, _ = _validate_launch_command(args)
