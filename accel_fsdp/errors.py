@@ -83,6 +83,30 @@ def first_line(error: BaseException, limit: int = 200, *, named: bool = False) -
     return f"{name}: {line}" if named else line
 
 
+def out_of_memory(error: BaseException) -> str | None:
+    """"GPU" or "host" when `error` is an allocation that failed, else None: torch.OutOfMemoryError (the CUDA caching
+    allocator's, a RuntimeError), the CPU allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory",
+    c10/core/impl/alloc_cpu.cpp; torch 2.13.0), Python's MemoryError. Linux's overcommit usually ends a process out
+    of host memory with SIGKILL instead: our launcher says that one (launch/launcher.py `killed_rank_message`).
+    Read by a rank (train/lifetime.py) and by the one-process commands (cli/main.py)."""
+    if isinstance(error, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error):
+        return "host"
+    if type(error).__name__ == "OutOfMemoryError":
+        return "GPU"
+    return None
+
+
+def allocation_figures(error: BaseException) -> str:
+    """What an allocation that failed says of its sizes, for a message: CUDA's first sentences (what it tried to
+    allocate, the capacity, what was free), not its advice on the allocator's settings."""
+    detail = ""
+    for sentence in " ".join(str(error).split()).split(". "):
+        if detail and len(detail) + len(sentence) > 240:
+            break
+        detail += ("" if not detail else ". ") + sentence
+    return detail or type(error).__name__
+
+
 def raise_if(problems: list[Problem], title: str) -> None:
     """Raise one `UserError` listing every problem gathered, or return when there are none."""
     if problems:

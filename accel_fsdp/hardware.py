@@ -6,6 +6,7 @@ package above errors.py, and torch only inside the functions that need it, so th
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import resource
 import socket
@@ -29,6 +30,15 @@ def visible_cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def visible_devices_said(env=None) -> str:
+    """CUDA_VISIBLE_DEVICES as a message shows it: a value (indices, or GPU UUIDs as SLURM or a container may give),
+    "'' (empty: no GPU)", or "unset" (every GPU)."""
+    visible = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return "CUDA_VISIBLE_DEVICES unset"
+    return f"CUDA_VISIBLE_DEVICES={visible}" if visible.strip() else "CUDA_VISIBLE_DEVICES='' (empty: no GPU)"
+
+
 def cuda_unavailable_reason() -> str:
     """Why this process cannot use CUDA, in torch's words where it has them: a torch built without CUDA, no device
     visible, or the error CUDA's initialization reports (a driver too old, none loaded). Imports torch."""
@@ -36,7 +46,6 @@ def cuda_unavailable_reason() -> str:
 
     if torch.version.cuda is None:
         return f"this torch ({torch.__version__}) is built without CUDA"
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if not any(Path(p).exists() for p in _NVIDIA_NODES):
         return "no NVIDIA device node (/dev/nvidia*) on this machine or in this container"
     try:
@@ -44,7 +53,7 @@ def cuda_unavailable_reason() -> str:
     except Exception as e:  # torch raises RuntimeError, AssertionError or AcceleratorError: all say why
         return f"CUDA failed to initialize: {first_line(e)}"
     if torch.cuda.device_count() == 0:
-        return f"no CUDA device is visible (CUDA_VISIBLE_DEVICES={visible if visible is not None else 'unset'})"
+        return f"no CUDA device is visible ({visible_devices_said()})"
     return "torch.cuda.is_available() is false"
 
 
@@ -256,6 +265,20 @@ class PeakMemory:
         return self.peak - self.baseline
 
 
+def oom_kills() -> int | None:
+    """Processes the kernel's out-of-memory killer has ended on this machine since it booted (oom_kill in /proc/vmstat,
+    Linux 4.13 on; a memory cgroup's kills count too: mm/oom_kill.c `__oom_kill_process`); None where it is not
+    said. Read before and after a launch, it tells a rank the OOM killer ended from one `kill -9` ended."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def rss_bytes() -> int:
     """Current resident memory of this process."""
     try:
@@ -293,16 +316,32 @@ def gloo_interface(env, interfaces: dict[str, list[str]]) -> tuple[str | None, s
         return None, (f"NCCL_SOCKET_IFNAME={nccl} names no interface with an address on this machine "
                       f"({', '.join(usable) or 'none'}): gloo binds the address of this machine's name; set "
                       "GLOO_SOCKET_IFNAME to the interface the machines share")
-    try:
-        where = socket.gethostbyname(socket.gethostname())
-    except OSError:
-        where = "nothing (gloo falls back to 127.0.0.1)"
+    where = host_address()
     why = (f"NCCL_SOCKET_IFNAME={nccl} excludes interfaces rather than naming one" if nccl
            else "neither GLOO_SOCKET_IFNAME nor NCCL_SOCKET_IFNAME is set")
-    loop = ", a loopback address the other machines cannot reach" if where.startswith("127.") else ""
+    loop = ", a loopback address the other machines cannot reach" if _is_loopback(where) else ""
     return None, (f"{why}: gloo (barriers, object collectives) binds the address this machine's name resolves to "
                   f"({where}{loop}); set GLOO_SOCKET_IFNAME (or NCCL_SOCKET_IFNAME) to the interface the machines "
                   "share, on every machine")
+
+
+def host_address() -> str:
+    """The address this machine's name resolves to, as gloo looks for it: any family, IPv6 included (torch/csrc/
+    distributed/c10d/ProcessGroupGloo.cpp, doesHostnameResolveToUsableAddress: getaddrinfo with AF_UNSPEC, the first
+    address it can bind; else the loopback address). gethostbyname, IPv4 alone, called an IPv6-only machine's name
+    unresolvable and said that gloo would bind loopback."""
+    try:
+        found = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)
+    except OSError:
+        found = []
+    return found[0][4][0] if found else "nothing (gloo falls back to the loopback address)"
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def network_interfaces() -> dict[str, list[str]]:

@@ -70,13 +70,15 @@ def default_accelerate_config() -> tuple[Path, int | None, str]:
 def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = None, check_data: bool = True,
               run_dir: Path | None = None, resume: str | None = None, resume_from: str | None = None,
               overwrite: bool = False, for_target_hardware: bool = False, check_hub: bool = False,
-              cpu_option: bool = False, accept_data_change: bool = False) -> PreflightReport:
+              cpu_option: bool = False, accept_data_change: bool = False,
+              check_weights: bool = False) -> PreflightReport:
     """Check recipe x accelerate config x model x data; raise one UserError listing every problem. (Long: the stages
     in the order they run, each a call; they gather problems into one list.)
 
     `for_target_hardware`: judge the config on the hardware it is written for (GPUs unless it says use_cpu),
     not on this machine: `recipe validate` of a GPU config on a laptop. `cpu_option`: the command has `--cpu`, which
-    a refusal of a GPU config may then suggest."""
+    a refusal of a GPU config may then suggest. `check_weights`: read a local model folder's weight files' headers
+    against the model (`recipe validate`; a run's ranks check them as they load)."""
     cuda_here = hardware.visible_cuda_devices()
     cuda = bool(cuda_here) or (for_target_hardware and not config.get("use_cpu"))
     settings = resolve_settings(recipe, config, cuda_available=cuda, num_processes=num_processes)
@@ -94,14 +96,12 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
     if not for_target_hardware:  # about to run here: a GPU config must find CUDA
         problems += cuda_problems(settings, config, hardware.cuda_unavailable_reason, cpu_option=cpu_option)
     if here is not None:
-
         if for_target_hardware:  # judged for other hardware: what this machine would do is only a note
             report.notes += [f"on this machine: {p.message}" for p in gpu_count_problems(settings, here)]
         note = idle_gpu_note(settings, here)
         if note:
             report.notes.append(note)
     if run_dir is not None:
-
         layout = RunLayout.of(recipe, run_dir)
         locked, unwritable = lock_problems(layout), writable_problems(layout)
         problems += locked + unwritable
@@ -118,7 +118,6 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
 
     problems += _tracker_problems(recipe)
     if check_hub:  # about to launch: a hub id this machine cannot get stops here, once, not in every rank
-
         problems += hub_problems(recipe)
     try:
         view = model_view(recipe)
@@ -131,6 +130,10 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
     if view is not None:
         report.model_class, report.parameters = view.class_name, view.params
         problems += model_problems(recipe, settings, view)
+        if check_weights and not problems and model_checks.safetensors_folder(recipe) is not None:
+            from accel_fsdp.model.build import weights_fit_problems  # imports torch: for a local folder alone
+
+            problems += weights_fit_problems(recipe)
 
     if check_data and not problems:
         problems += _check_data(recipe, report)

@@ -100,6 +100,7 @@ def test_sigkill_at_a_random_step_then_resume_equals_uninterrupted(tmp_path, ref
                      env={**TRACE_UNITS, "ACCEL_FSDP_FAULT": f"kill:{step}"})
     assert killed.returncode == 1, killed.stderr[-3000:]
     assert "rank 0 was killed by SIGKILL" in killed.stderr
+    assert "the run can go on from its newest checkpoint: the same command with --resume auto" in killed.stderr
     assert not (run / "final").exists()
     resumed = run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", env=TRACE_UNITS, check=0)
     last_saved = (step - 1) // 3 * 3  # the kill comes before the checkpoint of its own step

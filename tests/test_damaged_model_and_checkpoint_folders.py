@@ -63,15 +63,18 @@ def validate(folder: Path) -> str:
 
 
 CASES = [
-    # (damage, what recipe validate and generate say); None: validate cannot tell without reading every weight
+    # (damage, what recipe validate says); None: a case with its own test below
     ("config:n_layer=\"two\"", "config.json: n_layer is 'two', not a positive whole number"),
     ("config:n_embd=-64", "config.json: n_embd is -64, not a positive whole number"),
     ("config:model_type=\"bert\"", "'bert' is an encoder (a masked language model"),
     ("config:model_type=\"t5\"", "'t5' is an encoder-decoder model"),
     ("config:vocab_size=10", None),
     ("bin-not-torch", "damaged weights: pytorch_model.bin (not a complete file torch.save wrote"),
-    ("tensor-missing", None),
-    ("tensor-shape", None),
+    # the files' headers against the model on the meta device (model/build.py `weights_fit_problems`); validate said
+    # ok, and the launch's ranks refused the folder each
+    ("tensor-missing", "the weights do not fit the model its config.json describes: "
+                       "transformer.h.0.mlp.c_fc.weight is missing"),
+    ("tensor-shape", "transformer.h.0.mlp.c_fc.weight is [64, 10] in the files but [64, 256] in the model"),
     ("file:generation_config.json={ not json", "generation_config.json is damaged (JSONDecodeError"),
     ('file:generation_config.json={"eos_token_id": "x"}',
      "generation_config.json: eos_token_id is 'x', not a token id from 0 to 130"),

@@ -241,8 +241,17 @@ store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 2, rank == 0,
 store.set_timeout(datetime.timedelta(seconds=2))
 dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=2))
 r = recipe_from_text(sys.argv[1], source="r.yaml")
+import torch
+
+
+def gather(tensor):  # Accelerator.gather: every rank's tensor, concatenated in rank order
+    out = [torch.zeros_like(tensor) for _ in range(2)]
+    dist.all_gather(out, tensor)
+    return torch.cat(out)
+
+
 acc = SimpleNamespace(num_processes=2, process_index=rank, is_main_process=rank == 0,
-                      is_local_main_process=rank == 0)
+                      is_local_main_process=rank == 0, device=torch.device("cpu"), gather=gather)
 terminal = SimpleNamespace(say=lambda text: print(text, flush=True))
 data = prepare_run_data(r, build_tokenizer(), acc, terminal, TestSwitches(slow_data=6.0))
 dist.barrier()  # the ranks' next collective: both are here

@@ -41,7 +41,6 @@ def settings_for(config: str, overrides=(), cuda: bool = True):
     return recipe, resolve_settings(recipe, load_accelerate_config(config), cuda_available=cuda)
 
 
-
 @pytest.fixture
 def fake_cuda_rank(monkeypatch):
     """Rank 0 of 2 under torchrun on a machine with 2 GPUs, as far as Accelerate can tell: init_process_group only

@@ -261,7 +261,6 @@ def test_a_packed_row_gives_each_document_the_logits_it_has_alone(tmp_path, kind
 # ------------------------------------------- 2, 4, 5: behaviour on 2 CPU ranks through the real CLI
 
 
-
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_only_rank0_reads_pretrained_weights_and_training_is_unchanged(gpu_check_on_cpu_ranks):

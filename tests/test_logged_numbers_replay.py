@@ -32,6 +32,8 @@ from accel_fsdp.tools.noise import ROUNDOFF, adam_step_bound, reordered
 LR, WARMUP, STEPS, MIN_LR_RATIO = 3e-3, 1, 3, 0.1
 WEIGHT_DECAY = 1.0
 """Large, so that the decay's move of a weight stands above the replay's bound (assert_weights_replayed)."""
+GPT2_LORA_TARGETS = ["c_attn", "c_proj", "c_fc"]
+"""GPT-2's projections as its users name them (Conv1D layers; c_proj is the attention's and the MLP's output)."""
 SFT_SOURCES = [{"name": "stories", "path": "builtin:quickstart", "weight": 0.5, "max_rows": 240},
                {"name": "questions", "path": "builtin:quickstart-instruct", "format": "instruction", "weight": 0.3,
                 "max_rows": 240},
@@ -139,7 +141,8 @@ def replay_adamw(parameters: dict, training, lrs: list[float], step_losses: list
         for p in params:
             p.grad = None
         loss, count, scale = step_loss()
-        loss.backward()
+        if loss.requires_grad:  # else step_loss set the gradients itself (tests/test_bf16_replay.py)
+            loss.backward()
         norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in params if p.grad is not None))
         clip = 1.0 if limit is None else min(1.0, limit / (norm + 1e-6))
         with torch.no_grad():
@@ -155,7 +158,7 @@ def replay_adamw(parameters: dict, training, lrs: list[float], step_losses: list
 
 
 def assert_weights_replayed(weights: dict, replayed: dict, start: dict, training, lrs: list[float],
-                            counts: list[int]) -> None:
+                            counts: list[int], gradient_noise: list[float] | None = None) -> None:
     """A run's exported fp32 weights against the float64 replay's (`replayed`, after replay_adamw) from the same
     `start`, by name.
 
@@ -169,10 +172,12 @@ def assert_weights_replayed(weights: dict, replayed: dict, start: dict, training
     + 3 S 2^-24 |w|, and every element within 2 U sum(lr_s) + that: an element whose gradient is itself rounding noise
     (GPT-2's key biases) can step either way. The decay's own move, lr wd |w| summed, is held to be twice the bound
     at the median |w| where it applies, so a decay left out fails here; a decay wrongly applied to the norms' weights
-    (1) moves them far more (biases start at 0 and move little: not told apart)."""
+    (1) moves them far more (biases start at 0 and move little: not told apart). `gradient_noise`: each step's rho_s
+    where the run computes its gradients in another precision than fp32 (tests/test_bf16_replay.py)."""
     u = adam_step_bound(training.adam_beta1, training.adam_beta2, len(lrs))
     steps = len(lrs)
-    step_noise = 2 * u * sum(lr * reordered(n * LOGIT_PATH) for lr, n in zip(lrs, counts))
+    rho = gradient_noise or [reordered(n * LOGIT_PATH) for n in counts]
+    step_noise = 2 * u * sum(lr * r for lr, r in zip(lrs, rho))
     largest = 2 * u * sum(lrs)
     assert set(weights) == set(replayed), set(weights) ^ set(replayed)
     for key, exported in weights.items():
@@ -379,16 +384,21 @@ def documented_pair(method: str, chosen: tuple, rejected: tuple, reference: tupl
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("method,lora,eps", [("dpo", None, 0.1), ("simpo", None, 0.0), ("orpo", None, 0.0),
-                                             ("dpo", "lora", 0.0), ("dpo", "qlora", 0.0)])
+                                             ("dpo", "lora", 0.0), ("dpo", "qlora", 0.0),
+                                             ("dpo", "lora-gpt2", 0.0)])
 def test_a_preference_run_logs_what_a_replay_computes(tmp_path, method, lora, eps):
     """Built-in pairs, 2 ranks x 2 micro-steps, 2 steps with weight decay, a full fine-tune of a GPT-2 (DPO with label
-    smoothing) or LoRA on a Llama, on its 4-bit base (QLoRA) too: step 1's loss and every statistic recomputed from the
+    smoothing) or LoRA on a Llama, on its 4-bit base (QLoRA) too, or on a GPT-2's Conv1D layers named as GPT-2 users
+    name them (its lora.dropout set, which preference tuning turns off): step 1's loss and every statistic recomputed
+    from the
     starting weights' log-probabilities by docs/PREFERENCE.md (DPO's reference is the starting weights too:
     precomputed, or the base with the adapters off, whose B matrices start at 0; QLoRA's base is dequantized); both
     steps' gradient norms and the exported weights (LoRA: the adapters) replayed from the start by the documented
     loss, LoRA and AdamW; and the final evaluation's from the exported model."""
-    model_path = save_tiny_model(tmp_path / "m", "llama" if lora else "gpt2")
+    model_path = save_tiny_model(tmp_path / "m", "llama" if lora in ("lora", "qlora") else "gpt2")
     adapters = {"lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}} if lora else {}
+    if lora == "lora-gpt2":
+        adapters["lora"].update(target_modules=GPT2_LORA_TARGETS, dropout=0.1)
     if lora == "qlora":
         pytest.importorskip("torchao")
         adapters["quantize"] = "nf4"
@@ -494,8 +504,8 @@ def starting_model(model_path, recipe):
 
 
 def documented_lora(model, recipe, values: dict | None = None) -> tuple[dict, dict]:
-    """The recipe keys' LoRA on a float64 model: each Linear named in model.lora.target_modules gains (alpha / r) B A x
-    (its dropout off: preference tuning), A r x in and B out x r trainable, the base frozen. A's first values are the
+    """The recipe keys' LoRA on a float64 model: each Linear (GPT-2: Conv1D) named in model.lora.target_modules gains
+    (alpha / r) B A x (its dropout off), A r x in and B out x r trainable, the base frozen. A's first values are the
     run's (drawn by the product from the recipe's seed: only the drawing is borrowed), B's 0; or `values`. Returns the
     adapters and their first values, named as the exported adapter folder names them."""
     from transformers import AutoModelForCausalLM
@@ -514,11 +524,21 @@ def documented_lora(model, recipe, values: dict | None = None) -> tuple[dict, di
             continue
         a = torch.nn.Parameter(first[f"{name}.lora_A.weight"].clone())
         b = torch.nn.Parameter(first[f"{name}.lora_B.weight"].clone())
-        assert a.shape == (lora.r, module.in_features) and b.shape == (module.out_features, lora.r)
-        module.register_forward_hook(lambda _, inputs, out, a=a, b=b: out + lora.alpha / lora.r * inputs[0] @ a.T @ b.T)
+        # GPT-2's Conv1D holds its weight as in x out and computes x W + b: A is still r x in, B out x r
+        fan_in, fan_out = (module.weight.shape if type(module).__name__ == "Conv1D" else module.weight.shape[::-1])
+        assert a.shape == (lora.r, fan_in) and b.shape == (fan_out, lora.r), name
+        scale = lora.alpha / lora.r
+        module.register_forward_hook(lambda _, inputs, out, a=a, b=b: adapted(out, inputs[0], a, b, scale))
         parameters[f"{name}.lora_A.weight"], parameters[f"{name}.lora_B.weight"] = a, b
     assert set(parameters) == set(first), set(parameters) ^ set(first)
     return parameters, first
+
+
+def adapted(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """A layer's output plus its adapters' scale B A x, the products in the input's dtype (bf16 where the run computes
+    in bf16, tests/test_bf16_replay.py: autocast leaves float64 tensors alone, so the float64 adapters are cast
+    here)."""
+    return out + scale * x @ a.T.to(x.dtype) @ b.T.to(x.dtype)
 
 
 def adapter_key(name: str) -> str:

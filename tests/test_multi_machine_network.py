@@ -123,6 +123,37 @@ def test_the_slurm_script_says_which_interface_gloo_binds(tmp_path):
     assert 'echo "gloo binds:    ${GLOO_SOCKET_IFNAME:-derived on each node from NCCL_SOCKET_IFNAME=' in script
 
 
+@pytest.mark.parametrize("resolves_to,said", [
+    ("fd00::5", "resolves to (fd00::5); set GLOO_SOCKET_IFNAME"),  # an IPv6-only machine
+    ("::1", "(::1, a loopback address the other machines cannot reach)"),
+    ("127.0.1.1", "(127.0.1.1, a loopback address the other machines cannot reach)"),  # Debian's /etc/hosts
+    (None, "(nothing (gloo falls back to the loopback address)"),
+])
+def test_the_note_names_the_address_gloo_would_bind_ipv6_included(monkeypatch, resolves_to, said):
+    """gloo resolves the machine's name with getaddrinfo, any family; the note used gethostbyname (IPv4 alone) and
+    told an IPv6-only machine that gloo would fall back to 127.0.0.1."""
+    import socket
+
+    from accel_fsdp import hardware
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if resolves_to is None:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        family = socket.AF_INET6 if ":" in resolves_to else socket.AF_INET
+        return [(family, socket.SOCK_STREAM, 6, "", (resolves_to, 0))]
+
+    def ipv4_only(host):
+        if resolves_to is None or ":" in resolves_to:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return resolves_to
+
+    monkeypatch.setattr(hardware.socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(hardware.socket, "gethostbyname", ipv4_only)
+    name, note = hardware.gloo_interface({}, LAUNCHER_INTERFACES)
+    assert name is None and said in note, note
+    assert ("loopback address the other" in note) == (resolves_to in ("::1", "127.0.1.1"))
+
+
 @pytest.mark.parametrize("value,works", [("lo", True), ("lo,lo", True), ("^lo", False), ("=lo", False)])
 def test_gloo_takes_exact_interface_names(monkeypatch, value, works):
     """What gloo_interface relies on: GLOO_SOCKET_IFNAME holds exact names (NCCL's '^' and '=' are not names)."""

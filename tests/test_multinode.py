@@ -154,6 +154,8 @@ def test_a_slurm_job_of_cpu_ranks_asks_for_no_gpus_and_says_cpu_ranks(tmp_path):
                              config, "--output-dir", tmp_path / "run", "-o", script, check=0).stdout
         assert f"2 node(s) x 2 {ranks}, global batch 32 = micro 4 x 4 {ranks} x 2 accumulation steps" in out, out
         assert ("#SBATCH --gres=gpu:2" in script.read_text()) == (ranks == "GPUs")
+        kind = "CPU" if ranks == "CPU ranks" else "GPU"  # what the job says when it starts
+        assert f'echo "nodes:         $NODES x $GPUS_PER_NODE {kind} ranks = $TOTAL_GPUS ranks;' in script.read_text()
 
 
 def slurm_stand_ins(tmp_path: Path) -> tuple[dict, Path]:

@@ -1,8 +1,8 @@
 """What only the whole job shows, refused before any rank starts: a --profile window after the run's last step, a
 warm-up longer than a run whose length comes from training.epochs, a checkpoint.dir that is the run folder or above
-it, `recipe validate` judging --num-machines / --num-processes / --output-dir as `recipe run` does; and a recipe
-precision that overrules the accelerate config's is said. In-process;
-the launch is replaced, so nothing here starts a rank even where a check is missing."""
+it, `recipe validate` judging --num-machines / --num-processes / --output-dir as `recipe run` does, a deferred
+gradient reduction that FSDP1 would sum in bf16; and a recipe precision that overrules the accelerate config's is said.
+In-process; the launch is replaced, so nothing here starts a rank even where a check is missing."""
 
 from __future__ import annotations
 
@@ -79,3 +79,25 @@ def test_a_cadence_the_run_never_reaches_is_said():
     assert ("note: --set checkpoint.every_steps: 1,000 is not below the run's 150 optimizer steps: the final "
             "checkpoint alone is saved") in out
     assert "note: --set training.eval_every_steps: 150 is not below the run's 150 optimizer steps" in out
+
+
+@pytest.mark.parametrize("config,refused", [("fsdp1_2gpu", True), ("fsdp_cpu", False)])
+def test_a_deferred_reduction_that_would_accumulate_in_bf16_is_refused(tmp_path, no_launch, config, refused):
+    """FSDP1 under no_sync adds each micro-step's gradient into the unsharded flat parameter's bf16 .grad (its
+    post-backward hook returns before the cast to the fp32 reduce dtype): with fsdp.reduce_every_micro_step false the
+    step's gradient was summed in bf16 while the key's docs (and README's bf16 paragraph) say fp32. FSDP2 accumulates
+    in fp32 and launches."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {architecture: gpt2, tokenizer: 'builtin:quickstart', config_overrides: {n_layer: 2, "
+                      "n_embd: 64, n_head: 4}}\ndata: {path: 'builtin:quickstart'}\n"
+                      "training: {micro_batch_size: 2, global_batch_size: 8, max_steps: 2, mixed_precision: bf16}\n"
+                      "fsdp: {reduce_every_micro_step: false}\n")
+    args = ("recipe", "run", recipe, "--output-dir", tmp_path / "run", "--accelerate-config", config, "--cpu")
+    if not refused:
+        code, out = cli(*args)
+        assert code == 0 and len(no_launch) == 1, out
+        return
+    message = user_error(*args)
+    assert "fsdp.reduce_every_micro_step: false under FSDP1 with bf16 compute would add the micro-steps' gradients" in (
+        message), message
+    assert "keep fsdp.reduce_every_micro_step: true" in message and not no_launch

@@ -28,3 +28,23 @@ def test_no_line_of_the_package_is_continued_with_a_backslash():
                  for number, line in enumerate(path.read_text().splitlines(), 1)
                  if line.rstrip().endswith("\\") and not line.lstrip().startswith("#")]
     assert not continued, "\n".join(continued)
+
+
+def test_no_three_blank_lines_in_a_row_and_none_after_a_block_opens():
+    """What deleted code leaves behind (pycodestyle's E303): two blank lines between top-level definitions at most,
+    and no blank line as the first line of a block."""
+    import re
+
+    opener = re.compile(r"^\s*(if|elif|else|for|while|with|try|except|finally)\b.*:(\s*#.*)?$")
+    found = []
+    for path in sorted([*(REPO / "accel_fsdp").rglob("*.py"), *(REPO / "tests").glob("*.py"),
+                        *(REPO / "benchmarks").glob("*.py")]):
+        lines = path.read_text().split("\n")
+        blank = 0
+        for number, line in enumerate(lines, 1):
+            blank = blank + 1 if not line.strip() else 0
+            if blank == 3:
+                found.append(f"{path.relative_to(REPO)}:{number}: a third blank line")
+            if number < len(lines) and opener.match(line.rstrip()) and not lines[number].strip():
+                found.append(f"{path.relative_to(REPO)}:{number}: a blank line after the block's opening line")
+    assert not found, "\n".join(found)

@@ -11,7 +11,8 @@ Two bases, and the difference matters (README.md, QLoRA, says it to users):
   the quantization error the adapters never saw (small, usually what users want to ship).
 
 The LoRA update is PEFT's merge (peft 0.21.2, tuners/lora/layer.py Linear.get_delta_weight): B @ A times
-lora_alpha / r (lora_alpha / sqrt(r) with use_rslora), transposed for a fan_in_fan_out layer (GPT-2's Conv1D).
+lora_alpha / r (lora_alpha / sqrt(r) with use_rslora), transposed for a fan_in_fan_out layer (GPT-2's Conv1D). An
+adapted output projection tied to the input embeddings is written as a weight of its own (`tied_head_of`).
 """
 
 from __future__ import annotations
@@ -60,32 +61,27 @@ def merge_streaming(adapter_dir: Path, out: Path, *, base: str, dtype: str, quan
     """Write `out`: the base's tensors, one at a time, with every adapted weight merged (and with `quantized_base`,
     each 4-bit weight quantized and dequantized as training saw it, checked against its fingerprint), into safetensors
     shards of at most `max_shard_size` bytes; the base's config and the adapter folder's tokenizer."""
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 
     folder = model_folder(base)
     out_dtype = compute_dtype(dtype)
     files = SafetensorsFiles(folder)
     config = AutoConfig.from_pretrained(folder)
-    layers = {f"{layer.name}.weight": layer for layer in layers_to_quantize(meta_model(config))}
+    skeleton = meta_model(config)
+    layers = {f"{layer.name}.weight": layer for layer in layers_to_quantize(skeleton)}
     deltas, scaling = adapter_deltas(adapter_dir)
+    untied = tied_head_of(skeleton, deltas)
     compute = getattr(torch, quantized_base.get("compute_dtype") or "bfloat16") if quantized_base else None
     digests: dict[str, bytes] = {}
     out.mkdir(parents=True, exist_ok=True)
-    shard: dict[str, torch.Tensor] = {}
-    names, weight_map, used = [], {}, 0
-
-    def flush():
-        nonlocal shard, used
-        if shard:
-            name = f"model-{len(names) + 1:05d}.safetensors"
-            save_file(shard, str(out / name), metadata={"format": "pt"})
-            names.append(name)
-            weight_map.update({k: name for k in shard})
-        shard, used = {}, 0
-
+    shards = _Shards(out, out_dtype, max_shard_size)
     for name in sorted(files.names(), key=_natural):
+        if untied and name == f"{untied[0]}.weight":
+            continue  # a tied head's copy in the files: the head is written from the embeddings below
         tensor = files.read(name)
+        if untied and name == f"{untied[1]}.weight":  # the adapted head's own copy of the embeddings it was tied to
+            a, b = deltas.pop(untied[0])
+            shards.add(f"{untied[0]}.weight", tensor.float() + (b @ a) * scaling)
         layer = layers.get(name)
         if layer is not None and compute is not None:
             weight = tensor.to(compute)
@@ -98,20 +94,45 @@ def merge_streaming(adapter_dir: Path, out: Path, *, base: str, dtype: str, quan
             a, b = deltas.pop(module)
             delta = (b @ a) * scaling  # out x in
             tensor = tensor.float() + (delta.t() if layer is not None and layer.from_conv1d else delta)
-        tensor = tensor.to(out_dtype).contiguous()
-        if shard and used + tensor.numel() * tensor.element_size() > max_shard_size:
-            flush()
-        shard[name] = tensor
-        used += tensor.numel() * tensor.element_size()
-    flush()
+        shards.add(name, tensor)
+    shards.flush()
     if deltas:
         raise UserError(Problem(where, f"the adapters of {', '.join(sorted(deltas)[:3])} have no weight in {folder}",
                                 "merge into the base model the adapters were trained on (--base-model PATH)"))
     if quantized_base:
         check_fingerprint(digests, quantized_base, folder, where)
-    _name_shards(out, names, weight_map)
-    _copy_config(folder, out, dtype)
+    _name_shards(out, shards.names, shards.weight_map)
+    _copy_config(folder, out, dtype, untied=bool(untied))
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out)
+
+
+class _Shards:
+    """Tensors written as they come into safetensors files of at most `max_shard_size` bytes (one shard in memory)."""
+
+    def __init__(self, out: Path, dtype: torch.dtype, max_shard_size: int):
+        self.out, self.dtype, self.max_shard_size = out, dtype, max_shard_size
+        self.shard: dict[str, torch.Tensor] = {}
+        self.used = 0
+        self.names: list[str] = []
+        self.weight_map: dict[str, str] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        tensor = tensor.to(self.dtype).contiguous()
+        size = tensor.numel() * tensor.element_size()
+        if self.shard and self.used + size > self.max_shard_size:
+            self.flush()
+        self.shard[name] = tensor
+        self.used += size
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if self.shard:
+            name = f"model-{len(self.names) + 1:05d}.safetensors"
+            save_file(self.shard, str(self.out / name), metadata={"format": "pt"})
+            self.names.append(name)
+            self.weight_map.update({k: name for k in self.shard})
+        self.shard, self.used = {}, 0
 
 
 def check_fingerprint(digests: dict[str, bytes], quantized_base: dict, folder: Path, where: str) -> None:
@@ -141,12 +162,24 @@ def _name_shards(out: Path, names: list[str], weight_map: dict[str, str]) -> Non
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def _copy_config(folder: Path, out: Path, dtype: str) -> None:
+def tied_head_of(model, deltas: dict) -> tuple[str, str] | None:
+    """(the output projection's name, the input embeddings' name) where the adapters adapt an output projection tied
+    to the input embeddings (GPT-2's lm_head): the model files hold only the embeddings, and the merge writes the head
+    its own weight, the embeddings plus (alpha / r) B A, leaving the embeddings as they were (as they were trained)."""
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embeddings is None or head.weight is not embeddings.weight:
+        return None
+    names = {id(m): n for n, m in model.named_modules()}
+    return (names[id(head)], names[id(embeddings)]) if names[id(head)] in deltas else None
+
+
+def _copy_config(folder: Path, out: Path, dtype: str, *, untied: bool = False) -> None:
     for name in ("config.json", "generation_config.json"):
         if (folder / name).exists():
             shutil.copy2(folder / name, out / name)
     config = json.loads((out / "config.json").read_text())
     config["dtype"] = TRANSFORMERS[dtype]
+    if untied:
+        config["tie_word_embeddings"] = False
     config.pop("quantization_config", None)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-

@@ -20,7 +20,7 @@ import click
 
 from accel_fsdp import __version__
 from accel_fsdp.cli import checkpoint, data, plan, recipe, tools
-from accel_fsdp.errors import Problem, UserError, show_usage_error
+from accel_fsdp.errors import Problem, UserError, allocation_figures, out_of_memory, show_usage_error
 from accel_fsdp.hardware import settle_thread_environment
 from accel_fsdp.launch.launcher import inside_launch
 from accel_fsdp.quiet import quiet_warnings
@@ -45,6 +45,13 @@ FIXES = {
 """Filesystem errors that come from the paths and disks a user chose; any other errno is a bug and keeps its
 traceback."""
 USER_PATH_ERRORS = {errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, *FIXES}
+ONE_PROCESS_MEMORY_FIX = {
+    "GPU": "free the GPU (`nvidia-smi` shows who holds it), sample on the host (generate --device cpu), or use a GPU "
+           "with more memory",
+    "host": "free memory on this machine, write smaller shards (checkpoint consolidate --max-shard-size), or use a "
+            "machine with more memory",
+}
+"""What to change when a command of one process (generate, consolidate, data prepare) runs out of memory."""
 
 
 class _Stopped(BaseException):
@@ -131,6 +138,12 @@ class Commands(click.Group):
             click.echo(f"{command()}: preempted ({stopped.args[0]}); nothing half-written was left: run the same "
                        "command again", err=True)
             sys.exit(PREEMPTED)
+        except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            kind = out_of_memory(e)
+            if kind is None or inside_launch():  # a rank says its own (train/lifetime.py run_rank)
+                raise
+            raise UserError(Problem(command(), f"out of {kind} memory ({allocation_figures(e)})",
+                                    ONE_PROCESS_MEMORY_FIX[kind])) from None
         except OSError as e:
             if e.errno not in USER_PATH_ERRORS or not e.filename:
                 raise

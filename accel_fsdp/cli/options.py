@@ -101,5 +101,3 @@ def child_argv(ctx: click.Context, *, parent_only=frozenset(), given: dict | Non
         for v in (value if param.multiple else [value]):
             argv += [opt, *map(str, v)] if param.nargs != 1 else [opt, str(v)]
     return argv
-
-

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from accel_fsdp.config.precision import MEMORY, MEMORY_CHOICES
 from accel_fsdp.config.settings import batch_problem
 from accel_fsdp.errors import Problem, UserError, raise_if
 from accel_fsdp.files import write_atomic
-from accel_fsdp.launch.slurm import GENERATED, render
+from accel_fsdp.launch.slurm import GENERATED, edited_since_written, node_local_note, render
 from accel_fsdp.layout import RunLayout
 from accel_fsdp.planning.estimate import format_report, resolve_target, table
 from accel_fsdp.planning.memory import parse_bytes, size_problem
@@ -98,7 +99,8 @@ def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offlo
 @click.option("--nodes", required=True, type=click.IntRange(1, 4096), help="Machines to allocate.")
 @click.option("--gpus-per-node", required=True, type=click.IntRange(1, 64))
 @click.option("--global-batch-size", type=click.IntRange(1, 1 << 24), help="Override the recipe's global batch.")
-@click.option("--time", "time_limit", default="24:00:00", show_default=True, help="Wall-clock limit (HH:MM:SS).")
+@click.option("--time", "time_limit", default="24:00:00", show_default=True,
+              help="Wall-clock limit, in any form sbatch takes (HH:MM:SS, D-HH:MM:SS, minutes, MM:SS, D-HH, D-HH:MM).")
 @click.option("--partition", help="SLURM partition.")
 @click.option("--cpus-per-node", default=32, show_default=True, type=click.IntRange(1, 1024),
               help="CPU cores per node (data loading, tokenization, offload).")
@@ -111,7 +113,8 @@ def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offlo
               "Default: runs/<recipe name>.")
 @set_option
 @click.option("-o", "--output", "script", type=click.Path(path_type=Path), default=None,
-              help="Where to write the script. Default: <recipe name>.sbatch.")
+              help="Where to write the script. Default: <recipe name>.sbatch. An existing file is replaced only if "
+              "this command wrote it and it was not edited since.")
 def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_limit, partition, cpus_per_node,
                   signal_lead, accelerate_config, output_dir, overrides, script) -> None:
     """Write an sbatch script that trains a recipe on N nodes x G GPUs (one `accelerate launch` per node),
@@ -124,7 +127,6 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     sbatch job.sbatch
     """
     import shlex
-
 
     given = [item for item in overrides if item.partition("=")[0].strip() == "training.global_batch_size"]
     if global_batch_size and given and given[0].partition("=")[2].strip() != str(global_batch_size):
@@ -142,14 +144,7 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
                  f"is under {script.parent}, which is a file" if script.parent.exists() else
                  "is in a folder that does not exist")
         raise UserError(Problem(str(script), where, "give the path of the script file to write (-o job.sbatch)"))
-    if script.exists():
-        try:
-            ours = script.read_text(errors="replace").splitlines()[1].startswith(GENERATED)
-        except (OSError, IndexError):
-            ours = False
-        if not ours:
-            raise UserError(Problem(str(script), "exists and was not written by `accel-fsdp slurm`",
-                                    "give another -o (nothing was changed)"))
+    replacing = script.exists() and _replaceable_script(script)
     layout = RunLayout.of(r, output_dir)
     decide(layout, r, resume="auto")  # the folder the job will write: not a file, not another run's
     run_dir = layout.root
@@ -170,7 +165,33 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     script.chmod(0o755)
     k = t.accumulation_steps(nodes * gpus_per_node)
     ranks = "CPU ranks" if str(config.get("use_cpu", False)).lower() == "true" else "GPUs"  # as render() decides
+    folders = {"the run folder": run_dir, **({"checkpoint.dir": layout.checkpoints} if layout.external_checkpoints
+                                              else {})}
+    if note := node_local_note(folders, os.environ):
+        click.echo(f"note: {note}", err=True)
+    if replacing:
+        click.echo(f"note: {script} was replaced: an earlier script of `accel-fsdp slurm`, not edited since",
+                   err=True)
     click.echo(f"wrote {script}: {nodes} node(s) x {gpus_per_node} {ranks}, global batch {t.global_batch_size} = "
                f"micro {t.micro_batch_size} x {nodes * gpus_per_node} {ranks} x {k} accumulation steps; run folder "
                f"{run_dir}")
     click.echo(f"submit with: sbatch {script}")
+
+
+def _replaceable_script(script: Path) -> bool:
+    """An existing -o file is replaced only where nothing of the user's is lost: a script this command wrote and
+    nobody edited since (the digest in its header says so). Anything else is one message, and it stays as it is."""
+    try:
+        text = script.read_text(errors="replace")
+    except OSError:
+        text = ""
+    lines = text.split("\n", 2)
+    if len(lines) < 3 or not lines[1].startswith(GENERATED):
+        raise UserError(Problem(str(script), "exists and was not written by `accel-fsdp slurm`",
+                                "give another -o (nothing was changed)"))
+    edited = edited_since_written(text)
+    if edited is not False:
+        why = ("was edited since `accel-fsdp slurm` wrote it: replacing it would lose the edits" if edited else
+               "was written by an older `accel-fsdp slurm`, which kept no checksum: edits to it cannot be told")
+        raise UserError(Problem(str(script), why, "give another -o, or move it away first (nothing was changed)"))
+    return True

@@ -125,6 +125,7 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
     accel-fsdp recipe validate gpt2-xl --accelerate-config fsdp_2gpu
     accel-fsdp recipe validate my.yaml --set training.global_batch_size=64
     """
+    quiet_libraries()  # the model's weights are read on the meta device: transformers' loading report is ours to say
     r = load_recipe(name_or_path, overrides)
     config, n, why = load_config_or_default(accelerate_config)
     if num_machines is not None:
@@ -136,7 +137,7 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
     if output_dir is not None and file_in_the_way(output_dir):  # its permissions are the machine's it runs on
         raise UserError(Problem(str(output_dir), f"{file_in_the_way(output_dir)} is a file, not a folder",
                                 "choose another --output-dir"))
-    report = preflight(r, config, num_processes=n, for_target_hardware=True)
+    report = preflight(r, config, num_processes=n, for_target_hardware=True, check_weights=True)
     s = report.settings
     click.echo(f"ok: {r.source} with {config.label}" + ("" if why == "given" else f" ({why})"))
     if report.parameters:
@@ -265,6 +266,8 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
         machine.apply(config)
         raise_if(check_accelerate_config(config), f"{config.label} with these options has problems")
         machines, rank = int(config.get("num_machines", 1) or 1), int(config.get("machine_rank", 0) or 0)
+        if (problem := launcher.srun_step_problem(os.environ, config, machine)) is not None:
+            raise UserError(problem)
         main_machine = rank == 0
         # Only the main machine looks at the (shared) run folder: the others would race with its ranks writing there.
         report = preflight(r, config, num_processes=n, run_dir=run_dir if main_machine else None, resume=resume,

@@ -218,7 +218,6 @@ def bind(cls, raw: Any, prefix: str, where, problems: list[Problem], *, root=Non
     return _construct(cls, kwargs)
 
 
-
 def unknown_key_fix(root, key: str, prefix: str, known: list[str], other_names=None) -> str:
     """What an unknown key `prefix + key` may have meant: a key of its section spelled alike, else a key of another
     section by that name (training.seq_len: data.seq_len), else the key another tool calls so (`other_names`:

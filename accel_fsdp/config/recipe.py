@@ -32,24 +32,24 @@ from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.layout import CHECKPOINTS_DIR
 
 
-
 @dataclass(kw_only=True)
 class LoraConfig:
     """Parameter-efficient fine-tuning with PEFT LoRA adapters."""
 
     enabled: bool = False
     """Train LoRA adapters instead of all weights: each target layer computes W x + (alpha / r) B A dropout(x), the
-    base W frozen; only A (r x in, drawn as nn.Linear's weight from training.seed + 1) and B (out x r, zeros) train."""
+    base W frozen; only A (r x in, drawn as nn.Linear's weight from training.seed + 1) and B (out x r, zeros) train.
+    GPT-2's Conv1D layers hold W as in x out (x W + b): A and B the same, and a merge adds (alpha / r) (B A)^T."""
     r: int = 16
     """Rank of the adapter matrices."""
     alpha: int = 32
     """Scaling numerator: the adapter output is multiplied by alpha / r (not rsLoRA's alpha / sqrt(r))."""
     dropout: float = 0.0
-    """Dropout on the adapter input x (the base layer sees x whole); preference tuning turns it off (docs/PREFERENCE.md:
-    preference.keep_dropout keeps it)."""
+    """Dropout on the adapter input x (torch's: kept entries scaled by 1 / (1 - p); the base layer sees x whole; off in
+    evaluation); preference tuning turns it off (docs/PREFERENCE.md: preference.keep_dropout keeps it)."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
     """Names of the Linear modules that get adapters, in every block: a module whose name ends in one of them (GPT-2:
-    c_attn; Llama: q_proj, k_proj, v_proj, o_proj...)."""
+    c_attn, c_proj (attention and MLP output), c_fc; Llama: q_proj, k_proj, v_proj, o_proj...)."""
 
 
 QUANTIZE_METHODS = ("nf4",)
@@ -255,7 +255,8 @@ class TrainingConfig:
     seed: int = 42
     """Seed for weights created from scratch, data order, and dropout."""
     mixed_precision: Literal[precision.TRAINING] | None = None
-    """bf16: bf16 compute with fp32 master weights; fp32: full precision; fp16: needs a GPU and a grad scaler; fp8:
+    """bf16: bf16 compute with fp32 master weights (README, "An optimizer step, exactly", says which numbers are
+    bf16); fp32: full precision; fp16: needs a GPU and a grad scaler; fp8:
     the blocks' linear layers in float8 (torchao), the rest bf16, for Llama on GPUs of compute capability 8.9+ (not
     exact: `verify` bounds it against bf16). Default: the accelerate config's mixed_precision, else bf16."""
     compile: bool = False
@@ -268,7 +269,9 @@ class TrainingConfig:
     eval_every_steps: int | None = None
     """Evaluate on the held-out split every N optimizer steps (and at the end). Default: at the end only."""
     eval_max_batches: int | None = None
-    """Evaluate on at most this many micro-batches per rank (of each source). Default: the whole held-out split."""
+    """Evaluate on at most this many micro-batches per rank (of each source): its first eval_max_batches x
+    micro_batch_size x processes held-out sequences (pairs), rank r taking r, r + processes, ... Default: the whole
+    held-out split."""
     chunked_loss: bool = True
     """Compute the loss from the hidden states of the loss-carrying positions only, a chunk at a time, never the full
     logits: the same loss and gradients, a fraction of the memory (docs/PERFORMANCE.md). false: the full logits."""
@@ -334,7 +337,7 @@ class FsdpConfig:
     """Reduce-scatter gradients after every micro-step, so each rank only ever holds its gradient shard. false
     defers the reduction to the last micro-step of an optimizer step: less communication, but between micro-steps
     every rank holds the unsharded fp32 gradients of the whole model (on the GPU even with CPU offload): only for
-    models small enough that this fits."""
+    models small enough that this fits. Refused under FSDP1 with 16-bit compute, which would add them up in bf16."""
     collective_timeout_minutes: float = 60.0
     """How long a collective (all-gather, barrier, broadcast) may wait before the run fails, naming the rank that
     stopped making progress. Generous, because the first run tokenizes the data on one rank while the others wait,
@@ -425,7 +428,6 @@ class Recipe:
             return key
         line = self.lines.get(key)
         return f"{self.source}:{line}: {key}" if line else f"{self.source}: {key}"
-
 
 
 # Keys that may change between a checkpoint and the run resuming from it: they change how the run is observed,
@@ -546,4 +548,3 @@ def recipe_from_text(text: str, *, source: str, overrides=(), default_name: str 
 def key_reference() -> list[tuple[str, str, str, str]]:
     """(dotted key, type, default, documentation) of every recipe key, in schema order."""
     return schema_keys(Recipe)
-

@@ -394,6 +394,18 @@ def check_settings(settings: FsdpSettings, recipe, *, visible_gpus: int | None =
                          "FSDP1 cannot gather a FULL_STATE_DICT checkpoint on CPU ranks (torch's FSDP1 crashes "
                          "the first save there)", "use SHARDED_STATE_DICT (the exported model is the same; "
                          "`checkpoint consolidate` gathers it), or an FSDP2 config"))
+    if (s.fsdp_version.value == 1 and not s.reduce_every_micro_step.value and s.mixed_precision.value != "fp32"
+            and t.global_batch_size > t.micro_batch_size * n):
+        # Under no_sync FSDP1's post-backward hook returns before it casts to reduce_dtype (torch 2.13.0
+        # fsdp/_runtime_utils.py, _post_backward_hook), so autograd adds every micro-step's gradient into the
+        # unsharded flat parameter's 16-bit .grad: the step's gradient is summed in bf16, not fp32 as documented
+        # (FSDP2 accumulates in reduce_dtype, fp32: _fsdp_param.py, accumulate_unsharded_grad_if_needed).
+        p.append(Problem(s.reduce_every_micro_step.where(recipe, "fsdp.reduce_every_micro_step"),
+                         f"false under FSDP1 with {s.mixed_precision.value} compute would add the micro-steps' "
+                         f"gradients up in {s.mixed_precision.value} (FSDP1 accumulates the unsharded gradient in its "
+                         "compute dtype), not in fp32", "keep fsdp.reduce_every_micro_step: true (the default), use "
+                         "an FSDP2 config (fsdp_version: 2, which accumulates in fp32), or training.mixed_precision: "
+                         "fp32"))
     if s.fsdp_version.value == 1 and recipe.model.quantize:
         # FSDP1 flattens each unit into one tensor of one dtype: it cannot hold torchao's NF4Tensor, whose sharding
         # (fsdp_pre_all_gather / fsdp_post_all_gather) is FSDP2's extension point.
@@ -453,8 +465,7 @@ def gpu_count_problems(settings: FsdpSettings, visible_gpus: int) -> list[Proble
     source = settings.num_processes.source_text
     if per_machine > visible_gpus:
         return [Problem(f"{source}: num_processes", f"{per_machine} processes per machine, but this machine shows "
-                        f"{visible_gpus} GPU(s) (CUDA_VISIBLE_DEVICES="
-                        f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})",
+                        f"{visible_gpus} GPU(s) ({hardware.visible_devices_said()})",
                         f"use one process per GPU: num_processes: {visible_gpus * settings.num_machines.value} "
                         f"(or an accelerate config for {visible_gpus} GPU(s)), or make more GPUs visible")]
     return []

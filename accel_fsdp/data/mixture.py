@@ -6,6 +6,7 @@ the loss is normalized by. This module builds nothing and imports no torch.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,9 @@ from accel_fsdp.config.recipe import SourceConfig
 from accel_fsdp.data.sampler import GlobalBatchSampler, total_steps
 from accel_fsdp.data.store import Sequence, TokenTable
 from accel_fsdp.errors import Problem
+
+DIGEST_SAMPLE = 1 << 16
+"""Entries read from each end of a table for `content_digest`: a few hundred KiB of pages, not the whole table."""
 
 @dataclass
 class SourceStats:
@@ -244,6 +248,22 @@ class PreparedData:
         """(source index, unit within its train table) of a unit id."""
         source = int(np.searchsorted(self.offsets, unit, side="right")) - 1
         return source, unit - int(self.offsets[source])
+
+    def content_digest(self) -> int:
+        """What training reads, the same wherever the same data was prepared (each machine prepares its own, from its
+        own cache): every table's counts and the tokens and sequence bounds at its start and end, not the files'
+        paths or times. A positive int64, for a collective to compare."""
+        digest = hashlib.sha256()
+        for source in self.sources:
+            for table in (source.train, source.eval):
+                if table is None:
+                    digest.update(b"no table")
+                    continue
+                digest.update(f"{len(table)} {table.meta['tokens']}".encode())
+                for part in (table.tokens[:DIGEST_SAMPLE], table.tokens[-DIGEST_SAMPLE:], table.starts[:DIGEST_SAMPLE],
+                             table.starts[-DIGEST_SAMPLE:]):
+                    digest.update(np.ascontiguousarray(part).tobytes())
+        return int.from_bytes(digest.digest()[:8], "big") >> 1
 
     def sequences(self, unit: int) -> list[Sequence]:
         """The sequences of a training unit: one, or a preference pair's chosen and rejected (in that order)."""

@@ -527,5 +527,3 @@ def _root_cause(e: BaseException) -> str:
     while e.__cause__ is not None:
         e = e.__cause__
     return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-
-

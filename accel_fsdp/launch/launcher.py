@@ -27,6 +27,7 @@ from accel_fsdp.hardware import (
     OMP_THREADS_ENV,
     gloo_interface,
     network_interfaces,
+    oom_kills,
     oversubscribed_cores_note,
     usable_cores,
 )
@@ -35,6 +36,7 @@ from accel_fsdp.train.lifetime import (
     CRASHED,
     INTERRUPTED,
     LAUNCHER_PID_ENV,
+    OUT_OF_MEMORY_FIX,
     PEER_FAILED,
     PREEMPTED,
     PREEMPTION_SIGNALS,
@@ -70,6 +72,34 @@ def inside_launch() -> bool:
                                 "there", "unset LOCAL_RANK WORLD_SIZE (accel-fsdp then launches its own ranks), or "
                                 "start it under torchrun / accelerate launch, which set all of them"))
     return True
+
+
+def srun_step_problem(env, config: AccelerateConfig, machine: MachineOptions) -> Problem | None:
+    """Under srun (a SLURM job step), where each task that runs `recipe run` of several machines is one machine's
+    launcher: more tasks than nodes (`srun --ntasks-per-node=8`, one per GPU, as for a program that is its own rank)
+    would start several launchers on a node, each with all of its ranks (tasks that are runs of one machine each, a
+    sweep, are the user's to place); with one task per node on as many nodes as the job's machines,
+    a machine rank other than the node's (SLURM_NODEID: the same rank on every node, where --machine-rank was not
+    given) would make several machines claim one rank and the rendezvous never completes. The step's size and this
+    node's place are what srun sets in every task (srun(1), OUTPUT ENVIRONMENT VARIABLES); without them, no check."""
+    try:
+        tasks, nodes = int(env["SLURM_STEP_NUM_TASKS"]), int(env["SLURM_STEP_NUM_NODES"])
+        node = int(env["SLURM_NODEID"])
+    except (KeyError, ValueError):
+        return None
+    machines, machine_rank = int(config.get("num_machines", 1) or 1), int(config.get("machine_rank", 0) or 0)
+    if machines > 1 and tasks > nodes:
+        return Problem(f"SLURM_STEP_NUM_TASKS={tasks}", f"srun started {tasks} tasks on {nodes} node(s), and each "
+                       "`accel-fsdp recipe run` launches all of its machine's ranks itself: several per node would "
+                       "start several ranks per GPU", "start one task per node (srun --ntasks-per-node=1), or write "
+                       "the job with `accel-fsdp slurm`")
+    if machines == nodes > 1 and machine_rank != node:
+        return Problem(f"{_named(config, machine, 'machine_rank')} {machine_rank}",
+                       f"runs on node {node} of the {nodes} of this SLURM step (SLURM_NODEID={node}): each node "
+                       "needs its own machine rank, else two claim one and the machines never all meet",
+                       'give --machine-rank "$SLURM_NODEID" (in the command srun runs on every node), as a script of '
+                       "`accel-fsdp slurm` does")
+    return None
 
 
 @dataclass
@@ -179,7 +209,7 @@ def _launch(parsed, config: AccelerateConfig, machine: MachineOptions, run_dir: 
     from accelerate.commands.launch import launch_command
 
     machines = int(config.get("num_machines", 1) or 1)
-    started = time.time()
+    started, oom_kills_before = time.time(), oom_kills()
     try:
         launch_command(parsed)
     except subprocess.CalledProcessError as e:  # the single-process launcher
@@ -213,13 +243,36 @@ def _launch(parsed, config: AccelerateConfig, machine: MachineOptions, run_dir: 
         interrupted = sorted(rank for rank, code in codes.items() if code == INTERRUPTED)
         if interrupted:  # Ctrl-C (SIGINT) to a rank alone, which stopped; the others followed it
             return _interrupted(f"SIGINT to {_ranks(interrupted)}")
+        status = 1
         for rank, code in sorted(codes.items()):
             if code < 0:
-                print(f"error: rank {rank} was killed by {signal.Signals(-code).name}", file=sys.stderr)
+                said, oom = killed_rank_message(rank, signal.Signals(-code), oom_kills_before, oom_kills())
+                print(said, file=sys.stderr)
+                status = 2 if oom else status
             elif code != PEER_FAILED:
                 print(f"error: rank {rank} exited with status {code} (see its output above)", file=sys.stderr)
-        return 1
+        return status
     return 0
+
+
+def killed_rank_message(rank: int, sig: signal.Signals, oom_kills_before: int | None,
+                        oom_kills_after: int | None) -> tuple[str, bool]:
+    """What to say of a rank a signal ended, and whether the kernel's out-of-memory killer did it: a SIGKILL while the
+    machine's count of OOM kills rose (`oom_kills`) is that, and the recipe asks for more host memory than there is
+    (exit status 2, as for a rank that ran out of memory itself: train/lifetime.py `out_of_memory_error`)."""
+    said = f"error: rank {rank} was killed by {sig.name}"
+    resume = "\n    the run can go on from its newest checkpoint: the same command with --resume auto"
+    if sig in (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGABRT):
+        return f"{said} (a crash in native code: torch, a compiled kernel, or the hardware)", False
+    if sig != signal.SIGKILL:
+        return said, False
+    if oom_kills_before is not None and oom_kills_after is not None and oom_kills_after > oom_kills_before:
+        return (f"{said}: the kernel's out-of-memory killer ended a process of this machine while the run trained "
+                f"(oom_kill in /proc/vmstat went from {oom_kills_before} to {oom_kills_after})\n    fix: "
+                f"{OUT_OF_MEMORY_FIX['host']}{resume}"), True
+    known = oom_kills_before is not None and oom_kills_after is not None
+    return (f"{said} ({'not by the out-of-memory killer, which ended nothing meanwhile: ' if known else ''}"
+            f"`kill -9`, a job scheduler's limit{'' if known else ', or the out-of-memory killer'}){resume}"), False
 
 
 KEPT_LAUNCH_VARIABLES = frozenset({"ACCELERATE_LOG_LEVEL", "ACCELERATE_DEBUG_MODE"})

@@ -19,7 +19,7 @@ from accel_fsdp.errors import Problem, UserError, first_line
 from accel_fsdp.files import atomic_folder
 from accel_fsdp.model import architectures
 from accel_fsdp.model.checks import (ModelView, lora_target_problems, not_a_model_folder, override_problems,
-                                     raise_problems)
+                                     raise_problems, safetensors_folder)
 from accel_fsdp.model.nf4 import layers_to_quantize, quantize_model
 from accel_fsdp.model.quantize import known_layers
 from accel_fsdp.model.streaming_load import ModuleTensors, SafetensorsFiles, model_folder
@@ -93,30 +93,12 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
                                     "a newer model type")) from None
     else:
         arch = architectures.lookup(name)
-        config = None
-        if offline:
-            if arch is not None:
-                config = AutoConfig.for_model(arch.model_type, **arch.config_kwargs())
-            else:
-                try:
-                    config = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code,
-                                                        local_files_only=True)
-                except (OSError, ValueError):
-                    return None
+        if offline and arch is not None:
+            config = AutoConfig.for_model(arch.model_type, **arch.config_kwargs())
         else:
-            try:
-                config = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code)
-            except OSError as e:
-                raise UserError(Problem(recipe.where("model.name_or_path"),
-                                        f"cannot load {name!r}: {first_line(e)}",
-                                        "check the hub id and your network or HF_TOKEN (gated models such as Llama "
-                                        "need an accepted licence), or give a local folder")) from None
-            except ValueError as e:
-                if "trust_remote_code" in str(e):
-                    raise UserError(Problem(recipe.where("model.trust_remote_code"),
-                                            f"{name!r} ships its own model code", "set model.trust_remote_code: "
-                                            "true if you trust that repository")) from None
-                raise
+            config = _hub_config(recipe, name, offline=offline)
+            if config is None:
+                return None
     if config is not None:
         _refuse_non_decoder(recipe, config, "model.name_or_path")
         unknown_override_problems(recipe, type(config), overrides)
@@ -173,6 +155,46 @@ def _non_decoder_problem(where: str, why: str) -> Problem:
                    "token", "use a decoder model (GPT-2, Llama, Mistral, Qwen, ...)")
 
 
+def _hub_config(recipe, name: str, *, offline: bool):
+    """The config of a hub id: downloaded, or with `offline` from the hub cache alone (None when the cache lacks it:
+    transformers' OSError). A copy transformers cannot read (a model type newer than it, a damaged config.json in the
+    cache) is one message, online and offline alike."""
+    from transformers import AutoConfig
+
+    m = recipe.model
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code, local_files_only=offline)
+    except OSError as e:
+        cached = _cached_file(name, "config.json")
+        if cached is not None:  # transformers' OSError for a config.json that is not JSON; offline, for a missing one
+            raise UserError(Problem(recipe.where("model.name_or_path"), f"the hub cache's copy of {name!r} cannot be "
+                                    f"read ({first_line(e)})", "delete it from the hub cache (`hf cache delete`) and "
+                                    "download it again")) from None
+        if offline:
+            return None
+        raise UserError(Problem(recipe.where("model.name_or_path"), f"cannot load {name!r}: {first_line(e)}",
+                                "check the hub id and your network or HF_TOKEN (gated models such as Llama need an "
+                                "accepted licence), or give a local folder")) from None
+    except (ValueError, KeyError, TypeError, StrictDataclassError) as e:  # JSONDecodeError is a ValueError
+        if "trust_remote_code" in str(e):
+            raise UserError(Problem(recipe.where("model.trust_remote_code"), f"{name!r} ships its own model code",
+                                    "set model.trust_remote_code: true if you trust that repository")) from None
+        raise UserError(Problem(recipe.where("model.name_or_path"), f"transformers cannot read the config of "
+                                f"{name!r}: {first_line(e)}", "update transformers for a newer model type, or delete "
+                                "the hub cache's copy (`hf cache delete`) and download it again")) from None
+
+
+def _cached_file(repo_id: str, filename: str) -> str | None:
+    """The path of a hub repository's file in this machine's hub cache, or None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, filename)
+    except Exception:  # an id that is no repository name (HFValidationError)
+        return None
+    return found if isinstance(found, str) else None
+
+
 def load_pretrained(folder, *, where: str, fix: str, **kwargs):
     """AutoModelForCausalLM.from_pretrained(folder), refusing weights that do not fit the model its config builds:
     transformers 5 initializes a tensor the files lack at random with a log line (a run would train, and `generate`
@@ -207,6 +229,26 @@ def load_pretrained(folder, *, where: str, fix: str, **kwargs):
                                 + "; ".join(wrong[:4]) + (f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else ""),
                                 fix))
     return model
+
+
+def weights_fit_problems(recipe) -> list[Problem]:
+    """`recipe validate` of a model in a local folder of safetensors files: the files' tensors against the model its
+    config (with config_overrides) builds, read on the meta device, so only the files' headers are read. The same
+    judgement as a run's loading (`load_pretrained`), which would otherwise find a missing or misshapen tensor only
+    after the launch, in every rank. Folders of pytorch_model.bin alone are left to the run: reading their names
+    means unpickling the weights."""
+    m = recipe.model
+    folder = safetensors_folder(recipe)
+    if folder is None:
+        return []
+    config = model_config(recipe, offline=True)
+    kwargs: dict[str, Any] = {"trust_remote_code": m.trust_remote_code}
+    try:
+        load_pretrained(folder, config=config, device_map="meta", where=recipe.where("model.name_or_path"),
+                        fix="download or export the model again (its weights and config.json together)", **kwargs)
+    except UserError as e:
+        return e.problems
+    return []
 
 
 def unknown_override_problems(recipe, config_class, overrides: dict) -> None:
@@ -436,7 +478,12 @@ def apply_lora(model, recipe, *, draw: bool = True, on_meta: bool = False):
     # The adapters' first values from the recipe's seed alone, whatever building the base drew before: each rank of
     # a run builds them itself, with the base read or not (model/streaming_load.py sends the base only). A stream of
     # their own (seed + 1), not the one a from-scratch base's initialization began with.
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+    # GPT-2's Conv1D layers hold their weight as in x out: PEFT needs fan_in_fan_out for them, and said so in a
+    # warning on every rank when left to find out itself (peft 0.21.2 tuners/lora/layer.py, dispatch_default). Only
+    # where every target is a Conv1D: a 4-bit base has replaced them by Linear layers.
+    targets = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in lora.target_modules]
+    fan_in_fan_out = bool(targets) and all(type(m).__name__ == "Conv1D" for m in targets)
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, fan_in_fan_out=fan_in_fan_out,
                         target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
     with init_empty_weights(include_buffers=False) if on_meta else nullcontext():
         model = get_peft_model(model, config)
@@ -472,5 +519,3 @@ def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> in
         seen.add(id(p))
         n += p.numel()
     return n
-
-

@@ -210,6 +210,16 @@ def source_problems(recipe) -> list[Problem]:
     return out
 
 
+def safetensors_folder(recipe) -> Path | None:
+    """The recipe's model folder when it is a local folder of safetensors files (whose headers say every tensor's
+    name and shape), else None."""
+    m = recipe.model
+    folder = Path(m.name_or_path or "").expanduser()
+    if m.architecture or not m.name_or_path or not folder.is_dir() or not any(folder.glob("*.safetensors")):
+        return None
+    return folder
+
+
 def model_folder_problems(where: str, folder: Path) -> list[Problem]:
     """What makes a local model folder unloadable, read without torch or transformers: config.json missing, not a
     JSON object, without a model_type, with a size that is not a positive whole number (transformers 5 would stop

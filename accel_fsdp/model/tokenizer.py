@@ -22,12 +22,16 @@ def is_local(path: str | None) -> bool:
     return bool(path) and Path(path).expanduser().is_dir()
 
 
-def build_tokenizer(recipe):
-    """The recipe's tokenizer, with a pad token (the EOS token when the tokenizer has none)."""
+class NotOnThisMachine(Exception):
+    """A hub tokenizer asked for with `local_files_only` that the hub cache does not hold."""
+
+
+def build_tokenizer(recipe, *, local_files_only: bool = False):
+    """The recipe's tokenizer, with a pad token (the EOS token when the tokenizer has none). `local_files_only`: a
+    hub id is read from the hub cache alone, NotOnThisMachine when it is not there."""
     m = recipe.model
     source = m.tokenizer or m.name_or_path
     if source == BUILTIN_TOKENIZER:
-
         tokenizer = builtin()
     elif bpe_vocab_size(source) is not None:
         tokenizer = trained_tokenizer(recipe)
@@ -50,9 +54,12 @@ def build_tokenizer(recipe):
             else:
                 from transformers import AutoTokenizer  # imports torch (see plain_tokenizer_folder)
 
-                tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=m.trust_remote_code)
+                tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=m.trust_remote_code,
+                                                          local_files_only=local_files_only)
         except Exception as e:  # noqa: BLE001 - OSError, ValueError; KeyError for a tokenizer.json without its keys,
             # the tokenizers library's bare Exception for one it cannot read ("did not match any variant")
+            if local_files_only and isinstance(e, OSError) and not is_local(source):
+                raise NotOnThisMachine(source) from None  # transformers' answer for files the cache lacks
             key = "model.tokenizer" if m.tokenizer else "model.name_or_path"
             damaged = damaged_json_file(Path(source).expanduser()) if is_local(source) else None
             if damaged:
@@ -64,6 +71,11 @@ def build_tokenizer(recipe):
                 raise UserError(Problem(recipe.where(key), f"{source!r} has a tokenizer.json that is not a tokenizer's "
                                         f"({first_line(e, named=True)})", "restore the file (save_pretrained writes "
                                         "it), or give another folder, a hub id, or builtin:quickstart")) from None
+            if not is_local(source) and not isinstance(e, OSError):  # the hub's files, damaged in this machine's cache
+                raise UserError(Problem(recipe.where(key), f"the hub cache's copy of {source!r} is not a tokenizer "
+                                        f"transformers can read ({first_line(e, named=True)})",
+                                        "delete it from the hub cache (`hf cache delete`) and download it again, or "
+                                        "update transformers for a newer tokenizer format")) from None
             raise UserError(Problem(recipe.where(key), f"cannot load a tokenizer from {source!r}: "
                                     f"{first_line(e, named=not isinstance(e, (OSError, ValueError)))}",
                                     "give a folder with tokenizer files, a hub id, or builtin:quickstart")) from None
@@ -126,17 +138,10 @@ def built_once_per_machine(recipe) -> bool:
 
 def offline_tokenizer(recipe):
     """The recipe's tokenizer if it is on this machine (built-in, a local folder, the hub cache), else None."""
-    m = recipe.model
-    source = m.tokenizer or m.name_or_path
-    if source == BUILTIN_TOKENIZER or is_local(source) or source is None or bpe_vocab_size(source) is not None:
-        return build_tokenizer(recipe)
-    try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=m.trust_remote_code)
-    except (OSError, ValueError):
+    try:  # a cached copy it cannot read is named as a folder's would be, not taken for one not there
+        return build_tokenizer(recipe, local_files_only=True)
+    except NotOnThisMachine:
         return None
-    return with_pad_token(recipe, tok)
 
 
 # ------------------------------------------------------------------------------- a tokenizer of the user's own text

@@ -122,7 +122,6 @@ def _recipe_target(path, micro_batch, seq_len) -> Target:
     recipe.source = display(path)
     facts = facts_for(recipe)
     if facts is not None:  # checked as `recipe validate` checks the model: shapes that cannot build are named
-
         model_view(recipe)
     t = recipe.training
     if micro_batch is not None:  # --micro-batch counts what the recipe's micro batch counts (pairs, for preference)

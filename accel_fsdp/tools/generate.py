@@ -80,8 +80,6 @@ def load_model(folder: Path, device: str = "auto"):
     return model.to(device).eval(), tokenizer
 
 
-
-
 def _check_adapter_base(folder: Path, base: str | None) -> None:
     """An adapter export loads over the base its adapter_config.json names: refused once that folder holds other
     weights than the adapters were trained over (checkpoint/consolidate.py `adapter_base`, in the export record)."""

@@ -177,7 +177,6 @@ def split_micro_batch(recipe, world: int) -> int | None:
     return None
 
 
-
 def model_type(recipe) -> str | None:
     """The model type of the recipe's base (gpt2, llama, ...), or None where its facts are unknown."""
     base = base_values(recipe)

@@ -36,7 +36,7 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.errors import Problem, UserError, allocation_figures, out_of_memory
 from accel_fsdp.files import write_atomic
 from accel_fsdp.quiet import outlive_closed_output
 
@@ -408,6 +408,25 @@ def stopped_by_launcher(records: RankRecords) -> bool:
     return True
 
 
+OUT_OF_MEMORY_FIX = {
+    "GPU": ("lower training.micro_batch_size (the global batch stays: more accumulation steps), turn on "
+            "model.activation_checkpointing or training.activation_offload, or offload to the CPU (fsdp.cpu_offload); "
+            "`accel-fsdp recipe run <recipe> --dry-run --gpu-memory <size>` shows what fits"),
+    "host": ("lower training.micro_batch_size, let rank 0 alone read the weights (fsdp_cpu_ram_efficient_loading: "
+             "true in the accelerate config), turn CPU offload off (fsdp.cpu_offload: false), or run fewer ranks on "
+             "this machine"),
+}
+"""What to change when a rank runs out of memory: the knobs that lower its peak, cheapest first. On the host, CPU
+offload is a cost, not a cure."""
+
+
+def out_of_memory_error(kind: str, error: BaseException, doing: str) -> UserError:
+    """A rank out of memory, as the one message the user sees (exit status 2: the recipe asks for more memory than
+    the machine has), with torch's own figures (what it tried to allocate, what was free)."""
+    return UserError(Problem(f"rank {rank()}", f"out of {kind} memory in {doing} ({allocation_figures(error)})",
+                             OUT_OF_MEMORY_FIX[kind]))
+
+
 def run_rank(train) -> None:
     """Run this rank's training (`train()`), then end the process with the status that says how it went: 0, 2 (a
     user's mistake), PREEMPTED, 130 (Ctrl-C), PEER_FAILED, 1 (a collective timed out). A bug of ours keeps its
@@ -426,6 +445,9 @@ def run_rank(train) -> None:
     except KeyboardInterrupt:  # Ctrl-C reaches every rank; the launcher says what to do next
         leave(INTERRUPTED)
     except Exception as e:
+        kind = out_of_memory(e)
+        if kind is not None:
+            end_with_user_error(out_of_memory_error(kind, e, WHEREABOUTS.doing), records)
         why = collective_failure(e)
         if why is not None:
             end_after_collective_failure(why, e, records)

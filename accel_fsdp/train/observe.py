@@ -180,7 +180,6 @@ class TrainLogger:
         self.terminal.close_bar()
 
 
-
 def _full(t):
     """A DTensor's full value (clip_grad_norm_ returns one under FSDP2)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -79,7 +79,7 @@ from accel_fsdp.train.observe import Terminal, TrainLogger
 from accel_fsdp.train.optimizer import build_optimizer, decayed_names, lr_schedule, offload_threads
 from accel_fsdp.train.profiling import ProfileWindow, StepProfiler
 from accel_fsdp.train.reference import build_reference
-from accel_fsdp.train.sharding import ShardingRecord, check_same_layout
+from accel_fsdp.train.sharding import ShardingRecord, check_same_data, check_same_layout
 from accel_fsdp.train.start_summary import quantize_summary, startup_summary
 from accel_fsdp.train.state import TrainingState
 from accel_fsdp.train.waiting import wait_for_every_rank
@@ -489,8 +489,6 @@ def build_components(run: Run, switches: TestSwitches) -> Components:
                       profiler=profiler)
 
 
-
-
 def name_scratch_base(engine: Engine, recipe, config, tokenizer, model, folder: Path) -> None:
     """A 4-bit base built from scratch has no model files: the main process writes them into the run folder
     (model/build.py `write_scratch_base`), and the adapters name that folder as their base, so that
@@ -501,12 +499,6 @@ def name_scratch_base(engine: Engine, recipe, config, tokenizer, model, folder: 
     unwrapped = engine.accelerator.unwrap_model(model)
     if hasattr(unwrapped, "peft_config"):
         unwrapped.peft_config["default"].base_model_name_or_path = str(folder)
-
-
-
-
-
-
 
 
 def prepare_run_data(recipe, tokenizer, accelerator, terminal: Terminal,
@@ -520,8 +512,10 @@ def prepare_run_data(recipe, tokenizer, accelerator, terminal: Terminal,
             error.rank_local = not accelerator.is_main_process  # another machine's builder: it says why
         wait_for_every_rank(accelerator, "data", "prepare the data", error, say=terminal.say)
 
-    return data_lib.prepare_data(recipe, tokenizer, build=accelerator.is_local_main_process, wait=wait,
+    data = data_lib.prepare_data(recipe, tokenizer, build=accelerator.is_local_main_process, wait=wait,
                                  delay=switches.slow_data, say=terminal.say)
+    check_same_data(accelerator, data)  # each machine prepared its own
+    return data
 
 
 def claim_run_folder(acc, layout: RunLayout, request: RunRequest) -> Decision:

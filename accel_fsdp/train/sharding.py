@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.files import write_atomic
+from accel_fsdp.layout import CACHE_ENV
 from accel_fsdp.model.build import layout_differences, layout_of
 from accel_fsdp.model.nf4 import NF4_PARTS, held_bytes, is_nf4, nf4_local_bytes, nf4_whole_bytes
 from accel_fsdp.train.accelerator import expected_shards
@@ -166,6 +167,28 @@ def gathered_state_bytes(acc, model, optimizer) -> list[dict]:
     keys = sorted(mine)
     gathered = acc.gather(torch.tensor([mine[k] for k in keys], device=acc.device, dtype=torch.int64))
     return [dict(zip(keys, row)) for row in gathered.view(acc.num_processes, len(keys)).tolist()]
+
+
+def check_same_data(acc, data) -> None:
+    """Collective: every rank trains on the same data. Each machine prepares its own, by its first rank from its own
+    cache: a data file on each machine's own disk whose copies differ, or caches per machine built from different
+    files, gave the ranks different sequences silently, and different numbers of them: different step counts, a
+    rank waiting at the end for ranks that had stopped."""
+    if acc.num_processes == 1:
+        return
+    every = gather_ints(acc, [data.content_digest(), len(data)])
+    digests, units = every[0::2], every[1::2]
+    if len(set(digests)) == 1:
+        return
+    groups: dict[int, list[int]] = {}
+    for rank, digest in enumerate(digests):
+        groups.setdefault(digest, []).append(rank)
+    read = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {units[ranks[0]]:,} training "
+                     "units" for ranks in groups.values())
+    raise UserError(Problem("data", f"the machines prepared different data ({read}, differing in count or content)",
+                            "give every machine the same data: data.path on a filesystem every machine sees (or "
+                            f"identical copies), and a cache ({CACHE_ENV}) built from them (a tokenizer made on each "
+                            "machine, bpe:N, is made from the data and kept there too)"))
 
 
 def gather_ints(acc, values: list[int]) -> list[int]:

@@ -1,0 +1,70 @@
+"""`checkpoint consolidate --merge` of LoRA adapters on an output projection tied to the input embeddings (GPT-2's
+lm_head; Llama 3.2 1B's): the trained model adapted the head alone, the embeddings stayed as they were. PEFT's merge
+added (alpha / r) B A to the one tensor both share, so the merged model's embeddings moved with the head (its logits
+were 3.7 off the adapters' on this tiny GPT-2); the streamed merge (QLoRA, --base-model) found no lm_head.weight in the
+files and refused. Both now write the head its own weight and tie_word_embeddings false.
+
+Noise: the merged model and the adapted one compute the same logits in fp32, the adapters' product added to W before
+the matmul or after: each logit within reordered(LOGIT_PATH) of the logits' scale, twice (both sides)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import LOGIT_PATH, load_weights
+
+from accel_fsdp.tools.noise import reordered
+
+
+@pytest.fixture
+def adapted(tmp_path, tiny_gpt2):
+    """A GPT-2 with adapters on c_attn and its tied lm_head, B drawn away from 0, saved as an adapter folder; its logits
+    on a few tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from accel_fsdp.config.recipe import recipe_from_text
+    from accel_fsdp.data.synthetic import build_tokenizer
+    from accel_fsdp.model.build import apply_lora
+
+    recipe = recipe_from_text(f"model: {{name_or_path: '{tiny_gpt2}', lora: {{enabled: true, target_modules: "
+                              "[c_attn, lm_head]}}\ndata: {path: x.jsonl}\n", source="r.yaml")
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_gpt2), recipe).eval()
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    adapter = tmp_path / "adapter"
+    model.save_pretrained(adapter)
+    build_tokenizer().save_pretrained(adapter)
+    tokens = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(input_ids=tokens).logits
+    return adapter, tokens, logits
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_merge_writes_an_adapted_tied_head_apart_from_the_embeddings(tmp_path, tiny_gpt2, adapted, streamed):
+    from transformers import AutoModelForCausalLM
+
+    from accel_fsdp.checkpoint.consolidate import _merge_lora
+    from accel_fsdp.checkpoint.merge import merge_streaming
+
+    adapter, tokens, logits = adapted
+    out = tmp_path / "merged"
+    if streamed:  # the QLoRA path, here onto the unquantized base (--base-model)
+        merge_streaming(adapter, out, base=str(tiny_gpt2), dtype="fp32", quantized_base=None,
+                        max_shard_size=2**30, where="--base-model")
+    else:
+        _merge_lora(adapter, out, "fp32", None)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    weights = load_weights(out)
+    assert torch.equal(weights["transformer.wte.weight"], load_weights(tiny_gpt2)["transformer.wte.weight"])
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert merged.lm_head.weight.data_ptr() != merged.transformer.wte.weight.data_ptr()
+    with torch.no_grad():
+        again = merged(input_ids=tokens).logits
+    bound = 2 * reordered(LOGIT_PATH) * max(1.0, float(logits.abs().max()))
+    assert float((again - logits).abs().max()) <= bound
