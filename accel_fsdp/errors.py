@@ -61,9 +61,9 @@ def show_usage_error(error: click.UsageError, file=None) -> None:
     import re
 
     message = error.format_message().rstrip(".")
-    m = re.match(r"Invalid value for '([^']+)': (.*)", message, re.S)
-    if m:
-        message = f"{m.group(1)}: {m.group(2)}"
+    m = re.match(r"Invalid value for ('[^']+'(?: / '[^']+')*): (.*)", message, re.S)
+    if m:  # an option of several names ('--gpus' / '--gpus-per-node') is named by all of them
+        message = f"{m.group(1).replace(chr(39), '')}: {m.group(2)}"
     m = re.match(r"Missing (?:option|argument) '([^']+)'", message)
     if m:
         message = f"{m.group(1)}: missing (it is required)"

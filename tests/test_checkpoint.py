@@ -246,7 +246,7 @@ def test_accelerate_merge_weights_reads_the_model_shards(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_lora_checkpoints_hold_the_adapter_and_export_peft_and_merged(tmp_path, tiny_llama, stories):
+def test_lora_checkpoints_hold_the_adapter_and_export_peft_and_merged(tmp_path, tiny_llama, tiny_gpt2, stories):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -278,6 +278,10 @@ def test_lora_checkpoints_hold_the_adapter_and_export_peft_and_merged(tmp_path, 
     assert float((adapted_logits - base_logits).abs().max()) > rounding  # the adapter learned something
 
     run_in_process("checkpoint", "consolidate", run, tmp_path / "export", "--merge", check=0)
+    refused = run_in_process("checkpoint", "consolidate", run, tmp_path / "onto-gpt2", "--merge", "--base-model",
+                             tiny_gpt2, check=2).stderr  # another model's weights: named, not blamed on the checkpoint
+    assert "error: --base-model: the adapter of model.layers.0.self_attn.q_proj has no weight" in refused
+    assert not (tmp_path / "onto-gpt2").exists()
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "merged").eval()
     with torch.no_grad():  # the adapter's products added into the weights: the same products, associated otherwise
         torch.testing.assert_close(merged(ids).logits, adapted_logits, rtol=0, atol=rounding)

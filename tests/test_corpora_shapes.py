@@ -100,9 +100,9 @@ MISTAKES = [
      ("--set", "data.text_field=data.text"), ("a field name is a key of the row, not a path into 'data': write the rows "
      "with the text at the top (e.g. jq -c '{text: .data.text}' FILE)")),
     # a message in another library's shape says which
-    ("chat-sharegpt-turns", "d.jsonl", json.dumps({"messages": [{"from": "human", "value": "a"},
+    ("chat-sharegpt-turn-without-value", "d.jsonl", json.dumps({"conversations": [{"from": "human", "text": "a"},
                                                                 {"from": "gpt", "value": "b"}]}) + "\n", "chat", (),
-     "message 1 is not a {role, content} object (its keys: from, value; ShareGPT's form"),
+     "line 1: message 1 is ShareGPT's form without a value (its keys: from, text)"),
     ("chat-content-null", "d.jsonl", messages(("user", None), ("assistant", "a")) + "\n", "chat", (),
      "message 1 content is not text (null)"),
 ]

@@ -90,7 +90,7 @@ def test_slurm_script_checkpoint_code_and_cli_agree_on_where_checkpoints_are(tmp
     # ... and `checkpoint inspect RUN_DIR` finds it at the same place.
     result = CliRunner().invoke(main, ["checkpoint", "inspect", str(run_dir), "--json"])
     assert result.exit_code == 0, result.output
-    described = json.loads(result.output)
+    [described] = json.loads(result.output)  # a run folder: a list, of one here
     assert Path(described["path"]).resolve() == step_dir.resolve() and described["complete"]
 
 

@@ -77,7 +77,7 @@ def test_quickstart_qlora_merges_with_merge_alone_into_what_training_saw(tmp_pat
 
 
 @pytest.mark.slow
-def test_base_model_merges_into_the_original_weights_and_a_changed_base_is_refused(tmp_path, quickstart):
+def test_base_model_merges_into_the_original_weights_and_a_changed_base_is_refused(tmp_path, quickstart, tiny_gpt2):
     """--base-model PATH: the unquantized weights plus the adapters (not the NF4 round trip); and --merge alone onto
     model files that changed since training is refused by the fingerprint, one message, nothing written."""
     from safetensors.torch import load_file, save_file
@@ -113,3 +113,7 @@ def test_base_model_merges_into_the_original_weights_and_a_changed_base_is_refus
     assert "its adapters were trained on a 4-bit base with fingerprint" in proc.stderr
     assert "--base-model PATH" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "refused").exists()
+    onto_gpt2 = run_in_process("checkpoint", "consolidate", quickstart, tmp_path / "onto-gpt2", "--merge",
+                               "--base-model", tiny_gpt2, check=2).stderr  # another model: named as --base-model
+    assert "error: --base-model: the adapters of model.layers.0.mlp.down_proj" in onto_gpt2
+    assert not (tmp_path / "onto-gpt2").exists()

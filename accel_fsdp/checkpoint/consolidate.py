@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from accel_fsdp.checkpoint.index import CheckpointInfo
-from accel_fsdp.checkpoint.merge import merge_streaming
+from accel_fsdp.checkpoint.merge import adapter_deltas, adapter_misfit, merge_streaming
 from accel_fsdp.checkpoint.records import damaged_if_unreadable
 from accel_fsdp.config.precision import PRECISIONS, TRANSFORMERS, compute_dtype
 from accel_fsdp.config.recipe import read_saved_recipe
@@ -97,7 +97,8 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
             if adapter and merge_lora and info.manifest.quantized_base:  # QLoRA: streamed (checkpoint/merge.py)
                 merge_streaming(tmp, tmp / "merged", base=_adapter_base(tmp, base_model), dtype=dtype,
                                 quantized_base=None if base_model else info.manifest.quantized_base,
-                                max_shard_size=max_shard_size, where=str(info.path))
+                                max_shard_size=max_shard_size, where=str(info.path),
+                                base_where="--base-model" if base_model else None)
             elif adapter and merge_lora:
                 _merge_lora(tmp, tmp / "merged", dtype, base_model)
             written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
@@ -336,6 +337,12 @@ def _merge_lora(adapter_dir: Path, out: Path, dtype: str, base_model: str | None
     base = _adapter_base(adapter_dir, base_model)
     model = load_pretrained(base, dtype=torch.float32, where=f"{_base_where(base_model)} {base}",
                             fix="merge into the base model the adapters were trained on, its files complete")
+    weights = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    deltas, _ = adapter_deltas(adapter_dir)
+    for module, (a, b) in sorted(deltas.items()):  # before PEFT, whose refusals would blame the checkpoint
+        if (misfit := adapter_misfit(module, a, b, weights.get(f"{module}.weight"), _base_where(base_model),
+                                     base)) is not None:
+            raise misfit
     _untie_an_adapted_head(model, json.loads((adapter_dir / "adapter_config.json").read_text()))
     merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     merged.to(DTYPES[dtype]).save_pretrained(out)

@@ -33,6 +33,23 @@ from accel_fsdp.model.nf4 import layers_to_quantize, tensor_digest, to_nf4
 from accel_fsdp.model.streaming_load import SafetensorsFiles, model_folder
 
 ADAPTER_PREFIX = "base_model.model."
+BASE_FIX = "merge into the base model the adapters were trained on (--base-model PATH)"
+
+
+def adapter_misfit(module: str, a: torch.Tensor, b: torch.Tensor, weight_shape, where: str,
+                   base) -> UserError | None:
+    """The adapter of `module` against the base's weight of it: the refusal when the base has no such weight or one
+    of another shape (another model given as --base-model; PEFT's own answers are a NoMatchingPeftModuleError or a
+    state-dict size mismatch that would blame the checkpoint). The adapters' product is out x in; a Conv1D (GPT-2)
+    stores its weight in x out."""
+    adapted = (b.shape[0], a.shape[1])
+    if weight_shape is None:
+        return UserError(Problem(where, f"the adapter of {module} has no weight {module}.weight in {base}", BASE_FIX))
+    if tuple(weight_shape) not in (adapted, adapted[::-1]):
+        shape = " x ".join(map(str, weight_shape))
+        return UserError(Problem(where, f"the adapter of {module} is for a {adapted[0]} x {adapted[1]} weight, and "
+                                 f"{base} has {module}.weight of {shape}", BASE_FIX))
+    return None
 
 
 def adapter_deltas(adapter_dir: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float]:
@@ -57,10 +74,11 @@ def _natural(name: str):
 
 
 def merge_streaming(adapter_dir: Path, out: Path, *, base: str, dtype: str, quantized_base: dict | None,
-                    max_shard_size: int, where: str) -> None:
+                    max_shard_size: int, where: str, base_where: str | None = None) -> None:
     """Write `out`: the base's tensors, one at a time, with every adapted weight merged (and with `quantized_base`,
     each 4-bit weight quantized and dequantized as training saw it, checked against its fingerprint), into safetensors
-    shards of at most `max_shard_size` bytes; the base's config and the adapter folder's tokenizer."""
+    shards of at most `max_shard_size` bytes; the base's config and the adapter folder's tokenizer. `where` names the
+    checkpoint; `base_where` the base where the user chose it (--base-model), for a base the adapters do not fit."""
     from transformers import AutoConfig, AutoTokenizer
 
     folder = model_folder(base)
@@ -92,13 +110,15 @@ def merge_streaming(adapter_dir: Path, out: Path, *, base: str, dtype: str, quan
         module = name.removesuffix(".weight")
         if module in deltas:
             a, b = deltas.pop(module)
+            if (misfit := adapter_misfit(module, a, b, tensor.shape, base_where or where, folder)) is not None:
+                raise misfit
             delta = (b @ a) * scaling  # out x in
             tensor = tensor.float() + (delta.t() if layer is not None and layer.from_conv1d else delta)
         shards.add(name, tensor)
     shards.flush()
     if deltas:
-        raise UserError(Problem(where, f"the adapters of {', '.join(sorted(deltas)[:3])} have no weight in {folder}",
-                                "merge into the base model the adapters were trained on (--base-model PATH)"))
+        raise UserError(Problem(base_where or where, f"the adapters of {', '.join(sorted(deltas)[:3])} have no weight "
+                                f"in {folder}", BASE_FIX))
     if quantized_base:
         check_fingerprint(digests, quantized_base, folder, where)
     _name_shards(out, shards.names, shards.weight_map)

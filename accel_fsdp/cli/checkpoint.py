@@ -15,6 +15,7 @@ from accel_fsdp.checkpoint.index import (
     list_checkpoints,
     resolve_checkpoint,
 )
+from accel_fsdp.cli.options import GivenPath, not_empty
 from accel_fsdp.config.precision import PRECISIONS
 from accel_fsdp.config.recipe import read_saved_recipe
 from accel_fsdp.errors import Problem, UserError
@@ -30,15 +31,16 @@ def checkpoint() -> None:
 
 
 @checkpoint.command("consolidate")
-@click.argument("checkpoint_or_run", type=click.Path(path_type=Path))
-@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.argument("checkpoint_or_run", type=GivenPath(path_type=Path))
+@click.argument("out_dir", type=GivenPath(path_type=Path))
 @click.option("--dtype", type=click.Choice(PRECISIONS), default=None,
               help="Weight dtype of the export. Default: the recipe's checkpoint.export_dtype.")
 @click.option("--max-shard-size", default="2GB", show_default=True, help="Split the weights into files of at most "
               "this size (with an index file); also bounds the memory used.")
 @click.option("--merge", is_flag=True, help="LoRA checkpoints: also write the base model with the adapter merged "
               "into OUT_DIR/merged.")
-@click.option("--base-model", help="LoRA with --merge: the base model (default: the one the adapter names).")
+@click.option("--base-model", callback=not_empty,
+              help="LoRA with --merge: the base model (default: the one the adapter names).")
 def checkpoint_consolidate(checkpoint_or_run, out_dir, dtype, max_shard_size, merge, base_model) -> None:
     """Turn a checkpoint (or a run folder's newest complete one) into a folder `from_pretrained` loads.
 
@@ -76,11 +78,11 @@ def checkpoint_consolidate(checkpoint_or_run, out_dir, dtype, max_shard_size, me
 
 
 @checkpoint.command("inspect")
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", type=GivenPath(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def checkpoint_inspect(path: Path, as_json: bool) -> None:
     """Describe a checkpoint, or every checkpoint of a run folder: step, world size, type, parameters, bytes,
-    recipe, complete or not.
+    recipe, complete or not. With --json: one object for a checkpoint folder, a list for a run folder.
 
     \b
     accel-fsdp checkpoint inspect runs/quickstart
@@ -92,19 +94,26 @@ def checkpoint_inspect(path: Path, as_json: bool) -> None:
     if not path.is_dir():
         raise UserError(Problem(str(path), "is a file, not a checkpoint or run folder",
                                 "give a step-NNNNNN folder or a run folder"))
-    if (path / MANIFEST).exists() or path.name.startswith(CHECKPOINT_PREFIXES[:2]):
+    one_checkpoint = (path / MANIFEST).exists() or path.name.startswith(CHECKPOINT_PREFIXES[:2])
+    if one_checkpoint:
         infos = [inspect_checkpoint(path, verify=True)]
     else:
         folders = checkpoint_folders_of(path)  # the run's own checkpoint folder first (RunLayout.at)
         folder = next((f for f in folders if list_checkpoints(f)), folders[0])
         infos = [inspect_checkpoint(c.path, verify=True) for c in list_checkpoints(folder)]
         infos += [inspect_checkpoint(p) for p in sorted(folder.glob(f"{CHECKPOINT_PREFIXES[1]}*"))]
+    if not infos and any((path / name).is_file() for name in ("config.json", "adapter_config.json")):
+        raise UserError(Problem(str(path), "is an exported model folder, which holds no checkpoints",
+                                "give the run folder it came from, or a step-NNNNNN folder (`generate` and "
+                                "from_pretrained read this one)"))
     if not infos:
         raise UserError(Problem(str(path), "holds no checkpoints", "give a run folder or a step-NNNNNN folder"))
     described = [describe(i) for i in infos]
     if as_json:
+        # The shape follows what was given, never how many checkpoints a run holds: a script reads a run folder's
+        # list the same way whether it saved one checkpoint or ten.
         records = [d.to_dict() for d in described]
-        click.echo(json.dumps(records if len(records) > 1 else records[0], indent=1))
+        click.echo(json.dumps(records[0] if one_checkpoint else records, indent=1))
         return
     click.echo("\n".join(format_description(d) for d in described))
 

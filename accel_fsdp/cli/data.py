@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from accel_fsdp.cli.options import load_recipe, set_option
+from accel_fsdp.cli.options import GivenPath, load_recipe, set_option
 from accel_fsdp.data.build import INTERRUPTED
 from accel_fsdp.quiet import colour_allowed, quiet_libraries
 from accel_fsdp.tools import data as data_tools
@@ -46,7 +46,7 @@ def prepare_command(name_or_path, overrides) -> None:
 @click.argument("name_or_path")
 @click.option("--sequences", default=3, show_default=True, type=click.IntRange(1, 10_000),
               help="Training sequences to decode, in the order a run reads them.")
-@click.option("--plot", type=click.Path(path_type=Path), help="Draw each source's histogram of example lengths into "
+@click.option("--plot", type=GivenPath(path_type=Path), help="Draw each source's histogram of example lengths into "
               "this PNG (needs matplotlib).")
 @click.option("--color/--no-color", default=None, help="Mark loss-carrying tokens in green (default: on a terminal, "
               "unless NO_COLOR is set), "

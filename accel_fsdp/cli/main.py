@@ -116,19 +116,27 @@ class Commands(click.Group):
     def invoke(self, ctx):
         words = [*getattr(ctx, "_protected_args", ()), *ctx.args]  # click empties both as it goes down
 
-        def command() -> str:
-            """The command as the user named it, down to the last group's command (`accel-fsdp tokenizer train`)."""
-            path, group = [ctx.command_path], self
+        def named() -> click.Context:
+            """The context of the command as the user named it, down to the last group's command (`accel-fsdp
+            tokenizer train`)."""
+            named, group = ctx, self
             for word in words:
                 group = group.commands.get(word) if isinstance(group, click.Group) else None
                 if group is None:
                     break
-                path.append(word)
-            return " ".join(path)
+                named = click.Context(group, info_name=word, parent=named)
+            return named
+
+        def command() -> str:
+            return named().command_path
 
         try:
             with _preemption_unwinds():
                 return super().invoke(ctx)
+        except click.UsageError as e:
+            if e.ctx is None:  # click's parser says "Option '--x' requires an argument" with no command: the fix line
+                e.ctx = named()  # points to the help of the command the option belongs to, not to the program's
+            raise
         except KeyboardInterrupt:
             if not inside_launch():  # in a rank still starting: the launcher says it, once for all of them
                 click.echo(f"{command()}: interrupted (Ctrl-C); nothing half-written was left: run the same command "

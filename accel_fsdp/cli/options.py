@@ -53,6 +53,38 @@ def load_recipe(name_or_path: str, overrides):
     return r
 
 
+EMPTY = "is empty (an unset shell variable?)"
+
+
+def not_empty(ctx, param, value):
+    """The callback of an option that names a file, a folder or a hub id as text (--accelerate-config, --base-model):
+    an empty value (an unset shell variable) is refused, where the command took it as not given and used its default."""
+    if isinstance(value, str) and not value.strip():
+        raise click.BadParameter(f"{EMPTY}: give a value, or leave the option out for its default", ctx=ctx,
+                                 param=param)
+    return value
+
+
+class GivenPath(click.Path):
+    """A path option or argument of any command: click's Path, refusing an empty value. An empty path is pathlib's
+    "." (the folder the user stands in), and it is what an unset shell variable gives (`--output-dir "$OUT"`): a run
+    wrote its checkpoints there, inspect and report read it. "." typed is still the current folder."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            self.fail(f"{EMPTY}, which would mean the current folder: give the path, or . for the current folder",
+                      param, ctx)
+        return super().convert(value, param, ctx)
+
+
+def names_a_folder(typed: str) -> bool:
+    """A path typed with a trailing separator (`jobs/`) names a folder, whatever is there now: pathlib drops the
+    separator (Path("jobs/") is Path("jobs")), and a command that writes a file there wrote a file named `jobs`."""
+    import os
+
+    return typed.endswith(("/", os.sep))
+
+
 def finite(param, value):
     import math
 

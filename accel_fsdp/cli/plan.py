@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from accel_fsdp.cli.options import load_recipe, set_option
+from accel_fsdp.cli.options import GivenPath, load_recipe, names_a_folder, not_empty, set_option
 from accel_fsdp.config.accelerate import BY_SHARDING, HYBRID_SHARD, load_accelerate_config
 from accel_fsdp.config.precision import MEMORY, MEMORY_CHOICES
 from accel_fsdp.config.settings import batch_problem
@@ -40,7 +40,8 @@ class _NegativeNumberArgument(click.Command):
 
 @click.command("estimate", cls=_NegativeNumberArgument)
 @click.argument("what", metavar="MODEL|RECIPE|PARAM_COUNT")
-@click.option("--gpus", default=1, show_default=True, type=click.IntRange(1, 4096), help="GPUs per node.")
+@click.option("--gpus", "--gpus-per-node", "gpus", default=1, show_default=True, type=click.IntRange(1, 4096),
+              help="GPUs per node (--gpus-per-node, as `slurm` spells it, is the same option).")
 @click.option("--nodes", default=1, show_default=True, type=click.IntRange(1, 4096))
 @click.option("--gpu-memory", default="80GB", show_default=True, metavar="SIZE", help="Memory of one GPU.")
 @click.option("--precision", default=MEMORY["bf16"], show_default=True, type=click.Choice(MEMORY_CHOICES))
@@ -81,9 +82,10 @@ def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offlo
     if target.context and target.seq_len > target.context:
         raise UserError(Problem("--seq-len", f"{target.seq_len} exceeds {target.name}'s context of {target.context} "
                                 "tokens", f"use at most {target.context}"))
-    if target.micro_batch and target.shape is None:
-        raise UserError(Problem("--micro-batch", "activations need the model's shape, and a bare parameter count "
-                                "has none", "name a model (gpt2-xl, llama-3.1-8b) or a recipe, or drop --micro-batch"))
+    for option, given in (("--micro-batch", target.micro_batch), ("--seq-len", seq_len)):
+        if given and target.shape is None:  # --seq-len was ignored without a word
+            raise UserError(Problem(option, "activations need the model's shape, and a bare parameter count has none",
+                                    f"name a model (gpt2-xl, llama-3.1-8b) or a recipe, or drop {option}"))
     rows = table(target, gpus=gpus, nodes=nodes, precision=precision, activation_checkpointing=activation_checkpointing,
                  strategies=list(strategies) or list(BY_SHARDING), offload=offload, gpu_memory=budget,
                  deferred_reduce=defer_reduce)
@@ -108,11 +110,12 @@ def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offlo
               help="Seconds before the time limit at which SLURM signals the job to checkpoint and requeue: more "
               "than one optimizer step plus one checkpoint save.")
 @click.option("--accelerate-config", "accelerate_config", default="fsdp_multinode", show_default=True,
+              callback=not_empty,
               metavar="NAME|PATH", help="Accelerate config; node counts and addresses are set by the script.")
-@click.option("--output-dir", type=click.Path(path_type=Path), help="Run folder, on a filesystem every node sees. "
+@click.option("--output-dir", type=GivenPath(path_type=Path), help="Run folder, on a filesystem every node sees. "
               "Default: runs/<recipe name>.")
 @set_option
-@click.option("-o", "--output", "script", type=click.Path(path_type=Path), default=None,
+@click.option("-o", "--output", "script", type=GivenPath(), default=None,
               help="Where to write the script. Default: <recipe name>.sbatch. An existing file is replaced only if "
               "this command wrote it and it was not edited since.")
 def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_limit, partition, cpus_per_node,
@@ -138,12 +141,14 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     config = load_accelerate_config(accelerate_config)
     config.values.update(num_machines=nodes, machine_rank=0)
 
-    script = script or Path(f"{r.name}.sbatch")
-    if script.is_dir() or not script.parent.is_dir():
-        where = ("is a folder" if script.is_dir() else
+    typed, script = script, Path(script or f"{r.name}.sbatch")
+    if script.is_dir() or not script.parent.is_dir() or (typed and names_a_folder(typed)):
+        where = ("is a folder" if script.is_dir() else "ends with a separator, so it names a folder"
+                 if typed and names_a_folder(typed) else
                  f"is under {script.parent}, which is a file" if script.parent.exists() else
                  "is in a folder that does not exist")
-        raise UserError(Problem(str(script), where, "give the path of the script file to write (-o job.sbatch)"))
+        raise UserError(Problem(typed or str(script), where,
+                                "give the path of the script file to write (-o job.sbatch)"))
     replacing = script.exists() and _replaceable_script(script)
     layout = RunLayout.of(r, output_dir)
     decide(layout, r, resume="auto")  # the folder the job will write: not a file, not another run's

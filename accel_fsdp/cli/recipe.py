@@ -11,7 +11,8 @@ from pathlib import Path
 import click
 
 from accel_fsdp.cli.catalog import recipe_rows
-from accel_fsdp.cli.options import CONFIG_HELP, CPU_HELP, child_argv, load_recipe, set_option
+from accel_fsdp.cli.options import (CONFIG_HELP, CPU_HELP, GivenPath, child_argv, load_recipe, names_a_folder,
+                                   not_empty, set_option)
 from accel_fsdp.config.accelerate import check_accelerate_config
 from accel_fsdp.config.recipe import key_reference
 from accel_fsdp.config.shipped import resolve_recipe
@@ -85,9 +86,9 @@ def recipe_show(name: str) -> None:
 
 @recipe.command("copy")
 @click.argument("name")
-@click.argument("dest", type=click.Path(path_type=Path))
+@click.argument("dest", type=GivenPath())
 @click.option("--force", is_flag=True, help="Replace DEST if it exists.")
-def recipe_copy(name: str, dest: Path, force: bool) -> None:
+def recipe_copy(name: str, dest: str, force: bool) -> None:
     """Copy a shipped recipe to DEST (a file or a folder) to edit it.
 
     \b
@@ -95,6 +96,10 @@ def recipe_copy(name: str, dest: Path, force: bool) -> None:
     accel-fsdp recipe run my-gpt2.yaml --set data.path=mydata.jsonl
     """
     src = resolve_recipe(name)
+    if names_a_folder(dest) and not Path(dest).is_dir():
+        raise UserError(Problem(dest, "folder does not exist", f"create it first (mkdir -p {dest}), or give a file "
+                                "name to copy to"))
+    dest = Path(dest)
     target = dest / src.name if dest.is_dir() else dest
     if target.exists() and target.resolve() == src.resolve():
         raise UserError(Problem(str(target), "is the recipe being copied", "give another destination"))
@@ -110,11 +115,11 @@ def recipe_copy(name: str, dest: Path, force: bool) -> None:
 @recipe.command("validate")
 @click.argument("name_or_path")
 @set_option
-@click.option("--accelerate-config", "accelerate_config", metavar="NAME|PATH", help=CONFIG_HELP)
+@click.option("--accelerate-config", "accelerate_config", metavar="NAME|PATH", callback=not_empty, help=CONFIG_HELP)
 @click.option("--num-processes", type=click.IntRange(1, 1 << 20), help="All ranks of the job, overriding the config "
               "(what the SLURM script passes for its allocation).")
 @click.option("--num-machines", type=click.IntRange(1, 4096), help="Machines of the job, overriding the config.")
-@click.option("--output-dir", type=click.Path(path_type=Path), help="Run folder, to say where its checkpoints go. "
+@click.option("--output-dir", type=GivenPath(path_type=Path), help="Run folder, to say where its checkpoints go. "
               "Default: runs/<recipe name>.")
 def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_config: str | None,
                     num_processes: int | None, num_machines: int | None, output_dir: Path | None) -> None:
@@ -158,14 +163,14 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
 
 @recipe.command("run")
 @click.argument("name_or_path")
-@click.option("--accelerate-config", "accelerate_config", metavar="NAME|PATH", help=CONFIG_HELP)
+@click.option("--accelerate-config", "accelerate_config", metavar="NAME|PATH", callback=not_empty, help=CONFIG_HELP)
 @set_option
-@click.option("--output-dir", type=click.Path(path_type=Path), help="Run folder. Default: runs/<recipe name>.")
+@click.option("--output-dir", type=GivenPath(path_type=Path), help="Run folder. Default: runs/<recipe name>.")
 @click.option("--resume", type=click.Choice(["latest", "auto"]), is_flag=False, flag_value="latest", default=None,
               help="Continue this run from its newest intact checkpoint. --resume auto: continue if the run folder "
               "holds this run with a checkpoint, start it if it saved none; refuse a folder of another run (what "
               "requeued SLURM jobs use).")
-@click.option("--resume-from", type=click.Path(), help="Continue from this checkpoint folder.")
+@click.option("--resume-from", type=GivenPath(), help="Continue from this checkpoint folder.")
 @click.option("--overwrite", is_flag=True, help="Replace a run already in the run folder.")
 @click.option("--accept-data-change", is_flag=True, help="Resume although a data source changed since the "
               "checkpoint (rows added or edited): go on with the data as it is now, read in a new order. Without it, "

@@ -12,6 +12,13 @@ import re
 from accel_fsdp.config.methods import METHODS, PAIR_METHODS, method_problems
 from accel_fsdp.errors import Problem
 
+BPE_VOCAB_MIN, BPE_VOCAB_MAX = 300, 1_000_000
+"""The vocabulary sizes a trained byte-level BPE tokenizer takes (model.tokenizer: bpe:N, `tokenizer train
+--vocab-size N`): its 256 bytes and special tokens, up to what any model here would embed."""
+SEED_MAX = 2**32 - 1
+"""The largest seed a run or `generate --seed` takes: NumPy's seed range (torch.manual_seed takes more, and raises
+past 2**64 - 1)."""
+
 TRACKERS = ("tensorboard", "wandb")
 ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 MAX_STEPS = 10**9
@@ -62,8 +69,9 @@ def _model_problems(r) -> list[Problem]:
          "name_or_path loads pretrained weights; architecture builds the model from scratch")
     if m.tokenizer and m.tokenizer.startswith("bpe:"):
         n = m.tokenizer.removeprefix("bpe:")
-        need(n.isdigit() and 300 <= int(n) <= 1_000_000, "model.tokenizer", f"{m.tokenizer!r}: bpe:N needs a "
-             "vocabulary size N between 300 and 1,000,000", "e.g. bpe:8192 (byte-level BPE trained on data.path)")
+        need(n.isdigit() and BPE_VOCAB_MIN <= int(n) <= BPE_VOCAB_MAX, "model.tokenizer", f"{m.tokenizer!r}: bpe:N "
+             f"needs a vocabulary size N between {BPE_VOCAB_MIN} and {BPE_VOCAB_MAX:,}",
+             "e.g. bpe:8192 (byte-level BPE trained on data.path)")
     attn = m.attn_implementation
     need(attn is None or attn in ATTENTION_KERNELS or "/" in attn, "model.attn_implementation",
          f"{attn!r} is not an attention kernel", f"use one of {', '.join(ATTENTION_KERNELS)} (or a hub kernel such as "
@@ -142,7 +150,7 @@ def _training_problems(r) -> list[Problem]:
         "e.g. 1e-8")
     rng(t.max_grad_norm is None or t.max_grad_norm > 0, "training.max_grad_norm",
         f"{t.max_grad_norm} must be positive", "a positive number", "e.g. 1.0, or null to disable clipping")
-    rng(0 <= t.seed <= 2**32 - 1, "training.seed", f"{t.seed} is outside [0, 2**32 - 1]",
+    rng(0 <= t.seed <= SEED_MAX, "training.seed", f"{t.seed} is outside [0, 2**32 - 1]",
         "a non-negative integer below 4294967296", "NumPy's seed range")
     rng(t.eval_every_steps is None or t.eval_every_steps >= 1, "training.eval_every_steps",
         f"{t.eval_every_steps} must be at least 1", "at least 1", "or null to evaluate at the end only")

@@ -42,14 +42,16 @@ from accel_fsdp.data.file_checks import (
     surrogate_escapes,
     utf16,
 )
+from accel_fsdp.data.shapes import SHAREGPT_FIELD
 from accel_fsdp.data.synthetic import BUILTIN_DATA, write_builtin
 from accel_fsdp.errors import Problem, UserError
 
 JSON_FIX = "fix the file: one JSON object per line (.jsonl), or one JSON list of objects (.json)"
 FILE_TYPES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 CHAT_ROLES = ("system", "user", "assistant")
-TOOL_ROLES = ("tool", "function", "ipython")
-"""Roles of tool calls' results (OpenAI's tool and older function, Llama 3.1's ipython): named with what to do."""
+TOOL_ROLES = ("tool", "function", "ipython", "function_call", "observation")
+"""Roles of tool calls and their results (OpenAI's tool and older function, Llama 3.1's ipython, ShareGPT's
+function_call and observation): named with what to do."""
 MAX_PROBLEMS = 5
 """Bad rows reported at once (the first of each kind of problem, up to this many)."""
 MAX_ROW_BYTES = 8 << 20
@@ -434,13 +436,14 @@ class SourceReader:
 
 
 def _format_of(row: dict) -> str | None:
-    """The format whose default fields a row holds all of (chosen and rejected: preference), or None."""
+    """The format whose default fields a row holds all of (chosen and rejected: preference; ShareGPT's conversations:
+    chat), or None."""
     defaults = DataConfig()
     for fmt, fields in (("preference", ("chosen_field", "rejected_field")), ("chat", ("messages_field",)),
                         ("instruction", ("instruction_field", "output_field")), ("text", ("text_field",))):
         if all(getattr(defaults, f) in row for f in fields):
             return fmt
-    return None
+    return "chat" if SHAREGPT_FIELD in row else None  # ShareGPT's conversations (data/shapes.py)
 
 
 def _data_files_in(folder: Path) -> str:

@@ -27,6 +27,7 @@ import numpy as np
 from accel_fsdp.config.recipe import SourceConfig
 from accel_fsdp.data.encoder import ChatEncoder, ChatTemplate, closing_tokens, encode, encode_opening
 from accel_fsdp.data.mixture import SourceStats
+from accel_fsdp.data.shapes import as_messages, chat_field, implicit_prompt, prompt_field, prompt_left_out
 from accel_fsdp.data.sources import CHAT_ROLES, SourceReader, check_messages
 from accel_fsdp.errors import first_line
 
@@ -75,6 +76,11 @@ def fit_pair(chosen: Example, rejected: Example, seq_len: int) -> tuple[Example,
     return out[0], out[1], cut > 0, answer_cut
 
 
+class PlainPrompt(str):
+    """A pair's prompt read from the texts of its answers (`ExampleTokenizer._implicit_pair`): written as it is, never
+    wrapped in a chat template's turns."""
+
+
 def no_examples() -> list[Example]:
     """What a batch with bad rows (or checked without a tokenizer) encodes into."""
     return []
@@ -113,8 +119,8 @@ class ExampleTokenizer:
             return self._instruction(numbers, rows)
         if fmt == "preference":
             return self._preference(numbers, rows)
-        return self._chat([(n, row.get(self.source.messages_field)) for n, row in zip(numbers, rows)
-                           if self._chat_row_ok(n, row)])
+        conversations = [(n, self._chat_messages(n, row)) for n, row in zip(numbers, rows)]
+        return self._chat([(n, messages) for n, messages in conversations if messages is not None])
 
     def stream(self, batches: Iterable[tuple[list[int], list[dict]]]):
         """(numbers, rows, examples) of each batch, in order. A batch is encoded on a second thread while this one
@@ -221,17 +227,22 @@ class ExampleTokenizer:
 
     # ----------------------------------------------------------------------------------------------- chat
 
-    def _chat_row_ok(self, n: int, row: dict) -> bool:
-        if self.source.messages_field not in row:
+    def _chat_messages(self, n: int, row: dict) -> list[dict] | None:
+        """A chat row's messages in {role, content} form (ShareGPT's read as such: data/shapes.py), or None with the
+        row reported."""
+        field = chat_field(row, self.source)
+        if field not in row:
             self.reader.missing_field(n, row, "messages")
-            return False
-        problem = check_messages(row[self.source.messages_field])
+            return None
+        messages, problem = as_messages(row[field])
+        problem = problem or check_messages(messages)
         if problem:
             self.reader.bad("messages", n, problem, f"each message needs a role ({', '.join(CHAT_ROLES)}) and text "
-                            "content, and a conversation at least one assistant message")
-            return False
-        self._note_empty_turns(n, row[self.source.messages_field])
-        return True
+                            "content (or ShareGPT's from: human, gpt or system, and value), and a conversation at "
+                            "least one assistant message")
+            return None
+        self._note_empty_turns(n, messages)
+        return messages
 
     def _note_empty_turns(self, n: int, messages: list[dict]) -> None:
         if any(m["role"] == "assistant" and not m["content"].strip() for m in messages):
@@ -280,7 +291,7 @@ class ExampleTokenizer:
 
     def _preference(self, numbers, rows) -> Callable[[], list[Example]]:
         """Two examples per row: prompt + chosen, prompt + rejected; the loss only on the answer."""
-        conversations, strings = [], []
+        conversations, strings, plain = [], [], []
         for n, row in zip(numbers, rows):
             pair = self._pair(n, row)
             if pair is None:
@@ -290,7 +301,10 @@ class ExampleTokenizer:
                                 "chat template to write them with", "use a tokenizer with a chat template "
                                 "(model.tokenizer), or give the prompt and the two answers as strings")
                 continue
-            (conversations if isinstance(pair[1], list) else strings).append((n, *pair))
+            if isinstance(pair[1], list):
+                conversations.append((n, *pair))
+            else:
+                (plain if isinstance(pair[0], PlainPrompt) else strings).append((n, *pair))
         if self.reader.problems or self.tokenizer is None:
             return no_examples
         if strings and self.tokenizer.chat_template:  # a user turn and an assistant turn, as instruction rows are
@@ -298,6 +312,7 @@ class ExampleTokenizer:
                                [{"role": "user", "content": p}, {"role": "assistant", "content": r}])
                               for n, p, c, r in strings]
             strings = []
+        strings += plain
         prompts, texts, spans, rows_ = [], [], [], []
         for n, _, chosen, rejected in conversations:
             # The answer is the last message, and both share what comes before it (checked): where it starts is
@@ -319,7 +334,7 @@ class ExampleTokenizer:
         out: dict[int, list[Example]] = {}
         if strings:
             eos = [self.eos] if self.eos is not None else []
-            prompt_ids = encode_opening(self.tokenizer, [p for _, p, _, _ in strings], self.closing)
+            prompt_ids = encode_opening(self.tokenizer, [str(p) for _, p, _, _ in strings], self.closing)
             answers = encode(self.tokenizer, [a for _, _, c, r in strings for a in (c, r)], special=False)
             for k, ((n, *_), p) in enumerate(zip(strings, prompt_ids)):
                 out[n] = [Example(np.asarray(p + a + eos, dtype=np.int64),
@@ -331,16 +346,18 @@ class ExampleTokenizer:
         return [ex for n in numbers if n in out for ex in out[n]]
 
     def _pair(self, n: int, row: dict):
-        """(prompt, chosen, rejected) of a row: three strings, or the prompt None and two conversations; None when the
-        row is bad (recorded)."""
+        """(prompt, chosen, rejected) of a row: three strings (the prompt a PlainPrompt where the answers held it), or
+        the prompt None and two conversations; None when the row is bad (recorded)."""
         s = self.source
         for role, column in (("chosen", s.chosen_field), ("rejected", s.rejected_field)):
             if column not in row:
                 self.reader.missing_field(n, row, role)
                 return None
-        prompt, chosen, rejected = row.get(s.prompt_field), row[s.chosen_field], row[s.rejected_field]
+        prompt_column = prompt_field(row, s)
+        prompt, chosen, rejected = row.get(prompt_column), row[s.chosen_field], row[s.rejected_field]
+        chosen, rejected = ([a] if isinstance(a, dict) else a for a in (chosen, rejected))  # one message each
         if isinstance(chosen, list) or isinstance(rejected, list):
-            return self._conversations(n, prompt, chosen, rejected)
+            return self._conversations(n, prompt, chosen, rejected, prompt_column)
         for column, value in ((s.chosen_field, chosen), (s.rejected_field, rejected)):
             if not isinstance(value, str) or not value.strip():
                 what = ("is empty" if isinstance(value, str) or value is None
@@ -348,7 +365,9 @@ class ExampleTokenizer:
                 self.reader.bad("empty answer", n, f"answer {column!r} {what}",
                                 "every pair needs two non-empty answers")
                 return None
-        if s.prompt_field not in row:
+        if prompt_left_out(row, s):
+            return self._implicit_pair(n, chosen, rejected)
+        if s.prompt_field not in row:  # a prompt field the user named is read as named
             self.reader.missing_field(n, row, "prompt")
             return None
         if not isinstance(prompt, str):
@@ -359,8 +378,29 @@ class ExampleTokenizer:
             self._note_empty_turn(n)
         return prompt, chosen, rejected  # answers that prefer nothing are found by their tokens (data/build.py)
 
-    def _conversations(self, n: int, prompt, chosen, rejected):
+    def _implicit_pair(self, n: int, chosen: str, rejected: str):
+        """(prompt, chosen, rejected) of two texts that hold their prompt (HH-RLHF's dialogues), split where they
+        part (data/shapes.py `implicit_prompt`, TRL's rule), the prompt a PlainPrompt: as TRL does for
+        pairs of strings, no chat template writes them (the texts carry their own turns' markup)."""
+        start, problem = implicit_prompt(chosen, rejected)
+        if problem:
+            self.reader.bad("implicit prompt", n, f"no field {self.source.prompt_field!r}, and {problem}",
+                            "give the prompt in a field of its own (data.prompt_field), and the answers without it")
+            return None
+        return PlainPrompt(chosen[:start]), chosen[start:], rejected[start:]
+
+    def _conversations(self, n: int, prompt, chosen, rejected, prompt_column: str):
+        """`prompt_column`: where the prompt was read (prompt_field, or ShareGPT's conversations)."""
         s = self.source
+        prompt, problem = as_messages(prompt)
+        chosen, chosen_problem = as_messages(chosen)
+        rejected, rejected_problem = as_messages(rejected)
+        for column, problem in ((prompt_column, problem), (s.chosen_field, chosen_problem),
+                                (s.rejected_field, rejected_problem)):
+            if problem:
+                self.reader.bad("pair messages", n, f"{column}: {problem}", "chosen and rejected are conversations "
+                                "that end with the answer (or the answer alone, with the prompt in its own field)")
+                return None
         prefix = prompt if isinstance(prompt, list) else []
         if (isinstance(prompt, str) and isinstance(chosen, list) and chosen and isinstance(chosen[0], dict)
                 and chosen[0].get("role") == "assistant"):

@@ -328,6 +328,11 @@ def not_a_model_folder(where: str, folder: Path) -> Problem:
             fix = (f"export its newest checkpoint with `accel-fsdp checkpoint consolidate {folder} OUT` (add --merge "
                    "for a LoRA run) and use OUT (OUT/merged with --merge)")
         return Problem(where, f"{named}is a run folder, not a model folder", fix)
+    if folder.is_file():  # a weights file or the data given for the folder: "has no config.json" misread it
+        file_named = f"{str(folder)!r} " if named else ""
+        return Problem(where, f"{file_named}is a file, not a model folder",
+                       "give the folder that holds config.json (written by save_pretrained or `accel-fsdp checkpoint "
+                       "consolidate`), or a hub id")
     return Problem(where, f"{named}has no config.json, so it is not a Hugging Face model folder",
                    "point it at a folder written by save_pretrained (or `accel-fsdp checkpoint consolidate`), or at a "
                    "hub id")

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from accel_fsdp.data.identity import digest, trained_tokenizer_identity
+from accel_fsdp.data.shapes import as_messages, chat_field, prompt_field
 from accel_fsdp.data.sources import SourceReader
 from accel_fsdp.data.synthetic import BUILTIN_TOKENIZER
 from accel_fsdp.data.synthetic import build_tokenizer as builtin
@@ -229,13 +230,16 @@ def _row_texts(row: dict, source) -> list:
     if source.format == "instruction":
         return [row.get(source.instruction_field), row.get(source.input_field), row.get(source.output_field)]
     if source.format == "chat":
-        fields = [row.get(source.messages_field)]
-    else:  # preference: prompt, chosen and rejected, each a text or a conversation
-        fields = [row.get(source.prompt_field), row.get(source.chosen_field), row.get(source.rejected_field)]
+        fields = [row.get(chat_field(row, source))]
+    else:  # preference: prompt, chosen and rejected, each a text or a conversation (or one message)
+        prompt = prompt_field(row, source)
+        fields = [row.get(prompt), row.get(source.chosen_field), row.get(source.rejected_field)]
     out = []
     for value in fields:
+        value = [value] if isinstance(value, dict) else value
         if isinstance(value, list):
-            out += [m.get("content") for m in value if isinstance(m, dict)]
+            messages = as_messages(value)[0] or []  # ShareGPT's {from, value} read as {role, content}
+            out += [m.get("content") for m in messages if isinstance(m, dict)]
         else:
             out.append(value)
     return out

@@ -58,9 +58,15 @@ QUANTIZED_NOTE = ("QLoRA: decoder-block projections in NF4 (0.5 byte a weight pl
 
 
 def parse_count(text: str) -> int | None:
-    """'104960000', '104,960,000', '1.5B', '175e9', '350M' -> a parameter count, else None."""
-    t = text.replace(",", "").replace("_", "").strip()
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMBT])?", t, re.I)
+    """'104960000', '104,960,000', '1.5B', '175e9', '350M' -> a parameter count, else None. A comma only groups
+    thousands: '1,5B' (a decimal comma) is not a count, where dropping it would read 15B."""
+    t = text.strip()
+    if "," in t:
+        if not re.fullmatch(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?[KMBT]?", t, re.I | re.ASCII):
+            return None
+        t = t.replace(",", "")
+    t = t.replace("_", "")
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMBT])?", t, re.I | re.ASCII)
     if m:
         scale = {None: 1, "K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}[m.group(2).upper() if m.group(2) else None]
         return int(round(float(m.group(1)) * scale))
@@ -73,11 +79,14 @@ def parse_count(text: str) -> int | None:
 
 def resolve_target(what: str, micro_batch: int | None, seq_len: int | None) -> Target:
     count = parse_count(what)
+    if count is None and "," in what and re.fullmatch(r"[\d.,_]+[KMBT]?", what.strip(), re.I | re.ASCII):
+        raise UserError(Problem(what, "is not a parameter count: a comma only groups thousands (104,960,000)",
+                                "write a fraction with a point, e.g. 1.5B"))
     if count is not None and count < 1:
         raise UserError(Problem(what, "is not a parameter count: it must be at least 1",
                                 "give e.g. 7B or 104960000, a model name (gpt2-xl) or a recipe"))
     if count is not None:
-        return Target(f"{count:,} parameters", count, count, 0, None, micro_batch or 0, seq_len or 0,
+        return Target(what.strip(), count, count, 0, None, micro_batch or 0, seq_len or 0,  # as typed: 7B, 1.5e9
                       note="a bare parameter count: no activations or gathered units unless a model is named")
     arch = architectures.lookup(what)
     if arch is not None:

@@ -47,7 +47,10 @@ def summarize(run_dir: Path) -> dict:
         out["mfu_median"] = statistics.median(mfu)
     if evals:
         best = min(evals, key=lambda r: r.eval_loss)
-        out.update(final_eval_loss=evals[-1].eval_loss, final_eval_ppl=evals[-1].eval_ppl,
+        # A preference loss is of pairs, not tokens: exp() of it is no perplexity (the metrics row keeps its
+        # documented exp(eval_loss); the summary, text and JSON alike, says none).
+        ppl = evals[-1].eval_ppl if evals[-1].preference is None else None
+        out.update(final_eval_loss=evals[-1].eval_loss, final_eval_ppl=ppl,
                    best_eval_loss=best.eval_loss, best_eval_step=best.step)
     if train[-1].preference is not None:
         out.update(final_reward_margin=train[-1].preference.reward_margin,
@@ -63,7 +66,7 @@ def format_summary(s: dict) -> str:
     lines = [f"run {s['run']} (recipe {s['recipe']}): {s['steps']} steps, {s['tokens_seen'] or 0:,} tokens",
              f"  train loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}"]
     if "final_eval_loss" in s:
-        ppl = "" if "final_reward_margin" in s else f" (perplexity {s['final_eval_ppl']:.2f})"  # of tokens, not pairs
+        ppl = "" if s["final_eval_ppl"] is None else f" (perplexity {s['final_eval_ppl']:.2f})"
         lines.append(f"  eval loss {s['final_eval_loss']:.4f}{ppl} at the end; best "
                      f"{s['best_eval_loss']:.4f} at step {s['best_eval_step']}")
     if "final_reward_margin" in s:
