@@ -19,6 +19,17 @@ CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total c
 """torch's text for a CUDA allocation that failed (c10/cuda/CUDACachingAllocator.cpp, torch 2.13.0)."""
 
 
+def test_the_allocators_advice_is_left_out_of_a_short_message():
+    """torch's own advice on its allocator's settings follows the figures; a message short enough kept it whole."""
+    from accel_fsdp.errors import allocation_figures
+
+    short = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which 1.23 "
+             "GiB is free. If reserved but unallocated memory is large try setting "
+             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. See documentation for Memory Management")
+    assert allocation_figures(RuntimeError(short)) == ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
+                                                       "total capacity of 79.10 GiB of which 1.23 GiB is free")
+
+
 def cuda_failure() -> RuntimeError:
     import torch
 
