@@ -254,8 +254,8 @@ def node_local_note(folders: dict[str, Path], env) -> str | None:
              if any(folder.resolve().is_relative_to(root) for root in local)]
     if not named:
         return None
-    return (f"{' and '.join(named)} {'is' if len(named) == 1 else 'are'} usually each node's own disk (/tmp, "
-            "/var/tmp, /dev/shm, TMPDIR): the nodes would not see each other's shards, and a job requeued onto "
+    return (f"{' and '.join(named)} {'is' if len(named) == 1 else 'are'} usually each node's own disk "
+            f"({', '.join(NODE_LOCAL)}, TMPDIR): the nodes would not see each other's shards, and a job requeued onto "
             "other nodes would start again; give --output-dir (or checkpoint.dir) on a filesystem every node sees")
 
 
