@@ -273,7 +273,7 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
         machine = MachineOptions(machine_rank, main_process_ip, main_process_port, num_machines, rendezvous_timeout)
         machine.apply(config)
         raise_if(check_accelerate_config(config), f"{config.label} with these options has problems")
-        machines, rank = int(config.get("num_machines", 1) or 1), int(config.get("machine_rank", 0) or 0)
+        machines, rank = config.num_machines(), config.machine_rank()
         if (problem := launcher.srun_step_problem(os.environ, config, machine)) is not None:
             raise UserError(problem)
         main_machine = rank == 0
