@@ -101,7 +101,7 @@ def allocation_figures(error: BaseException) -> str:
     allocate, the capacity, what was free), not its advice on the allocator's settings."""
     detail = ""
     for sentence in " ".join(str(error).split()).split(". "):
-        if detail and len(detail) + len(sentence) > 240:
+        if detail and (len(detail) + len(sentence) > 240 or sentence.startswith(("If ", "See "))):
             break
         detail += ("" if not detail else ". ") + sentence
     return detail or type(error).__name__

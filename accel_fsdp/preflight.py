@@ -80,7 +80,7 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
     a refusal of a GPU config may then suggest. `check_weights`: read a local model folder's weight files' headers
     against the model (`recipe validate`; a run's ranks check them as they load)."""
     cuda_here = hardware.visible_cuda_devices()
-    cuda = bool(cuda_here) or (for_target_hardware and not config.get("use_cpu"))
+    cuda = bool(cuda_here) or (for_target_hardware and not config.uses_cpu())
     settings = resolve_settings(recipe, config, cuda_available=cuda, num_processes=num_processes)
     if for_target_hardware and cuda and not cuda_here:
         settings.device = Setting(settings.device.value, Source.TARGET_HARDWARE, "this machine has no GPU")

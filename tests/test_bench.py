@@ -29,7 +29,18 @@ def test_bench_reports_throughput_memory_and_baseline_ratio(bench_recipe):
     assert ours["tokens_per_s"] > 0 and base["tokens_per_s"] > 0 and ours["step_time_s"] > 0
     assert len(ours["peak_memory_bytes"]) == 2 and all(b > 0 for b in ours["peak_memory_bytes"])
     assert ours["mfu"] is None  # MFU only on GPUs
-    assert 0.3 < out["ratio"] < 3.0  # same work on the same machine: the same order of magnitude
+    # The same work: every step of both is the global batch, 8 rows of 64 tokens (packed). The baseline reports one
+    # mean step, so its tokens per step are exact; ours are medians over the 4 measured steps, whose product is the
+    # tokens per step times (1 + (r - 1)^2 / 4r) >= 1, r the ratio of the two middle step times: at most 2 for r <= 5.8.
+    tokens = 8 * 64
+    assert base["tokens_per_s"] * base["step_time_s"] == pytest.approx(tokens, rel=1e-9), base
+    assert tokens * (1 - 1e-9) <= ours["tokens_per_s"] * ours["step_time_s"] <= 2 * tokens, ours
+    assert out["ratio"] == pytest.approx(ours["tokens_per_s"] / base["tokens_per_s"], rel=1e-12)
+    # Throughput: the same order of magnitude. Ours logs every step (a reduction, a metrics row) that the bare loop
+    # does not: 0.53 here on a busy machine. The noise model: the two launches run one after the other, and either
+    # can find the cores taken by the other pytest-xdist worker's ranks (2 processes a core: half speed) and its
+    # collectives waiting on a partner that lost its core (up to twice again): a factor 4 either way, 0.13 to 2.1.
+    assert 0.1 < out["ratio"] < 10, out["ratio"]
 
 
 @pytest.mark.slow

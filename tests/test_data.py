@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -331,25 +332,53 @@ def test_the_sampler_resumes_from_its_saved_state_and_replays_to_the_same():
     assert b.global_sequences(3) == first[3]  # an earlier step: replayed from the start
 
 
+class CountedReads:
+    """A per-unit cost array that counts the elements read from it (the sampler reads one at a time)."""
+
+    def __init__(self, values):
+        self.values, self.reads = values, 0
+
+    def __getitem__(self, index):
+        self.reads += 1
+        return self.values[index]
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+def anonymous_resident_bytes() -> int:
+    """RssAnon of this process: the memory it allocated itself, without the file pages it has mapped."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="RssAnon is Linux's")
 def test_the_sampler_of_100m_sequences_fits_in_a_small_fraction_of_a_gigabyte(tmp_path):
     """No Python list per sequence: the per-sequence costs stay memory-mapped (a sparse file here), the order is
-    computed per unit; drawing a few steps over 100M sequences touches almost nothing."""
+    computed per unit; drawing a few steps over 100M sequences touches almost nothing.
+
+    Not the whole resident size: the file pages the reads map count in it, and how many each read maps is the
+    kernel's (fault-around, readahead, large folios: 85 MiB here for 1,538 reads of 4 bytes, 1.2 times below the
+    bound this test once held). What the sampler itself allocates is anonymous memory; what it reads is counted."""
     import tracemalloc
 
-    from accel_fsdp.hardware import rss_bytes
-
-    n = 100_000_000
+    n, steps = 100_000_000, 3
     path = tmp_path / "labels.bin"
     with open(path, "wb") as f:
         f.truncate(4 * n)  # a sparse file: no disk, no memory until read
-    costs = np.memmap(path, dtype=np.uint32, mode="r", shape=(n,))
-    before = rss_bytes()
+    mapped = np.memmap(path, dtype=np.uint32, mode="r", shape=(n,))
+    costs = [CountedReads(mapped), CountedReads(mapped[: n // 2])]
+    before = anonymous_resident_bytes()
     tracemalloc.start()
-    s = GlobalBatchSampler([n, n // 2], [0.6, 0.4], [costs, costs[: n // 2]], global_batch=512, micro_batch=8,
+    s = GlobalBatchSampler([n, n // 2], [0.6, 0.4], costs, global_batch=512, micro_batch=8,
                            world_size=8, rank=3, seed=0)
-    for step in range(3):
+    for step in range(steps):
         assert len(s.micro_batches(step)) == 8
     allocated = tracemalloc.get_traced_memory()[1]  # the peak of Python and numpy allocations
     tracemalloc.stop()
-    # A list of 100M indices would be ~3.6 GB, an int64 permutation 800 MB: this is about 1 MB.
-    assert allocated < 16 << 20 and rss_bytes() - before < 100 << 20, (allocated, rss_bytes() - before)
+    grown = anonymous_resident_bytes() - before
+    # A list of 100M indices would be ~3.6 GB, an int64 permutation 800 MB: this is about 1 MB. The anonymous growth
+    # has room for the allocator's granularity (a 2 MiB huge page per region touched where THP is `always`).
+    assert allocated < 16 << 20 and grown < 100 << 20, (allocated, grown)
+    # One cost read per unit handed out, and each source's next unit in line: a copy of the costs reads them all.
+    assert sum(c.reads for c in costs) <= steps * 512 + len(costs), [c.reads for c in costs]

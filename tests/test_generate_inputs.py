@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from conftest import run_in_process, user_error
 
-SEED_MAX = 2**32 - 1
-"""training.seed's largest (NumPy's seed range), which `generate --seed` shares."""
+from accel_fsdp.config.recipe_checks import SEED_MAX  # training.seed's largest, which `generate --seed` shares
 
 
 def test_a_seed_outside_the_training_seed_range_is_refused_before_loading(tmp_path):

@@ -206,3 +206,22 @@ def test_lora_on_gpt2_says_fan_in_fan_out_itself_and_peft_warns_of_nothing(tiny_
         model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_gpt2), recipe)
     assert not [w for w in caught if "fan_in_fan_out" in str(w.message)], [str(w.message) for w in caught]
     assert model.peft_config["default"].fan_in_fan_out is True
+
+
+def test_lora_on_linear_layers_keeps_fan_in_fan_out_off(tiny_llama):
+    """The other side of the choice above: Linear targets (Llama's; a 4-bit GPT-2's, whose Conv1D layers became
+    Linear) store out x in, and fan_in_fan_out stays off, without PEFT's warning that it turned it off itself."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from accel_fsdp.config.recipe import recipe_from_text
+    from accel_fsdp.model.build import apply_lora
+
+    recipe = recipe_from_text(f"model: {{name_or_path: '{tiny_llama}', lora: {{enabled: true, target_modules: "
+                              "[q_proj, v_proj, down_proj]}}\ndata: {path: x.jsonl}\n", source="r.yaml")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_llama), recipe)
+    assert not [w for w in caught if "fan_in_fan_out" in str(w.message)], [str(w.message) for w in caught]
+    assert model.peft_config["default"].fan_in_fan_out is False

@@ -85,7 +85,7 @@ def test_estimate_says_which_knobs_would_make_a_recipe_fit():
     assert "  fits with training.activation_offload: true (" in result.output
 
 
-def test_the_dry_run_says_which_knobs_would_make_a_recipe_fit():
+def test_the_dry_run_says_which_knobs_would_make_a_recipe_fit(cpu_with_native_bf16):  # the bf16 plan
     result = CliRunner().invoke(main, ["recipe", "run", "quickstart-llama", "--dry-run", "--gpu-memory", "0.02GB",
                                        "--set", "training.micro_batch_size=16", "--set",
                                        "training.global_batch_size=32"])

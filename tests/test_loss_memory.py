@@ -83,7 +83,7 @@ def test_the_chunk_the_planner_picks_keeps_one_chunks_fp32_logits_within_256_mib
         assert 4 * vocab * loss_chunk_tokens(vocab) <= 256 * 2**20 or loss_chunk_tokens(vocab) == 64
 
 
-def test_the_dry_run_and_estimate_say_how_the_logits_are_counted():
+def test_the_dry_run_and_estimate_say_how_the_logits_are_counted(cpu_with_native_bf16):  # the bf16 plan
     runner = CliRunner()
     out = runner.invoke(main, ["estimate", "llama-3.2-1b", "--micro-batch", "1", "--seq-len", "4096"]).output
     assert ("(activations include the logits 0.40 GiB: chunked, one chunk of 512 tokens x 128,256 (the full logits "

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import LOGIT_PATH, load_weights
 
+from accel_fsdp.errors import UserError
 from accel_fsdp.tools.noise import reordered
 
 
@@ -68,3 +69,23 @@ def test_a_merge_writes_an_adapted_tied_head_apart_from_the_embeddings(tmp_path,
         again = merged(input_ids=tokens).logits
     bound = 2 * reordered(LOGIT_PATH) * max(1.0, float(logits.abs().max()))
     assert float((again - logits).abs().max()) <= bound
+
+
+def test_a_streamed_merge_of_a_tied_head_onto_a_base_of_another_vocabulary_is_refused(tmp_path, adapted):
+    """The head's adapters against the base's embeddings they are added to: a base of another vocabulary (another
+    model given as --base-model) is the one message naming lm_head and both shapes, as for any adapted weight, where
+    adding B A to the embeddings raised torch's size mismatch as a traceback."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from accel_fsdp.checkpoint.merge import merge_streaming
+    from accel_fsdp.data.synthetic import build_tokenizer
+
+    adapter, _, _ = adapted
+    vocabulary = len(build_tokenizer()) + 8
+    base = tmp_path / "wider-vocabulary"
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=2, n_embd=64, n_head=4, n_positions=128,
+                                                          vocab_size=vocabulary)).save_pretrained(base)
+    with pytest.raises(UserError, match=rf"--base-model: the adapter of lm_head is for a \d+ x 64 weight, and .* has "
+                                        rf"lm_head.weight of {vocabulary} x 64"):
+        merge_streaming(adapter, tmp_path / "merged", base=str(base), dtype="fp32", quantized_base=None,
+                        max_shard_size=2**30, where="runs/x/checkpoints/step-000002", base_where="--base-model")

@@ -19,6 +19,17 @@ CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total c
 """torch's text for a CUDA allocation that failed (c10/cuda/CUDACachingAllocator.cpp, torch 2.13.0)."""
 
 
+def test_the_allocators_advice_is_left_out_of_a_short_message():
+    """torch's own advice on its allocator's settings follows the figures; a message short enough kept it whole."""
+    from accel_fsdp.errors import allocation_figures
+
+    short = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which 1.23 "
+             "GiB is free. If reserved but unallocated memory is large try setting "
+             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. See documentation for Memory Management")
+    assert allocation_figures(RuntimeError(short)) == ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
+                                                       "total capacity of 79.10 GiB of which 1.23 GiB is free")
+
+
 def cuda_failure() -> RuntimeError:
     import torch
 
@@ -100,18 +111,30 @@ def test_the_oom_kill_count_is_read_where_linux_says_it():
         assert count is None
 
 
-@pytest.mark.parametrize("error,said", [
-    (cuda_failure, " generate: out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB"),
-    (host_allocation_failure, " generate: out of host memory ([enforce fail at"),
-], ids=["cuda", "host"])
-def test_a_command_of_one_process_out_of_memory_says_so_once(tiny_gpt2, monkeypatch, error, said):
-    """`generate` (or consolidate, data prepare) out of memory was torch's traceback, exit status 1."""
+@pytest.mark.parametrize("command,error,said,own", [
+    ("generate", cuda_failure, " generate: out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB",
+     "--device cpu"),
+    ("generate", host_allocation_failure, " generate: out of host memory ([enforce fail at", None),
+    ("consolidate", host_allocation_failure, " checkpoint consolidate: out of host memory ([enforce fail at",
+     "--max-shard-size"),
+], ids=["generate-cuda", "generate-host", "consolidate-host"])
+def test_a_command_of_one_process_out_of_memory_says_so_once(tmp_path, tiny_gpt2, monkeypatch, command, error, said,
+                                                             own):
+    """`generate` (or consolidate, data prepare) out of memory was torch's traceback, exit status 1. The fix names a
+    command's own knob only for that command: generate out of host memory was told to write smaller shards
+    (consolidate's --max-shard-size, which generate does not take)."""
+    import accel_fsdp.cli.checkpoint as checkpoint_cli
     import accel_fsdp.tools.generate as generate
 
     def fails(*args, **kwargs):
         raise error()
 
-    monkeypatch.setattr(generate, "generate", fails)
-    message = user_error("generate", tiny_gpt2, "--prompt", "alice has a", "--max-new-tokens", "2")
+    if command == "generate":
+        monkeypatch.setattr(generate, "generate", fails)
+        message = user_error("generate", tiny_gpt2, "--prompt", "alice has a", "--max-new-tokens", "2")
+    else:
+        monkeypatch.setattr(checkpoint_cli, "resolve_checkpoint", fails)
+        message = user_error("checkpoint", "consolidate", str(tmp_path), str(tmp_path / "out"))
     assert message.startswith("error: ") and said in message.splitlines()[0], message
-    assert ("--device cpu" if "GPU" in said else "--max-shard-size") in message, message
+    for knob in ("--device cpu", "--max-shard-size"):
+        assert (knob in message) == (knob == own), message

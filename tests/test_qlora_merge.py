@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import run_cli, run_in_process
+from conftest import load_weights, run_cli, run_in_process
 
 from accel_fsdp.tools.noise import reordered
 
@@ -29,18 +29,21 @@ def quickstart(tmp_path_factory):
 
 def peft_merge(base_folder, adapter_folder, *, dequantized: bool) -> dict[str, torch.Tensor]:
     """PEFT's merge (merge_and_unload) of the adapters into the base, in fp32; `dequantized`: each 4-bit layer's weight
-    first replaced by its NF4 round trip in bf16 (model/nf4.py, as training computed with it)."""
+    first replaced by its NF4 round trip from the dtype the base is stored in, the one training quantized it from
+    (model/build.py write_scratch_base: the compute dtype, bf16 on a CPU with native bf16, else fp32)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from accel_fsdp.model.nf4 import layers_to_quantize, to_nf4
 
+    stored = {name: tensor.dtype for name, tensor in load_weights(base_folder).items()}
     model = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
     if dequantized:
         for layer in layers_to_quantize(model):
             linear = model.get_submodule(layer.name)
             with torch.no_grad():
-                linear.weight.copy_(to_nf4(linear.weight.to(torch.bfloat16)).get_original_weight().float())
+                source = linear.weight.to(stored[f"{layer.name}.weight"])
+                linear.weight.copy_(to_nf4(source).get_original_weight().float())
     merged = PeftModel.from_pretrained(model, adapter_folder).merge_and_unload()
     return {k: v.detach() for k, v in merged.state_dict().items()}
 

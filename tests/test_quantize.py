@@ -142,6 +142,8 @@ def test_4bit_weights_that_do_not_split_over_the_ranks_are_named_with_the_counts
     assert "cannot split model.layers.0.self_attn.k_proj (32 x 64, 8 groups of 4-bit scales) evenly over 16" in str(
         problem)
     assert "shard over 1, 2, 4, 8 ranks" in str(problem)
+    # a key that exists: the accelerate config's (fsdp.dp_shard_size, named before, is no recipe key)
+    assert "parallelism_config_dp_shard_size under hybrid sharding" in str(problem)
     (odd,) = layer_problems([QuantizedLayer("h.0.attn.c_attn", 3, 40, True)], 1, "here")
     assert "blocks of 64" in str(odd) and "3 x 40 = 120 weights" in str(odd)
 

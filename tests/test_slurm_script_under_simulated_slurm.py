@@ -271,17 +271,23 @@ def test_accelerate_launch_sets_the_visible_gpus_from_gpu_ids():
 
 
 @pytest.mark.parametrize("where,named", [
-    (["--output-dir", "/dev/shm/accel-fsdp-run"], "the run folder /dev/shm/accel-fsdp-run is"),
+    (["--output-dir", "{shm}/accel-fsdp-run"], "the run folder {shm}/accel-fsdp-run is"),
     (["--output-dir", "{tmp}/run"], "the run folder {tmp}/run is"),  # TMPDIR
-    (["--set", "checkpoint.dir=/var/tmp/accel-fsdp-ckpt"], "checkpoint.dir /var/tmp/accel-fsdp-ckpt is"),
+    (["--set", "checkpoint.dir={var_tmp}/accel-fsdp-ckpt"], "checkpoint.dir {var_tmp}/accel-fsdp-ckpt is"),
     (["--output-dir", "{shared}"], None),
 ])
 def test_a_run_folder_on_each_nodes_own_disk_is_said_when_the_script_is_written(tmp_path, monkeypatch, where, named):
     """Every node writes its shards into the run's checkpoints, and a requeued job may run on other nodes: on /tmp
-    (or /dev/shm, /var/tmp, TMPDIR) neither sees the others', and the requeued job started the run again, silently."""
-    paths = {"tmp": tmp_path / "node-tmp", "shared": tmp_path / "shared"}
+    (or /dev/shm, /var/tmp, TMPDIR) neither sees the others', and the requeued job started the run again, silently.
+    The node-local folders stand in under tmp_path: pytest's own tmp_path lies under TMPDIR, /tmp or /var/tmp as the
+    machine has it, and "shared" must be outside them all on every machine."""
+    from accel_fsdp.launch.slurm import NODE_LOCAL
+
+    assert {"/tmp", "/var/tmp", "/dev/shm"} <= set(NODE_LOCAL)
+    paths = {"tmp": tmp_path / "node-tmp", "shared": tmp_path / "shared", "shm": tmp_path / "dev-shm",
+             "var_tmp": tmp_path / "var-tmp"}
     monkeypatch.setenv("TMPDIR", str(paths["tmp"]))
-    monkeypatch.setattr("accel_fsdp.launch.slurm.NODE_LOCAL", ("/var/tmp", "/dev/shm"))  # tmp_path is in /tmp
+    monkeypatch.setattr("accel_fsdp.launch.slurm.NODE_LOCAL", (str(paths["var_tmp"]), str(paths["shm"])))
     err = run_in_process("slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "2",
                          *[w.format(**paths) for w in where], "-o", tmp_path / "job.sbatch", check=0).stderr
     if named is None:
@@ -311,6 +317,10 @@ def test_a_time_limit_of_minutes_and_seconds_is_written_and_an_unlimited_one_ref
                          tmp_path / "other.sbatch", check=2).stderr
     assert ("error: --time: UNLIMITED: a job without a time limit gets no warning signal to checkpoint on before it "
             "ends\n    fix: give a limit, e.g. 7-00:00:00") in err
+    err = run_in_process("slurm", "quickstart", "--nodes", "2", "--gpus-per-node", "2", "--time", "0", "-o",
+                         tmp_path / "other.sbatch", check=2).stderr  # sbatch(1): a time limit of zero is none
+    assert ("error: --time: 0: a job without a time limit (sbatch reads a limit of 0 as none) gets no warning signal "
+            "to checkpoint on before it ends") in err, err
 
 
 HOSTILE = ["a b", "$(touch INJECTED)", "`touch INJECTED`", "it's", 'say "hi"', "back\\slash", "ünïcode ✓",

@@ -16,6 +16,14 @@ def test_recipe_copy_into_a_folder_that_does_not_exist_is_refused(tmp_path):
     assert (tmp_path / "there" / "quickstart.yaml").is_file()
 
 
+def test_recipe_copy_into_a_folder_that_is_a_file_names_the_file(tmp_path):
+    """`mkdir -p` was the fix for a name a file holds, which it cannot create; the file stays as it was."""
+    (tmp_path / "notes").write_text("mine")
+    out = user_error("recipe", "copy", "quickstart", f"{tmp_path}/notes/", "--force")
+    assert f"{tmp_path}/notes/: names a folder, and {tmp_path}/notes is a file" in out and "mkdir" not in out, out
+    assert (tmp_path / "notes").read_text() == "mine"
+
+
 def test_slurm_script_named_as_a_folder_is_refused(tmp_path):
     out = user_error("slurm", "quickstart", "--nodes", "1", "--gpus-per-node", "2", "-o", f"{tmp_path}/jobs/")
     assert f"{tmp_path}/jobs/: ends with a separator, so it names a folder" in out

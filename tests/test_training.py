@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from conftest import (
+    WallClockBound,
     assert_adam_runs_agree,
     load_weights,
     read_metrics,
@@ -135,10 +135,11 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, tiny_gpt2):
 @pytest.mark.slow
 def test_quickstart_readme_command_finishes_learns_and_exports(tmp_path):
     """The README's first command, from a fresh working directory: under 3 minutes on 2 CPU ranks."""
-    start = time.monotonic()
+    # README: under a minute on 2 idle cores; 62 to 73 s here under the parallel suite (pytest -n auto), 2.5 times
+    # below 180 s: a core 3 times slower, or the other worker's runs on it, scale the bound (conftest WallClockBound).
+    bound = WallClockBound(180)
     proc = run_cli("recipe", "run", "quickstart", cwd=tmp_path, check=0)
-    elapsed = time.monotonic() - start
-    assert elapsed < 180, f"quickstart took {elapsed:.0f}s"
+    bound.check("quickstart")
     run = tmp_path / "runs" / "quickstart"
     rows = [r for r in read_metrics(run) if r["kind"] == "train"]
     assert rows[0]["loss"] > 3.0 and rows[-1]["loss"] < 1.0, [r["loss"] for r in rows]

@@ -90,6 +90,7 @@ def test_an_unreachable_hub_is_one_message_before_launch(tmp_path):
     msg = run_cli("recipe", "run", "gpt2", "--output-dir", tmp_path / "a", env={"HF_HUB_OFFLINE": "1"}, check=2).stderr
     assert ("model.name_or_path: 'openai-community/gpt2' is not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 "
             "forbids downloading it" in msg)
+    assert "(hf download openai-community/gpt2)" in msg, msg  # the installed hub CLI's command, not huggingface-cli
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
     env.update(HF_ENDPOINT="http://127.0.0.1:9", PYTHONUNBUFFERED="1")  # nothing listens on the discard port
     proc = subprocess.run([sys.executable, "-m", "accel_fsdp", "recipe", "run", "llama-3.2-1b", "--output-dir",

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 import warnings
@@ -27,7 +26,8 @@ from pathlib import Path
 import torch
 
 from accel_fsdp.checkpoint.index import CheckpointInfo
-from accel_fsdp.checkpoint.merge import adapter_deltas, adapter_misfit, merge_streaming
+from accel_fsdp.checkpoint.merge import (adapter_deltas, adapter_misfit, merge_streaming, natural_key,
+                                        tied_head_of)
 from accel_fsdp.checkpoint.records import damaged_if_unreadable
 from accel_fsdp.config.precision import PRECISIONS, TRANSFORMERS, compute_dtype
 from accel_fsdp.config.recipe import read_saved_recipe
@@ -240,7 +240,7 @@ def _output_keys(info: CheckpointInfo, reader: _TensorSource, adapter: bool) -> 
         if config.get("tie_word_embeddings", True):
             tied = _tied_output_keys(info)
             pairs = [(k, n) for k, n in pairs if n not in tied]
-    return sorted(pairs, key=lambda p: _natural(p[1]))
+    return sorted(pairs, key=lambda p: natural_key(p[1]))
 
 
 def _tied_output_keys(info: CheckpointInfo) -> set[str]:
@@ -250,10 +250,6 @@ def _tied_output_keys(info: CheckpointInfo) -> set[str]:
     config = AutoConfig.from_pretrained(info.path / HF_DIR)
     tied = getattr(meta_model(config), "_tied_weights_keys", None) or {}
     return set(tied) if isinstance(tied, dict) else set(tied)
-
-
-def _natural(name: str):
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
 def _write_shards(reader: _TensorSource, keys, folder: Path, prefix: str, dtype: torch.dtype, max_bytes: int):
@@ -343,27 +339,19 @@ def _merge_lora(adapter_dir: Path, out: Path, dtype: str, base_model: str | None
         if (misfit := adapter_misfit(module, a, b, weights.get(f"{module}.weight"), _base_where(base_model),
                                      base)) is not None:
             raise misfit
-    _untie_an_adapted_head(model, json.loads((adapter_dir / "adapter_config.json").read_text()))
+    _untie_an_adapted_head(model, deltas)
     merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     merged.to(DTYPES[dtype]).save_pretrained(out)
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out)
 
 
-def _untie_an_adapted_head(model, adapter_config: dict) -> None:
-    """An adapted output projection tied to the input embeddings (GPT-2's lm_head, Llama 3.2 1B's) gets a weight of its
-    own before the merge, and the merged model says tie_word_embeddings false. PEFT's merge adds (alpha / r) B A to the
-    one tensor both share (peft 0.21.2 only warns of it: tuners_utils.py, _check_tied_modules), so the embeddings moved
-    with the head: a model nobody trained, whose logits differed from the trained adapters' by up to 3.7 on a tiny
-    GPT-2 with lm_head adapted."""
-    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
-    if head is None or embeddings is None or head.weight is not embeddings.weight:
-        return
-    name = next(n for n, m in model.named_modules() if m is head)
-    targets = adapter_config.get("target_modules") or []
-    if isinstance(targets, str):  # PEFT: a string is a regular expression over the whole name
-        adapted = re.fullmatch(targets, name) is not None
-    else:
-        adapted = any(name == t or name.endswith("." + t) for t in targets)
-    if adapted:
+def _untie_an_adapted_head(model, deltas: dict) -> None:
+    """An adapted output projection tied to the input embeddings (GPT-2's lm_head, Llama 3.2 1B's; merge.py
+    `tied_head_of`, the streamed merge's rule too) gets a weight of its own before the merge, and the merged model says
+    tie_word_embeddings false. PEFT's merge adds (alpha / r) B A to the one tensor both share (peft 0.21.2 only warns
+    of it: tuners_utils.py, _check_tied_modules), so the embeddings moved with the head: a model nobody trained, whose
+    logits differed from the trained adapters' by up to 3.7 on a tiny GPT-2 with lm_head adapted."""
+    if tied_head_of(model, deltas) is not None:
+        head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
         head.weight = torch.nn.Parameter(embeddings.weight.detach().clone())
         model.config.tie_word_embeddings = False

@@ -69,7 +69,8 @@ def adapter_deltas(adapter_dir: Path) -> tuple[dict[str, tuple[torch.Tensor, tor
     return pairs, alpha / (math.sqrt(r) if config.get("use_rslora") else r)
 
 
-def _natural(name: str):
+def natural_key(name: str):
+    """Sorts tensor names as their layers come (h.2 before h.10), not as strings do."""
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
@@ -93,12 +94,14 @@ def merge_streaming(adapter_dir: Path, out: Path, *, base: str, dtype: str, quan
     digests: dict[str, bytes] = {}
     out.mkdir(parents=True, exist_ok=True)
     shards = _Shards(out, out_dtype, max_shard_size)
-    for name in sorted(files.names(), key=_natural):
+    for name in sorted(files.names(), key=natural_key):
         if untied and name == f"{untied[0]}.weight":
             continue  # a tied head's copy in the files: the head is written from the embeddings below
         tensor = files.read(name)
         if untied and name == f"{untied[1]}.weight":  # the adapted head's own copy of the embeddings it was tied to
             a, b = deltas.pop(untied[0])
+            if (misfit := adapter_misfit(untied[0], a, b, tensor.shape, base_where or where, folder)) is not None:
+                raise misfit
             shards.add(f"{untied[0]}.weight", tensor.float() + (b @ a) * scaling)
         layer = layers.get(name)
         if layer is not None and compute is not None:

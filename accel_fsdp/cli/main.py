@@ -46,12 +46,17 @@ FIXES = {
 traceback."""
 USER_PATH_ERRORS = {errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, *FIXES}
 ONE_PROCESS_MEMORY_FIX = {
-    "GPU": "free the GPU (`nvidia-smi` shows who holds it), sample on the host (generate --device cpu), or use a GPU "
-           "with more memory",
-    "host": "free memory on this machine, write smaller shards (checkpoint consolidate --max-shard-size), or use a "
-            "machine with more memory",
+    "GPU": "free the GPU (`nvidia-smi` shows who holds it), or use a GPU with more memory",
+    "host": "free memory on this machine, or use a machine with more memory",
 }
-"""What to change when a command of one process (generate, consolidate, data prepare) runs out of memory."""
+"""What to change when a command of one process (generate, consolidate, data prepare) runs out of memory, after the
+command's own knob for it, where it has one (COMMAND_MEMORY_FIX)."""
+COMMAND_MEMORY_FIX = {
+    ("generate", "GPU"): "sample on the host (--device cpu)",
+    ("consolidate", "host"): "write smaller shards (--max-shard-size)",
+}
+"""A command's own option that lowers its memory, by (command, memory): named for that command alone (generate has no
+shards to make smaller)."""
 
 
 class _Stopped(BaseException):
@@ -150,8 +155,9 @@ class Commands(click.Group):
             kind = out_of_memory(e)
             if kind is None or inside_launch():  # a rank says its own (train/lifetime.py run_rank)
                 raise
+            own = COMMAND_MEMORY_FIX.get((command().rsplit(" ", 1)[-1], kind))
             raise UserError(Problem(command(), f"out of {kind} memory ({allocation_figures(e)})",
-                                    ONE_PROCESS_MEMORY_FIX[kind])) from None
+                                    f"{own + ', ' if own else ''}{ONE_PROCESS_MEMORY_FIX[kind]}")) from None
         except OSError as e:
             if e.errno not in USER_PATH_ERRORS or not e.filename:
                 raise

@@ -141,14 +141,7 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     config = load_accelerate_config(accelerate_config)
     config.values.update(num_machines=nodes, machine_rank=0)
 
-    typed, script = script, Path(script or f"{r.name}.sbatch")
-    if script.is_dir() or not script.parent.is_dir() or (typed and names_a_folder(typed)):
-        where = ("is a folder" if script.is_dir() else "ends with a separator, so it names a folder"
-                 if typed and names_a_folder(typed) else
-                 f"is under {script.parent}, which is a file" if script.parent.exists() else
-                 "is in a folder that does not exist")
-        raise UserError(Problem(typed or str(script), where,
-                                "give the path of the script file to write (-o job.sbatch)"))
+    script = _script_path(script, default=f"{r.name}.sbatch")
     replacing = script.exists() and _replaceable_script(script)
     layout = RunLayout.of(r, output_dir)
     decide(layout, r, resume="auto")  # the folder the job will write: not a file, not another run's
@@ -169,7 +162,7 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
     write_atomic(script, text)
     script.chmod(0o755)
     k = t.accumulation_steps(nodes * gpus_per_node)
-    ranks = "CPU ranks" if str(config.get("use_cpu", False)).lower() == "true" else "GPUs"  # as render() decides
+    ranks = "CPU ranks" if config.uses_cpu() else "GPUs"
     folders = {"the run folder": run_dir, **({"checkpoint.dir": layout.checkpoints} if layout.external_checkpoints
                                               else {})}
     if note := node_local_note(folders, os.environ):
@@ -181,6 +174,19 @@ def slurm_command(name_or_path, nodes, gpus_per_node, global_batch_size, time_li
                f"micro {t.micro_batch_size} x {nodes * gpus_per_node} {ranks} x {k} accumulation steps; run folder "
                f"{run_dir}")
     click.echo(f"submit with: sbatch {script}")
+
+
+def _script_path(typed: str | None, *, default: str) -> Path:
+    """The file -o names (else `default`), refused where it cannot be a file written in a folder that exists."""
+    script = Path(typed or default)
+    if script.is_dir() or not script.parent.is_dir() or (typed and names_a_folder(typed)):
+        where = ("is a folder" if script.is_dir() else "ends with a separator, so it names a folder"
+                 if typed and names_a_folder(typed) else
+                 f"is under {script.parent}, which is a file" if script.parent.exists() else
+                 "is in a folder that does not exist")
+        raise UserError(Problem(typed or str(script), where,
+                                "give the path of the script file to write (-o job.sbatch)"))
+    return script
 
 
 def _replaceable_script(script: Path) -> bool:

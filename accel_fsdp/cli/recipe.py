@@ -96,6 +96,9 @@ def recipe_copy(name: str, dest: str, force: bool) -> None:
     accel-fsdp recipe run my-gpt2.yaml --set data.path=mydata.jsonl
     """
     src = resolve_recipe(name)
+    if names_a_folder(dest) and Path(dest).exists() and not Path(dest).is_dir():  # mkdir -p would fail on it
+        raise UserError(Problem(dest, f"names a folder, and {Path(dest)} is a file", f"give a folder, or {Path(dest)} "
+                                "without the trailing separator (with --force) to replace the file"))
     if names_a_folder(dest) and not Path(dest).is_dir():
         raise UserError(Problem(dest, "folder does not exist", f"create it first (mkdir -p {dest}), or give a file "
                                 "name to copy to"))
@@ -270,7 +273,7 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
         machine = MachineOptions(machine_rank, main_process_ip, main_process_port, num_machines, rendezvous_timeout)
         machine.apply(config)
         raise_if(check_accelerate_config(config), f"{config.label} with these options has problems")
-        machines, rank = int(config.get("num_machines", 1) or 1), int(config.get("machine_rank", 0) or 0)
+        machines, rank = config.num_machines(), config.machine_rank()
         if (problem := launcher.srun_step_problem(os.environ, config, machine)) is not None:
             raise UserError(problem)
         main_machine = rank == 0

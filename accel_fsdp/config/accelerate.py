@@ -139,6 +139,21 @@ class AccelerateConfig:
     def where(self, key: str) -> str:
         return f"{self.label}: {key}"
 
+    def num_machines(self) -> int:
+        """The machines of the job (1 where the config leaves it out or null, as `accelerate launch` takes it)."""
+        return int(self.get("num_machines", 1) or 1)
+
+    def machine_rank(self) -> int:
+        """This machine's rank in the job (0 where the config leaves it out or null)."""
+        return int(self.get("machine_rank", 0) or 0)
+
+    def uses_cpu(self) -> bool:
+        """Whether the ranks run on CPUs: use_cpu as `as_bool` reads it, the one rule for every reader (the ranks'
+        settings, the launcher, the SLURM script; Accelerate's own str_to_bool agrees): `use_cpu: 1` is true and
+        `use_cpu: "false"` false, where str(value) == "true" and the value's truth in Python read them the other
+        way."""
+        return as_bool(self.get("use_cpu", False)) is True
+
 
 def load_accelerate_config(name_or_path: str | os.PathLike) -> AccelerateConfig:
     """Read and check an Accelerate config file; raise one `UserError` with every problem."""

@@ -15,7 +15,7 @@ from accel_fsdp.errors import Problem
 BPE_VOCAB_MIN, BPE_VOCAB_MAX = 300, 1_000_000
 """The vocabulary sizes a trained byte-level BPE tokenizer takes (model.tokenizer: bpe:N, `tokenizer train
 --vocab-size N`): its 256 bytes and special tokens, up to what any model here would embed."""
-SEED_MAX = 2**32 - 1
+SEED_MAX, SEED_MAX_TEXT = 2**32 - 1, "2**32 - 1"
 """The largest seed a run or `generate --seed` takes: NumPy's seed range (torch.manual_seed takes more, and raises
 past 2**64 - 1)."""
 
@@ -150,8 +150,8 @@ def _training_problems(r) -> list[Problem]:
         "e.g. 1e-8")
     rng(t.max_grad_norm is None or t.max_grad_norm > 0, "training.max_grad_norm",
         f"{t.max_grad_norm} must be positive", "a positive number", "e.g. 1.0, or null to disable clipping")
-    rng(0 <= t.seed <= SEED_MAX, "training.seed", f"{t.seed} is outside [0, 2**32 - 1]",
-        "a non-negative integer below 4294967296", "NumPy's seed range")
+    rng(0 <= t.seed <= SEED_MAX, "training.seed", f"{t.seed} is outside [0, {SEED_MAX_TEXT}]",
+        f"a non-negative integer below {SEED_MAX + 1}", "NumPy's seed range")
     rng(t.eval_every_steps is None or t.eval_every_steps >= 1, "training.eval_every_steps",
         f"{t.eval_every_steps} must be at least 1", "at least 1", "or null to evaluate at the end only")
     rng(t.eval_max_batches is None or t.eval_max_batches >= 1, "training.eval_max_batches",

@@ -203,8 +203,7 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
             return from_config(convert(config.values[config_key]))
         return Setting(default, Source.DEFAULT)
 
-    use_cpu = as_bool(config.get("use_cpu", False)) or False
-    if use_cpu:
+    if config.uses_cpu():
         device = from_config("cpu", f"{cfg} (use_cpu)")
     elif cuda_available:
         device = Setting("cuda", Source.DETECTED)

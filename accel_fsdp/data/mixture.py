@@ -20,6 +20,7 @@ from accel_fsdp.errors import Problem
 DIGEST_SAMPLE = 1 << 16
 """Entries read from each end of a table for `content_digest`: a few hundred KiB of pages, not the whole table."""
 
+
 @dataclass
 class SourceStats:
     """What reading and tokenizing one source found (stats.json of its cache folder)."""

@@ -87,7 +87,7 @@ def srun_step_problem(env, config: AccelerateConfig, machine: MachineOptions) ->
         node = int(env["SLURM_NODEID"])
     except (KeyError, ValueError):
         return None
-    machines, machine_rank = int(config.get("num_machines", 1) or 1), int(config.get("machine_rank", 0) or 0)
+    machines, machine_rank = config.num_machines(), config.machine_rank()
     if machines > 1 and tasks > nodes:
         return Problem(f"SLURM_STEP_NUM_TASKS={tasks}", f"srun started {tasks} tasks on {nodes} node(s), and each "
                        "`accel-fsdp recipe run` launches all of its machine's ranks itself: several per node would "
@@ -127,7 +127,7 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
     from accelerate.commands.launch import launch_command_parser
 
     machine = machine or MachineOptions()
-    machines = int(config.get("num_machines", 1) or 1)
+    machines = config.num_machines()
     per_machine = max(1, int(num_processes or config.get("num_processes", 1) or 1) // machines)
     args = ["--config_file", str(config.path)]
     if num_processes is not None:
@@ -151,7 +151,7 @@ def launch(config: AccelerateConfig, argv: list[str], *, num_processes: int | No
     quiet = ("torch.distributed.elastic", "torch.distributed.run", "accelerate")
     for name in (*quiet, *(n for n in list(logging.Logger.manager.loggerDict) if n.startswith(quiet))):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    first = int(config.get("machine_rank", 0) or 0) * per_machine
+    first = config.machine_rank() * per_machine
     # Where a rank that ends early says why (train/lifetime.py): this launch's alone, read once the ranks are gone.
     with scratch_folder("accel-fsdp-ranks") as folder:
         records = RankRecords(folder)
@@ -179,7 +179,7 @@ def _meeting_args(config: AccelerateConfig, machine: MachineOptions, machines: i
     if name:
         os.environ["GLOO_SOCKET_IFNAME"] = name  # the ranks inherit it
     print(f"note: {note}", file=sys.stderr)
-    if int(config.get("machine_rank", 0) or 0) > 0:
+    if config.machine_rank() > 0:
         address = (str(config.get("main_process_ip")), int(config.get("main_process_port") or 29500))
         wait_for_main(*address, timeout=machine.rendezvous_timeout)
     return ["--rdzv_conf", f"timeout={machine.rendezvous_timeout}"]
@@ -189,9 +189,9 @@ def _environment_args(config: AccelerateConfig, per_machine: int) -> list[str]:
     """The ranks' threads (a share of the cores for CPU ranks unless OMP_NUM_THREADS says otherwise), and the
     environment they inherit without the ACCELERATE_*/FSDP_* variables a shell left exported."""
     args = []
-    if config.get("use_cpu") and (note := oversubscribed_cores_note(os.environ, per_machine)):
+    if config.uses_cpu() and (note := oversubscribed_cores_note(os.environ, per_machine)):
         print(f"note: {note}", file=sys.stderr)
-    if config.get("use_cpu") and not os.environ.get(OMP_THREADS_ENV):
+    if config.uses_cpu() and not os.environ.get(OMP_THREADS_ENV):
         # One thread per rank unless told otherwise: CPU ranks share the cores.
         args += ["--num_cpu_threads_per_process", str(max(1, usable_cores() // per_machine))]
     if stale := stale_launch_variables(os.environ):
@@ -208,7 +208,7 @@ def _launch(parsed, config: AccelerateConfig, machine: MachineOptions, run_dir: 
     """Accelerate's launch of this machine's ranks, and what it ended with: the exit status, and what to say."""
     from accelerate.commands.launch import launch_command
 
-    machines = int(config.get("num_machines", 1) or 1)
+    machines = config.num_machines()
     started, oom_kills_before = time.time(), oom_kills()
     try:
         launch_command(parsed)
@@ -401,7 +401,7 @@ def main_address_problem(config: AccelerateConfig, machine: MachineOptions) -> P
                        f"does not resolve to an address ({e.strerror or e})",
                        "give the IP address of the machine with machine_rank 0, or a name every machine resolves "
                        "(`getent hosts NAME` shows what it resolves to)")
-    if int(config.get("machine_rank", 0) or 0) == 0 and port_in_use(port):
+    if config.machine_rank() == 0 and port_in_use(port):
         return Problem(f"{_named(config, machine, 'main_process_port')} {port}",
                        "is in use by another process on this machine (the main machine, where the ranks meet)",
                        "choose another port, the same on every machine, or stop what holds it (`ss -ltnp "

@@ -158,8 +158,9 @@ def render(recipe, config, *, nodes: int, gpus_per_node: int, time_limit: str, p
     checks `recipe run` uses, and again by `recipe validate` at job start."""
     problems = []
     seconds = time_seconds(time_limit)
-    if time_limit.strip().lower() in _UNLIMITED:
-        problems.append(Problem("--time", f"{time_limit}: a job without a time limit gets no warning signal to "
+    if time_limit.strip().lower() in _UNLIMITED or seconds == 0:  # sbatch(1): "a time limit of zero" is none
+        zero = " (sbatch reads a limit of 0 as none)" if seconds == 0 else ""
+        problems.append(Problem("--time", f"{time_limit}: a job without a time limit{zero} gets no warning signal to "
                                 "checkpoint on before it ends", "give a limit, e.g. 7-00:00:00 (the job requeues "
                                 "itself before it)"))
     elif seconds is None:
@@ -178,7 +179,7 @@ def render(recipe, config, *, nodes: int, gpus_per_node: int, time_limit: str, p
                                 f"set parallelism_config_dp_replicate_size: {nodes} and "
                                 f"parallelism_config_dp_shard_size: {gpus_per_node} in a copy of the config, or "
                                 f"use --nodes {rep} --gpus-per-node {shard}"))
-    cpu = bool(str(config.get("use_cpu", False)).lower() == "true")  # CPU ranks: ask SLURM for no GPUs
+    cpu = config.uses_cpu()  # CPU ranks: ask SLURM for no GPUs
     gpu_ids = config.get("gpu_ids")
     if not cpu and gpu_ids is not None and str(gpu_ids).strip().lower() != "all":
         # accelerate launch sets CUDA_VISIBLE_DEVICES from gpu_ids (accelerate/utils/launch.py,
@@ -253,8 +254,8 @@ def node_local_note(folders: dict[str, Path], env) -> str | None:
              if any(folder.resolve().is_relative_to(root) for root in local)]
     if not named:
         return None
-    return (f"{' and '.join(named)} {'is' if len(named) == 1 else 'are'} usually each node's own disk (/tmp, "
-            "/var/tmp, /dev/shm, TMPDIR): the nodes would not see each other's shards, and a job requeued onto "
+    return (f"{' and '.join(named)} {'is' if len(named) == 1 else 'are'} usually each node's own disk "
+            f"({', '.join(NODE_LOCAL)}, TMPDIR): the nodes would not see each other's shards, and a job requeued onto "
             "other nodes would start again; give --output-dir (or checkpoint.dir) on a filesystem every node sees")
 
 

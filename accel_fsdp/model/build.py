@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
+from accel_fsdp.config.recipe_checks import SEED_MAX
 from accel_fsdp.errors import Problem, UserError, first_line
 from accel_fsdp.files import atomic_folder
 from accel_fsdp.model import architectures
-from accel_fsdp.model.checks import (ModelView, lora_target_problems, not_a_model_folder, override_problems,
-                                     raise_problems, safetensors_folder)
+from accel_fsdp.model.checks import (ModelView, hub_cache_remove, lora_target_problems, not_a_model_folder,
+                                     override_problems, raise_problems, safetensors_folder)
 from accel_fsdp.model.nf4 import layers_to_quantize, quantize_model
 from accel_fsdp.model.quantize import known_layers
 from accel_fsdp.model.streaming_load import ModuleTensors, SafetensorsFiles, model_folder
@@ -168,8 +169,8 @@ def _hub_config(recipe, name: str, *, offline: bool):
         cached = _cached_file(name, "config.json")
         if cached is not None:  # transformers' OSError for a config.json that is not JSON; offline, for a missing one
             raise UserError(Problem(recipe.where("model.name_or_path"), f"the hub cache's copy of {name!r} cannot be "
-                                    f"read ({first_line(e)})", "delete it from the hub cache (`hf cache delete`) and "
-                                    "download it again")) from None
+                                    f"read ({first_line(e)})", f"delete it from the hub cache "
+                                    f"(`{hub_cache_remove(name)}`) and download it again")) from None
         if offline:
             return None
         raise UserError(Problem(recipe.where("model.name_or_path"), f"cannot load {name!r}: {first_line(e)}",
@@ -181,7 +182,7 @@ def _hub_config(recipe, name: str, *, offline: bool):
                                     "set model.trust_remote_code: true if you trust that repository")) from None
         raise UserError(Problem(recipe.where("model.name_or_path"), f"transformers cannot read the config of "
                                 f"{name!r}: {first_line(e)}", "update transformers for a newer model type, or delete "
-                                "the hub cache's copy (`hf cache delete`) and download it again")) from None
+                                f"the hub cache's copy (`{hub_cache_remove(name)}`) and download it again")) from None
 
 
 def _cached_file(repo_id: str, filename: str) -> str | None:
@@ -190,7 +191,7 @@ def _cached_file(repo_id: str, filename: str) -> str | None:
 
     try:
         found = try_to_load_from_cache(repo_id, filename)
-    except Exception:  # an id that is no repository name (HFValidationError)
+    except ValueError:  # an id that is no repository name (huggingface_hub's HFValidationError, a ValueError)
         return None
     return found if isinstance(found, str) else None
 
@@ -488,7 +489,7 @@ def apply_lora(model, recipe, *, draw: bool = True, on_meta: bool = False):
     with init_empty_weights(include_buffers=False) if on_meta else nullcontext():
         model = get_peft_model(model, config)
     if draw:
-        draw_adapters(model, (recipe.training.seed + 1) % 2**32)
+        draw_adapters(model, (recipe.training.seed + 1) % (SEED_MAX + 1))
     return model
 
 

@@ -100,6 +100,21 @@ def quantize_problems(view: ModelView, recipe, shards: int, *, remote_code: bool
     return layer_problems(list(view.quantizable), shards, where)
 
 
+HUB_LOGIN = "hf auth login"
+"""The hub's own CLI as the fixes name it: huggingface_hub's `hf` (2.x; `huggingface-cli` is gone since 1.0, and `hf
+cache` removes with `rm`). tests/test_hub_commands_named_exist.py parses each command with that CLI."""
+
+
+def hub_download(repo: str, kind: str = "model") -> str:
+    """The command that downloads a hub repository into this machine's hub cache."""
+    return f"hf download {'--repo-type dataset ' if kind == 'dataset' else ''}{repo}"
+
+
+def hub_cache_remove(repo: str, kind: str = "model") -> str:
+    """The command that removes a hub repository's copy from this machine's hub cache."""
+    return f"hf cache rm {kind}/{repo}"
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt", "tiktoken.model")
 
 

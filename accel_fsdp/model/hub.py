@@ -13,6 +13,7 @@ import os
 from accel_fsdp.data.sources import locate, source_key
 from accel_fsdp.errors import Problem, UserError, first_line
 from accel_fsdp.layout import folder_from_environment
+from accel_fsdp.model.checks import HUB_LOGIN, hub_download
 from accel_fsdp.model.tokenizer import BUILTIN_TOKENIZER, bpe_vocab_size, is_local
 
 TIMEOUT_S = 10
@@ -98,7 +99,7 @@ def hub_problems(recipe) -> list[Problem]:
                 continue
             problems.append(Problem(where, f"{repo!r} is not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 "
                                     "forbids downloading it", f"download it once where the hub is reachable "
-                                    f"(huggingface-cli download {repo}), give a local folder, or unset "
+                                    f"({hub_download(repo, kind)}), give a local folder, or unset "
                                     "HF_HUB_OFFLINE"))
             continue
         problem = _ask_hub(repo, kind)
@@ -130,7 +131,7 @@ def _ask_hub(repo: str, kind: str) -> tuple[str, str] | None:
         (api.dataset_info if kind == "dataset" else api.model_info)(repo, timeout=TIMEOUT_S)
     except GatedRepoError:
         return (f"{repo!r} is a gated repository and this machine is not allowed to read it",
-                "accept its licence on huggingface.co and set HF_TOKEN (or `huggingface-cli login`)")
+                f"accept its licence on huggingface.co and set HF_TOKEN (or `{HUB_LOGIN}`)")
     except RepositoryNotFoundError:
         return (f"no {kind} {repo!r} on the hub (or it is private)",
                 "check the id (owner/name), or set HF_TOKEN for a private repository, or give a local folder")

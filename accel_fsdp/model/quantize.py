@@ -127,8 +127,8 @@ def layer_problems(layers: list[QuantizedLayer], shards: int, where: str) -> lis
             fits = [n for n in (1, 2, 4, 8, 16, 32, 64) if layer.out_features % n == 0 and groups % n == 0]
             return [Problem(where, f"model.quantize: nf4 cannot split {layer.name} ({layer.out_features} x "
                             f"{layer.in_features}, {groups} groups of 4-bit scales) evenly over {shards} ranks",
-                            f"shard over {', '.join(map(str, fits))} ranks (processes, or fsdp.dp_shard_size under "
-                            "hybrid sharding)")]
+                            f"shard over {', '.join(map(str, fits))} ranks (processes, or the accelerate config's "
+                            "parallelism_config_dp_shard_size under hybrid sharding)")]
     return []
 
 

@@ -16,7 +16,7 @@ from accel_fsdp.data.synthetic import build_tokenizer as builtin
 from accel_fsdp.errors import Problem, UserError, first_line
 from accel_fsdp.files import atomic_folder
 from accel_fsdp.layout import cache_dir
-from accel_fsdp.model.checks import damaged_json_file, tokenizer_files_problem
+from accel_fsdp.model.checks import damaged_json_file, hub_cache_remove, tokenizer_files_problem
 
 
 def is_local(path: str | None) -> bool:
@@ -75,7 +75,8 @@ def build_tokenizer(recipe, *, local_files_only: bool = False):
             if not is_local(source) and not isinstance(e, OSError):  # the hub's files, damaged in this machine's cache
                 raise UserError(Problem(recipe.where(key), f"the hub cache's copy of {source!r} is not a tokenizer "
                                         f"transformers can read ({first_line(e, named=True)})",
-                                        "delete it from the hub cache (`hf cache delete`) and download it again, or "
+                                        f"delete it from the hub cache (`{hub_cache_remove(source)}`) and download it "
+                                        "again, or "
                                         "update transformers for a newer tokenizer format")) from None
             raise UserError(Problem(recipe.where(key), f"cannot load a tokenizer from {source!r}: "
                                     f"{first_line(e, named=not isinstance(e, (OSError, ValueError)))}",
