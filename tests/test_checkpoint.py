@@ -380,16 +380,17 @@ def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_signals_to_one_rank_stop_the_run_as_each_says_and_it_continues_exactly(tmp_path, reference, tiny_gpt2,
-                                                                                 stories):
-    """One run stopped three times by a signal to rank 1 and continued each time (four starts, not three runs of two,
-    each stop holding its own promise), which ends as the uninterrupted reference does:
+def test_signals_stop_the_run_as_each_says_and_it_continues_exactly(tmp_path, reference, tiny_gpt2, stories):
+    """One run stopped four times by a signal and continued each time (five starts, not three runs of two and one of
+    one, each stop holding its own promise), which ends as the uninterrupted reference does:
     - SLURM's warning signal (SIGUSR1) in its start (after its imports, before its process group): the rank has
       nothing to save, and its handler could not run while the process group's rendezvous blocks, so the signal's
       default action ends it (and torchrun's agent the others). That is a preemption, 75 with one line (it was "rank 1
       was killed by SIGUSR1" and 1, which the SLURM script does not requeue); `--resume auto` then starts the run.
     - `kill -INT` after step 5: it stops at once, the others after it; the launcher says it was interrupted, 130, in
       one line (it was "rank 1 exited with status 130" and 1); `--resume auto` continues from the checkpoint before.
+    - SLURM's SIGUSR1 to the launcher after step 5 reaches the ranks (not torchrun's agent's own "death signal"):
+      they checkpoint the step it arrived in (5, or 6 where it came while 6 ran), 75.
     - SIGTERM within a step between checkpoints: README's promise, every rank finishes the optimizer step the signal
       arrived in, checkpoints it, and the run stops after it with 75 (preempted, resumable); `--resume` continues."""
     recipe = make_recipe(tmp_path, tiny_gpt2, stories)
@@ -410,7 +411,15 @@ def test_signals_to_one_rank_stop_the_run_as_each_says_and_it_continues_exactly(
     assert said == [("interrupted (SIGINT to rank 1): the ranks were stopped. Continue with the same command and "
                      "--resume auto (from the newest complete checkpoint, if any).")], stopped.stderr[-3000:]
 
-    step = random.choice([7, 10])  # between checkpoints (every 3 steps), after the resume from step 3
+    stopped = run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", "auto",
+                      env={**TRACE_UNITS, "ACCEL_FSDP_FAULT": "sigusr1-launcher:5"})  # after the resume from step 3
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert "preempted (SIGUSR1): the ranks stopped after step" in stopped.stderr
+    assert "death signal" not in stopped.stderr  # torchrun's agent's own line for the signal it forwarded
+    step = json.loads((run / "preempted.json").read_text())["step"]
+    assert step in (5, 6) and (run / "checkpoints" / f"step-{step:06d}" / "manifest.json").exists()
+
+    step = random.choice([7, 10])  # between checkpoints (every 3 steps and the preemption's)
     stopped = run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", "auto",
                       env={**TRACE_UNITS, "ACCEL_FSDP_FAULT": f"sigterm:{step}@1"})  # rank 1 alone, within `step`
     assert stopped.returncode == 75, stopped.stderr[-3000:]
@@ -422,18 +431,6 @@ def test_signals_to_one_rank_stop_the_run_as_each_says_and_it_continues_exactly(
     run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", env=TRACE_UNITS, check=0)
     assert_same_weights(run / "final", reference / "final")
     assert units_by_step(run) == units_by_step(reference)
-
-
-@pytest.mark.slow
-def test_sigusr1_to_the_launcher_reaches_the_ranks(tmp_path, tiny_gpt2, stories):
-    recipe = make_recipe(tmp_path, tiny_gpt2, stories)
-    run = tmp_path / "run"
-    stopped = run_cli("recipe", "run", recipe, "--output-dir", run, env={"ACCEL_FSDP_FAULT": "sigusr1-launcher:5"})
-    assert stopped.returncode == 75, stopped.stderr[-3000:]
-    assert "preempted (SIGUSR1): the ranks stopped after step" in stopped.stderr
-    assert "death signal" not in stopped.stderr  # torchrun's agent's own line for the signal it forwarded
-    step = json.loads((run / "preempted.json").read_text())["step"]
-    assert step in (5, 6) and (run / "checkpoints" / f"step-{step:06d}" / "manifest.json").exists()
 
 
 def rank_pids(run: Path) -> list[int]:
