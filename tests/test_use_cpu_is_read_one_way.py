@@ -30,10 +30,14 @@ def config_with_use_cpu(tmp_path: Path, value: str) -> Path:
 
 
 @pytest.mark.parametrize("value", sorted(CONFIGS))
-def test_every_reader_takes_use_cpu_as_the_ranks_do(tmp_path, value):
+def test_every_reader_takes_use_cpu_as_the_ranks_do(tmp_path, monkeypatch, value):
     from accel_fsdp.config.accelerate import load_accelerate_config
+    from accel_fsdp.hardware import OMP_THREADS_ENV
     from accel_fsdp.launch.launcher import _environment_args
 
+    # The launcher gives CPU ranks a thread count unless OMP_NUM_THREADS says one (a test before this one in the same
+    # process may have set it: the CLI settles it for libgomp)
+    monkeypatch.delenv(OMP_THREADS_ENV, raising=False)
     cpu = CONFIGS[value][1]
     config = load_accelerate_config(config_with_use_cpu(tmp_path, value))
     assert config.uses_cpu() is cpu
