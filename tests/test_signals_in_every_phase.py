@@ -17,6 +17,7 @@ import pytest
 from conftest import REPO
 
 from accel_fsdp import files
+from accel_fsdp.config.accelerate import AccelerateConfig
 from accel_fsdp.launch import launcher
 from accel_fsdp.launch.launcher import RankRecords
 
@@ -56,7 +57,7 @@ def test_ctrl_c_to_one_rank_alone_ends_the_run_with_130_and_one_line(tmp_path, m
         raise ChildFailed()
 
     monkeypatch.setattr(accelerate.commands.launch, "launch_command", ranks_that_failed)
-    config = SimpleNamespace(get=lambda key, default=None: default)
+    config = AccelerateConfig(values={}, label="a config of defaults")
     status = launcher._launch(None, config, launcher.MachineOptions(), tmp_path, RankRecords(None), range(2))
     assert status == 128 + signal.SIGINT
     assert capsys.readouterr().err == ("interrupted (SIGINT to rank 1): the ranks were stopped. Continue with the same "
