@@ -391,6 +391,8 @@ STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2
     ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "1"}, ["--machine-rank", "0"], "error: --machine-rank 0: runs on "
      "node 1"),
     ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "1"}, ["--machine-rank", "1"], None),  # as the script does it
+    # a step on 2 of the job's 4 nodes: SLURM_NODEID may count the job's nodes, so it is not compared there
+    ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "3", "SLURM_JOB_NUM_NODES": "4"}, ["--machine-rank", "1"], None),
     # a sweep: each task a run of one machine (srun -n 8 --gpus-per-task=1), placed by the user
     ({"SLURM_STEP_NUM_TASKS": "8", "SLURM_NODEID": "1"}, ["--num-machines", "1"], None),
 ])

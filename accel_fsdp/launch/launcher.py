@@ -93,7 +93,12 @@ def srun_step_problem(env, config: AccelerateConfig, machine: MachineOptions) ->
                        "`accel-fsdp recipe run` launches all of its machine's ranks itself: several per node would "
                        "start several ranks per GPU", "start one task per node (srun --ntasks-per-node=1), or write "
                        "the job with `accel-fsdp slurm`")
-    if machines == nodes > 1 and machine_rank != node:
+    # srun(1) calls SLURM_NODEID "the relative node ID" without saying relative to what: in a step on part of the
+    # job's nodes it may be the node's place in the job, so the rank is compared only where the step spans the job
+    # (a refusal of a right rank would stop a run that works).
+    job_nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
+    whole_job = job_nodes is None or job_nodes.strip() == str(nodes)
+    if machines == nodes > 1 and whole_job and machine_rank != node:
         return Problem(f"{_named(config, machine, 'machine_rank')} {machine_rank}",
                        f"runs on node {node} of the {nodes} of this SLURM step (SLURM_NODEID={node}): each node "
                        "needs its own machine rank, else two claim one and the machines never all meet",
