@@ -184,6 +184,19 @@ def cli(*args) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
+def every_command(group=None, path: tuple[str, ...] = ()):
+    """(words, command) of every command of the CLI, groups walked down: ("checkpoint", "consolidate"), ..."""
+    import click
+
+    from accel_fsdp.cli import main
+
+    for name, command in (group or main).commands.items():
+        if isinstance(command, click.Group):
+            yield from every_command(command, (*path, name))
+        else:
+            yield (*path, name), command
+
+
 def user_error(*args) -> str:
     """The output of an in-process CLI call that must end as a user error: status 2, one message, no traceback."""
     code, out = cli(*args)

@@ -6,18 +6,9 @@ adapter's own base) without a word."""
 from __future__ import annotations
 
 import click
-from conftest import user_error
+from conftest import every_command, user_error
 
-from accel_fsdp.cli import main
 from accel_fsdp.cli.options import GivenPath, not_empty
-
-
-def commands(group: click.Group = main, path: tuple[str, ...] = ()):
-    for name, command in group.commands.items():
-        if isinstance(command, click.Group):
-            yield from commands(command, (*path, name))
-        else:
-            yield (*path, name), command
 
 
 def argv(path, command, empty: click.Parameter) -> list[str]:
@@ -34,7 +25,7 @@ def argv(path, command, empty: click.Parameter) -> list[str]:
 
 def test_every_path_and_config_option_refuses_an_empty_value():
     checked = []
-    for path, command in commands():
+    for path, command in every_command():
         for param in command.params:
             if isinstance(param.type, GivenPath) or param.callback is not_empty:
                 out = user_error(*argv(path, command, param))

@@ -6,22 +6,12 @@ from __future__ import annotations
 import re
 
 import click
-from conftest import user_error
-
-from accel_fsdp.cli import main
-
-
-def commands(group: click.Group = main, path: tuple[str, ...] = ()):
-    for name, command in group.commands.items():
-        if isinstance(command, click.Group):
-            yield from commands(command, (*path, name))
-        else:
-            yield (*path, name), command
+from conftest import every_command, user_error
 
 
 def test_an_option_without_its_value_points_to_its_command_help_on_every_command():
     checked = 0
-    for path, command in commands():
+    for path, command in every_command():
         takes_value = [p for p in command.params if isinstance(p, click.Option) and not p.is_flag
                        and not p._flag_needs_value and not p.hidden]
         if not takes_value:
