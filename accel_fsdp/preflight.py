@@ -130,7 +130,7 @@ def preflight(recipe, config: AccelerateConfig, *, num_processes: int | None = N
     if view is not None:
         report.model_class, report.parameters = view.class_name, view.params
         problems += model_problems(recipe, settings, view)
-        if check_weights and not problems and model_checks.safetensors_folder(recipe) is not None:
+        if check_weights and not problems and model_checks.weights_header_folder(recipe) is not None:
             from accel_fsdp.model.build import weights_fit_problems  # imports torch: for a local folder alone
 
             problems += weights_fit_problems(recipe)

@@ -43,16 +43,22 @@ def damaged_copy(good: Path, tmp_path: Path, damage: str) -> Path:
     elif damage == "bin-not-torch":
         weights.unlink()
         (folder / "pytorch_model.bin").write_bytes(os.urandom(3000))
-    elif damage in ("tensor-missing", "tensor-shape"):
+    elif damage.removesuffix("-bin") in ("tensor-missing", "tensor-shape"):
         from safetensors.torch import load_file, save_file
 
         tensors = load_file(weights)
         name = "transformer.h.0.mlp.c_fc.weight"
-        if damage == "tensor-missing":
+        if damage.startswith("tensor-missing"):
             del tensors[name]
         else:
             tensors[name] = tensors[name][:, :10].contiguous()
-        save_file(tensors, weights, metadata={"format": "pt"})
+        if damage.endswith("-bin"):  # a folder of pytorch_model.bin alone, in torch.save's (zip) format
+            import torch
+
+            weights.unlink()
+            torch.save(tensors, folder / "pytorch_model.bin")
+        else:
+            save_file(tensors, weights, metadata={"format": "pt"})
     return folder
 
 
@@ -75,6 +81,10 @@ CASES = [
     ("tensor-missing", "the weights do not fit the model its config.json describes: "
                        "transformer.h.0.mlp.c_fc.weight is missing"),
     ("tensor-shape", "transformer.h.0.mlp.c_fc.weight is [64, 10] in the files but [64, 256] in the model"),
+    # the same of a pytorch_model.bin folder: its pickle read onto the meta device, not its weights (below)
+    ("tensor-missing-bin", "the weights do not fit the model its config.json describes: "
+                           "transformer.h.0.mlp.c_fc.weight is missing"),
+    ("tensor-shape-bin", "transformer.h.0.mlp.c_fc.weight is [64, 10] in the files but [64, 256] in the model"),
     ("file:generation_config.json={ not json", "generation_config.json is damaged (JSONDecodeError"),
     ('file:generation_config.json={"eos_token_id": "x"}',
      "generation_config.json: eos_token_id is 'x', not a token id from 0 to 130"),

@@ -20,7 +20,7 @@ from accel_fsdp.errors import Problem, UserError, first_line
 from accel_fsdp.files import atomic_folder
 from accel_fsdp.model import architectures
 from accel_fsdp.model.checks import (ModelView, hub_cache_remove, lora_target_problems, not_a_model_folder,
-                                     override_problems, raise_problems, safetensors_folder)
+                                     override_problems, raise_problems, weights_header_folder)
 from accel_fsdp.model.nf4 import layers_to_quantize, quantize_model
 from accel_fsdp.model.quantize import known_layers
 from accel_fsdp.model.streaming_load import ModuleTensors, SafetensorsFiles, model_folder
@@ -233,13 +233,13 @@ def load_pretrained(folder, *, where: str, fix: str, **kwargs):
 
 
 def weights_fit_problems(recipe) -> list[Problem]:
-    """`recipe validate` of a model in a local folder of safetensors files: the files' tensors against the model its
-    config (with config_overrides) builds, read on the meta device, so only the files' headers are read. The same
-    judgement as a run's loading (`load_pretrained`), which would otherwise find a missing or misshapen tensor only
-    after the launch, in every rank. Folders of pytorch_model.bin alone are left to the run: reading their names
-    means unpickling the weights."""
+    """`recipe validate` of a model in a local folder (safetensors, or pytorch_model.bin in torch.save's zip format):
+    the files' tensors against the model its config (with config_overrides) builds, read on the meta device, so only
+    the files' headers are read (checks.py `weights_header_folder`). The same judgement as a run's loading
+    (`load_pretrained`), which would otherwise find a missing or misshapen tensor only after the launch, in every
+    rank."""
     m = recipe.model
-    folder = safetensors_folder(recipe)
+    folder = weights_header_folder(recipe)
     if folder is None:
         return []
     config = model_config(recipe, offline=True)

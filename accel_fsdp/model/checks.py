@@ -225,14 +225,22 @@ def source_problems(recipe) -> list[Problem]:
     return out
 
 
-def safetensors_folder(recipe) -> Path | None:
-    """The recipe's model folder when it is a local folder of safetensors files (whose headers say every tensor's
-    name and shape), else None."""
+def weights_header_folder(recipe) -> Path | None:
+    """The recipe's model folder when its weight files say every tensor's name and shape without their data being
+    read, else None: safetensors files (their headers), or pytorch_model*.bin files in torch.save's zip format (their
+    pickle alone: torch.load onto the meta device makes storages without reading them, torch/serialization.py
+    `_load`, `is_meta_map_location`; torch 2.13.0). A .bin of the legacy (pre-1.6) format is read whole by any load:
+    left to the run."""
+    import zipfile
+
     m = recipe.model
     folder = Path(m.name_or_path or "").expanduser()
-    if m.architecture or not m.name_or_path or not folder.is_dir() or not any(folder.glob("*.safetensors")):
+    if m.architecture or not m.name_or_path or not folder.is_dir():
         return None
-    return folder
+    if any(folder.glob("*.safetensors")):
+        return folder
+    bins = sorted(folder.glob("pytorch_model*.bin"))
+    return folder if bins and all(zipfile.is_zipfile(b) for b in bins) else None
 
 
 def model_folder_problems(where: str, folder: Path) -> list[Problem]:
