@@ -80,3 +80,21 @@ def test_architecture_names_every_module_of_the_tree():
                if p.name not in ("__init__.py", "__main__.py")}
     assert modules - named == set(), "modules the architecture drawing leaves out"
     assert named - modules == set(), "names in the drawing that are not modules"
+
+
+def test_memory_doc_qlora_table_is_what_estimate_answers():
+    """docs/MEMORY.md's QLoRA table says what `accel-fsdp estimate` answers for each shipped recipe: every figure of
+    each row is the row of that strategy in the estimate's own table (it went stale once when the chunked loss
+    changed the activations)."""
+    text = (REPO / "docs" / "MEMORY.md").read_text()
+    rows = re.findall(r"^\| (llama-\S+)(?: \(bf16 base\))?, (\d) x (\d+) GB(?: \((\w+)\))? +\| ([\d.]+) +\| ([\d.]+) +\| "
+                      r"([\d.]+) +\| ([\d.]+) +\| (yes|no)(?:; with CPU offload ([\d.]+))?", text, re.M)
+    assert len(rows) == 4, rows
+    for recipe, gpus, memory, strategy, params, gathered, activations, total, fits, offloaded in rows:
+        out = CliRunner().invoke(main, ["estimate", recipe, "--gpus", gpus, "--gpu-memory", f"{memory}GB"]).output
+        table = {line[:27].strip(): line[27:].split() for line in out.splitlines() if line[:1].isupper()}
+        # strategy: params grads optim gathered activ. GPU-total CPU fits
+        row = table[strategy or "FULL_SHARD"]
+        assert [row[0], row[3], row[4], row[5], row[7]] == [params, gathered, activations, total, fits], (recipe, out)
+        if offloaded:
+            assert table[f"{strategy or 'FULL_SHARD'} + offload"][5] == offloaded, (recipe, out)
