@@ -112,6 +112,22 @@ def own_text(tmp_path):
                                                  for _ in range(2000)])
 
 
+@pytest.mark.parametrize("kind, instead", [("model", "a local folder (a save_pretrained copy)"),
+                                           ("dataset", "a local data file (.jsonl, .json, .csv, .parquet, .txt)")])
+def test_an_unreachable_hub_says_what_to_give_instead_of_each_kind_of_id(monkeypatch, kind, instead):
+    """data.path reads a file, never a folder: the fix for an unreachable hub dataset names a data file."""
+    from huggingface_hub import HfApi
+
+    from accel_fsdp.model.hub import _ask_hub
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(HfApi, f"{kind}_info", unreachable)
+    message, fix = _ask_hub("owner/name", kind)
+    assert "cannot be reached" in message and fix.startswith(f"give {instead}, or fix the network"), fix
+
+
 def test_a_tokenizer_trained_on_the_users_text(tmp_path):
     from transformers import AutoTokenizer
 
