@@ -5,8 +5,10 @@ from __future__ import annotations
 import re
 import shlex
 
+import click
 from click.testing import CliRunner
 from conftest import REPO
+from test_help_examples_parse import leaf_context
 
 from accel_fsdp.cli import main
 from accel_fsdp.config.shipped import shipped_accelerate_configs, shipped_recipes
@@ -50,6 +52,33 @@ def test_readme_accel_fsdp_commands_parse_and_name_shipped_files():
                 assert name in shipped_recipes() or name.endswith(".yaml"), command
         if "--accelerate-config" in args:
             assert args[args.index("--accelerate-config") + 1] in shipped_accelerate_configs(), command
+
+
+def test_every_docs_command_parses_and_names_shipped_files():
+    """docs/*.md's `accel-fsdp` lines parse as written, as README's do ($BATCH and $SMALL: PERFORMANCE.md's own
+    abbreviations, spelled out there), and name shipped recipes and configs where they name one."""
+    performance = (REPO / "docs" / "PERFORMANCE.md").read_text()
+    batch = re.search(r"`\$BATCH` = `(.*?)`", performance, re.S).group(1)
+    small = re.search(r"\*\*small\*\* = the same with `(.*?)`", performance, re.S).group(1)
+    found = 0
+    for doc in sorted((REPO / "docs").glob("*.md")):
+        for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), re.S):
+            for line in block.splitlines():
+                line = re.sub(r"^(\w+=\S+\s+)+", "", line.split("#")[0].strip())  # VAR=value accel-fsdp ...
+                if not line.startswith("accel-fsdp "):
+                    continue
+                found += 1
+                words = shlex.split(line.replace("$SMALL", f"{small} $BATCH").replace("$BATCH", batch))
+                try:
+                    params = leaf_context(words[1:]).params
+                except click.UsageError as e:
+                    raise AssertionError(f"{doc.name}: {line}: {e.format_message()}") from None
+                for key in ("name_or_path", "name"):
+                    if params.get(key) and not params[key].endswith(".yaml"):
+                        assert params[key] in shipped_recipes(), (doc.name, line)
+                if params.get("accelerate_config"):
+                    assert params["accelerate_config"] in shipped_accelerate_configs(), (doc.name, line)
+    assert found >= 20, found
 
 
 def test_readme_lists_every_shipped_config():
