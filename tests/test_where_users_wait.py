@@ -79,6 +79,7 @@ def test_cpu_precision_follows_the_cpus_native_bf16(monkeypatch):
 
     slow = precision(bf16="0")
     assert slow.startswith("fp32  (detected: this CPU (ACCEL_FSDP_CPU_BF16=0) has no native bf16 matrix units")
+    assert slow.endswith("set training.mixed_precision: bf16 to have it anyway)")  # what to do, not what was asked
     assert precision(bf16="1").startswith("bf16  (") and "fsdp_cpu.yaml" in precision(bf16="1")
     assert precision("--set", "training.mixed_precision=bf16", bf16="0") == "bf16  (--set)"  # asked for: kept
     # a GPU config judged for its own hardware is not affected by this CPU
