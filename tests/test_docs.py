@@ -138,3 +138,18 @@ def test_estimate_of_a_name_both_a_model_and_a_recipe_says_which_it_read():
     by_recipe = CliRunner().invoke(main, ["estimate", path, "--gpus", "8"])
     assert by_recipe.exit_code == 0 and "micro batch 2 x 4096 tokens, activation checkpointing" in by_recipe.output
     assert "not the recipe" not in CliRunner().invoke(main, ["estimate", "llama-3.1-70b"]).output  # no recipe so named
+
+
+def test_readme_metrics_table_names_every_key_a_row_has():
+    """README's `metrics.jsonl` table says "each key, exactly": the keys of its first column, with the startup row's
+    named after it, are the fields of the rows the loop writes (train/metrics.py), `kind` included."""
+    from dataclasses import fields
+
+    from accel_fsdp.train.metrics import ROW_TYPES
+
+    section = README[README.index("## What a run logs"):README.index("## Plan, measure, scale out")]
+    table = {key for line in section.splitlines() if line.startswith("| `")
+             for key in re.findall(r"`(\w+)`", line.split(" | ")[0])}
+    startup = set(re.findall(r"`(\w+_s)`", section[section.index("A `startup` row"):]))
+    written = {f.name for row in ROW_TYPES.values() for f in fields(row)} - {"preference"}  # PREFERENCE.md's keys
+    assert table | startup == written
