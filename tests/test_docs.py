@@ -142,10 +142,11 @@ def test_estimate_of_a_name_both_a_model_and_a_recipe_says_which_it_read():
 
 def test_readme_metrics_table_names_every_key_a_row_has():
     """README's `metrics.jsonl` table says "each key, exactly": the keys of its first column, with the startup row's
-    named after it, are the fields of the rows the loop writes (train/metrics.py), `kind` included."""
+    named after it, are the fields of the rows the loop writes (train/metrics.py), `kind` included; docs/PREFERENCE.md's
+    table, the pair statistics a preference run adds."""
     from dataclasses import fields
 
-    from accel_fsdp.train.metrics import ROW_TYPES
+    from accel_fsdp.train.metrics import ROW_TYPES, PairStatistics
 
     section = README[README.index("## What a run logs"):README.index("## Plan, measure, scale out")]
     table = {key for line in section.splitlines() if line.startswith("| `")
@@ -153,3 +154,8 @@ def test_readme_metrics_table_names_every_key_a_row_has():
     startup = set(re.findall(r"`(\w+_s)`", section[section.index("A `startup` row"):]))
     written = {f.name for row in ROW_TYPES.values() for f in fields(row)} - {"preference"}  # PREFERENCE.md's keys
     assert table | startup == written
+    preference = (REPO / "docs" / "PREFERENCE.md").read_text()
+    section = preference[preference.index("## What a run reports"):preference.index("## In the code")]
+    table = {key for line in section.splitlines() if line.startswith("| `")
+             for key in re.findall(r"`(\w+)`", line.split(" | ")[0])}
+    assert table == {"loss", *PairStatistics.names()}
