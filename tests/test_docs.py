@@ -159,3 +159,17 @@ def test_readme_metrics_table_names_every_key_a_row_has():
     table = {key for line in section.splitlines() if line.startswith("| `")
              for key in re.findall(r"`(\w+)`", line.split(" | ")[0])}
     assert table == {"loss", *PairStatistics.names()}
+
+
+def test_verify_doc_states_quickstarts_equivalence_tolerance():
+    """docs/VERIFY.md's fp32 equivalence tolerance for quickstart: a step's, and the 2 steps' that verify prints."""
+    from accel_fsdp.config.recipe import load_recipe
+    from accel_fsdp.config.shipped import resolve_recipe
+    from accel_fsdp.tools.noise import equivalence_tolerance
+
+    text = (REPO / "docs" / "VERIFY.md").read_text()
+    step, both = re.search(r"\(([\d.e-]+) for quickstart; ([\d.e-]+) over its 2 steps", text).groups()
+    t = (recipe := load_recipe(resolve_recipe("quickstart"))).training
+    tokens = t.global_batch_size * recipe.data.seq_len
+    assert round(equivalence_tolerance("fp32", tokens, 1, 1)["loss"], 6) == float(step)  # as written: 2 digits
+    assert round(equivalence_tolerance("fp32", tokens, 1, 2)["loss"], 5) == float(both)
