@@ -65,7 +65,7 @@ def test_quickstart_qlora_merges_with_merge_alone_into_what_training_saw(tmp_pat
     assert adapter["base_model_name_or_path"] == str(quickstart / "base")
     out = tmp_path / "export"
     proc = run_in_process("checkpoint", "consolidate", quickstart, out, "--merge", "--dtype", "fp32", check=0)
-    assert "wrote" in proc.stdout
+    assert "wrote" in proc.stdout and f"; the merged model: {out / 'merged'}" in proc.stdout  # where --merge wrote it
     merged = AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.float32)
     ours = {k: v.detach() for k, v in merged.state_dict().items()}
     theirs = peft_merge(quickstart / "base", out, dequantized=True)

@@ -32,3 +32,19 @@ def test_a_preference_run_reports_no_perplexity_in_text_or_json(tmp_path):
     assert "perplexity" not in text and "eval loss 0.4867 at the end" in text
     summary, text = report(tmp_path / "lm", [TRAIN, EVAL])
     assert summary["final_eval_ppl"] == 1.627 and "eval loss 0.4867 (perplexity 1.63) at the end" in text
+
+
+def test_a_report_of_a_run_still_training_says_so_not_at_the_end(tmp_path):
+    """`report` while the run trains (the obvious check of its progress) gives the figures so far, naming the live run
+    that holds the folder, where it said "at the end"."""
+    from accel_fsdp.files import FileLock
+    from accel_fsdp.layout import LOCK_FILE
+
+    run = tmp_path / "dpo"
+    rows = [{**TRAIN, **PAIRS}, {**EVAL, **{f"eval_{k}": v for k, v in PAIRS.items()}}]
+    with FileLock(run.mkdir() or run / LOCK_FILE):  # as a live run holds its folder
+        summary, text = report(run, rows)
+    assert "4 steps, 15,074 tokens so far: still running (" in text, text
+    assert "at the end" not in text and "eval loss 0.4867 so far" in text and "accuracy 1.000 so far (train)" in text
+    assert summary["live"]
+    assert "at the end" in report(run, rows)[1]  # the lock released: the run ended

@@ -65,6 +65,20 @@ def test_the_first_row_after_a_resume_averages_the_steps_of_the_uninterrupted_ru
     assert_rows_average_the_same_steps(run, uninterrupted)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_resuming_a_finished_run_logs_its_last_evaluation_once(tmp_path, tiny_gpt2, stories):
+    """`--resume` of a run that ended (the obvious retry of a finished job) trains nothing and exports again: the
+    evaluation of its last step, which its metrics kept, is not logged a second time (it was, as a duplicate row)."""
+    recipe = tiny_recipe(tmp_path / "recipe.yaml", tiny_gpt2, stories, training={"max_steps": 2})
+    run = tmp_path / "run"
+    run_cli("recipe", "run", recipe, "--output-dir", run, check=0)
+    evals = [r for r in read_metrics(run) if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [2]
+    run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", check=0)
+    assert [r for r in read_metrics(run) if r["kind"] == "eval"] == evals
+
+
 def damage(checkpoint: Path, how: str) -> str:
     """Damage one model shard of a checkpoint; return the file's name as messages give it."""
     shard = sorted((checkpoint / "pytorch_model_fsdp_0").glob("*.distcp"))[-1]

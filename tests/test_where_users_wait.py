@@ -79,6 +79,7 @@ def test_cpu_precision_follows_the_cpus_native_bf16(monkeypatch):
 
     slow = precision(bf16="0")
     assert slow.startswith("fp32  (detected: this CPU (ACCEL_FSDP_CPU_BF16=0) has no native bf16 matrix units")
+    assert slow.endswith("set training.mixed_precision: bf16 to have it anyway)")  # what to do, not what was asked
     assert precision(bf16="1").startswith("bf16  (") and "fsdp_cpu.yaml" in precision(bf16="1")
     assert precision("--set", "training.mixed_precision=bf16", bf16="0") == "bf16  (--set)"  # asked for: kept
     # a GPU config judged for its own hardware is not affected by this CPU
@@ -110,6 +111,22 @@ def own_text(tmp_path):
     words = "The Quick brown fox, jumped over 3 lazy dogs! Über café naïve 東京 🙂 C++ x86_64 {json: true}".split()
     return write_jsonl(tmp_path / "own.jsonl", [{"text": " ".join(rng.choice(words) for _ in range(rng.randint(5, 30)))}
                                                  for _ in range(2000)])
+
+
+@pytest.mark.parametrize("kind, instead", [("model", "a local folder (a save_pretrained copy)"),
+                                           ("dataset", "a local data file (.jsonl, .json, .csv, .parquet, .txt)")])
+def test_an_unreachable_hub_says_what_to_give_instead_of_each_kind_of_id(monkeypatch, kind, instead):
+    """data.path reads a file, never a folder: the fix for an unreachable hub dataset names a data file."""
+    from huggingface_hub import HfApi
+
+    from accel_fsdp.model.hub import _ask_hub
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(HfApi, f"{kind}_info", unreachable)
+    message, fix = _ask_hub("owner/name", kind)
+    assert "cannot be reached" in message and fix.startswith(f"give {instead}, or fix the network"), fix
 
 
 def test_a_tokenizer_trained_on_the_users_text(tmp_path):

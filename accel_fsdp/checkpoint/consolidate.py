@@ -55,6 +55,8 @@ class ExportReport:
     baseline_rss_bytes: int
     seconds: float
     adapter: bool
+    merged: bool = False
+    """--merge: the merged model is in out_dir/merged, which the summary names (it is no part of the counts)."""
 
     def summary(self) -> str:
         mb = 1 << 20
@@ -62,7 +64,8 @@ class ExportReport:
                 f"{self.out_dir} in {self.seconds:.1f}s; peak memory {self.peak_rss_bytes / mb:,.0f} MB "
                 f"({(self.peak_rss_bytes - self.baseline_rss_bytes) / mb:,.0f} MB above the "
                 f"{self.baseline_rss_bytes / mb:,.0f} MB held before reading weights; largest shard "
-                f"{self.largest_shard_bytes / mb:,.1f} MB)")
+                f"{self.largest_shard_bytes / mb:,.1f} MB)"
+                + (f"; the merged model: {self.out_dir / 'merged'}" if self.merged else ""))
 
 
 def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max_shard_size: int = 2 << 30,
@@ -113,7 +116,7 @@ def consolidate(info: CheckpointInfo, out_dir: Path, *, dtype: str = "fp32", max
     finally:
         monitor.stop()
     return ExportReport(out_dir, files, len(keys), total, largest, monitor.peak, monitor.baseline,
-                        time.perf_counter() - start, adapter)
+                        time.perf_counter() - start, adapter, merged=adapter and merge_lora)
 
 
 def adapter_base(info: CheckpointInfo) -> dict | None:

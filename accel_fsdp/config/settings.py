@@ -268,8 +268,8 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
         native, cpu_name = hardware.cpu_bf16()
         if not native:
             mp = Setting("fp32", Source.DETECTED, f"{cpu_name} has no native bf16 matrix units (AVX512-BF16, AMX or "
-                         "Arm BF16), where bf16 is emulated and about 4x slower; training.mixed_precision: bf16 asks "
-                         "for it anyway")
+                         "Arm BF16), where bf16 is emulated and about 4x slower; set training.mixed_precision: bf16 to "
+                         "have it anyway")
     ram = pick(None, None, "fsdp_cpu_ram_efficient_loading", as_bool, False)
     reduce_each = recipe_or_default("fsdp.reduce_every_micro_step", recipe.fsdp.reduce_every_micro_step)
     timeout = recipe_or_default("fsdp.collective_timeout_minutes", recipe.fsdp.collective_timeout_minutes)

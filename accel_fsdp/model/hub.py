@@ -88,8 +88,8 @@ def hub_problems(recipe) -> list[Problem]:
             if in_cache(repo, kind, files):
                 continue
         except HFValidationError:
-            problems.append(Problem(where, f"{repo!r} is neither a local folder nor a valid hub id",
-                                    "give an existing folder, or a hub id such as owner/name"))
+            problems.append(Problem(where, f"{repo!r} is neither a local {'file' if kind == 'dataset' else 'folder'} "
+                                    "nor a valid hub id", f"give {_local_copy(kind)}, or a hub id such as owner/name"))
             continue
         if offline():
             if kind == "dataset":
@@ -134,13 +134,19 @@ def _ask_hub(repo: str, kind: str) -> tuple[str, str] | None:
                 f"accept its licence on huggingface.co and set HF_TOKEN (or `{HUB_LOGIN}`)")
     except RepositoryNotFoundError:
         return (f"no {kind} {repo!r} on the hub (or it is private)",
-                "check the id (owner/name), or set HF_TOKEN for a private repository, or give a local folder")
+                f"check the id (owner/name), or set HF_TOKEN for a private repository, or give {_local_copy(kind)}")
     except HfHubHTTPError as e:
-        return (f"the hub refused {repo!r} ({first_line(e, 120)})", "try again later, or give a local folder")
+        return (f"the hub refused {repo!r} ({first_line(e, 120)})", f"try again later, or give {_local_copy(kind)}")
     except Exception as e:  # connection refused, DNS, timeouts, proxies: every transport error means "unreachable"
         endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
         return (f"{repo!r} is not in the local cache and the hub ({endpoint}) cannot be reached "
                 f"({first_line(e, 100, named=True)})",
-                "give a local folder (a save_pretrained copy), or fix the network; with a copy in the cache, "
-                "HF_HUB_OFFLINE=1 skips this check")
+                f"give {_local_copy(kind)}, or fix the network; with a copy in the cache, HF_HUB_OFFLINE=1 skips "
+                "this check")
     return None
+
+
+def _local_copy(kind: str) -> str:
+    """What to give instead of a hub id: data.path reads files, not folders (a dataset's save_to_disk is no source)."""
+    return ("a local data file (.jsonl, .json, .csv, .parquet, .txt)" if kind == "dataset"
+            else "a local folder (a save_pretrained copy)")

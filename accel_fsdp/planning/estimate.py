@@ -92,9 +92,12 @@ def resolve_target(what: str, micro_batch: int | None, seq_len: int | None) -> T
     if arch is not None:
         facts = facts_of(arch)
         unit = max(facts.block_params(), facts.vocab * facts.hidden)
+        # A shipped recipe may share the name (gpt2-xl, llama-3.1-8b): the model is read, and the note says so.
+        same_name = (f"the model {what}, not the recipe of that name (its batch, its settings): accel-fsdp estimate "
+                     f"{display(resolve_recipe(what))}" if what in shipped_recipes() else "")
         return Target(arch.name, facts.params(), facts.params(), unit, facts.shape(),
                       1 if micro_batch is None else micro_batch,
-                      min(arch.context, 2048) if seq_len is None else seq_len, context=arch.context)
+                      min(arch.context, 2048) if seq_len is None else seq_len, note=same_name, context=arch.context)
 
     if what in shipped_recipes() or what.endswith((".yaml", ".yml")):
         return _recipe_target(resolve_recipe(what), micro_batch, seq_len)

@@ -11,6 +11,7 @@ from pathlib import Path
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.files import write_with
 from accel_fsdp.layout import METRICS_FILE, RunIdentity, RunLayout, dangling_link_problem
+from accel_fsdp.run.folder import lock_holder
 from accel_fsdp.train.metrics import EvalRow, TrainRow, read_metrics
 
 
@@ -35,6 +36,7 @@ def summarize(run_dir: Path) -> dict:
     recipe_name = RunIdentity.read(layout.run_file).recipe_name if layout.run_file.exists() else None
     out = {
         "run": str(run_dir), "recipe": recipe_name, "steps": train[-1].step,
+        "live": lock_holder(run_dir),  # a run still training: its figures so far, not its end
         "tokens_seen": train[-1].tokens_seen, "first_loss": train[0].loss, "final_loss": train[-1].loss,
         "tokens_per_s_median": statistics.median(r.tokens_per_s for r in train),
         "tokens_per_s_per_rank_median": statistics.median(r.tokens_per_s_per_rank for r in train),
@@ -63,17 +65,19 @@ def summarize(run_dir: Path) -> dict:
 
 def format_summary(s: dict) -> str:
     mb = 1 << 20
-    lines = [f"run {s['run']} (recipe {s['recipe']}): {s['steps']} steps, {s['tokens_seen'] or 0:,} tokens",
+    lines = [f"run {s['run']} (recipe {s['recipe']}): {s['steps']} steps, {s['tokens_seen'] or 0:,} tokens"
+             + (f" so far: still running ({s['live']})" if s.get("live") else ""),
              f"  train loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}"]
+    end = "so far" if s.get("live") else "at the end"
     if "final_eval_loss" in s:
         ppl = "" if s["final_eval_ppl"] is None else f" (perplexity {s['final_eval_ppl']:.2f})"
-        lines.append(f"  eval loss {s['final_eval_loss']:.4f}{ppl} at the end; best "
+        lines.append(f"  eval loss {s['final_eval_loss']:.4f}{ppl} {end}; best "
                      f"{s['best_eval_loss']:.4f} at step {s['best_eval_step']}")
     if "final_reward_margin" in s:
         held = (f"; held out: margin {s['final_eval_reward_margin']:.4f}, accuracy "
                 f"{s['final_eval_reward_accuracy']:.3f}" if "final_eval_reward_margin" in s else "")
         lines.append(f"  reward margin {s['final_reward_margin']:.4f}, accuracy "
-                     f"{s['final_reward_accuracy']:.3f} at the end (train){held}")
+                     f"{s['final_reward_accuracy']:.3f} {end} (train){held}")
     lines.append(f"  throughput {s['tokens_per_s_median']:,.0f} tokens/s ({s['tokens_per_s_per_rank_median']:,.0f} per "
                  f"rank), {s['step_time_s_median']:.3f} s per step (medians)"
                  + (f", MFU {100 * s['mfu_median']:.1f}%" if "mfu_median" in s else ""))

@@ -24,6 +24,17 @@ class Evaluator:
         if self.every and state.step % self.every == 0 and state.step != self.run.total_steps:
             self.evaluate(state.step)
 
+    def resumed_at_end(self, step: int, evaluated_on_main: bool) -> None:
+        """A resume from the checkpoint of the run's last step (a finished run resumed): its evaluation, kept in the
+        metrics file (the main process read it), is not computed and logged a second time at the end."""
+        from accelerate.utils import broadcast_object_list
+
+        box = [evaluated_on_main]
+        if self.run.accelerator.num_processes > 1:  # every rank evaluates, or none
+            broadcast_object_list(box, from_process=0)
+        if box[0]:
+            self.last_step = step
+
     def at_end(self, state: TrainingState) -> None:
         if self.last_step != state.step:
             self.evaluate(state.step)

@@ -166,13 +166,15 @@ class MetricsWriter:
         self.accelerator = accelerator
         self.path = path
 
-    def start_at(self, step: int) -> None:
+    def start_at(self, step: int) -> bool:
         """Before the first row of this attempt, which starts after optimizer step `step` (0: a new run, whose file
         starts empty). A resumed run repeats the steps after its checkpoint: their rows from the interrupted attempt
-        are dropped."""
+        are dropped. Whether the file keeps an evaluation of `step` (main process; False elsewhere)."""
         if self.accelerator.is_main_process and self.path.exists():
             kept = [r for r in read_metrics(self.path, strict=False) if r.step <= step] if step else []
             write_atomic(self.path, "".join(json.dumps(row_to_dict(r)) + "\n" for r in kept))
+            return any(isinstance(r, EvalRow) and r.step == step for r in kept)
+        return False
 
     def write(self, record: TrainRow | EvalRow | StartupRow) -> None:
         row, step = row_to_dict(record), record.step

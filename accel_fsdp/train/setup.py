@@ -403,7 +403,9 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
         doing("the resume from a checkpoint")
         state = parts.checkpointer.resume(request.resume_from, accept_data_change=request.accept_data_change)
         parts.hooks.after_resume(state)
-    parts.logger.metrics.start_at(state.step)
+    evaluated = parts.logger.metrics.start_at(state.step)
+    if state.step and state.step >= run.total_steps:
+        parts.evaluator.resumed_at_end(state.step, evaluated)
     if recipe.logging.trackers:
         engine.accelerator.init_trackers(recipe.logging.project or recipe.name,
                                          config={k: v for k, v in flatten(recipe.to_dict()).items()
