@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import save_tiny_model
 
 from accel_fsdp.errors import UserError
 
