@@ -111,3 +111,15 @@ def test_no_shard_names_every_rank_of_every_node():
     code, out = cli("estimate", "124M", "--gpus", "8", "--nodes", "2")
     assert code == 0, out
     assert "NO_SHARD (num_machines: 2, num_processes: 16)" in out, out
+
+
+def test_a_model_named_like_a_shipped_recipe_says_which_was_estimated():
+    """`estimate llama-3.1-8b` is the model at micro batch 1 x 2048 without activation checkpointing, while the recipe
+    of that name trains 2 x 4096 with it: 30.25 against the dry run's 23.59 GiB on 8 GPUs, with nothing saying why."""
+    code, out = cli("estimate", "llama-3.1-8b", "--gpus", "8")
+    assert code == 0 and "micro batch 1 x 2048" in out, out
+    assert "the shipped recipe of that name" in out and "accel-fsdp estimate recipes/llama-3.1-8b.yaml" in out
+    code, out = cli("estimate", "recipes/llama-3.1-8b.yaml", "--gpus", "8")
+    assert code == 0 and "micro batch 2 x 4096 tokens, activation checkpointing" in out, out
+    code, out = cli("estimate", "llama-3.2-3b")
+    assert code == 0 and "shipped recipe" not in out, out

@@ -117,9 +117,12 @@ def resolve_target(what: str, micro_batch: int | None, seq_len: int | None) -> T
     if arch is not None:
         facts = facts_of(arch)
         unit = max(facts.block_params(), facts.vocab * facts.hidden)
+        same_name = arch.name in shipped_recipes()  # gpt2-xl, llama-3.1-8b: a model and a recipe of one name
+        note = (f"the model {arch.name}, full fine-tune; the shipped recipe of that name, with its batch, sequence "
+                f"length and settings: accel-fsdp estimate recipes/{arch.name}.yaml" if same_name else "")
         return Target(arch.name, facts.params(), facts.params(), unit, facts.shape(),
                       1 if micro_batch is None else micro_batch,
-                      min(arch.context, 2048) if seq_len is None else seq_len, context=arch.context)
+                      min(arch.context, 2048) if seq_len is None else seq_len, note=note, context=arch.context)
 
     if what in shipped_recipes() or what.endswith((".yaml", ".yml")):
         return _recipe_target(resolve_recipe(what), micro_batch, seq_len)
