@@ -129,17 +129,6 @@ def test_memory_doc_qlora_table_is_what_estimate_answers():
             assert table[f"{strategy or 'FULL_SHARD'} + offload"][5] == offloaded, (recipe, out)
 
 
-def test_estimate_of_a_name_both_a_model_and_a_recipe_says_which_it_read():
-    """README's `estimate llama-3.1-8b` reads the model (micro batch 1, no activation checkpointing), not the shipped
-    recipe of that name, whose dry run answers otherwise: the output says so and how to ask for the recipe."""
-    out = CliRunner().invoke(main, ["estimate", "llama-3.1-8b", "--gpus", "8"]).output
-    assert "the model llama-3.1-8b, not the recipe of that name" in out, out
-    path = re.search(r"accel-fsdp estimate (\S+\.yaml)\)", out).group(1)
-    by_recipe = CliRunner().invoke(main, ["estimate", path, "--gpus", "8"])
-    assert by_recipe.exit_code == 0 and "micro batch 2 x 4096 tokens, activation checkpointing" in by_recipe.output
-    assert "not the recipe" not in CliRunner().invoke(main, ["estimate", "llama-3.1-70b"]).output  # no recipe so named
-
-
 def test_readme_metrics_table_names_every_key_a_row_has():
     """README's `metrics.jsonl` table says "each key, exactly": the keys of its first column, with the startup row's
     named after it, are the fields of the rows the loop writes (train/metrics.py), `kind` included; docs/PREFERENCE.md's

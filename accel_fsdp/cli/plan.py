@@ -32,7 +32,7 @@ class _NegativeNumberArgument(click.Command):
         takes_value = {name for p in self.params if isinstance(p, click.Option) and not p.is_flag for name in p.opts}
         for i, arg in enumerate(args):
             is_value = i > 0 and args[i - 1] in takes_value  # e.g. --gpus -2: click reports it as --gpus's value
-            if not is_value and re.fullmatch(r"-[\d.,_]+([eE][-+]?\d+)?[KMBTkmbt]?", arg):
+            if not is_value and re.fullmatch(r"-([\d.,_]+([eE][-+]?\d+)?[KMBTkmbt]?|inf|nan)", arg, re.I):
                 raise UserError(Problem(arg, "is not a parameter count: it must be positive",
                                         "give e.g. 7B or 104960000, a model name (gpt2-xl) or a recipe"))
         return super().parse_args(ctx, args)

@@ -18,7 +18,15 @@ from accel_fsdp.model.checks import model_folder_problems, raise_problems
 from accel_fsdp.model.facts import Shape, facts_for, facts_from_values, facts_of
 from accel_fsdp.model.quantize import QuantizedTerms, quantized_terms
 from accel_fsdp.planning.knob_advice import advice, recipe_settings
-from accel_fsdp.planning.memory import MemoryBreakdown, MemoryInputs, describe_logits, estimate, gib, simple_bytes
+from accel_fsdp.planning.memory import (
+    MemoryBreakdown,
+    MemoryInputs,
+    compute_bytes,
+    describe_logits,
+    estimate,
+    gib,
+    simple_bytes,
+)
 from accel_fsdp.planning.plan import build_plan, reference_cost
 from accel_fsdp.preflight import model_view
 
@@ -34,7 +42,8 @@ class Target:
     shape: Shape | None
     micro_batch: int
     seq_len: int
-    frozen_bytes: int = 4
+    frozen_in_compute: bool = False
+    """LoRA: the frozen base is kept in the compute dtype of the precision estimated (--precision), not fp32."""
     note: str = ""
     activation_checkpointing: bool = False
     """The recipe's setting (a model or a count: off unless asked for)."""
@@ -57,28 +66,44 @@ QUANTIZED_NOTE = ("QLoRA: decoder-block projections in NF4 (0.5 byte a weight pl
                   "the compute dtype, one 4-bit weight dequantized in flight")
 
 
-def parse_count(text: str) -> int | None:
-    """'104960000', '104,960,000', '1.5B', '175e9', '350M' -> a parameter count, else None. A comma only groups
-    thousands: '1,5B' (a decimal comma) is not a count, where dropping it would read 15B."""
+MAX_PARAMS = 10**15
+"""The largest count `estimate` plans (1,000T, about 500 times today's largest models): past it a count is a typo,
+and past 2**53 a float count (1e30) would print digits nobody typed."""
+
+
+def parse_count(text: str) -> float | None:
+    """'104960000', '104,960,000', '1.5B', '7 B', '175e9', '350M' -> a parameter count, else None; inf for a count
+    too large for a float (1e400). A comma only groups thousands: '1,5B' (a decimal comma) is not a count, where
+    dropping it would read 15B. Range checks are `resolve_target`'s."""
     t = text.strip()
     if "," in t:
-        if not re.fullmatch(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?[KMBT]?", t, re.I | re.ASCII):
+        if not re.fullmatch(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?\s*[KMBT]?", t, re.I | re.ASCII):
             return None
         t = t.replace(",", "")
     t = t.replace("_", "")
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMBT])?", t, re.I | re.ASCII)
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMBT])?", t, re.I | re.ASCII)
     if m:
-        scale = {None: 1, "K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}[m.group(2).upper() if m.group(2) else None]
-        return int(round(float(m.group(1)) * scale))
+        scale = {None: 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}[m.group(2).upper() if m.group(2) else None]
+        whole, _, fraction = m.group(1).partition(".")
+        return int(whole) * scale + round(float("0." + (fraction or "0")) * scale)  # exact for long digit strings
     try:
         value = float(t)
     except ValueError:
         return None
-    return int(value) if value == value and abs(value) != float("inf") else None
+    if value != value:
+        return None  # nan is not a count (it may be a folder's name)
+    return value if value == float("inf") else int(value)
 
 
 def resolve_target(what: str, micro_batch: int | None, seq_len: int | None) -> Target:
+    if not what.strip():
+        raise UserError(Problem("MODEL|RECIPE|PARAM_COUNT", "is empty",
+                                "give e.g. 7B or 104960000, a model name (gpt2-xl) or a recipe"))
     count = parse_count(what)
+    if count is not None and count > MAX_PARAMS:
+        raise UserError(Problem(what, f"is more parameters than estimate plans (at most {MAX_PARAMS // 10**12:,}T)",
+                                "check the count's unit: 7B is 7 billion, 7000M the same"))
+    count = None if count is None else int(count)
     if count is None and "," in what and re.fullmatch(r"[\d.,_]+[KMBT]?", what.strip(), re.I | re.ASCII):
         raise UserError(Problem(what, "is not a parameter count: a comma only groups thousands (104,960,000)",
                                 "write a fraction with a point, e.g. 1.5B"))
@@ -92,12 +117,12 @@ def resolve_target(what: str, micro_batch: int | None, seq_len: int | None) -> T
     if arch is not None:
         facts = facts_of(arch)
         unit = max(facts.block_params(), facts.vocab * facts.hidden)
-        # A shipped recipe may share the name (gpt2-xl, llama-3.1-8b): the model is read, and the note says so.
-        same_name = (f"the model {what}, not the recipe of that name (its batch, its settings): accel-fsdp estimate "
-                     f"{display(resolve_recipe(what))}" if what in shipped_recipes() else "")
+        same_name = arch.name in shipped_recipes()  # gpt2-xl, llama-3.1-8b: a model and a recipe of one name
+        note = (f"the model {arch.name}, full fine-tune; the shipped recipe of that name, with its batch, sequence "
+                f"length and settings: accel-fsdp estimate {display(resolve_recipe(arch.name))}" if same_name else "")
         return Target(arch.name, facts.params(), facts.params(), unit, facts.shape(),
                       1 if micro_batch is None else micro_batch,
-                      min(arch.context, 2048) if seq_len is None else seq_len, note=same_name, context=arch.context)
+                      min(arch.context, 2048) if seq_len is None else seq_len, note=note, context=arch.context)
 
     if what in shipped_recipes() or what.endswith((".yaml", ".yml")):
         return _recipe_target(resolve_recipe(what), micro_batch, seq_len)
@@ -151,7 +176,7 @@ def _recipe_target(path, micro_batch, seq_len) -> Target:
         return Target(recipe.name, params, adapters if lora.enabled else params,
                       max(facts.block_params(), facts.vocab * facts.hidden), facts.shape(),
                       t.sequences_per_micro_step(), recipe.data.seq_len if seq_len is None else seq_len,
-                      compute if lora.enabled else 4, note="; ".join(notes),
+                      lora.enabled, note="; ".join(notes),
                       activation_checkpointing=bool(recipe.model.activation_checkpointing), context=facts.context,
                       quantized=quantized_terms(facts, compute) if recipe.model.quantize else None,
                       **knobs)
@@ -159,7 +184,7 @@ def _recipe_target(path, micro_batch, seq_len) -> Target:
     plan = build_plan(recipe, load_accelerate_config("fsdp_1gpu"))
     m = plan.memory_inputs
     return Target(recipe.name, m.params, m.trainable, m.largest_unit, m.shape, t.sequences_per_micro_step(),
-                  m.seq_len if seq_len is None else seq_len, m.frozen_bytes, note="; ".join(notes),
+                  m.seq_len if seq_len is None else seq_len, recipe.model.lora.enabled, note="; ".join(notes),
                   activation_checkpointing=m.activation_checkpointing, quantized=m.quantized, **knobs)
 
 
@@ -168,7 +193,9 @@ class Row:
     strategy: str
     offload: bool
     memory: MemoryBreakdown
-    fits: bool
+    fits: bool | None
+    """None: nothing the GPU would hold is known (a bare count under CPU offload keeps only gathered units and
+    activations on it, and a count has neither), so no verdict."""
     inputs: MemoryInputs | None = None
     """What the row was estimated from (for the knobs' advice)."""
 
@@ -186,13 +213,22 @@ def table(target: Target, *, gpus: int, nodes: int, precision: str, activation_c
     for strategy in strategies:
         if strategy == HYBRID_SHARD and nodes == 1:
             continue
+        if strategy == NO_SHARD and target.frozen_in_compute:
+            continue  # NO_SHARD is FSDP1's, and a LoRA base under FSDP1 is refused (config/settings.py)
         group = gpus if strategy == HYBRID_SHARD else (1 if strategy == NO_SHARD else world)
         for off in ((False, True) if offload is None else (offload,)):
             if off and strategy == NO_SHARD:
                 continue
             inputs = replace(base, strategy=strategy, shard_group=group, offload=off)
             mem = estimate(inputs)
-            rows.append(Row(strategy, off, mem, mem.total <= HEADROOM * gpu_memory, inputs))
+            fits = None if mem.total == 0 else mem.total <= HEADROOM * gpu_memory
+            rows.append(Row(strategy, off, mem, fits, inputs))
+    if not rows:
+        asked = ", ".join(strategies) + (" with --offload" if offload else "")
+        why = ("NO_SHARD needs FSDP1, which a LoRA recipe cannot use" if target.frozen_in_compute
+               and NO_SHARD in strategies else "NO_SHARD has no CPU offload setting here")
+        raise UserError(Problem("--strategy", f"{asked} leaves nothing to estimate: {why}",
+                                "add --strategy FULL_SHARD (or drop --strategy and --offload for every setting)"))
     return rows
 
 
@@ -202,7 +238,8 @@ def inputs_of(target: Target, *, world: int, precision: str, activation_checkpoi
     return MemoryInputs(params=target.params, trainable=target.trainable, largest_unit=target.largest_unit,
                         world=world, shard_group=world, precision=precision,
                         activation_checkpointing=activation_checkpointing, micro_batch=target.micro_batch,
-                        seq_len=target.seq_len, shape=target.shape, frozen_bytes=target.frozen_bytes,
+                        seq_len=target.seq_len, shape=target.shape,
+                        frozen_bytes=compute_bytes(precision) if target.frozen_in_compute else 4,
                         deferred_reduce=deferred_reduce, quantized=target.quantized, chunked_loss=target.chunked_loss,
                         loss_chunk_tokens=target.loss_chunk_tokens, pairs=target.pairs,
                         activation_offload=target.activation_offload, fp8=target.fp8)
@@ -221,9 +258,13 @@ def cheapest(rows: list[Row]) -> Row | None:
 
 def config_for(row: Row, gpus: int, nodes: int) -> str:
     """The shipped accelerate config (and the override) that gives this setting."""
+    if row.strategy == NO_SHARD:  # FSDP1's (FSDP2 always shards; on one GPU it gathers as FULL_SHARD does)
+        machines = f"num_machines: {nodes}, " if nodes > 1 else ""  # every rank of every node, as `extra` counts
+        return (f"accelerate_configs/fsdp1_2gpu.yaml with fsdp_sharding_strategy: NO_SHARD ({machines}num_processes: "
+                f"{gpus * nodes})")
     if gpus * nodes == 1:
-        return "accelerate_configs/fsdp_1gpu.yaml" + (" + --set fsdp.cpu_offload=true" if row.offload else "")
-    if nodes > 1:
+        base, extra = "fsdp_1gpu.yaml", ""
+    elif nodes > 1:
         base = "fsdp_hybrid_multinode.yaml" if row.strategy == HYBRID_SHARD else "fsdp_multinode.yaml"
         extra = f" (num_machines: {nodes}, num_processes: {gpus * nodes})"
     elif row.offload:
@@ -231,11 +272,9 @@ def config_for(row: Row, gpus: int, nodes: int) -> str:
     else:
         base = {1: "fsdp_1gpu.yaml", 2: "fsdp_2gpu.yaml", 8: "fsdp_8gpu.yaml"}.get(gpus, "fsdp_8gpu.yaml")
         extra = "" if gpus in (1, 2, 8) else f" (num_processes: {gpus})"
-    if row.strategy == NO_SHARD:
-        return f"accelerate_configs/fsdp1_2gpu.yaml with fsdp_sharding_strategy: NO_SHARD (num_processes: {gpus})"
     if row.strategy == SHARD_GRAD_OP:
         extra += " + --set fsdp.sharding_strategy=SHARD_GRAD_OP"
-    if row.offload and nodes > 1:
+    if row.offload and (nodes > 1 or gpus == 1):  # configs without offload of their own
         extra += " + --set fsdp.cpu_offload=true"
     return f"accelerate_configs/{base}{extra}"
 
@@ -265,7 +304,11 @@ def format_report(target: Target, rows: list[Row], *, gpus: int, nodes: int, pre
     for r in rows:
         m = r.memory
         lines.append(f"{r.label:<24}{gib(m.params):>9}{gib(m.grads):>9}{gib(m.optimizer):>9}{gib(m.gathered):>10}"
-                     f"{gib(m.activations):>9}{gib(m.total):>11}{gib(m.host):>9}  {'yes' if r.fits else 'no'}")
+                     f"{gib(m.activations):>9}{gib(m.total):>11}{gib(m.host):>9}  "
+                     f"{'?' if r.fits is None else 'yes' if r.fits else 'no'}")
+    if any(r.fits is None for r in rows):
+        lines.append("?: with CPU offload the GPU keeps only the gathered units and the activations, which a bare "
+                     "count does not give: name a model or recipe for these rows")
     best = cheapest(rows)
     if best is None:
         lines.append("nothing fits: add GPUs or nodes, lower micro batch or seq_len, or use LoRA")
