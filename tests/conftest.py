@@ -81,7 +81,8 @@ def work_unit(nodeid: str) -> str:
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist: the work units (test files) in the order of what they cost, the heaviest first, so that the
     light ones fill the end and no worker is left alone with a long run (a slow test, about half a minute of 2-rank
-    runs, counts 100 times a one-process test; a multi-process test of the fast tier 30 times)."""
+    runs, counts 100 times a one-process test; a multi-process test of the fast tier 30 times; `slow(weight=k)`, a test
+    of many runs, k slow tests)."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     for item in items:
@@ -91,8 +92,9 @@ def pytest_collection_modifyitems(config, items):
                                     "SHARED_RUN_MODULES, so that the runs are made once")
     cost: dict[str, float] = {}
     for item in items:
+        slow = item.get_closest_marker("slow")
         cost[work_unit(item.nodeid)] = cost.get(work_unit(item.nodeid), 0.0) + (
-            100 if item.get_closest_marker("slow") else 30 if item.get_closest_marker("multiprocess") else 1)
+            100 * slow.kwargs.get("weight", 1) if slow else 30 if item.get_closest_marker("multiprocess") else 1)
     position = {item.nodeid: i for i, item in enumerate(items)}
     items.sort(key=lambda item: (-cost[work_unit(item.nodeid)], work_unit(item.nodeid), position[item.nodeid]))
 

@@ -32,8 +32,8 @@ def test_fp8_rows_are_skipped_on_cpu_and_for_gpt2_and_a_missing_key_is_named():
                                                            ("llama-3.2-1b", 8192)]
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
+@pytest.mark.slow(weight=12)  # the suite's longest test (8 rows, 2 of them compiled): 172 s on an AVX512-BF16 CPU,
+@pytest.mark.multiprocess     # 983 s on an AVX2-only one (bf16 emulated), as long as a file of 10 slow tests: started first
 def test_the_throughput_table_runs_on_cpu_ranks_and_names_what_it_skips(tmp_path):
     report = tmp_path / "table.md"
     # 3 steps a row, not the table's 20: the rows run the same way (warm-up, then the measured steps); the figures,
