@@ -12,7 +12,10 @@ eager's. A row that cannot run here says why, as SKIP.
 
 On GPUs: llama-3.2-1b at 2,048 and 8,192 tokens, gpt2-xl at 1,024, full fine-tunes in bf16 on one GPU. On CPU ranks
 (--cpu) the same rows on tiny models of the same families (2 blocks, the real vocabularies) at 128 tokens, where FP8
-is skipped and MFU not measured: the mechanism runs, the figures are not the GPU's.
+is skipped and MFU not measured: the mechanism runs, the figures are not the GPU's. On a CPU without native bf16
+(AVX2 alone) the CPU rows are fp32 (`table_precision`): PyTorch emulates bf16 there, and a bf16 matrix product of the
+Llama head's shape took 20x an fp32 one on an AVX2-only AMD EPYC (the table: 983 s in the test, against 172 s on an
+AVX512-BF16 one).
 """
 
 from __future__ import annotations
@@ -87,6 +90,16 @@ def skipped_because(model: Model, variant: Variant, cpu: bool, known_keys: set[s
     return None
 
 
+def table_precision(cpu: bool) -> tuple[str, str]:
+    """The rows' precision and why: bf16, as users train on GPUs, except on CPU ranks of a CPU that emulates it."""
+    if not cpu:
+        return "bf16", ""
+    from accel_fsdp.hardware import cpu_bf16
+
+    native, name = cpu_bf16()
+    return ("bf16", "") if native else ("fp32", f"{name} has no native bf16, which PyTorch emulates many times slower")
+
+
 def recipe_for(model: Model, work: Path, cpu: bool, ranks: int, steps: int = STEPS) -> Path:
     overrides = dict(model.cpu_overrides if cpu else {}, vocab_size=model.vocab)
     data = {"name": f"throughput-{model.architecture}-{model.seq_len}",
@@ -95,7 +108,8 @@ def recipe_for(model: Model, work: Path, cpu: bool, ranks: int, steps: int = STE
             "data": {"path": "builtin:quickstart", "seq_len": model.seq_len, "eval_fraction": 0, "packing": True,
                      "max_rows": 6000},
             "training": {"micro_batch_size": model.micro_batch, "global_batch_size": model.micro_batch * ranks,
-                         "max_steps": steps, "lr": 1e-4, "warmup_steps": 0, "mixed_precision": "bf16"},
+                         "max_steps": steps, "lr": 1e-4, "warmup_steps": 0,
+                         "mixed_precision": table_precision(cpu)[0]},
             "checkpoint": {"export_final": False}, "logging": {"every_steps": 1, "sample_prompt": None}}
     path = work / f"{data['name']}.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -167,7 +181,9 @@ def throughput_section(work: Path, cpu: bool, ranks: int, device: str, section_t
     Budget): a row that would start after it is spent is a SKIP that says so. `steps` below STEPS (at least 2: the
     first step is warm-up) gives the same rows for less time: tests/test_knob_throughput.py checks the mechanism, not
     the figures."""
-    section = section_type(f"Knob throughput: {steps} steps on {ranks} x {device}, bf16",
+    precision, why = table_precision(cpu)
+    section = section_type(f"Knob throughput: {steps} steps on {ranks} x {device}, {precision}"
+                           + (f" ({why})" if why else ""),
                            ["model", "tokens", "variant", "result", "tokens/s", "MFU", "peak memory",
                             f"loss after {steps} steps", "profiled step: share of its wall time"])
     on_start(section)

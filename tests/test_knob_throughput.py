@@ -32,8 +32,24 @@ def test_fp8_rows_are_skipped_on_cpu_and_for_gpt2_and_a_missing_key_is_named():
                                                            ("llama-3.2-1b", 8192)]
 
 
-@pytest.mark.slow(weight=12)  # the suite's longest test (8 rows, 2 of them compiled): 172 s on an AVX512-BF16 CPU,
-@pytest.mark.multiprocess     # 983 s on an AVX2-only one (bf16 emulated), as long as a file of 10 slow tests: started first
+@pytest.mark.parametrize("cpu,native,expected", [(False, "0", "bf16"), (True, "1", "bf16"), (True, "0", "fp32")])
+def test_the_rows_are_bf16_except_on_cpu_ranks_of_a_cpu_that_emulates_it(tmp_path, monkeypatch, cpu, native, expected):
+    """GPUs and CPUs with native bf16 (AVX512-BF16, AMX, Arm BF16) run the table in bf16; a CPU that emulates it (AVX2
+    alone: a bf16 product of the Llama head's shape took 20x the fp32 one) runs its CPU rows in fp32, and says so."""
+    import yaml
+    from knob_throughput import recipe_for, table_precision
+
+    from accel_fsdp.hardware import CPU_BF16_ENV
+
+    monkeypatch.setenv(CPU_BF16_ENV, native)
+    recipe = yaml.safe_load(recipe_for(CPU_MODELS[0], tmp_path, cpu, ranks=2).read_text())
+    assert recipe["training"]["mixed_precision"] == expected
+    precision, why = table_precision(cpu)
+    assert precision == expected and ("no native bf16" in why) == (expected == "fp32"), why
+
+
+@pytest.mark.slow(weight=3)  # the suite's longest test (8 rows, 2 of them compiled): 172 s on an AVX512-BF16 CPU, 245 s
+@pytest.mark.multiprocess    # on an AVX2-only one (its rows in fp32; 983 s in emulated bf16), about 3 slow tests
 def test_the_throughput_table_runs_on_cpu_ranks_and_names_what_it_skips(tmp_path):
     report = tmp_path / "table.md"
     # 3 steps a row, not the table's 20: the rows run the same way (warm-up, then the measured steps); the figures,
