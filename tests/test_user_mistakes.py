@@ -316,6 +316,11 @@ def test_an_output_folder_that_cannot_be_written_is_found_before_launch(tmp_path
     (["estimate", "gpt2", "--gpu-memory", "24"], "--gpu-memory: '24' has no unit (did you mean 24GB?)"),
     (["estimate", "gpt2", "--gpu-memory", "0GB"], "--gpu-memory: '0GB' is not a size"),
     (["recipe", "run", "gpt2-xl", "--dry-run", "--gpu-memory", "24"], "'24' has no unit"),
+    # A size no GPU has gave a verdict that meant nothing ("462824300% used", "fits" in 10^20 TB).
+    (["estimate", "gpt2", "--gpu-memory", "80MB"], "'80MB' is less than 1 GiB, which no GPU has\n    fix: give one "
+                                                   "GPU's memory, between 1GB and 4TB, e.g. 80GB"),
+    (["recipe", "run", "gpt2-xl", "--dry-run", "--gpu-memory", "1KB"], "--gpu-memory: '1KB' is less than 1 GiB"),
+    (["estimate", "gpt2", "--gpu-memory", "99999999999999999999TB"], "is more than 4 TiB, which no GPU has"),
     (["checkpoint", "consolidate", "runs", "out", "--max-shard-size", "500"], "'500' has no unit"),
     (["generate", ".", "--prompt", "  "], "--prompt: is empty"),
 ])

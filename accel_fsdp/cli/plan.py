@@ -17,7 +17,7 @@ from accel_fsdp.files import write_atomic
 from accel_fsdp.launch.slurm import GENERATED, edited_since_written, node_local_note, render
 from accel_fsdp.layout import RunLayout
 from accel_fsdp.planning.estimate import format_report, resolve_target, table
-from accel_fsdp.planning.memory import parse_bytes, size_problem
+from accel_fsdp.planning.memory import gpu_memory_bytes
 from accel_fsdp.preflight import preflight
 from accel_fsdp.run.folder import decide
 
@@ -69,10 +69,7 @@ def estimate_command(what, gpus, nodes, gpu_memory, precision, strategies, offlo
     accel-fsdp estimate llama-3.1-8b-lora --gpus 1 --gpu-memory 40GB
     accel-fsdp estimate ./my-llama --gpus 2                      # a local GPT-2 or Llama model folder
     """
-    try:
-        budget = parse_bytes(gpu_memory)
-    except ValueError:
-        raise UserError(size_problem("--gpu-memory", gpu_memory)) from None
+    budget = gpu_memory_bytes(gpu_memory)
     if HYBRID_SHARD in strategies and nodes == 1:
         raise UserError(Problem("--strategy HYBRID_SHARD", "needs more than one node (it shards within a node and "
                                 "replicates across nodes)", "add --nodes 2 or more, or use FULL_SHARD"))

@@ -50,11 +50,12 @@ FSDP, in GiB.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 from accel_fsdp.config.accelerate import FULL_SHARD, NO_SHARD, SHARD_GRAD_OP
 from accel_fsdp.config.precision import MEMORY, is_half
-from accel_fsdp.errors import Problem
+from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.model.facts import Shape, loss_chunk_tokens
 from accel_fsdp.model.quantize import QuantizedTerms
 
@@ -243,8 +244,6 @@ def simple_bytes(params: int, gpus: int, fsdp: bool) -> float:
 def parse_bytes(text: str) -> int:
     """'80GB' -> bytes. GB and GiB are both read as 2**30 (GPU marketing sizes are GiB-ish in practice). The unit is
     required (a bare 24 would be 24 bytes): ValueError for anything else."""
-    import re
-
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(T|G|M|K)I?B?\s*", str(text).upper())
     size = int(float(m.group(1)) * {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2)]) if m else 0
     if size < 1:  # garbage, zero, or a fraction of a byte (0.0001KB)
@@ -258,6 +257,28 @@ def size_problem(option: str, text: str, example: str = "80GB"):
     why = "has no unit" if bare else "is not a size"
     hint = f" (did you mean {str(text).strip()}GB?)" if bare else ""
     return Problem(option, f"{text!r} {why}{hint}", f"give a positive size with a unit, e.g. {example}")
+
+
+# The sizes a GPU's memory can have: below 1 GiB no GPU trains a model (a size like "80MB" is a slip for "80GB"),
+# and the largest accelerators of 2026 have under 0.5 TiB; 4 TiB leaves room for the next ones.
+GPU_MEMORY_RANGE = (2**30, 4 * 2**40)
+
+
+def gpu_memory_bytes(text: str, option: str = "--gpu-memory") -> int:
+    """A GPU's memory as given on the command line ('80GB'), refused as a UserError when it is not a size or is
+    outside GPU_MEMORY_RANGE: a plan checked against 1KB or 10^20 TB would print a verdict that means nothing."""
+    try:
+        size = parse_bytes(text)
+    except ValueError:
+        raise UserError(size_problem(option, text)) from None
+    low, high = GPU_MEMORY_RANGE
+    if not low <= size <= high:
+        number = float(re.match(r"\s*([\d.]+)", str(text)).group(1))  # parse_bytes read it
+        meant = f"{number:g}GB" if size < low and 1 <= number <= 4096 else "80GB"  # 80MB: a slip for 80GB
+        side = "less than 1 GiB" if size < low else "more than 4 TiB"
+        raise UserError(Problem(option, f"{text!r} is {side}, which no GPU has",
+                                f"give one GPU's memory, between 1GB and 4TB, e.g. {meant}"))
+    return size
 
 
 def gib(x: float) -> str:

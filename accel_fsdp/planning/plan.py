@@ -29,8 +29,7 @@ from accel_fsdp.planning.memory import (
     describe_logits,
     estimate,
     gib,
-    parse_bytes,
-    size_problem,
+    gpu_memory_bytes,
 )
 from accel_fsdp.preflight import load_config_or_default, preflight
 
@@ -230,10 +229,7 @@ def print_plan(recipe, accelerate_config: str | None, gpu_memory: str | None) ->
 
     budget = None
     if gpu_memory:
-        try:
-            budget = parse_bytes(gpu_memory)
-        except ValueError:
-            raise UserError(size_problem("--gpu-memory", gpu_memory)) from None
+        budget = gpu_memory_bytes(gpu_memory)
     config, n, _ = load_config_or_default(accelerate_config)
     click.echo(format_plan(build_plan(recipe, config, num_processes=n), budget))
     for note in missing_data_notes(recipe):
