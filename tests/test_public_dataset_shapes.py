@@ -79,7 +79,9 @@ SHAREGPT_TURNS = (("system", "alice has a cat ."), ("human", "what does alice ha
     {"conversations": sharegpt(*((w.replace("human", "user").replace("gpt", "assistant"), v)
                                  for w, v in SHAREGPT_TURNS))},                    # from: user / assistant
     {"conversations": [{"from": w, "value": v, "weight": 1} for w, v in SHAREGPT_TURNS]},  # axolotl's weight key
-], ids=["conversations", "messages-field", "from-user-assistant", "extra-keys"])
+    *({"conversations": sharegpt(*SHAREGPT_TURNS[:2], (bot, SHAREGPT_TURNS[2][1]))}  # raw dumps name the chatbot
+      for bot in ("chatgpt", "bing", "bard")),
+], ids=["conversations", "messages-field", "from-user-assistant", "extra-keys", "chatgpt", "bing", "bard"])
 def test_sharegpt_conversations_read_as_the_same_openai_messages(tok, row):
     """role from `from` (human -> user, gpt -> assistant, system), content from `value`: the same tokens and mask as
     the conversation written with role and content."""

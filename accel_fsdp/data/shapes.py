@@ -14,8 +14,10 @@ from accel_fsdp.config.recipe import DataConfig, SourceConfig
 
 SHAREGPT_FIELD = "conversations"
 """The column of ShareGPT's rows, read when the source's messages_field is the default and the row has none."""
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-"""ShareGPT's `from` -> the role (axolotl's and LLaMA-Factory's sharegpt readers map them so). Any other `from`
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+"""ShareGPT's `from` -> the role (axolotl's and LLaMA-Factory's sharegpt readers map them so). The raw ShareGPT dumps
+name the answering chatbot (chatgpt, bing, bard), which FastChat's cleaning reads as gpt. Any other `from`
 (function_call, observation, tool) stays as written, and the chat check names it as it names any role."""
 
 
