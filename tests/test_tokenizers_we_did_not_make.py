@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import user_error
+from conftest import run_cli, user_error
 
 from accel_fsdp.data.sources import check_messages
 
@@ -168,3 +168,27 @@ def test_a_chat_template_that_fails_on_a_row_names_the_row_and_the_error(tmp_pat
     with pytest.raises(UserError, match=r"chat.jsonl line 1: the chat template fails on this conversation \(TypeError: "
                                         r"can only concatenate str"):
         prepare_one_conversation(tmp_path, FAILING_TEMPLATE)
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("sentencepiece") is not None,
+                    reason="the case is a machine without the sentencepiece library")
+@pytest.mark.parametrize("where", ["folder", "hub cache"])
+def test_a_sentencepiece_tokenizer_without_its_library_names_the_library(tmp_path, where):
+    """A Llama-2-style tokenizer (tokenizer.model alone) where sentencepiece is not installed: transformers falls back
+    to tiktoken and names only tiktoken, and from the hub cache it read as a damaged copy to delete."""
+    folder = (tmp_path / "hf" / "hub" / "models--org--sp" / "snapshots" / "abc") if where == "hub cache" else tmp_path
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer_config.json").write_text('{"tokenizer_class": "LlamaTokenizer", "eos_token": "</s>"}')
+    (folder / "tokenizer.model").write_bytes(bytes(range(256)) * 4)  # never parsed: the library is missing
+    if where == "hub cache":  # as a hub repository has it, with its model's config
+        (folder / "config.json").write_text('{"model_type": "llama"}')
+        (folder.parent.parent / "refs").mkdir()
+        (folder.parent.parent / "refs" / "main").write_text("abc")
+        proc = run_cli("recipe", "validate", "quickstart", "--set", "model.tokenizer=org/sp", cwd=tmp_path,
+                       env={"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}, check=2)
+        said, source = proc.stderr, "'org/sp'"
+    else:
+        said, source = user_error("recipe", "validate", "quickstart", "--set", f"model.tokenizer={folder}"), repr(str(folder))
+    assert (f"model.tokenizer: {source} has a tokenizer that needs the sentencepiece library, which is not installed "
+            "here\n    fix: pip install sentencepiece") in said, said
+    assert "hub cache" not in said.split("fix:")[1] and "Traceback" not in said, said

@@ -4,8 +4,10 @@ and the data checks before launch use it.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
+import re
 from pathlib import Path
 
 from accel_fsdp.data.identity import digest, trained_tokenizer_identity
@@ -62,6 +64,12 @@ def build_tokenizer(recipe, *, local_files_only: bool = False):
             if local_files_only and isinstance(e, OSError) and not is_local(source):
                 raise NotOnThisMachine(source) from None  # transformers' answer for files the cache lacks
             key = "model.tokenizer" if m.tokenizer else "model.name_or_path"
+            library = missing_library(e, source)
+            if library:
+                raise UserError(Problem(recipe.where(key), f"{source!r} has a tokenizer that needs the {library} "
+                                        "library, which is not installed here",
+                                        f"pip install {library} (on every machine of the run), or give a tokenizer "
+                                        "with a tokenizer.json")) from None
             damaged = damaged_json_file(Path(source).expanduser()) if is_local(source) else None
             if damaged:
                 raise UserError(Problem(recipe.where(key), f"{source!r} has a damaged {damaged}",
@@ -82,6 +90,34 @@ def build_tokenizer(recipe, *, local_files_only: bool = False):
                                     f"{first_line(e, named=not isinstance(e, (OSError, ValueError)))}",
                                     "give a folder with tokenizer files, a hub id, or builtin:quickstart")) from None
     return with_pad_token(recipe, tokenizer)
+
+
+# transformers' words for a library a tokenizer needs (transformers/utils/import_utils.py SENTENCEPIECE_IMPORT_ERROR
+# and its kin; tokenization_utils_base's "`tiktoken` is required to read a `tiktoken` file").
+_NEEDS = (re.compile(r"requires the (\w+) library but it was not found"), re.compile(r"`(\w+)` is required to read"))
+
+
+def missing_library(error: BaseException, source: str) -> str | None:
+    """The pip package a tokenizer failed for want of, or None. transformers falls back from a SentencePiece
+    tokenizer.model to tiktoken and names only tiktoken, so a tokenizer.model without the sentencepiece library is
+    named for what it is."""
+    if isinstance(error, ModuleNotFoundError) and error.name:
+        return error.name.split(".")[0]
+    named = next((m.group(1).lower() for m in (p.search(str(error)) for p in _NEEDS) if m), None)
+    if named is None or importlib.util.find_spec(named) is not None:
+        return None
+    if importlib.util.find_spec("sentencepiece") is None and _has_file(source, "tokenizer.model"):
+        return "sentencepiece"
+    return named
+
+
+def _has_file(source: str, name: str) -> bool:
+    """Whether a local folder, or the hub cache's copy of a hub id, holds the file `name`."""
+    if is_local(source):
+        return (Path(source).expanduser() / name).is_file()
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(source, name), str)
 
 
 def with_pad_token(recipe, tokenizer):
