@@ -86,11 +86,11 @@ def test_estimate_says_which_knobs_would_make_a_recipe_fit():
 
 
 def test_the_dry_run_says_which_knobs_would_make_a_recipe_fit(cpu_with_native_bf16):  # the bf16 plan
-    result = CliRunner().invoke(main, ["recipe", "run", "quickstart-llama", "--dry-run", "--gpu-memory", "0.02GB",
-                                       "--set", "training.micro_batch_size=16", "--set",
-                                       "training.global_batch_size=32"])
+    result = CliRunner().invoke(main, ["recipe", "run", "quickstart-llama", "--dry-run", "--gpu-memory", "1GB",
+                                       "--set", "training.micro_batch_size=1024", "--set",
+                                       "training.global_batch_size=2048"])
     assert result.exit_code == 0, result.output
-    assert "does NOT fit in 0.02 GiB per GPU" in result.output
+    assert "does NOT fit in 1.00 GiB per GPU" in result.output
     assert "  fits with model.activation_checkpointing: true (" in result.output
     assert "training.activation_offload" not in result.output  # 2 blocks: one computing, the prefetch: none moves
 
