@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -512,7 +513,10 @@ def apply_lora(model, recipe, *, draw: bool = True, on_meta: bool = False):
     fan_in_fan_out = bool(targets) and all(type(m).__name__ == "Conv1D" for m in targets)
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, fan_in_fan_out=fan_in_fan_out,
                         target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
-    with init_empty_weights(include_buffers=False) if on_meta else nullcontext():
+    # Targets of both kinds (GPT-2's Conv1D blocks and a Linear head): PEFT sets fan_in_fan_out right for each layer
+    # as it wraps it, and warns on every rank for the layers of the other kind; nothing for the user to change.
+    with init_empty_weights(include_buffers=False) if on_meta else nullcontext(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="fan_in_fan_out is set to")
         model = get_peft_model(model, config)
     if draw:
         draw_adapters(model, (recipe.training.seed + 1) % (SEED_MAX + 1))
