@@ -10,6 +10,7 @@ the matmul or after: each logit within reordered(LOGIT_PATH) of the logits' scal
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -55,11 +56,16 @@ def test_a_merge_writes_an_adapted_tied_head_apart_from_the_embeddings(tmp_path,
 
     adapter, tokens, logits = adapted
     out = tmp_path / "merged"
-    if streamed:  # the QLoRA path, here onto the unquantized base (--base-model)
-        merge_streaming(adapter, out, base=str(tiny_gpt2), dtype="fp32", quantized_base=None,
-                        max_shard_size=2**30, where="--base-model")
-    else:
-        _merge_lora(adapter, out, "fp32", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if streamed:  # the QLoRA path, here onto the unquantized base (--base-model)
+            merge_streaming(adapter, out, base=str(tiny_gpt2), dtype="fp32", quantized_base=None,
+                            max_shard_size=2**30, where="--base-model")
+        else:
+            _merge_lora(adapter, out, "fp32", None)
+    # PEFT's warnings of what the merge handles (fan_in_fan_out per layer, the tied head) do not reach the user
+    assert not [str(w.message) for w in caught if "fan_in_fan_out" in str(w.message)
+                or "tie_word_embeddings" in str(w.message)], [str(w.message) for w in caught]
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
     weights = load_weights(out)
     assert torch.equal(weights["transformer.wte.weight"], load_weights(tiny_gpt2)["transformer.wte.weight"])
