@@ -192,3 +192,15 @@ def test_a_sentencepiece_tokenizer_without_its_library_names_the_library(tmp_pat
     assert (f"model.tokenizer: {source} has a tokenizer that needs the sentencepiece library, which is not installed "
             "here\n    fix: pip install sentencepiece") in said, said
     assert "hub cache" not in said.split("fix:")[1] and "Traceback" not in said, said
+
+
+@pytest.mark.parametrize("error,library", [
+    (ModuleNotFoundError("No module named 'google.protobuf'", name="google.protobuf"), "protobuf"),  # not "google"
+    (ModuleNotFoundError("No module named 'tiktoken'", name="tiktoken"), "tiktoken"),
+    (ValueError("LlamaTokenizer requires the protobuf library but it was not found in your environment."), "protobuf"),
+    (ValueError("a tokenizer.json without its keys"), None),
+])
+def test_the_library_a_tokenizer_needs_is_named_as_pip_installs_it(tmp_path, error, library):
+    from accel_fsdp.model.tokenizer import missing_library
+
+    assert missing_library(error, str(tmp_path)) == library

@@ -97,12 +97,17 @@ def build_tokenizer(recipe, *, local_files_only: bool = False):
 _NEEDS = (re.compile(r"requires the (\w+) library but it was not found"), re.compile(r"`(\w+)` is required to read"))
 
 
+PIP_NAMES = {"google": "protobuf", "sklearn": "scikit-learn", "yaml": "pyyaml"}
+"""The package to install for a module a tokenizer's code imports, where the two names differ."""
+
+
 def missing_library(error: BaseException, source: str) -> str | None:
     """The pip package a tokenizer failed for want of, or None. transformers falls back from a SentencePiece
     tokenizer.model to tiktoken and names only tiktoken, so a tokenizer.model without the sentencepiece library is
     named for what it is."""
     if isinstance(error, ModuleNotFoundError) and error.name:
-        return error.name.split(".")[0]
+        top = error.name.split(".")[0]
+        return PIP_NAMES.get(top, top)
     named = next((m.group(1).lower() for m in (p.search(str(error)) for p in _NEEDS) if m), None)
     if named is None or importlib.util.find_spec(named) is not None:
         return None
