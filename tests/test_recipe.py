@@ -75,6 +75,20 @@ def test_types_are_checked():
 def test_global_batch_must_be_a_multiple_of_the_micro_batch():
     msg = problems_of(GOOD.replace("global_batch_size: 8", "global_batch_size: 9"))
     assert "training.global_batch_size: 9 is not a multiple of training.micro_batch_size = 2" in msg
+    # a recipe knows no process count: an example for 1 process alone (10) was refused again on 2 ("not divisible by
+    # 2 x 2 = 4"), so the fix gives one for each common count
+    assert "(e.g. 10 on 1 process, 12 on 2 processes, 16 on 8 processes)" in msg
+
+
+def test_a_recipe_level_batch_example_splits_on_the_processes_it_names():
+    from accel_fsdp.config.recipe_checks import _multiples_by_processes
+
+    for global_batch in range(1, 70):
+        for micro in range(1, 12):
+            for part in _multiples_by_processes(global_batch, micro).split(", "):
+                batch, processes = part.split(" on ")
+                for n in processes.split(" process")[0].split(" or "):
+                    assert int(batch) % (micro * int(n)) == 0 and int(batch) >= global_batch
 
 
 def test_model_needs_exactly_one_source():

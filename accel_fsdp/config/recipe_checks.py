@@ -108,7 +108,7 @@ def _training_problems(r) -> list[Problem]:
         need(t.splits_evenly(1), "training.global_batch_size",
              f"{t.global_batch_size} is not a multiple of training.micro_batch_size = {t.micro_batch_size}",
              f"use a global batch that is a multiple of micro_batch_size x processes (e.g. "
-             f"{_round_up(t.global_batch_size, t.micro_batch_size)}), or a smaller micro batch")
+             f"{_multiples_by_processes(t.global_batch_size, t.micro_batch_size)}), or a smaller micro batch")
     if t.max_steps is not None and t.epochs is not None:
         p.append(Problem(r.where("training.max_steps"),
                          f"both max_steps ({t.max_steps}) and epochs ({t.epochs}) are set",
@@ -259,6 +259,16 @@ def source_problems(r) -> list[Problem]:
         p.append(Problem(where(f"data.sources.{numbers[1]}.name"), f"sources {', '.join(map(str, numbers))} are all "
                          f"named {name!r}", "give each source a name of its own (name: ...)"))
     return p
+
+
+def _multiples_by_processes(global_batch: int, micro: int, processes=(1, 2, 8)) -> str:
+    """The global batches nearest above `global_batch` that split on 1, 2 and 8 processes: a recipe knows no process
+    count, and an example for one alone ("35" for micro 5) is refused again on another ("not divisible by 5 x 2")."""
+    by_batch: dict[int, list[int]] = {}
+    for n in processes:
+        by_batch.setdefault(_round_up(global_batch, micro * n), []).append(n)
+    return ", ".join(f"{batch} on {' or '.join(map(str, ns))} process{'es' if ns != [1] else ''}"
+                     for batch, ns in by_batch.items())
 
 
 def _round_up(x: int, m: int) -> int:
