@@ -83,6 +83,7 @@ def test_parameters_subclasses_and_small_tensors_stay():
     assert kept_because(torch.randn(64, 64), "cpu", 1024) is None
 
 
+@pytest.mark.slow  # a knob's own promise: the whole suite's (docs/ARCHITECTURE.md, Tests)
 @pytest.mark.multiprocess
 def test_a_run_with_activation_offload_trains_exactly_as_one_without(tmp_path, tiny_gpt2, stories):
     """The core promise on 2 CPU ranks, with activation checkpointing: the same losses and gradient norms, exactly,

@@ -56,6 +56,7 @@ def assert_same_training(runs: dict, tokens: int, micro_steps: int) -> None:
     assert chunked == plain
 
 
+@pytest.mark.slow  # a knob's own promise: the whole suite's (docs/ARCHITECTURE.md, Tests)
 def test_the_chunked_loss_on_2_ranks_is_the_plain_loss_and_gathers_the_head_once(tmp_path, tiny_gpt2, stories):
     recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, stories, training={"micro_batch_size": 2},
                          checkpoint={"export_final": False})

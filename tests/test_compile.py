@@ -161,6 +161,7 @@ def compiled_and_eager_runs(request, tmp_path_factory, tiny_gpt2, stories):
                                  compiled=runs[True])
 
 
+@pytest.mark.slow  # a knob's own promise: the whole suite's (docs/ARCHITECTURE.md, Tests)
 @pytest.mark.multiprocess
 def test_compiled_blocks_train_like_eager_on_two_ranks(compiled_and_eager_runs):
     """The core promise: the same losses and gradient norms within the noise model of fp32 sums added in other orders,

@@ -328,6 +328,7 @@ def replay_sft(recipe, run, tiny_gpt2, mix_by: str) -> None:
     assert held_out["eval_ppl"] == pytest.approx(math.exp(held_out["eval_loss"]), rel=1e-12)
 
 
+@pytest.mark.slow  # the mixture's replay; the fast tier's runs are the core promises (docs/ARCHITECTURE.md)
 @pytest.mark.multiprocess
 def test_an_sft_mixture_by_rows_logs_what_a_replay_computes(tmp_path, tiny_gpt2):
     """Text (packed), instruction and chat sources mixed by rows, 2 ranks x 2 micro-steps, warm-up then decay: every

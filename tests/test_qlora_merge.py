@@ -55,6 +55,7 @@ def assert_weights_close(ours: dict, theirs: dict, terms: int) -> None:
                                    msg=name)
 
 
+@pytest.mark.slow  # the fast tier trains QLoRA on 2 ranks (tests/test_qlora.py); its merge is the whole suite's
 def test_quickstart_qlora_merges_with_merge_alone_into_what_training_saw(tmp_path, quickstart):
     """The guard of the export: --merge needs no base named (the run wrote its own); the merged folder loads in
     transformers and holds PEFT's merge of the adapters into the NF4 round trip of the base."""

@@ -54,7 +54,7 @@ INSTRUCTION = ["--set", "data.path=builtin:quickstart-instruct", "--set", "data.
 
 
 @pytest.mark.parametrize("broken,check,extra,expected", [
-    ("unsharded", "sharding", [], "not sharded over 2 ranks"),  # one probe: the fast tier's verify run
+    pytest.param("unsharded", "sharding", [], "not sharded over 2 ranks", marks=pytest.mark.slow),  # one probe
     pytest.param("mean-loss", "equivalence", INSTRUCTION, "split: loss", marks=pytest.mark.slow),
     pytest.param("ac-rng", "activation-checkpointing", [], "with dropout 0.1, with vs without", marks=pytest.mark.slow),
     pytest.param("mix-weights", "data", ["quickstart-mix"], "a source's share is 0.2", marks=pytest.mark.slow),
