@@ -8,7 +8,6 @@ the context?) and the dry run. Loading is the only place that may reach the hub.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import re
 import warnings
@@ -273,36 +272,11 @@ def context_length(config) -> int | None:
 
 
 def meta_model(config, trust_remote_code: bool = False):
-    """The model built on the meta device: its structure and parameter count, with no memory and no weights.
-
-    Layers initialize their weights as they are built (Conv1D and Embedding draw normal_, Linear kaiming_uniform_),
-    and on the meta device each such call goes through torch's device mode and decompositions: about 5 ms, so 20 s
-    for GPT-2 at 1,000 layers, where a meta tensor has no values to draw. They are skipped here; the model's own
-    init_weights already skips them on meta and still ties the weights (transformers 5.24, modeling_utils.py
-    PreTrainedModel.init_weights)."""
+    """The model built on the meta device: its structure and parameter count, with no memory and no weights."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"), _torch_init_skipped():
+    with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-
-
-TORCH_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
-                        "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
-                        "sparse_")
-"""The in-place initializers of torch.nn.init, which layers call through the module (`init.normal_(...)`)."""
-
-
-@contextlib.contextmanager
-def _torch_init_skipped():
-    """torch.nn.init's initializers as no-ops (each returns its tensor), restored on leaving."""
-    originals = {name: getattr(torch.nn.init, name) for name in TORCH_INIT_FUNCTIONS if hasattr(torch.nn.init, name)}
-    try:
-        for name in originals:
-            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
-        yield
-    finally:
-        for name, function in originals.items():
-            setattr(torch.nn.init, name, function)
 
 
 def view_of(model: torch.nn.Module, config=None) -> ModelView:
