@@ -69,8 +69,8 @@ def test_an_empty_or_negative_infinite_count_is_named():
 
 def test_a_bare_count_under_offload_gets_no_fits_verdict():
     """A count has no gathered units or activations, so its offload rows held 0.00 GiB on the GPU and 'fit' a 7B
-    on an 80 MB GPU."""
-    code, out = cli("estimate", "7B", "--gpu-memory", "80MB")
+    on an 80 MB GPU (now on 1 GB, the least --gpu-memory takes)."""
+    code, out = cli("estimate", "7B", "--gpu-memory", "1GB")
     assert code == 0, out
     offload = [line for line in out.splitlines() if line.startswith("FULL_SHARD + offload")]
     assert offload and offload[0].endswith("  ?"), out

@@ -61,3 +61,23 @@ def test_activation_names_are_transformers_own():
     from accel_fsdp.model.checks import ACTIVATIONS
 
     assert set(ACTIVATIONS) == set(ACT2FN)
+
+
+def test_a_model_view_built_first_leaves_the_weights_drawn_later_as_they_were():
+    """A rank builds the model on the meta device for its checks (train/setup.py) before it draws a from-scratch model.
+    Skipping torch.nn.init's initializers while building it (a speed-up tried once) was captured for good by
+    transformers' table of them (transformers/initialization.py, filled when first imported): every later model kept
+    uninitialized memory, and quickstart's first loss was 88 where ln(vocabulary) is 5. In a fresh process, as a
+    rank is: the weights drawn after a view are those drawn without one."""
+    import subprocess
+    import sys
+
+    draw = ("import torch; from transformers import AutoConfig, AutoModelForCausalLM\n"
+            "config = AutoConfig.for_model('gpt2', n_layer=1, n_embd=32, n_head=2, vocab_size=64)\n"
+            "{first}torch.manual_seed(0); w = AutoModelForCausalLM.from_config(config).transformer.h[0].attn.c_attn.weight\n"
+            "print(float(w.double().std()), float(w.double().sum()))\n")
+    view = "from accel_fsdp.model.build import meta_model, view_of; view_of(meta_model(config))\n"
+    out = [subprocess.run([sys.executable, "-c", draw.format(first=first)], capture_output=True, text=True,
+                          check=True).stdout.split() for first in ("", view)]
+    assert out[0] == out[1], out
+    assert 0.015 < float(out[0][0]) < 0.025, out  # GPT-2's initializer_range, 0.02, over 3,072 values

@@ -8,6 +8,7 @@ the context?) and the dry run. Loading is the only place that may reach the hub.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import warnings
