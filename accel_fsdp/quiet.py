@@ -14,9 +14,21 @@ _INTERNAL_NOTICES = (
 )
 
 
+_HANDLED_HERE = (
+    # LoRA targets of both kinds (GPT-2's Conv1D blocks and a Linear head): PEFT sets fan_in_fan_out right for each
+    # layer as it wraps it, and warns for the layers of the other kind (peft 0.21.2 tuners/lora/layer.py,
+    # dispatch_default), on every rank and on every load of the adapter.
+    "fan_in_fan_out is set to",
+    # An adapted tied head: the "complications when merging" it warns of are handled by the merge, which writes the
+    # head apart from the embeddings (checkpoint/consolidate.py `_untie_an_adapted_head`, checkpoint/merge.py).
+    "Model has `tie_word_embeddings=True` and a tied layer is part of",
+)
+"""Library warnings about what this package already handles: nothing for the user to do."""
+
+
 def quiet_warnings() -> None:
     """Cheap (imports nothing): for every command."""
-    for pattern in _INTERNAL_NOTICES:
+    for pattern in _INTERNAL_NOTICES + _HANDLED_HERE:
         warnings.filterwarnings("ignore", message=pattern)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     # "sharding_strategy is deprecated in favor of reshard_after_forward": we name FSDP1's strategy on purpose.

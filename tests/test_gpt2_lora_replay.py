@@ -230,18 +230,21 @@ def test_lora_on_linear_layers_keeps_fan_in_fan_out_off(tiny_llama):
 def test_lora_on_conv1d_and_linear_targets_together_sets_each_and_warns_of_nothing(tiny_gpt2):
     """GPT-2's Conv1D blocks and its (tied) Linear head as targets together: PEFT sets fan_in_fan_out per layer as it
     wraps it, and warned on every rank for the layers of the other kind, and of "complications when merging" an
-    adapted tied head, which the merge handles (tests/test_merging_a_tied_head.py)."""
+    adapted tied head, which the merge handles (tests/test_merging_a_tied_head.py). Under the filters every command
+    sets (accel_fsdp/quiet.py), as a rank has them."""
     import warnings
 
     from transformers import AutoModelForCausalLM
 
     from accel_fsdp.config.recipe import recipe_from_text
     from accel_fsdp.model.build import apply_lora
+    from accel_fsdp.quiet import quiet_warnings
 
     recipe = recipe_from_text(f"model: {{name_or_path: '{tiny_gpt2}', lora: {{enabled: true, target_modules: "
                               f"[c_attn, lm_head]}}}}\ndata: {{path: x.jsonl}}\n", source="r.yaml")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        quiet_warnings()
         model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_gpt2), recipe)
     assert not [str(w.message) for w in caught if "fan_in_fan_out" in str(w.message)
                 or "tie_word_embeddings" in str(w.message)], [str(w.message) for w in caught]

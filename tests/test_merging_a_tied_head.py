@@ -53,11 +53,13 @@ def test_a_merge_writes_an_adapted_tied_head_apart_from_the_embeddings(tmp_path,
 
     from accel_fsdp.checkpoint.consolidate import _merge_lora
     from accel_fsdp.checkpoint.merge import merge_streaming
+    from accel_fsdp.quiet import quiet_warnings
 
     adapter, tokens, logits = adapted
     out = tmp_path / "merged"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        quiet_warnings()  # as every command sets them (accel_fsdp/quiet.py)
         if streamed:  # the QLoRA path, here onto the unquantized base (--base-model)
             merge_streaming(adapter, out, base=str(tiny_gpt2), dtype="fp32", quantized_base=None,
                             max_shard_size=2**30, where="--base-model")

@@ -36,7 +36,7 @@ from accel_fsdp.errors import Problem, UserError, first_line, read_json_object
 from accel_fsdp.files import atomic_folder
 from accel_fsdp.hardware import PeakMemory
 from accel_fsdp.layout import EXPORT_RECORD, HF_DIR, MODEL_DIR, MODEL_FILE, RECIPE_FILE, dangling_link_problem
-from accel_fsdp.model.build import load_pretrained, meta_model, peft_notes_handled_here
+from accel_fsdp.model.build import load_pretrained, meta_model
 from accel_fsdp.model.checks import looks_like_path, model_folder_problems, raise_problems
 
 DTYPES = {p: compute_dtype(p) for p in PRECISIONS}
@@ -343,8 +343,7 @@ def _merge_lora(adapter_dir: Path, out: Path, dtype: str, base_model: str | None
                                      base)) is not None:
             raise misfit
     _untie_an_adapted_head(model, deltas)
-    with peft_notes_handled_here():
-        merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+    merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     merged.to(DTYPES[dtype]).save_pretrained(out)
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out)
 

@@ -8,10 +8,8 @@ the context?) and the dry run. Loading is the only place that may reach the hub.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import re
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -488,25 +486,11 @@ def apply_lora(model, recipe, *, draw: bool = True, on_meta: bool = False):
     fan_in_fan_out = bool(targets) and all(type(m).__name__ == "Conv1D" for m in targets)
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, fan_in_fan_out=fan_in_fan_out,
                         target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
-    with init_empty_weights(include_buffers=False) if on_meta else nullcontext(), peft_notes_handled_here():
+    with init_empty_weights(include_buffers=False) if on_meta else nullcontext():
         model = get_peft_model(model, config)
     if draw:
         draw_adapters(model, (recipe.training.seed + 1) % (SEED_MAX + 1))
     return model
-
-
-@contextlib.contextmanager
-def peft_notes_handled_here():
-    """PEFT's warnings, on every rank and on every load of an adapter, about what is handled here already:
-    - targets of both kinds (GPT-2's Conv1D blocks and a Linear head): PEFT sets fan_in_fan_out right for each layer
-      as it wraps it, and warns for the layers of the other kind (peft 0.21.2 tuners/lora/layer.py dispatch_default);
-    - an adapted tied head: a merge writes it apart from the embeddings (checkpoint/consolidate.py
-      `_untie_an_adapted_head`, checkpoint/merge.py), the "complications when merging" the warning is about
-      (tuners/tuners_utils.py, ensure_weight_tying)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="fan_in_fan_out is set to")
-        warnings.filterwarnings("ignore", message="Model has `tie_word_embeddings=True` and a tied layer is part of")
-        yield
 
 
 def draw_adapters(model, seed: int) -> None:

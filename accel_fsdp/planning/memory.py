@@ -264,19 +264,19 @@ def size_problem(option: str, text: str, example: str = "80GB"):
 GPU_MEMORY_RANGE = (2**30, 4 * 2**40)
 
 
-def gpu_memory_bytes(text: str, option: str = "--gpu-memory") -> int:
+def gpu_memory_bytes(text: str) -> int:
     """A GPU's memory as given on the command line ('80GB'), refused as a UserError when it is not a size or is
     outside GPU_MEMORY_RANGE: a plan checked against 1KB or 10^20 TB would print a verdict that means nothing."""
     try:
         size = parse_bytes(text)
     except ValueError:
-        raise UserError(size_problem(option, text)) from None
+        raise UserError(size_problem("--gpu-memory", text)) from None
     low, high = GPU_MEMORY_RANGE
     if not low <= size <= high:
         number = float(re.match(r"\s*([\d.]+)", str(text)).group(1))  # parse_bytes read it
         meant = f"{number:g}GB" if size < low and 1 <= number <= 4096 else "80GB"  # 80MB: a slip for 80GB
         side = "less than 1 GiB" if size < low else "more than 4 TiB"
-        raise UserError(Problem(option, f"{text!r} is {side}, which no GPU has",
+        raise UserError(Problem("--gpu-memory", f"{text!r} is {side}, which no GPU has",
                                 f"give one GPU's memory, between 1GB and 4TB, e.g. {meant}"))
     return size
 

@@ -11,7 +11,7 @@ import torch
 from accel_fsdp.checkpoint.consolidate import changed_base_problem
 from accel_fsdp.errors import Problem, UserError, first_line, read_json_object
 from accel_fsdp.layout import EXPORT_RECORD, FINAL_DIR, dangling_link_problem
-from accel_fsdp.model.build import load_pretrained, peft_notes_handled_here
+from accel_fsdp.model.build import load_pretrained
 from accel_fsdp.model.checks import (damaged_json_file, model_folder_problems, not_a_model_folder, raise_problems,
                                      tokenizer_files_problem)
 
@@ -64,8 +64,7 @@ def load_model(folder: Path, device: str = "auto"):
         try:
             from peft import AutoPeftModelForCausalLM
 
-            with peft_notes_handled_here():
-                model = AutoPeftModelForCausalLM.from_pretrained(folder, dtype=dtype)
+            model = AutoPeftModelForCausalLM.from_pretrained(folder, dtype=dtype)
         except Exception as e:  # safetensors' own error type, OSError, ValueError, RuntimeError for shape mismatches
             raise UserError(Problem(str(folder), f"its weights cannot be loaded ({first_line(e, named=True)})",
                                     damaged)) from None
