@@ -233,6 +233,30 @@ def test_a_key_given_twice_in_a_recipe_or_config_is_an_error(tmp_path):
     assert "c.yaml:" in msg and "num_processes: is given twice" in msg
 
 
+@pytest.mark.parametrize("encode,expected,fix", [
+    (lambda text: ("# café\n" + text).encode("latin-1"),
+     ":1: {what} is not UTF-8 (byte 0xe9 at column 6); it is probably Latin-1 or Windows-1252", "iconv -f latin1 "),
+    (lambda text: text.encode("utf-16"), ":1: {what} is not UTF-8 (byte 0xff at column 1); it is probably UTF-16 (it "
+     "starts with a UTF-16 byte-order mark)", "iconv -f utf-16 "),
+    (lambda text: "# ascii\n".encode("utf-16-le"), ":1: {what} is not UTF-8 (byte 0x00 at column 2); it is probably "
+     "not text (it holds NUL bytes), or UTF-16 without a byte-order mark", "iconv -f utf-16le "),
+    (lambda text: bytes(range(256)), ":1: {what} is not UTF-8 (byte 0x00 at column 1); it is probably not text",
+     "iconv -f utf-16le "),
+], ids=["latin-1", "utf-16", "utf-16-without-bom", "binary"])
+@pytest.mark.parametrize("which", ["recipe", "accelerate config"])
+def test_a_recipe_or_config_that_is_not_utf8_names_line_byte_and_encoding(tmp_path, encode, expected, fix, which):
+    """An editor that saves as Latin-1 or UTF-16, or a binary file under a .yaml name, was "cannot read the recipe file
+    (UnicodeDecodeError)": now the line, the byte and the likely encoding, with the command that converts it."""
+    recipe = shipped_recipes()["quickstart"]
+    config = Path(__file__).parents[1] / "accelerate_configs" / "fsdp_cpu.yaml"
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(encode((recipe if which == "recipe" else config).read_text()))
+    msg = (user_error("recipe", "validate", bad) if which == "recipe"
+           else user_error("recipe", "validate", "quickstart", "--accelerate-config", bad))
+    what = "the recipe file" if which == "recipe" else "the accelerate config"
+    assert msg.startswith(f"error: {bad}" + expected.format(what=what)) and f"fix: save it as UTF-8 (e.g. {fix}" in msg, msg
+
+
 def test_an_unknown_config_override_is_an_error():
     msg = user_error("recipe", "validate", "quickstart", "--set", "model.config_overrides.n_layers=4")
     assert "--set model.config_overrides.n_layers: GPT2Config has no setting 'n_layers', so it would be ignored" in msg

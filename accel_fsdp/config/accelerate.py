@@ -19,7 +19,7 @@ from typing import Any
 
 from accel_fsdp.config import precision
 from accel_fsdp.config.shipped import display, resolve_accelerate_config
-from accel_fsdp.config.yaml_file import load_yaml
+from accel_fsdp.config.yaml_file import load_yaml, read_text
 from accel_fsdp.errors import Problem, UserError, raise_if
 
 CONFIG_PATH_ENV = "ACCEL_FSDP_ACCELERATE_CONFIG"
@@ -160,10 +160,10 @@ def load_accelerate_config(name_or_path: str | os.PathLike) -> AccelerateConfig:
     path = resolve_accelerate_config(str(name_or_path))
     label = display(path)
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(Problem(label, f"cannot read the accelerate config ({e.__class__.__name__})",
-                                "give a readable UTF-8 .yaml file")) from None
+        text = read_text(path, label, "the accelerate config")
+    except FileNotFoundError:
+        raise UserError(Problem(label, "cannot read the accelerate config: it does not exist",
+                                "give a readable .yaml file")) from None
     data, _, duplicates = load_yaml(text, label)
     if not isinstance(data, dict):
         raise UserError(Problem(label, "an accelerate config must be a mapping of keys",

@@ -27,7 +27,7 @@ from accel_fsdp.config.accelerate import STRATEGIES
 from accel_fsdp.config.binder import apply_override, bind, flatten, schema_keys, to_plain, yaml_key
 from accel_fsdp.config.recipe_checks import check_recipe
 from accel_fsdp.config.methods import METHODS, NAMES
-from accel_fsdp.config.yaml_file import load_yaml
+from accel_fsdp.config.yaml_file import load_yaml, read_text
 from accel_fsdp.errors import Problem, UserError
 from accel_fsdp.layout import CHECKPOINTS_DIR
 
@@ -498,13 +498,10 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     path = Path(path)
     shown = str(path)
     try:
-        text = path.read_text()
+        text = read_text(path, shown, "the recipe file")
     except FileNotFoundError:
         raise UserError(Problem(shown, "recipe file not found",
                                 "check the path, or use a shipped name from `accel-fsdp recipe list`")) from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
-        raise UserError(Problem(shown, f"cannot read the recipe file ({e.__class__.__name__})",
-                                "give a readable UTF-8 .yaml file")) from None
     return recipe_from_text(text, source=shown, overrides=overrides, default_name=path.stem)
 
 

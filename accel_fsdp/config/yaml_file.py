@@ -4,11 +4,51 @@ trained without a word). Returns the data and the line of every dotted key, for 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 from accel_fsdp.errors import Problem, UserError, first_line
+
+
+def read_text(path: Path, source: str, what: str) -> str:
+    """The text of a YAML file the user gave (`what`: "the recipe file"); a file that cannot be read, or is not UTF-8
+    (a recipe saved as Latin-1 or UTF-16 by an editor, a binary file under a .yaml name), is one message naming the line
+    and byte. FileNotFoundError is left to the caller, whose fix depends on what a name may also be."""
+    try:
+        data = path.read_bytes()
+    except IsADirectoryError:
+        raise UserError(Problem(source, f"is a folder, not {what}", "give the path of a .yaml file")) from None
+    except PermissionError:
+        raise UserError(Problem(source, f"cannot read {what}: permission denied",
+                                "make it readable (chmod u+r), or copy it where you can read it")) from None
+    except OSError as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise UserError(Problem(source, f"cannot read {what}: {first_line(e)}", "give a readable .yaml file")) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        at = e.start
+    else:
+        at = len(data)
+    # No text holds a NUL byte; ASCII text saved as UTF-16 without its byte-order mark is valid UTF-8 with them.
+    nul = data.find(b"\x00", 0, at)
+    at = nul if nul >= 0 else at
+    if at == len(data):
+        return text
+    line = data.count(b"\n", 0, at) + 1
+    column = at - (data.rfind(b"\n", 0, at) + 1) + 1
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        guess, encoding = "UTF-16 (it starts with a UTF-16 byte-order mark)", "utf-16"
+    elif b"\x00" in data:
+        guess, encoding = "not text (it holds NUL bytes), or UTF-16 without a byte-order mark", "utf-16le"
+    else:
+        guess, encoding = "Latin-1 or Windows-1252", "latin1"
+    raise UserError(Problem(f"{source}:{line}", f"{what} is not UTF-8 (byte 0x{data[at]:02x} at column {column}); it "
+                            f"is probably {guess}", f"save it as UTF-8 (e.g. iconv -f {encoding} -t utf-8 FILE > "
+                            "FILE.utf8)"))
 
 
 def load_yaml(text: str, source: str) -> tuple[Any, dict[str, int], list[Problem]]:
