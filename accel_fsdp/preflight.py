@@ -211,12 +211,15 @@ def _tracker_problems(recipe) -> list[Problem]:
 
 
 def _check_resume(recipe, settings, layout, resume_from: str | None, accept_data_change: bool) -> list[str]:
-    """The checkpoint to resume exists, is complete, and was made by a compatible recipe from the same data."""
+    """The checkpoint to resume exists, is complete, and was made by a compatible recipe from the same data: refused
+    here, before launching. What changes safely (a damaged newest checkpoint passed over, a longer schedule) is not
+    returned: the ranks say it when they resume (train/checkpointing.py `resume`), as they must under a stock
+    `accelerate launch`, and the user would read each sentence twice."""
     # Small checkpoints are read through here; larger ones are checked by the ranks, in parallel.
     point = checkpoint_to_resume(layout.checkpoints, resume_from, verify_up_to=VERIFY_BEFORE_LAUNCH_BYTES)
     info = point.checkpoint
-    return ([f"resume: {note}" for note in point.notes()] + [f"resuming from {info.path}"]
-            + check_resume(info, recipe, settings, recipe.training.max_steps, accept_data_change=accept_data_change))
+    check_resume(info, recipe, settings, recipe.training.max_steps, accept_data_change=accept_data_change)
+    return [f"resuming from {info.path}"]
 
 
 def model_view(recipe):

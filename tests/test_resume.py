@@ -95,7 +95,7 @@ def damage(checkpoint: Path, how: str) -> str:
 @pytest.mark.multiprocess
 def test_resume_auto_goes_back_past_damaged_newest_checkpoints_and_says_why(tmp_path, recipe, uninterrupted):
     """Both kinds of damage in one run: the newest checkpoint changed in place (only its CRC-32 tells), the one
-    before it cut short (its size tells); the run goes back past both to step 3, naming each and why."""
+    before it cut short (its size tells); the run goes back past both to step 3, naming each and why, once."""
     run = tmp_path / "run"
     shutil.copytree(uninterrupted, run)
     changed = damage(run / "checkpoints" / "step-000008", "changed")
@@ -112,6 +112,8 @@ def test_resume_auto_goes_back_past_damaged_newest_checkpoints_and_says_why(tmp_
                                (truncated, 6, "bytes, the manifest says")):
         folder = f"step-{step:06d}"
         assert f"{folder} is newer but not usable ({name}" in said, said[-3000:]
+        # Said once, by the ranks (the launcher's checks found it too, before launching, and left it to them).
+        assert said.count(f"{folder} is newer but not usable") == 1, said[-3000:]
         note = next(line for line in said.splitlines() if f"{folder} is newer but not usable" in line)
         assert reason in note and "continuing from step-000003" in note, note
         assert (kept[folder] / folder / name).read_bytes() == damaged[step]
