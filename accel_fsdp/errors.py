@@ -8,6 +8,7 @@ distributed ranks) turns it into that message. Never raise it for a bug of ours:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import click
@@ -127,3 +128,29 @@ def read_json_object(path, *, what: str, fix: str, then: str = "") -> dict:
         why = first_line(e, 120, named=True)
         raise UserError(Problem(str(path), f"{what} ({why}){then}", fix)) from None
     return data
+
+
+EAST_ASIAN = "GB18030, Big5, Shift_JIS, EUC-JP or EUC-KR"
+
+
+def encoding_guess(sample: bytes) -> tuple[str, str]:
+    """(what text that is not UTF-8 probably is, iconv's name for it), from a sample of it (a line). NUL bytes mean
+    UTF-16 or no text; a European legacy encoding (Latin-1, Windows-1252) puts a byte over 0x7f here and there among
+    ASCII letters ("café", at most two together as in "Größe"), an East Asian one (GB18030/GBK, Big5, Shift_JIS, EUC)
+    writes each character as two bytes, the first over 0x7f: a word of two characters is a run of four, and a line of
+    such text is mostly such bytes."""
+    if sample.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return "UTF-16 (it starts with a UTF-16 byte-order mark)", "utf-16"
+    if b"\x00" in sample:
+        return "not text (it holds NUL bytes), or UTF-16 without a byte-order mark", "utf-16le"
+    visible = [b for b in sample if b > 0x20]
+    runs = re.findall(rb"[\x80-\xff]+", sample)
+    if max(map(len, runs), default=0) >= 4 or (len(visible) >= 4 and sum(b > 0x7f for b in visible) * 2 >= len(visible)):
+        return f"in an East Asian encoding ({EAST_ASIAN})", "GB18030"
+    return "Latin-1 or Windows-1252", "latin1"
+
+
+def iconv_fix(encoding: str) -> str:
+    """The fix for text that is not UTF-8 of the encoding `encoding_guess` named."""
+    other = " (or -f BIG5, SHIFT_JIS, EUC-JP, EUC-KR: the one it was written in)" if encoding == "GB18030" else ""
+    return f"save it as UTF-8, e.g. iconv -f {encoding} -t utf-8 FILE > FILE.utf8{other}"

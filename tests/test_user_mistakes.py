@@ -254,7 +254,7 @@ def test_a_recipe_or_config_that_is_not_utf8_names_line_byte_and_encoding(tmp_pa
     msg = (user_error("recipe", "validate", bad) if which == "recipe"
            else user_error("recipe", "validate", "quickstart", "--accelerate-config", bad))
     what = "the recipe file" if which == "recipe" else "the accelerate config"
-    assert msg.startswith(f"error: {bad}" + expected.format(what=what)) and f"fix: save it as UTF-8 (e.g. {fix}" in msg, msg
+    assert msg.startswith(f"error: {bad}" + expected.format(what=what)) and f"fix: save it as UTF-8, e.g. {fix}" in msg, msg
 
 
 def test_an_unknown_config_override_is_an_error():
@@ -305,6 +305,30 @@ def test_a_data_file_that_is_not_utf8_names_line_and_encoding(tmp_path, tiny_gpt
     utf16.write_text('{"text": "hello"}\n', encoding="utf-16")
     msg = user_error("recipe", "validate", recipe, "--set", f"data.path={utf16}")
     assert "the file is UTF-16 (it starts with a UTF-16 byte-order mark), not UTF-8" in msg
+
+
+@pytest.mark.parametrize("text,codec,expected", [
+    ("café au lait", "cp1252", "latin1"), ("Größe und Maß", "cp1252", "latin1"), ("ação e coração", "latin-1", "latin1"),
+    ("né", "latin-1", "latin1"), ("Python 是一种语言", "gbk", "GB18030"), ("日本語のテキスト", "shift_jis", "GB18030"),
+    ("한국어 텍스트", "euc_kr", "GB18030"), ("繁體中文的文字", "big5", "GB18030"), ("日本語のテキスト", "euc_jp", "GB18030"),
+])
+def test_text_that_is_not_utf8_is_called_european_or_east_asian_by_its_bytes(text, codec, expected):
+    """A file of Chinese, Japanese or Korean in a legacy encoding was called "probably Latin-1", and the fix (iconv -f
+    latin1) would have turned it into mojibake that trains without a word."""
+    from accel_fsdp.errors import encoding_guess, iconv_fix
+
+    guess, encoding = encoding_guess(text.encode(codec))
+    assert encoding == expected, guess
+    assert f"iconv -f {expected} -t utf-8" in iconv_fix(encoding)
+
+
+def test_a_data_file_in_an_east_asian_encoding_is_named_so(tmp_path, tiny_gpt2):
+    gbk = write_jsonl(tmp_path / "gbk.jsonl", [{"text": "ok"}])
+    gbk.write_bytes(gbk.read_bytes() + '{"text": "Python 是一种编程语言"}\n'.encode("gbk"))
+    msg = user_error("recipe", "validate", tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, gbk))
+    assert ("line 2 is not UTF-8 (byte 0xca at column 18); the file is probably in an East Asian encoding (GB18030, "
+            "Big5, Shift_JIS, EUC-JP or EUC-KR)") in msg, msg
+    assert "iconv -f GB18030 -t utf-8 FILE > FILE.utf8 (or -f BIG5, SHIFT_JIS" in msg
 
 
 def test_a_broken_data_file_gives_one_message_without_the_librarys_line(tmp_path, tiny_gpt2, capfd):

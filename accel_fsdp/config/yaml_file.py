@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from accel_fsdp.errors import Problem, UserError, first_line
+from accel_fsdp.errors import Problem, UserError, encoding_guess, first_line, iconv_fix
 
 
 def read_text(path: Path, source: str, what: str) -> str:
@@ -38,17 +38,12 @@ def read_text(path: Path, source: str, what: str) -> str:
     at = nul if nul >= 0 else at
     if at == len(data):
         return text
+    start, end = data.rfind(b"\n", 0, at) + 1, data.find(b"\n", at)
+    guess, encoding = encoding_guess(data[start:end if end >= 0 else len(data)])
     line = data.count(b"\n", 0, at) + 1
-    column = at - (data.rfind(b"\n", 0, at) + 1) + 1
-    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
-        guess, encoding = "UTF-16 (it starts with a UTF-16 byte-order mark)", "utf-16"
-    elif b"\x00" in data:
-        guess, encoding = "not text (it holds NUL bytes), or UTF-16 without a byte-order mark", "utf-16le"
-    else:
-        guess, encoding = "Latin-1 or Windows-1252", "latin1"
-    raise UserError(Problem(f"{source}:{line}", f"{what} is not UTF-8 (byte 0x{data[at]:02x} at column {column}); it "
-                            f"is probably {guess}", f"save it as UTF-8 (e.g. iconv -f {encoding} -t utf-8 FILE > "
-                            "FILE.utf8)"))
+    raise UserError(Problem(f"{source}:{line}", f"{what} is not UTF-8 (byte "
+                            f"0x{data[at]:02x} at column {at - start + 1}); it is probably {guess}",
+                            iconv_fix(encoding)))
 
 
 def load_yaml(text: str, source: str) -> tuple[Any, dict[str, int], list[Problem]]:

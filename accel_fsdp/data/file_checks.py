@@ -10,7 +10,7 @@ import json
 import re
 from pathlib import Path
 
-from accel_fsdp.errors import Problem, UserError, first_line
+from accel_fsdp.errors import Problem, UserError, encoding_guess, first_line, iconv_fix
 
 COMPRESSED = ".gz"
 """A file of those types (not .parquet, which compresses itself) may be gzip-compressed: name.jsonl.gz."""
@@ -68,9 +68,6 @@ def json_error(e: ValueError) -> str:
     return str(e)
 
 
-UTF8_FIX = "save the file as UTF-8, e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8 (or -f utf-16)"
-
-
 MAGIC = {b"\x1f\x8b": "gzip-compressed", b"PK\x03\x04": "a zip archive (an .xlsx workbook is one)",
          b"BZh": "bzip2-compressed", b"\xfd7zXZ\x00": "xz-compressed", b"\x28\xb5\x2f\xfd": "zstd-compressed",
          b"PAR1": "a Parquet file", b"SQLite format 3\x00": "an SQLite database"}
@@ -96,7 +93,8 @@ def utf16(path: Path) -> tuple[str, str] | None:
     """(what, fix) when the file starts with a UTF-16 byte-order mark, else None."""
     with open_bytes(str(path)) as f:
         if f.read(4).startswith((b"\xff\xfe", b"\xfe\xff")):
-            return "the file is UTF-16 (it starts with a UTF-16 byte-order mark), not UTF-8", UTF8_FIX
+            return ("the file is UTF-16 (it starts with a UTF-16 byte-order mark), not UTF-8",
+                    iconv_fix("utf-16").replace("save it", "save the file"))
     return None
 
 
@@ -116,7 +114,7 @@ def not_utf8(path: Path) -> tuple[str, str] | None:
             try:
                 line.decode("utf-8")
             except UnicodeDecodeError as e:
-                return not_utf8_line(number, line, e), UTF8_FIX
+                return not_utf8_line(number, line, e)
     return None
 
 
@@ -134,10 +132,13 @@ def nul_line(number: int, line: bytes) -> tuple[str, str]:
             "remove the NUL bytes (e.g. tr -d '\\000' < FILE > FILE.clean), or point the path at the text file")
 
 
-def not_utf8_line(number: int, line: bytes, e: UnicodeDecodeError) -> str:
+def not_utf8_line(number: int, line: bytes, e: UnicodeDecodeError) -> tuple[str, str]:
+    """(what, fix) for line `number` of a text file, which UTF-8 cannot decode (`e`): where, and what it probably is
+    (errors.py `encoding_guess`: Latin-1, or an East Asian encoding such as GBK or Big5)."""
     byte = line[e.start] if e.start < len(line) else 0
-    guess = "UTF-16" if b"\x00" in line else "Latin-1 or Windows-1252"
-    return f"line {number} is not UTF-8 (byte 0x{byte:02x} at column {e.start + 1}); the file is probably {guess}"
+    guess, encoding = encoding_guess(line)
+    return (f"line {number} is not UTF-8 (byte 0x{byte:02x} at column {e.start + 1}); the file is probably {guess}",
+            iconv_fix(encoding).replace("save it", "save the file"))
 
 
 def count_lines(path: str) -> int:

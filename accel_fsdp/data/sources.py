@@ -23,7 +23,6 @@ from accel_fsdp.config.recipe import DataConfig, SourceConfig
 from accel_fsdp.data.file_checks import (
     COMPRESSED,
     SURROGATE_FIX,
-    UTF8_FIX,
     check_gzip,
     count_lines,
     csv_as_text,
@@ -364,7 +363,7 @@ class SourceReader:
                 try:
                     row = json.loads(line)
                 except UnicodeDecodeError as e:
-                    problem = nul_line(number, line) if b"\0" in line else (not_utf8_line(number, line, e), UTF8_FIX)
+                    problem = nul_line(number, line) if b"\0" in line else not_utf8_line(number, line, e)
                     raise UserError(Problem(f"{self.where} ({self.file.path})", *problem)) from None
                 except ValueError as e:
                     if b"\0" in line:
