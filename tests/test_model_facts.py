@@ -77,7 +77,7 @@ def test_a_model_view_built_first_leaves_the_weights_drawn_later_as_they_were():
     draw = ("import torch; from transformers import AutoConfig, AutoModelForCausalLM\n"
             "config = AutoConfig.for_model('gpt2', n_layer=1, n_embd=32, n_head=2, vocab_size=64)\n"
             "{first}torch.manual_seed(0); w = AutoModelForCausalLM.from_config(config).transformer.h[0].attn.c_attn.weight\n"
-            "print(float(w.double().std()), float(w.double().sum()))\n")
+            "print(float(w.detach().double().std()), float(w.detach().double().sum()))\n")
     view = "from accel_fsdp.model.build import meta_model, view_of; view_of(meta_model(config))\n"
     after_a_view = subprocess.run([sys.executable, "-c", draw.format(first=view)], capture_output=True, text=True,
                                   check=True).stdout.split()
