@@ -22,6 +22,14 @@ _HANDLED_HERE = (
     # An adapted tied head: the "complications when merging" it warns of are handled by the merge, which writes the
     # head apart from the embeddings (checkpoint/consolidate.py `_untie_an_adapted_head`, checkpoint/merge.py).
     "Model has `tie_word_embeddings=True` and a tied layer is part of",
+    # FSDP1's NO_SHARD (one rank, or asked for) saves whole tensors where SHARDED_STATE_DICT was asked, and says so at
+    # every save of every rank (torch/distributed/fsdp/_state_dict_utils.py, _pre_state_dict_hook; torch 2.13.0): the
+    # start summary names NO_SHARD, and distributed checkpointing loads those tensors on any number of ranks.
+    "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned",
+    # FSDP1's NO_SHARD on several ranks: torch calls it deprecated and points to DistributedDataParallel
+    # (torch/distributed/fsdp/_init_utils.py, _init_core_state; torch 2.13.0), which is not a choice here. It stays
+    # FSDP1's DDP-like mode, the one `accel-fsdp estimate` offers as the least communication where the model fits.
+    "The `NO_SHARD` sharding strategy is deprecated",
 )
 """Library warnings about what this package already handles: nothing for the user to do."""
 

@@ -187,7 +187,7 @@ def test_a_fused_adamw_step_the_scaler_skips_does_not_advance_the_schedule(accel
 
 
 def test_fsdp1_keeps_the_rotary_frequencies_in_fp32(gloo_world_of_one):
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from accel_fsdp.train.accelerator import _mixed_precision_policy
@@ -197,17 +197,46 @@ def test_fsdp1_keeps_the_rotary_frequencies_in_fp32(gloo_world_of_one):
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
     reference = model.model.rotary_emb.inv_freq.clone()
     wrapped = FullyShardedDataParallel(model, mixed_precision=_mixed_precision_policy(1, "bf16", torch.float32),
-                                       device_id=torch.device("cpu"), use_orig_params=True)
+                                       device_id=torch.device("cpu"), use_orig_params=True,
+                                       sharding_strategy=ShardingStrategy.NO_SHARD)  # what one rank runs
     wrapped(input_ids=torch.randint(0, 64, (1, 8)))  # FSDP1 casts buffers at the first forward
     inv_freq = wrapped.module.model.rotary_emb.inv_freq
     assert inv_freq.dtype == torch.float32 and torch.equal(inv_freq, reference)
+
+
+def test_fsdp1_no_shard_says_nothing_a_user_cannot_act_on(gloo_world_of_one):
+    """FSDP1's NO_SHARD (one rank, or asked for): torch warns at every sharded save that it returns whole tensors,
+    with its file path, on every rank; on several ranks it calls NO_SHARD deprecated and points to DDP. The start
+    summary names NO_SHARD, and the checkpoints load on any number of ranks (the slow tests resume them), so the
+    filters every command sets (accel_fsdp/quiet.py) keep both out of a run's output."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, StateDictType
+
+    from accel_fsdp.quiet import quiet_warnings
+
+    model = FullyShardedDataParallel(torch.nn.Linear(4, 4), device_id=torch.device("cpu"),
+                                     sharding_strategy=ShardingStrategy.NO_SHARD)
+    with warnings.catch_warnings(record=True) as unfiltered:
+        warnings.simplefilter("always")
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            model.state_dict()
+    assert any("full_state_dict will be returned" in str(w.message) for w in unfiltered)  # what torch says
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_warnings()
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            model.state_dict()
+        # torch's words on several ranks (torch/distributed/fsdp/_init_utils.py, torch 2.13.0), which one rank
+        # cannot draw
+        warnings.warn("The `NO_SHARD` sharding strategy is deprecated. If having issues, please use "
+                      "`DistributedDataParallel` instead.", FutureWarning)
+    assert not [str(w.message) for w in caught if "NO_SHARD" in str(w.message)], [str(w.message) for w in caught]
 
 
 def test_fsdp1_decays_the_matrices_it_flattened(gloo_world_of_one):
     """FSDP1 (use_orig_params, sharded) turns every parameter into a 1-D view of its shard, so an optimizer that chose
     the decayed parameters by their shapes after wrapping decayed none: training.weight_decay was silently 0 under
     FSDP1. The decayed set is the matrices' names, read before wrapping (train/setup.py)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from accel_fsdp.train.optimizer import build_optimizer, decayed_names
@@ -216,8 +245,9 @@ def test_fsdp1_decays_the_matrices_it_flattened(gloo_world_of_one):
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64, n_positions=16))
     matrices = sum(p.numel() for p in model.parameters() if p.ndim >= 2)
     decayed = decayed_names(model)
-    wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
-    # One rank runs NO_SHARD, which keeps the shapes: flatten them as two ranks' shards would be (the slow
+    wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True,
+                                       sharding_strategy=ShardingStrategy.NO_SHARD)
+    # One rank runs NO_SHARD (config/settings.py), which keeps the shapes: flatten them as two ranks' shards would be (the slow
     # tests/test_logged_numbers_replay.py FSDP1 run holds the real thing)
     for parameter in wrapped.parameters():
         parameter.data = parameter.data.flatten()

@@ -75,6 +75,23 @@ def test_recipe_overrides_win_and_name_their_source():
     assert s.wrap_classes.source_text == "default: the model's _no_split_modules"
 
 
+@pytest.mark.parametrize("config,processes,overrides,expected", [
+    ("fsdp1_2gpu", 1, [], "NO_SHARD"), ("fsdp1_2gpu", 1, ["fsdp.sharding_strategy=SHARD_GRAD_OP"], "NO_SHARD"),
+    ("fsdp1_2gpu", 2, [], "FULL_SHARD"), ("fsdp_2gpu", 1, [], "FULL_SHARD"),
+])
+def test_fsdp1_on_one_rank_is_named_no_shard_as_torch_runs_it(config, processes, overrides, expected):
+    """FSDP1 runs any strategy on one rank as NO_SHARD, and torch warned so in the middle of the start ("FSDP is
+    switching to use NO_SHARD", with its file path) while the start summary said FULL_SHARD. FSDP2 has no NO_SHARD:
+    on one rank it keeps its strategy."""
+    s = resolve_settings(recipe(overrides), load_accelerate_config(config), cuda_available=True,
+                         num_processes=processes)
+    assert s.sharding_strategy.value == expected
+    if expected == "NO_SHARD":
+        asked = "SHARD_GRAD_OP" if overrides else "FULL_SHARD"
+        assert str(s.sharding_strategy) == f"NO_SHARD  (derived: {asked} on one rank: FSDP1 holds whole parameters)"
+        assert not check_settings(s, recipe(overrides), visible_gpus=1)
+
+
 def test_batch_arithmetic_error_names_key_values_and_fix():
     r = recipe(["training.global_batch_size=24"])
     s = resolve_settings(r, load_accelerate_config("fsdp_8gpu"), cuda_available=True)

@@ -231,6 +231,10 @@ def resolve_settings(recipe, config: AccelerateConfig, *, cuda_available: bool, 
     if recipe.fsdp.sharding_strategy is not None:
         strategy = from_recipe("fsdp.sharding_strategy", recipe.fsdp.sharding_strategy)
     n = nproc.value
+    if version.value == 1 and n == 1 and strategy.value != NO_SHARD:
+        # FSDP1 runs every strategy on one rank as NO_SHARD, and warns that it switched (torch/distributed/fsdp/
+        # _init_utils.py, _init_core_state; torch 2.13.0): named here, so that the start summary says what runs.
+        strategy = Setting(NO_SHARD, Source.DERIVED, f"{strategy.value} on one rank: FSDP1 holds whole parameters")
     if strategy.value == HYBRID_SHARD:
         if rep and rep > 1 and strategy.source == Source.ACCELERATE_CONFIG:
             dp_rep = from_config(rep, f"{cfg} (parallelism_config)")
