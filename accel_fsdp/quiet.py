@@ -22,6 +22,11 @@ _HANDLED_HERE = (
     # An adapted tied head: the "complications when merging" it warns of are handled by the merge, which writes the
     # head apart from the embeddings (checkpoint/consolidate.py `_untie_an_adapted_head`, checkpoint/merge.py).
     "Model has `tie_word_embeddings=True` and a tied layer is part of",
+    # An adapted head: Accelerate's adapter-only checkpoint takes PEFT's adapter state dict with save_embedding_layers
+    # left "auto" (accelerate 1.15 utils/fsdp_utils.py, _get_model_state_dict), and PEFT saves the head's base weight
+    # with its adapters, saying so at every save of every rank (peft 0.21.2 utils/save_and_load.py); resume, export
+    # and merge read that weight.
+    "Setting `save_embedding_layers` to `True` as embedding layers found in `target_modules`",
     # FSDP1's NO_SHARD (one rank, or asked for) saves whole tensors where SHARDED_STATE_DICT was asked, and says so at
     # every save of every rank (torch/distributed/fsdp/_state_dict_utils.py, _pre_state_dict_hook; torch 2.13.0): the
     # start summary names NO_SHARD, and distributed checkpointing loads those tensors on any number of ranks.

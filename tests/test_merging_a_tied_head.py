@@ -97,3 +97,30 @@ def test_a_streamed_merge_of_a_tied_head_onto_a_base_of_another_vocabulary_is_re
                                         rf"lm_head.weight of {vocabulary} x 64"):
         merge_streaming(adapter, tmp_path / "merged", base=str(base), dtype="fp32", quantized_base=None,
                         max_shard_size=2**30, where="runs/x/checkpoints/step-000002", base_where="--base-model")
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "lm_head"], ["all-linear", "lm_head"]])
+def test_saving_an_adapted_untied_head_says_nothing(tiny_llama, targets):
+    """Every checkpoint of a run with its head adapted (Accelerate's adapter-only save: PEFT's adapter state dict)
+    made PEFT say on every rank that it saves the head's weight too ("Setting `save_embedding_layers` to `True`"):
+    what the checkpoints are made to hold, nothing for the user to do. `all-linear` leaves the head out unless it is
+    named too."""
+    from peft import get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from accel_fsdp.config.recipe import recipe_from_text
+    from accel_fsdp.model.build import apply_lora
+    from accel_fsdp.quiet import quiet_warnings
+
+    recipe = recipe_from_text(f"model: {{name_or_path: '{tiny_llama}', lora: {{enabled: true, target_modules: "
+                              f"{json.dumps(targets)}}}}}\ndata: {{path: x.jsonl}}\n", source="r.yaml")
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_llama), recipe)
+    adapted = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == ({"q_proj", "lm_head"} if targets[0] == "q_proj" else
+                       {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_warnings()  # as every rank sets them
+        saved = get_peft_model_state_dict(model)
+    assert "base_model.model.lm_head.base_layer.weight" in saved  # what PEFT said it would do
+    assert not [str(w.message) for w in caught], [str(w.message) for w in caught]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from accel_fsdp.model.facts import CONFIG_KEYS, facts_from_values
+from accel_fsdp.model.facts import CONFIG_KEYS, facts_from_values, lora_targets
 
 CASES = [
     ("gpt2", {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 150, "n_positions": 128}),
@@ -43,6 +43,13 @@ def test_facts_match_the_model_transformers_builds(model_type, values):
     with torch.device("meta"):
         peft = get_peft_model(model, LoraConfig(r=8, target_modules=targets, task_type="CAUSAL_LM"))
     assert facts.lora_params(targets, 8) == sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    # all-linear as PEFT expands it itself (every linear layer but the output head)
+    with torch.device("meta"):
+        peft = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **values)),
+                              LoraConfig(r=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    assert facts.lora_params(["all-linear"], 8) == sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    leaves = {name.rsplit(".", 1)[-1] for name in peft.peft_config["default"].target_modules}
+    assert sorted(lora_targets(["all-linear"], facts.linear_names)) == sorted(leaves)
 
 
 @pytest.mark.parametrize("model_type", sorted(CONFIG_KEYS))

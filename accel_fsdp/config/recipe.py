@@ -49,8 +49,13 @@ class LoraConfig:
     evaluation); preference tuning turns it off (docs/PREFERENCE.md: preference.keep_dropout keeps it)."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
     """Names of the Linear modules that get adapters, in every block: a module whose name ends in one of them (GPT-2:
-    c_attn, c_proj (attention and MLP output), c_fc; Llama: q_proj, k_proj, v_proj, o_proj...)."""
+    c_attn, c_proj (attention and MLP output), c_fc; Llama: q_proj, k_proj, v_proj, o_proj...). `all-linear` (PEFT's
+    shorthand): every linear layer of the blocks, the output head left out (add lm_head to adapt it too)."""
 
+
+ALL_LINEAR = "all-linear"
+"""model.lora.target_modules: PEFT's name for every linear layer but the output head (peft 0.21.2, utils/constants.py
+INCLUDE_LINEAR_LAYERS_SHORTHAND); expanded to the model's own names (model/facts.py `lora_targets`)."""
 
 QUANTIZE_METHODS = ("nf4",)
 """model.quantize: how the frozen base may be held in fewer bits (model/quantize.py)."""

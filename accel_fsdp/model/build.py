@@ -21,6 +21,7 @@ from accel_fsdp.files import atomic_folder
 from accel_fsdp.model import architectures
 from accel_fsdp.model.checks import (ModelView, hub_cache_remove, lora_target_problems, not_a_model_folder,
                                      override_problems, raise_problems, weights_header_folder)
+from accel_fsdp.model.facts import lora_targets
 from accel_fsdp.model.nf4 import layers_to_quantize, quantize_model
 from accel_fsdp.model.quantize import known_layers
 from accel_fsdp.model.streaming_load import ModuleTensors, SafetensorsFiles, model_folder
@@ -475,17 +476,19 @@ def apply_lora(model, recipe, *, draw: bool = True, on_meta: bool = False):
     from peft import LoraConfig, get_peft_model
 
     lora = recipe.model.lora
-    raise_problems(lora_target_problems(view_of(model), recipe))
+    view = view_of(model)
+    raise_problems(lora_target_problems(view, recipe))
+    names = lora_targets(lora.target_modules, view.linear_names)  # all-linear as the model's own names
     # The adapters' first values from the recipe's seed alone, whatever building the base drew before: each rank of
     # a run builds them itself, with the base read or not (model/streaming_load.py sends the base only). A stream of
     # their own (seed + 1), not the one a from-scratch base's initialization began with.
     # GPT-2's Conv1D layers hold their weight as in x out: PEFT needs fan_in_fan_out for them, and said so in a
     # warning on every rank when left to find out itself (peft 0.21.2 tuners/lora/layer.py, dispatch_default). Only
     # where every target is a Conv1D: a 4-bit base has replaced them by Linear layers.
-    targets = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in lora.target_modules]
+    targets = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in names]
     fan_in_fan_out = bool(targets) and all(type(m).__name__ == "Conv1D" for m in targets)
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, fan_in_fan_out=fan_in_fan_out,
-                        target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+                        target_modules=names, task_type="CAUSAL_LM")
     with init_empty_weights(include_buffers=False) if on_meta else nullcontext():
         model = get_peft_model(model, config)
     if draw:

@@ -8,9 +8,11 @@ import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
+from accel_fsdp.config.recipe import ALL_LINEAR
 from accel_fsdp.data.synthetic import BUILTIN_TOKENIZER
 from accel_fsdp.errors import Problem, UserError, first_line
 from accel_fsdp.layout import EXPORT_RECORD, FINAL_DIR, HF_DIR, MANIFEST, RUN_FILE
+from accel_fsdp.model.facts import lora_targets
 from accel_fsdp.model.quantize import QuantizedLayer, block_layers, layer_problems
 
 
@@ -77,11 +79,13 @@ def override_problems(recipe, config_class: str, known: frozenset[str] | set[str
 
 def lora_target_problems(view: ModelView, recipe) -> list[Problem]:
     lora = recipe.model.lora
-    missing = [t for t in lora.target_modules if t not in view.linear_names] if lora.enabled else []
+    missing = ([t for t in lora_targets(lora.target_modules, view.linear_names) if t not in view.linear_names]
+               if lora.enabled else [])
     if not missing:
         return []
     return [Problem(recipe.where("model.lora.target_modules"), f"{', '.join(missing)} not found in {view.class_name}",
-                    f"use some of its linear layers: {', '.join(sorted(view.linear_names))}")]
+                    f"use some of its linear layers: {', '.join(sorted(view.linear_names))} (or {ALL_LINEAR}: all "
+                    "of them but the output head)")]
 
 
 def quantize_problems(view: ModelView, recipe, shards: int, *, remote_code: bool = False) -> list[Problem]:

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from accel_fsdp.config.recipe import ALL_LINEAR
 from accel_fsdp.data.synthetic import BUILTIN_TOKENIZER, vocabulary
 from accel_fsdp.model import architectures
 
@@ -141,7 +142,8 @@ class ModelFacts:
 
     def lora_params(self, targets: list[str], r: int) -> int:
         """Adapter parameters PEFT adds for these target module names (A: in x r, B: r x out, no bias)."""
-        return sum(r * (i + o) for name in targets for i, o, _ in self.linear_layers().get(name, []))
+        layers = self.linear_layers()
+        return sum(r * (i + o) for name in lora_targets(targets, layers) for i, o, _ in layers.get(name, []))
 
     def shape(self) -> Shape:
         return Shape(layers=self.layers, hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
@@ -234,3 +236,17 @@ def facts_for(recipe) -> ModelFacts | None:
 def builtin_vocab_size(tokenizer: str | None) -> int | None:
 
     return len(vocabulary()) if tokenizer == BUILTIN_TOKENIZER else None
+
+
+OUTPUT_HEAD = "lm_head"
+"""The output head's name in the GPT-2 and Llama families (and in transformers' other causal LMs)."""
+
+
+def lora_targets(targets, linear_names) -> list[str]:
+    """model.lora.target_modules as names of the model's linear layers: `all-linear` (config/recipe.py ALL_LINEAR) is
+    every one but the output head, as PEFT reads it; other names stay as given, in their order."""
+    names = list(targets)
+    if ALL_LINEAR not in names:
+        return names
+    every = sorted(name for name in linear_names if name != OUTPUT_HEAD)
+    return list(dict.fromkeys(every + [name for name in names if name != ALL_LINEAR]))
