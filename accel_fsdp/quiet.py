@@ -40,7 +40,8 @@ _HANDLED_HERE = (
 
 
 def quiet_warnings() -> None:
-    """Cheap (imports nothing): for every command."""
+    """The warning filters and loggers alone; cheap (imports nothing). Every command sets them through
+    `quiet_libraries` (cli/main.py)."""
     for pattern in _INTERNAL_NOTICES + _HANDLED_HERE:
         warnings.filterwarnings("ignore", message=pattern)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)

@@ -279,7 +279,9 @@ def test_lora_checkpoints_hold_the_adapter_and_export_peft_and_merged(tmp_path, 
     rounding = reordered(LOGIT_PATH) * float(adapted_logits.abs().max())
     assert float((adapted_logits - base_logits).abs().max()) > rounding  # the adapter learned something
 
-    run_in_process("checkpoint", "consolidate", run, tmp_path / "export", "--merge", check=0)
+    merging = run_in_process("checkpoint", "consolidate", run, tmp_path / "export", "--merge", check=0)
+    said = merging.stdout + merging.stderr  # transformers' loading and writing bars stay out of a log
+    assert "Loading weights" not in said and "Writing model shards" not in said and "it/s" not in said, said
     refused = run_in_process("checkpoint", "consolidate", run, tmp_path / "onto-gpt2", "--merge", "--base-model",
                              tiny_gpt2, check=2).stderr  # another model's weights: named, not blamed on the checkpoint
     assert "error: --base-model: the adapter of model.layers.0.self_attn.q_proj has no weight" in refused

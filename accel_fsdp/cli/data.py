@@ -11,7 +11,7 @@ import click
 
 from accel_fsdp.cli.options import GivenPath, load_recipe, set_option
 from accel_fsdp.data.build import INTERRUPTED
-from accel_fsdp.quiet import colour_allowed, quiet_libraries
+from accel_fsdp.quiet import colour_allowed
 from accel_fsdp.tools import data as data_tools
 
 
@@ -35,7 +35,6 @@ def prepare_command(name_or_path, overrides) -> None:
     ACCEL_FSDP_CACHE=/shared/cache accel-fsdp data prepare my.yaml   # then the GPU job, with the same cache
     """
     r = load_recipe(name_or_path, overrides)
-    quiet_libraries()
     with interruptible("data prepare"):
         data = data_tools.prepare(r)
     click.echo(f"prepared: {r.source}: {len(data.sources)} source(s)")
@@ -61,7 +60,6 @@ def show_command(name_or_path, sequences, plot, color, overrides) -> None:
     accel-fsdp data show my.yaml --plot lengths.png
     """
     r = load_recipe(name_or_path, overrides)
-    quiet_libraries()
     use_color = colour_allowed(sys.stdout) if color is None else color
     with interruptible("data show"):
         text = data_tools.show(r, sequences=sequences, color=use_color, plot=plot)

@@ -23,7 +23,7 @@ from accel_fsdp.cli import checkpoint, data, plan, recipe, tools
 from accel_fsdp.errors import Problem, UserError, allocation_figures, out_of_memory, show_usage_error
 from accel_fsdp.hardware import settle_thread_environment
 from accel_fsdp.launch.launcher import inside_launch
-from accel_fsdp.quiet import quiet_warnings
+from accel_fsdp.quiet import quiet_libraries
 from accel_fsdp.train.lifetime import INTERRUPTED, PREEMPTED, PREEMPTION_SIGNALS
 
 click.UsageError.show = show_usage_error  # one format for every user mistake, click's own included
@@ -179,7 +179,9 @@ def main() -> None:
     accel-fsdp data prepare quickstart-mix      tokenize ahead of a run; `data show` to look inside
     accel-fsdp checkpoint consolidate runs/gpt2-xl out/gpt2-xl
     """
-    quiet_warnings()
+    # Every command: library warnings about their own internals, and their loggers and progress bars (transformers'
+    # "Loading weights" bar on a consolidate --merge was a line of carriage returns in a log).
+    quiet_libraries()
     settle_thread_environment(os.environ)  # before any command imports torch (libgomp reads it then)
 
 

@@ -22,7 +22,7 @@ from accel_fsdp.launch.launcher import MachineOptions, inside_launch
 from accel_fsdp.layout import COMPILE_CACHE_ENV, RunLayout, compile_cache_dir
 from accel_fsdp.planning.plan import print_plan
 from accel_fsdp.preflight import load_config_or_default, preflight
-from accel_fsdp.quiet import outlive_closed_output, quiet_libraries
+from accel_fsdp.quiet import outlive_closed_output
 from accel_fsdp.run.folder import file_in_the_way
 from accel_fsdp.train.lifetime import DIE_WITH_PARENT_ENV, die_with_launcher, run_rank
 from accel_fsdp.train.metrics import START_ENV
@@ -133,7 +133,6 @@ def recipe_validate(name_or_path: str, overrides: tuple[str, ...], accelerate_co
     accel-fsdp recipe validate gpt2-xl --accelerate-config fsdp_2gpu
     accel-fsdp recipe validate my.yaml --set training.global_batch_size=64
     """
-    quiet_libraries()  # the model's weights are read on the meta device: transformers' loading report is ours to say
     r = load_recipe(name_or_path, overrides)
     config, n, why = load_config_or_default(accelerate_config)
     if num_machines is not None:
@@ -257,7 +256,6 @@ def recipe_run(name_or_path, accelerate_config, overrides, output_dir, resume, r
 
     r, run_dir, window = checked()
     if dry_run:
-        quiet_libraries()
         print_plan(r, accelerate_config, gpu_memory)
         return
 

@@ -15,7 +15,6 @@ from accel_fsdp.files import write_atomic
 from accel_fsdp.layout import RunLayout
 from accel_fsdp.model.tokenizer import earlier_trained_tokenizer, trained_tokenizer
 from accel_fsdp.preflight import load_config_or_default, preflight
-from accel_fsdp.quiet import quiet_libraries
 from accel_fsdp.tools import bench
 from accel_fsdp.tools.report import format_summary, plot, summarize
 from accel_fsdp.tools.verify import CHECKS, verify
@@ -49,7 +48,6 @@ def tokenizer_train(name_or_path, out_dir, vocab_size, overrides) -> None:
                                                       and not earlier_trained_tokenizer(out_dir))):
         raise UserError(Problem(str(out_dir), "exists and is neither empty nor a tokenizer this command wrote",
                                 "give a new folder (nothing was written)"))
-    quiet_libraries()
     tok = trained_tokenizer(r, out_dir=out_dir.absolute())
     sample = ", ".join(s.path or s.name for s in r.data.resolved_sources())
     click.echo(f"wrote a byte-level BPE tokenizer of {len(tok):,} tokens trained on {sample} to {out_dir}")
@@ -222,7 +220,6 @@ def generate_command(model_dir, prompt, max_new_tokens, temperature, top_p, seed
             verb, them = ("apply", "them") if len(given) > 1 else ("applies", "it")
             click.echo(f"note: {' and '.join(given)} only {verb} to sampling (--temperature above 0): greedy decoding "
                        f"ignores {them}", err=True)
-    quiet_libraries()
     folder = resolve_model_dir(model_dir)
     model, tokenizer = load_model(folder, device)
     text = generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
