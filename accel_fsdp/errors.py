@@ -144,8 +144,8 @@ def encoding_guess(sample: bytes) -> tuple[str, str]:
     if b"\x00" in sample:
         return "not text (it holds NUL bytes), or UTF-16 without a byte-order mark", "utf-16le"
     visible = [b for b in sample if b > 0x20]
-    runs = re.findall(rb"[\x80-\xff]+", sample)
-    if max(map(len, runs), default=0) >= 4 or (len(visible) >= 4 and sum(b > 0x7f for b in visible) * 2 >= len(visible)):
+    longest_run = max(map(len, re.findall(rb"[\x80-\xff]+", sample)), default=0)
+    if longest_run >= 4 or (len(visible) >= 4 and sum(b > 0x7f for b in visible) * 2 >= len(visible)):
         return f"in an East Asian encoding ({EAST_ASIAN})", "GB18030"
     return "Latin-1 or Windows-1252", "latin1"
 

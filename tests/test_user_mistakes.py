@@ -254,7 +254,8 @@ def test_a_recipe_or_config_that_is_not_utf8_names_line_byte_and_encoding(tmp_pa
     msg = (user_error("recipe", "validate", bad) if which == "recipe"
            else user_error("recipe", "validate", "quickstart", "--accelerate-config", bad))
     what = "the recipe file" if which == "recipe" else "the accelerate config"
-    assert msg.startswith(f"error: {bad}" + expected.format(what=what)) and f"fix: save it as UTF-8, e.g. {fix}" in msg, msg
+    assert msg.startswith(f"error: {bad}" + expected.format(what=what)), msg
+    assert f"fix: save it as UTF-8, e.g. {fix}" in msg, msg
 
 
 def test_an_unknown_config_override_is_an_error():
