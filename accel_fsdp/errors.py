@@ -131,6 +131,7 @@ def read_json_object(path, *, what: str, fix: str, then: str = "") -> dict:
 
 
 EAST_ASIAN = "GB18030, Big5, Shift_JIS, EUC-JP or EUC-KR"
+"""The legacy encodings of Chinese, Japanese and Korean text that `encoding_guess` cannot tell apart."""
 
 
 def encoding_guess(sample: bytes) -> tuple[str, str]:

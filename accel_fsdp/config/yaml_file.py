@@ -18,14 +18,14 @@ def read_text(path: Path, source: str, what: str) -> str:
     and byte. FileNotFoundError is left to the caller, whose fix depends on what a name may also be."""
     try:
         data = path.read_bytes()
+    except FileNotFoundError:
+        raise
     except IsADirectoryError:
         raise UserError(Problem(source, f"is a folder, not {what}", "give the path of a .yaml file")) from None
     except PermissionError:
         raise UserError(Problem(source, f"cannot read {what}: permission denied",
                                 "make it readable (chmod u+r), or copy it where you can read it")) from None
     except OSError as e:
-        if isinstance(e, FileNotFoundError):
-            raise
         raise UserError(Problem(source, f"cannot read {what}: {first_line(e)}", "give a readable .yaml file")) from None
     try:
         text = data.decode("utf-8")
