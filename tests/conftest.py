@@ -46,12 +46,14 @@ def _share_the_cores_among_workers() -> None:
 
 _share_the_cores_among_workers()
 
+
 def pytest_configure(config):
     """The library warnings every command silences (accel_fsdp/quiet.py), silenced around the tests' own calls into
     the libraries too (PEFT's notes when a test adapts a model itself), so that pytest's summary shows what a user
     would see. Here, not at import: pytest imports this file inside a warnings.catch_warnings of its own, which would
     drop them. The tests that prove a command's silence set the filters themselves, inside their own context."""
     quiet_warnings()
+
 
 WORKER_MEMORY_GIB = 4
 """What one pytest-xdist worker may hold at once: itself and the 2 ranks of the run it launched. A bound with room,

@@ -247,8 +247,8 @@ def test_fsdp1_decays_the_matrices_it_flattened(gloo_world_of_one):
     decayed = decayed_names(model)
     wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True,
                                        sharding_strategy=ShardingStrategy.NO_SHARD)
-    # One rank runs NO_SHARD (config/settings.py), which keeps the shapes: flatten them as two ranks' shards would be (the slow
-    # tests/test_logged_numbers_replay.py FSDP1 run holds the real thing)
+    # One rank runs NO_SHARD (config/settings.py), which keeps the shapes: flatten them as two ranks' shards would be
+    # (the slow tests/test_logged_numbers_replay.py FSDP1 run holds the real thing)
     for parameter in wrapped.parameters():
         parameter.data = parameter.data.flatten()
     decay, no_decay = build_optimizer(wrapped, recipe, settings, decayed).param_groups
