@@ -118,7 +118,7 @@ def test_a_run_of_changing_shapes_compiles_the_blocks_at_most_twice(tmp_path, mo
         for model in (compiled, eager):
             loss = model(**batch, use_cache=False).loss
             loss.backward()
-            losses.append(float(loss))
+            losses.append(loss.item())
         tokens = sum(sum(docs) for docs in step)
         assert losses[0] == pytest.approx(losses[1], rel=equivalence_tolerance("fp32", tokens, 1, 1)["loss"])
         with torch.no_grad():
