@@ -151,7 +151,8 @@ def encoding_guess(sample: bytes) -> tuple[str, str]:
     return "Latin-1 or Windows-1252", "latin1"
 
 
-def iconv_fix(encoding: str) -> str:
-    """The fix for text that is not UTF-8 of the encoding `encoding_guess` named."""
+def iconv_fix(encoding: str, what: str = "it") -> str:
+    """The fix for text that is not UTF-8 of the encoding `encoding_guess` named (`what`: the file, as the message
+    calls it)."""
     other = " (or -f BIG5, SHIFT_JIS, EUC-JP, EUC-KR: the one it was written in)" if encoding == "GB18030" else ""
-    return f"save it as UTF-8, e.g. iconv -f {encoding} -t utf-8 FILE > FILE.utf8{other}"
+    return f"save {what} as UTF-8, e.g. iconv -f {encoding} -t utf-8 FILE > FILE.utf8{other}"

@@ -94,7 +94,7 @@ def utf16(path: Path) -> tuple[str, str] | None:
     with open_bytes(str(path)) as f:
         if f.read(4).startswith((b"\xff\xfe", b"\xfe\xff")):
             return ("the file is UTF-16 (it starts with a UTF-16 byte-order mark), not UTF-8",
-                    iconv_fix("utf-16").replace("save it", "save the file"))
+                    iconv_fix("utf-16", "the file"))
     return None
 
 
@@ -138,7 +138,7 @@ def not_utf8_line(number: int, line: bytes, e: UnicodeDecodeError) -> tuple[str,
     byte = line[e.start] if e.start < len(line) else 0
     guess, encoding = encoding_guess(line)
     return (f"line {number} is not UTF-8 (byte 0x{byte:02x} at column {e.start + 1}); the file is probably {guess}",
-            iconv_fix(encoding).replace("save it", "save the file"))
+            iconv_fix(encoding, "the file"))
 
 
 def count_lines(path: str) -> int:
