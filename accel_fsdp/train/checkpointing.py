@@ -40,6 +40,9 @@ class Checkpointer:
         self.total_steps, self.parameters, self.trainable_parameters = total_steps, parameters, trainable_parameters
         self.every = recipe.checkpoint.every_steps
         self.last_saved_step: int | None = None
+        self.newest: Path | None = None
+        """The run's newest checkpoint: this attempt's last save, or the one it resumed from."""
+        self.resumed_from: Path | None = None
         self.faults = faults  # crash injection inside a save (tests), from train/hooks.py
         self.data_identity = data_identity
         """What the run's data was (data/identity.py): saved with every checkpoint, compared on resume."""
@@ -73,7 +76,7 @@ class Checkpointer:
                                     keep_last=recipe.checkpoint.keep_last, faults=self.faults, run_id=self._run_id(),
                                     data_identity=self.data_identity, quantized_base=self.quantized_base,
                                     starting_weights=self.starting_weights)
-        self.last_saved_step = step
+        self.last_saved_step, self.newest = step, path
         self.terminal.say(f"checkpoint: {path}")
         return path
 
@@ -96,7 +99,7 @@ class Checkpointer:
             self.sampler.load_state_dict(state.data)
         self.logger.load_state_dict(state.log_window)
         training = TrainingState(step=state.step, tokens_seen=state.tokens_seen or 0)
-        self.last_saved_step = training.step
+        self.last_saved_step, self.newest, self.resumed_from = training.step, info.path, info.path
         say(f"resume: continuing from {info.path} at step {training.step} of {self.total_steps} "
             f"(epoch {state.epoch}, {state.rows_consumed or 0:,} units drawn)")
         return training
@@ -124,6 +127,18 @@ class Checkpointer:
         self.accelerator.wait_for_everyone()
         ckpt.wait_for_rotations()
         raise Preempted(step, path, preemption.signal_name or "a signal")
+
+    def newest_checkpoint(self) -> str | None:
+        return str(self.newest) if self.newest is not None else None
+
+    def started_from(self) -> tuple[str, bool]:
+        """Where this attempt's weights came from, as a message names it, and whether that is a checkpoint."""
+        if self.resumed_from is not None:
+            return f"{self.resumed_from} (the checkpoint this run resumed from)", True
+        model = self.recipe.model
+        if model.name_or_path:
+            return f"{self.recipe.where('model.name_or_path')} ({model.name_or_path})", False
+        return f"{self.recipe.where('model.architecture')} (weights drawn at random)", False
 
     def wait(self) -> None:
         """Until the rotation of old checkpoints (in the background) is done."""

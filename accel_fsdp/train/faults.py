@@ -14,6 +14,8 @@ Kinds:
   sigusr1-launcher:N  send SIGUSR1 to the launcher (this rank's parent) after optimizer step N (SLURM's warning).
   hang:N          stop making progress after optimizer step N (sleep), as a stuck rank would.
   user-error:N    raise a UserError after optimizer step N on this rank alone (a mistake one rank finds).
+  nan:N           write nan into one weight of this rank's shards after optimizer step N (a diverged update, a
+                  flipped bit): the next step's gradients are not finite.
 `@R` limits the fault to rank R (default: rank 0). Without a spec this module does nothing; it never changes results.
 """
 
@@ -28,7 +30,7 @@ import time
 from accel_fsdp.errors import Problem, UserError
 
 KINDS = ("kill", "kill-in-save", "enospc-in-save", "enospc-in-export", "sigterm", "sigusr1", "sigint",
-         "sigusr1-launcher", "hang", "user-error")
+         "sigusr1-launcher", "hang", "user-error", "nan")
 
 
 class Faults:
@@ -46,9 +48,11 @@ class Faults:
         if rank == target:
             self.kind, self.step = kind, int(step)
 
-    def after_step(self, step: int) -> None:
+    def after_step(self, step: int, model=None) -> None:
         if step != self.step:
             return
+        if self.kind == "nan" and model is not None:
+            _poison_one_weight(model, step)
         if self.kind == "kill":
             self._kill(f"after optimizer step {step}")
         elif self.kind in ("sigterm", "sigusr1", "sigint"):
@@ -84,3 +88,16 @@ class Faults:
     def _kill(when: str) -> None:
         print(f"[fault] SIGKILL {when}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _poison_one_weight(model, step: int) -> None:
+    """nan into the first element of this rank's shard of its first floating-point weight that has one."""
+    import torch
+
+    for name, param in model.named_parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if local.numel() and local.is_floating_point():
+            with torch.no_grad():
+                local.view(-1)[0] = float("nan")
+            print(f"[fault] nan written into {name} after optimizer step {step}", file=sys.stderr, flush=True)
+            return

@@ -151,7 +151,7 @@ class TestHooks:
         if self.knob_trace:
             self.knob_trace.write(json.dumps(probes.knob_record(self.knobs, step)) + "\n")
             self.knob_trace.flush()
-        self.faults.after_step(step)
+        self.faults.after_step(step, self.model)
 
     def close(self) -> None:
         for trace in (self.trace, self.knob_trace):

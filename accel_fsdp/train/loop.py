@@ -1,8 +1,8 @@
 """The training loop: runs inside every rank of a distributed launch, after train/setup.py built the run.
 
-For each optimizer step: its micro-steps accumulated, clip, step, schedule; then the components that own a
-cadence look at the step (logger, evaluator, checkpointer; test hooks first). At the end: final evaluation,
-checkpoint, sample, export.
+For each optimizer step: its micro-steps accumulated, clip, a check that the gradients are finite (train/finite.py),
+step, schedule; then the components that own a cadence look at the step (logger, evaluator, checkpointer; test hooks
+first). At the end: final evaluation, checkpoint, sample, export.
 
 Loss normalization: the loss of an optimizer step is the mean over every loss-carrying token (for preference
 tuning, every pair) of the global batch, however the batch is split over ranks and micro-steps. Each micro-step's
@@ -31,12 +31,14 @@ def fit(run: Run, parts: Components, state: TrainingState) -> None:
     max_norm = t.max_grad_norm if t.max_grad_norm is not None else float("inf")
     profiler = parts.profiler
     parts.logger.start(state)
+    parts.finite.start(state.step + 1)
     profiler.start(state.step + 1)
     model.train()
     while state.step < run.total_steps:
         units, micro_batches = sampler.global_sequences(state.step), sampler.micro_batches(state.step)
         norm = run.norm(units)  # the global batch's counts, the same on every rank: no communication
         doing(f"optimizer step {state.step + 1} (forward, backward, gradient reduction)")
+        step_loss = None
         for part in micro_batches:
             batch = run.batch(part)
             with accumulate(acc, model, run.settings):
@@ -44,10 +46,12 @@ def fit(run: Run, parts: Components, state: TrainingState) -> None:
                     with acc.autocast(), run.knobs.saving_activations():  # saved tensors: offloaded, or kept
                         loss, stats = objective(model, batch, norm)
                     acc.backward(loss)
+                step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
                 if acc.sync_gradients:  # the last micro-step: gradients are now reduced over ranks
                     with profiler.region(CLIPPING):
                         grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
                     scale = acc.scaler.get_scale() if acc.scaler is not None else None  # fp16
+                    parts.finite.check(state.step + 1, grad_norm, step_loss)  # before the step changes a weight
                 with profiler.region(OPTIMIZER):
                     optimizer.step()  # skipped by Accelerate until the last micro-step
                     optimizer.zero_grad(set_to_none=True)

@@ -17,6 +17,7 @@ from accel_fsdp.checkpoint.records import LogWindow
 from accel_fsdp.config.precision import is_half
 from accel_fsdp.hardware import device_peak_flops, peak_memory_bytes, reset_peak_memory
 from accel_fsdp.quiet import live_terminal
+from accel_fsdp.train.finite import full_value
 from accel_fsdp.train.metrics import MetricsWriter, StartupClock, StartupRow, TrainRow
 from accel_fsdp.train.sharding import gather_ints
 from accel_fsdp.train.state import TrainingState
@@ -111,7 +112,7 @@ class TrainLogger:
 
     def after_step(self, state: TrainingState, lr: float, grad_norm, tokens: int, units: list[int]) -> None:
         """`state` has advanced over this step, whose global batch (`units`) held `tokens` tokens."""
-        self.norm += _full(grad_norm).detach()
+        self.norm += full_value(grad_norm).detach()
         self.tokens += tokens
         self.steps += 1
         if state.step == self.first_step:
@@ -178,11 +179,6 @@ class TrainLogger:
 
     def close(self) -> None:
         self.terminal.close_bar()
-
-
-def _full(t):
-    """A DTensor's full value (clip_grad_norm_ returns one under FSDP2)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _progress_bar(total: int, initial: int):

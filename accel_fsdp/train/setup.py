@@ -69,6 +69,7 @@ from accel_fsdp.train.cpu_fsdp import check_sharded
 from accel_fsdp.train.evaluate import Evaluator
 from accel_fsdp.train import probes
 from accel_fsdp.train.faults import Faults
+from accel_fsdp.train.finite import FiniteSteps
 from accel_fsdp.train.hooks import NO_SWITCHES, TestHooks, TestSwitches, substituted
 from accel_fsdp.train.knobs import Knobs, after_sharding, before_sharding, compile_now
 from accel_fsdp.train.lifetime import WHEREABOUTS, Preemption, doing, rank
@@ -227,6 +228,8 @@ class Components:
     checkpointer: Checkpointer
     hooks: TestHooks
     profiler: StepProfiler
+    finite: FiniteSteps
+    """Stops the run at a step whose gradients are not finite, before the step."""
 
 
 def current_accelerate_config() -> AccelerateConfig:
@@ -487,8 +490,11 @@ def build_components(run: Run, switches: TestSwitches) -> Components:
                                 starting_weights=starting_weights_record(recipe) if acc.is_main_process else None)
     profiler = StepProfiler(run.request.profile, folder=run.layout.profile, rank=acc.process_index,
                             device_type=acc.device.type, say=run.terminal.say)
+    finite = FiniteSteps(acc, run.model, recipe, accumulation_steps=run.sampler.accumulation_steps,
+                         scaled=acc.scaler is not None, newest_checkpoint=checkpointer.newest_checkpoint,
+                         started_from=checkpointer.started_from, settle=checkpointer.wait)
     return Components(logger=logger, evaluator=Evaluator(run, metrics), checkpointer=checkpointer, hooks=hooks,
-                      profiler=profiler)
+                      profiler=profiler, finite=finite)
 
 
 def name_scratch_base(engine: Engine, recipe, config, tokenizer, model, folder: Path) -> None:
