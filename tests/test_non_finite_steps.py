@@ -70,7 +70,8 @@ def test_fp16_goes_on_past_an_overflow_the_scaler_skips_but_not_past_a_non_finit
     check.check(3, torch.tensor(float("inf")), torch.tensor(6.0))  # the scaled backward overflowed: a skipped step
     found = problem(check, 4, float("nan"), float("nan"))
     assert "its loss: nan" in found.message and "no checkpoint was written" in found.message
-    assert "train in bf16 (training.mixed_precision: bf16)" in found.fix
+    assert found.fix.endswith("or train in bf16 (training.mixed_precision: bf16), whose range is fp32's; fp16 ends at "
+                              "65,504, and run it again (--overwrite)")
 
 
 def test_damaged_starting_weights_are_named_where_the_run_read_them():

@@ -126,9 +126,10 @@ class FiniteSteps:
         if self.scaled:
             fixes.append("train in bf16 (training.mixed_precision: bf16), whose range is fp32's; fp16 ends at 65,504")
         choice = fixes[0] if len(fixes) == 1 else ", ".join(fixes[:-1]) + " or " + fixes[-1]
-        return Problem(recipe.where("training.lr"), stopped,
-                       f"{choice}; a resume keeps the recipe, so start a new run (another --output-dir), from the "
-                       "newest checkpoint's export to keep its progress (accel-fsdp checkpoint consolidate)")
+        again = ("; a resume keeps the recipe, so start a new run (another --output-dir), from the newest checkpoint's "
+                 "export to keep its progress (accel-fsdp checkpoint consolidate)" if newest else
+                 ", and run it again (--overwrite)")
+        return Problem(recipe.where("training.lr"), stopped, choice + again)
 
 
 def plain_name(name: str) -> str:
