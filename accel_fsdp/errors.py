@@ -8,6 +8,7 @@ distributed ranks) turns it into that message. Never raise it for a bug of ours:
 
 from __future__ import annotations
 
+import errno
 import re
 from dataclasses import dataclass
 
@@ -54,6 +55,33 @@ class UserError(click.ClickException):
 
     def show(self, file=None) -> None:
         click.echo(f"error: {self.format_message()}", err=True, file=file)
+
+
+PATH_FIXES = {
+    errno.ENOSPC: "free space there, or choose a path on another filesystem",
+    errno.EDQUOT: "free space within your quota there, or choose a path on another filesystem",
+    errno.EROFS: "choose a path on a filesystem that can be written",
+    errno.ENAMETOOLONG: "choose a shorter path",
+}
+"""Filesystem errors that come from the paths and disks a user chose, and what to do; with USER_PATH_ERRORS, the
+errors a command or a rank reports as the user's (any other errno is a bug and keeps its traceback)."""
+USER_PATH_ERRORS = {errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, *PATH_FIXES}
+OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
+"""A full disk or quota: a write says so with no file name (`write()` of an open file), and is the user's all the same."""
+
+
+def path_problem(error: BaseException, during: str = "") -> Problem | None:
+    """A filesystem error of a path or disk the user chose as the Problem to show (the path, the system's words,
+    what to do; `during`: what was being done, for a process whose work is not its command line), else None."""
+    if not isinstance(error, OSError) or error.errno not in USER_PATH_ERRORS:
+        return None
+    if not error.filename and error.errno not in OUT_OF_SPACE:
+        return None
+    where = (f"{error.filename} -> {error.filename2}" if error.filename2 else str(error.filename)) if error.filename \
+        else ""
+    fix = PATH_FIXES.get(error.errno, "check the path, or choose one this user can create and write (or fix its "
+                                      "permissions)")
+    return Problem(where, (error.strerror or type(error).__name__) + (f" ({during})" if during else ""), fix)
 
 
 def show_usage_error(error: click.UsageError, file=None) -> None:

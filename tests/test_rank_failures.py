@@ -8,7 +8,7 @@ The faults are injected through ACCEL_FSDP_FAULT (train/faults.py), on rank 1 on
 from __future__ import annotations
 
 import pytest
-from conftest import WallClockBound, run_cli, run_in_process, stock_accelerate_launch, tiny_recipe
+from conftest import WallClockBound, read_metrics, run_cli, run_in_process, stock_accelerate_launch, tiny_recipe
 
 from accel_fsdp.launch.launcher import ended_early, hang_problem
 from accel_fsdp.train.lifetime import STOPPED, TIMED_OUT, USER_ERROR, RankRecord
@@ -84,3 +84,23 @@ def test_the_launcher_says_each_user_error_once_and_names_where_ranks_waited(cap
     assert problem.message == (f"the ranks waited 1 min (fsdp.collective_timeout_minutes: 1) for each other in "
                                f"different places (rank 0 in {step}; rank 1 in the save of the checkpoint of step 3): "
                                "they ran different collectives, a bug of accel-fsdp: please report it with this output")
+
+
+@pytest.mark.slow
+def test_a_full_disk_where_a_rank_writes_is_one_message_and_the_run_resumes(tmp_path, tiny_gpt2, stories):
+    """A write the run does not guard itself (a tracker's, a row's) filling the disk: the user's, one message with the
+    free space where the run writes (no file is named by a write() of an open file), exit 2; the run goes on with
+    --resume auto from the newest checkpoint."""
+    recipe = tiny_recipe(tmp_path / "r.yaml", tiny_gpt2, stories, checkpoint={"every_steps": 2, "keep_last": None})
+    run = tmp_path / "run"
+    proc = run_cli("recipe", "run", recipe, "--output-dir", run, env={"ACCEL_FSDP_FAULT": "enospc:3@1"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    message = ("error: No space left on device (rank 1, in the logging, evaluation and checkpoint after optimizer "
+               f"step 3; free space: {run} ")
+    assert proc.stderr.count(message) == 1, proc.stderr[-3000:]
+    assert ("    fix: free space there, or choose a path on another filesystem; then run the same command with "
+            "--resume auto (it goes on from the newest checkpoint)") in proc.stderr
+    quiet_end(proc.stdout + proc.stderr)
+    proc = run_cli("recipe", "run", recipe, "--output-dir", run, "--resume", "auto", check=0)
+    assert f"resume: continuing from {run / 'checkpoints' / 'step-000002'} at step 2" in proc.stdout + proc.stderr
+    assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"] == list(range(1, 9))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import errno
 import gc
 import os
 import signal
@@ -20,7 +19,7 @@ import click
 
 from accel_fsdp import __version__
 from accel_fsdp.cli import checkpoint, data, plan, recipe, tools
-from accel_fsdp.errors import Problem, UserError, allocation_figures, out_of_memory, show_usage_error
+from accel_fsdp.errors import Problem, UserError, allocation_figures, out_of_memory, path_problem, show_usage_error
 from accel_fsdp.hardware import settle_thread_environment
 from accel_fsdp.launch.launcher import inside_launch
 from accel_fsdp.quiet import quiet_libraries
@@ -36,15 +35,6 @@ click.UsageError.show = show_usage_error  # one format for every user mistake, c
 atexit.register(gc.freeze)
 
 
-FIXES = {
-    errno.ENOSPC: "free space there, or choose a path on another filesystem",
-    errno.EDQUOT: "free space within your quota there, or choose a path on another filesystem",
-    errno.EROFS: "choose a path on a filesystem that can be written",
-    errno.ENAMETOOLONG: "choose a shorter path",
-}
-"""Filesystem errors that come from the paths and disks a user chose; any other errno is a bug and keeps its
-traceback."""
-USER_PATH_ERRORS = {errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, *FIXES}
 ONE_PROCESS_MEMORY_FIX = {
     "GPU": "free the GPU (`nvidia-smi` shows who holds it), or use a GPU with more memory",
     "host": "free memory on this machine, or use a machine with more memory",
@@ -159,12 +149,10 @@ class Commands(click.Group):
             raise UserError(Problem(command(), f"out of {kind} memory ({allocation_figures(e)})",
                                     f"{own + ', ' if own else ''}{ONE_PROCESS_MEMORY_FIX[kind]}")) from None
         except OSError as e:
-            if e.errno not in USER_PATH_ERRORS or not e.filename:
+            problem = path_problem(e) if e.filename else None
+            if problem is None:
                 raise
-            path = f"{e.filename} -> {e.filename2}" if e.filename2 else str(e.filename)
-            raise UserError(Problem(path, e.strerror or type(e).__name__, FIXES.get(
-                e.errno, "check the path, or choose one this user can create and write (or fix its "
-                "permissions)"))) from None
+            raise UserError(problem) from None
 
 
 @click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

@@ -14,6 +14,8 @@ Kinds:
   sigusr1-launcher:N  send SIGUSR1 to the launcher (this rank's parent) after optimizer step N (SLURM's warning).
   hang:N          stop making progress after optimizer step N (sleep), as a stuck rank would.
   user-error:N    raise a UserError after optimizer step N on this rank alone (a mistake one rank finds).
+  enospc:N        raise "No space left on device" after optimizer step N, naming no file (as a write() of an open
+                  file raises it): a disk filled by a write the run does not guard itself.
   nan:N           write nan into one weight of this rank's shards after optimizer step N (a diverged update, a
                   flipped bit): the next step's gradients are not finite.
 `@R` limits the fault to rank R (default: rank 0). Without a spec this module does nothing; it never changes results.
@@ -30,7 +32,7 @@ import time
 from accel_fsdp.errors import Problem, UserError
 
 KINDS = ("kill", "kill-in-save", "enospc-in-save", "enospc-in-export", "sigterm", "sigusr1", "sigint",
-         "sigusr1-launcher", "hang", "user-error", "nan")
+         "sigusr1-launcher", "hang", "user-error", "nan", "enospc")
 
 
 class Faults:
@@ -63,6 +65,8 @@ class Faults:
             print(f"[fault] hanging after optimizer step {step}", file=sys.stderr, flush=True)
             while True:
                 time.sleep(3600)
+        elif self.kind == "enospc":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         elif self.kind == "user-error":
             raise UserError(Problem("(injected fault)", "a mistake found by one rank alone after optimizer step "
                                     f"{step}", "nothing to fix: a test fault"))

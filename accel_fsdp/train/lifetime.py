@@ -36,7 +36,7 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from accel_fsdp.errors import Problem, UserError, allocation_figures, out_of_memory
+from accel_fsdp.errors import OUT_OF_SPACE, Problem, UserError, allocation_figures, out_of_memory, path_problem
 from accel_fsdp.files import write_atomic
 from accel_fsdp.quiet import outlive_closed_output
 
@@ -251,6 +251,9 @@ class Whereabouts:
     doing = "starting (before the process group)"
     timeout_minutes: float | None = None
     """The collective timeout of this run's process groups (fsdp.collective_timeout_minutes)."""
+    folders: tuple = ()
+    """Where the run writes (its folder, its checkpoints'): their free space names the full one, for a write that
+    named no file."""
 
 
 WHEREABOUTS = Whereabouts()
@@ -420,6 +423,25 @@ OUT_OF_MEMORY_FIX = {
 offload is a cost, not a cure."""
 
 
+def free_space(error: BaseException) -> str:
+    """For a full disk that a write named no file of: the free space where the run writes."""
+    import shutil
+
+    if not isinstance(error, OSError) or error.filename or error.errno not in OUT_OF_SPACE:
+        return ""
+    free = []
+    for folder in WHEREABOUTS.folders:
+        try:
+            free.append(f"{folder} {shutil.disk_usage(folder).free / 2**20:,.1f} MiB")
+        except OSError:
+            continue
+    return f"; free space: {', '.join(free)}" if free else ""
+
+
+RESUME_AFTER = "; then run the same command with --resume auto (it goes on from the newest checkpoint)"
+"""After a rank's path error: the run's checkpoints are written whole or not at all, so the newest is intact."""
+
+
 def out_of_memory_error(kind: str, error: BaseException, doing: str) -> UserError:
     """A rank out of memory, as the one message the user sees (exit status 2: the recipe asks for more memory than
     the machine has), with torch's own figures (what it tried to allocate, what was free)."""
@@ -448,6 +470,10 @@ def run_rank(train) -> None:
         kind = out_of_memory(e)
         if kind is not None:
             end_with_user_error(out_of_memory_error(kind, e, WHEREABOUTS.doing), records)
+        problem = path_problem(e, f"rank {rank()}, in {WHEREABOUTS.doing}{free_space(e)}")
+        if problem is not None:  # a full disk, a folder made read-only: the user's, wherever the rank was writing
+            end_with_user_error(UserError(Problem(problem.where, problem.message, problem.fix + RESUME_AFTER)),
+                                records)
         why = collective_failure(e)
         if why is not None:
             end_after_collective_failure(why, e, records)

@@ -179,8 +179,11 @@ class MetricsWriter:
     def write(self, record: TrainRow | EvalRow | StartupRow) -> None:
         row, step = row_to_dict(record), record.step
         if self.accelerator.is_main_process:
-            with self.path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            try:
+                with self.path.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+            except OSError as e:  # a write of an open file names none: name ours (a resume drops a row cut short)
+                raise OSError(e.errno, e.strerror, str(self.path)) if e.filename is None else e from e
         if self.accelerator.trackers:
             scalars = {}
             for k, v in row.items():

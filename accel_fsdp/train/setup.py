@@ -365,6 +365,7 @@ def setup(request: RunRequest) -> tuple[Run, Components, TrainingState]:
     WHEREABOUTS.timeout_minutes = engine.settings.collective_timeout_minutes.value
     doing("the claim of the run folder (rank 0 decides, the others wait)")
     layout = RunLayout.of(recipe, request.run_dir)
+    WHEREABOUTS.folders = tuple(dict.fromkeys((layout.root, layout.checkpoints)))
     decision = claim_run_folder(engine.accelerator, layout, request)
     preemption = Preemption().install()
     preemption.join_group(timeout=process_group_kwargs(engine.settings)["timeout"])
