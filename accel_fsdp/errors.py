@@ -67,7 +67,7 @@ PATH_FIXES = {
 errors a command or a rank reports as the user's (any other errno is a bug and keeps its traceback)."""
 USER_PATH_ERRORS = {errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, *PATH_FIXES}
 OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
-"""A full disk or quota: a write says so with no file name (`write()` of an open file), and is the user's all the same."""
+"""A full disk or quota: a write() of an open file says so with no file name, and it is the user's all the same."""
 
 
 def path_problem(error: BaseException, during: str = "") -> Problem | None:
@@ -77,8 +77,9 @@ def path_problem(error: BaseException, during: str = "") -> Problem | None:
         return None
     if not error.filename and error.errno not in OUT_OF_SPACE:
         return None
-    where = (f"{error.filename} -> {error.filename2}" if error.filename2 else str(error.filename)) if error.filename \
-        else ""
+    where = ""
+    if error.filename:
+        where = f"{error.filename} -> {error.filename2}" if error.filename2 else str(error.filename)
     fix = PATH_FIXES.get(error.errno, "check the path, or choose one this user can create and write (or fix its "
                                       "permissions)")
     return Problem(where, (error.strerror or type(error).__name__) + (f" ({during})" if during else ""), fix)
