@@ -292,34 +292,47 @@ class Crc32Writer:
 
 
 class FileLock:
-    """An exclusive lock on a file (flock), for as long as it is held: the run folder's live-run lock, the data
-    cache's build lock. On a local disk flock; on NFS Linux turns it into a POSIX byte-range lock, which the server
-    arbitrates between machines. The kernel releases it when the holder exits or dies, so a crash never leaves a
-    stale lock. The file records who holds it (host, PID, since when, the command)."""
+    """A lock on a file (flock), for as long as it is held: exclusive for the run folder's live-run lock and the data
+    cache's build lock, shared by the readers of a checkpoint (checkpoint/store.py `reading`), whom rotation's
+    exclusive try passes over. On a local disk flock; on NFS Linux turns it into a POSIX byte-range lock, which the
+    server arbitrates between machines. The kernel releases it when the holder exits or dies, so a crash never leaves
+    a stale lock. An exclusive holder records who it is in the file (host, PID, since when, the command)."""
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
         self._fd: int | None = None
 
-    def acquire(self, *, wait: bool) -> bool:
-        """Take the lock, waiting for it (`wait`) or not; False when another process holds it and `wait` is off."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BaseException:  # held (not waiting), or Ctrl-C while waiting
-            os.close(fd)
-            if not wait:
-                return False
-            raise
-        info = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "command": " ".join(sys.argv[1:])[:300]}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+    def acquire(self, *, wait: bool, shared: bool = False) -> bool:
+        """Take the lock, waiting for it (`wait`) or not; False when another process holds it (exclusively, or at all
+        for an exclusive lock) and `wait` is off. A file its holder removed while this waited is opened again: the
+        lock is on the file the path names."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
+                linked = _same_file(fd, self.path)
+            except BaseException:  # held (not waiting), or Ctrl-C while waiting
+                os.close(fd)
+                if not wait:
+                    return False
+                raise
+            if linked:
+                break
+            os.close(fd)  # removed by the holder it waited for (`release(remove=True)`): the path's file now
+        if not shared:
+            info = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    "command": " ".join(sys.argv[1:])[:300]}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         self._fd = fd
         return True
 
-    def release(self) -> None:
+    def release(self, *, remove: bool = False) -> None:
+        """`remove`: delete the file first (an exclusive holder whose lock guards nothing any more); a process that
+        waits for it opens the path again (`acquire`)."""
         if self._fd is not None:
+            if remove:
+                self.path.unlink(missing_ok=True)
             os.close(self._fd)  # closing the last descriptor releases the flock
             self._fd = None
 
@@ -349,6 +362,14 @@ class FileLock:
             return None
         finally:
             os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        mine, named = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (mine.st_dev, mine.st_ino) == (named.st_dev, named.st_ino)
 
 
 def _read_holder(fd: int) -> str:

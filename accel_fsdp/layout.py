@@ -86,7 +86,14 @@ def rng_file(rank: int) -> str:
 # Checkpoint folders: `step-000200`, written as `.tmp-step-000200` until complete, renamed `.trash-step-000200`
 # while being deleted (rotation). All three belong to the run that owns the checkpoint folder.
 STEP_PREFIX, TMP_PREFIX, TRASH_PREFIX = "step-", ".tmp-", ".trash-"
+READING_PREFIX = ".reading-"
+"""`.reading-step-N` beside step-N: its readers' shared lock, which rotation passes over (files.py FileLock)."""
 CHECKPOINT_PREFIXES = (STEP_PREFIX, TMP_PREFIX + STEP_PREFIX, TRASH_PREFIX + STEP_PREFIX)
+
+
+def reading_lock(checkpoint: Path) -> Path:
+    """The lock file the readers of a checkpoint folder hold (shared) and its rotation takes (exclusive)."""
+    return checkpoint.with_name(READING_PREFIX + checkpoint.name)
 
 
 def checkpoint_name(step: int) -> str:

@@ -123,7 +123,7 @@ def test_a_command_of_one_process_out_of_memory_says_so_once(tmp_path, tiny_gpt2
     """`generate` (or consolidate, data prepare) out of memory was torch's traceback, exit status 1. The fix names a
     command's own knob only for that command: generate out of host memory was told to write smaller shards
     (consolidate's --max-shard-size, which generate does not take)."""
-    import accel_fsdp.cli.checkpoint as checkpoint_cli
+    import accel_fsdp.checkpoint.store as checkpoint_store
     import accel_fsdp.tools.generate as generate
 
     def fails(*args, **kwargs):
@@ -133,7 +133,7 @@ def test_a_command_of_one_process_out_of_memory_says_so_once(tmp_path, tiny_gpt2
         monkeypatch.setattr(generate, "generate", fails)
         message = user_error("generate", tiny_gpt2, "--prompt", "alice has a", "--max-new-tokens", "2")
     else:
-        monkeypatch.setattr(checkpoint_cli, "resolve_checkpoint", fails)
+        monkeypatch.setattr(checkpoint_store, "reading", fails)
         message = user_error("checkpoint", "consolidate", str(tmp_path), str(tmp_path / "out"))
     assert message.startswith("error: ") and said in message.splitlines()[0], message
     for knob in ("--device cpu", "--max-shard-size"):

@@ -78,8 +78,17 @@ class CheckpointInfo:
 
 
 def inspect_checkpoint(path: Path, *, verify: bool = False) -> CheckpointInfo:
-    """Read the manifest and check every file it lists is there with its size; with `verify`, also its CRC-32."""
+    """Read the manifest and check every file it lists is there with its size; with `verify`, also its CRC-32. One
+    that goes while it is inspected (a live run's rotation) is incomplete, and says so."""
     path = Path(path)
+    try:
+        return _inspect(path, verify)
+    except FileNotFoundError:
+        return CheckpointInfo(path, checkpoint_step(path.name), False, "removed while it was read (its run's "
+                              "rotation of old checkpoints)")
+
+
+def _inspect(path: Path, verify: bool) -> CheckpointInfo:
     step = checkpoint_step(path.name)
     manifest_path = path / MANIFEST
     if path.name.startswith(".tmp-"):
@@ -120,12 +129,18 @@ def latest_complete(root: Path) -> CheckpointInfo | None:
     return complete[-1] if complete else None
 
 
+def names_one_checkpoint(folder: Path) -> bool:
+    """A step folder (or one that holds a manifest), not a run folder or a folder of checkpoints."""
+    return (checkpoint_step(folder.name) is not None or folder.name.startswith(TMP_PREFIX + STEP_PREFIX)
+            or (folder / MANIFEST).exists())
+
+
 def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint", verify: bool = False) -> ResumePoint:
     """A checkpoint folder (refused when damaged: it was asked for), or a run folder / checkpoints folder: its newest
     complete checkpoint, with `verify` its newest whose files also match their CRC-32s, and the newer ones passed
     over (a file missing, cut short or, with `verify`, changed since), as a resume goes back past them."""
     p = existing_folder(path, what=what)
-    if checkpoint_step(p.name) is not None or p.name.startswith(TMP_PREFIX + STEP_PREFIX) or (p / MANIFEST).exists():
+    if names_one_checkpoint(p):
         info = inspect_checkpoint(p, verify=verify)
         if not info.complete:
             raise UserError(Problem(str(p), f"incomplete or corrupt checkpoint: {info.reason}",

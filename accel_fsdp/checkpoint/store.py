@@ -34,16 +34,25 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from accel_fsdp import __version__
-from accel_fsdp.checkpoint.index import CheckpointInfo, latest_complete, list_checkpoints
+from accel_fsdp.checkpoint.index import (
+    CheckpointInfo,
+    ResumePoint,
+    inspect_checkpoint,
+    latest_complete,
+    list_checkpoints,
+    names_one_checkpoint,
+    resolve_checkpoint,
+)
 from accel_fsdp.checkpoint.records import FORMAT, DamagedRecord, Manifest, TrainerState, damaged_if_unreadable
 from accel_fsdp.errors import Problem, UserError, first_line
-from accel_fsdp.files import crc32_of, fsync_dir, write_atomic
+from accel_fsdp.files import FileLock, crc32_of, fsync_dir, write_atomic
 
 # A checkpoint's file names live with every other path of a run, in layout.py.
 from accel_fsdp.layout import (
@@ -58,6 +67,7 @@ from accel_fsdp.layout import (
     TRASH_PREFIX,
     checkpoint_name,
     checkpoint_step,
+    reading_lock,
     rng_file,
 )
 
@@ -226,7 +236,9 @@ def rotate(root: Path, keep_last: int | None, *, newest: int | None = None, back
     what was removed.
 
     Each one is first renamed to `.trash-step-N` (atomic: never again seen as a checkpoint), then deleted; with
-    `background`, the deletion runs in a thread (`wait_for_rotations` joins it before the process ends)."""
+    `background`, the deletion runs in a thread (`wait_for_rotations` joins it before the process ends). One that a
+    reader holds (its `.reading-` lock, `reading` below: a consolidation of a live run's checkpoint) is
+    passed over, for a later rotation."""
     if not keep_last:
         return []
     checkpoints = list_checkpoints(root)
@@ -240,10 +252,19 @@ def rotate(root: Path, keep_last: int | None, *, newest: int | None = None, back
         if c.name in kept or checkpoint_step(c.name) >= (oldest_kept if c.complete else newest_kept):
             continue
         trash = c.path.with_name(TRASH_PREFIX + c.path.name)
+        readers = FileLock(reading_lock(c.path))
+        try:
+            if not readers.acquire(wait=False):  # being read (`accel-fsdp checkpoint consolidate`): a later save's
+                continue                         # rotation takes it
+        except OSError:
+            readers = None
         try:
             os.rename(c.path, trash)
         except OSError:
             continue
+        finally:
+            if readers is not None:
+                readers.release(remove=True)
         trashed.append((c.path, trash))
     for stale in root.glob(f"{TRASH_PREFIX}{STEP_PREFIX}*"):  # left by a process that ended while deleting
         if all(stale != t for _, t in trashed):
@@ -262,6 +283,77 @@ def rotate(root: Path, keep_last: int | None, *, newest: int | None = None, back
     else:
         delete()
     return [original for original, trash in trashed if original != trash]
+
+
+READ_ATTEMPTS = 5
+"""How often `reading` chooses again a checkpoint that rotation took between the choice and the lock."""
+
+
+@contextlib.contextmanager
+def reading(given: str | Path, *, verify: bool = True) -> Iterator[ResumePoint]:
+    """The checkpoint `given` names (a checkpoint, or a run folder's newest complete one: checkpoint/index.py
+    `resolve_checkpoint`), held against rotation while it is read: a shared lock on its `.reading-` file, which
+    `rotate` must take exclusively to delete it. A live run (checkpoint.keep_last) would otherwise delete the
+    checkpoint a consolidation is reading ("incomplete or corrupt" halfway through, every time with a save per
+    step). Chosen, then locked, then checked (with `verify`, its CRC-32s, under the lock; a damaged newest one of a
+    run folder is passed over for the one before it, locked in its turn); one rotated away between the choice and
+    the lock is chosen again. A folder this user cannot write in has no lock file, and nobody rotates there."""
+    one = names_one_checkpoint(Path(given))
+    for _ in range(READ_ATTEMPTS):
+        point = resolve_checkpoint(given, verify=False)
+        with contextlib.ExitStack() as held:
+            if not _hold(held, point.checkpoint.path):
+                continue  # rotated away meanwhile: choose again
+            if verify and one:
+                point = resolve_checkpoint(given, verify=True)  # reads it alone (refused when damaged)
+            elif verify:
+                point = _intact_under_locks(held, point)
+            yield point
+            return
+    raise UserError(Problem(str(given), f"its run rotated away each of the {READ_ATTEMPTS} checkpoints chosen "
+                            "before it could be read", "raise the run's checkpoint.keep_last, or read a checkpoint "
+                            "once the run has ended"))
+
+
+def _hold(held: contextlib.ExitStack, checkpoint: Path) -> bool:
+    """Hold `checkpoint`'s reading lock until `held` closes; whether the checkpoint is (still) there."""
+    lock = FileLock(reading_lock(checkpoint))
+    try:
+        lock.acquire(wait=True, shared=True)
+    except OSError:  # a folder this user cannot write in
+        return checkpoint.is_dir()
+    held.callback(_remove_unheld, lock.path)
+    held.callback(lock.release)
+    return checkpoint.is_dir()
+
+
+def _intact_under_locks(held: contextlib.ExitStack, point: ResumePoint) -> ResumePoint:
+    """The newest of a run folder's checkpoints, from the one chosen back, whose files match their CRC-32s, each
+    locked before it is read; the damaged ones passed over, as `newest_intact` passes them."""
+    chosen = point.checkpoint
+    passed = list(point.passed_over)
+    older = [c for c in reversed(list_checkpoints(chosen.path.parent))
+             if c.complete and checkpoint_step(c.name) <= checkpoint_step(chosen.name)]
+    for candidate in older:
+        if candidate.path != chosen.path and not _hold(held, candidate.path):
+            continue
+        checked = inspect_checkpoint(candidate.path, verify=True)
+        if checked.complete:
+            return ResumePoint(checked, passed)
+        passed.append(checked)
+    detail = "; ".join(f"{c.name}: {c.reason}" for c in passed)
+    raise UserError(Problem(str(chosen.path.parent), f"no complete checkpoint found ({detail})",
+                            "every checkpoint here is damaged or incomplete: restore one, or train again"))
+
+
+def _remove_unheld(path: Path) -> None:
+    """The lock file of a checkpoint no reader holds any more: removed (a reader waiting for it opens it again)."""
+    last = FileLock(path)
+    try:
+        if last.acquire(wait=False):
+            last.release(remove=True)
+    except OSError:
+        pass
 
 
 def wait_for_rotations() -> None:

@@ -13,7 +13,6 @@ from accel_fsdp.checkpoint.index import (
     describe,
     inspect_checkpoint,
     list_checkpoints,
-    resolve_checkpoint,
 )
 from accel_fsdp.cli.options import GivenPath, not_empty
 from accel_fsdp.config.precision import PRECISIONS
@@ -49,6 +48,7 @@ def checkpoint_consolidate(checkpoint_or_run, out_dir, dtype, max_shard_size, me
     accel-fsdp checkpoint consolidate runs/x/checkpoints/step-000200 out/x --max-shard-size 500MB
     """
     from accel_fsdp.checkpoint.consolidate import consolidate
+    from accel_fsdp.checkpoint.store import reading
 
     if base_model and not merge:
         raise UserError(Problem("--base-model", "only applies to --merge (the base the adapter is merged into)",
@@ -59,21 +59,23 @@ def checkpoint_consolidate(checkpoint_or_run, out_dir, dtype, max_shard_size, me
         raise UserError(size_problem("--max-shard-size", max_shard_size, "2GB or 500MB")) from None
     if (dangling := dangling_link_problem(out_dir)) is not None:  # resolve() below would raise on a loop
         raise UserError(dangling)
-    point = resolve_checkpoint(checkpoint_or_run, verify=True)
-    info = point.checkpoint
-    for newer in point.passed_over:
-        click.echo(f"note: {newer.path} is newer but not usable ({newer.reason}): exporting {info.name}", err=True)
-    if out_dir.resolve().is_relative_to(info.path.resolve()):
-        raise UserError(Problem(str(out_dir), f"is inside the checkpoint {info.path}", "write the export elsewhere"))
-    if dtype is None:
-        try:
-            dtype = read_saved_recipe(info.path / RECIPE_FILE).get("checkpoint", {}).get("export_dtype", "fp32")
-        except UserError:
-            dtype = "fp32"
-    if merge and not info.manifest.lora:
-        raise UserError(Problem("--merge", f"{info.path} is not a LoRA checkpoint", "drop --merge"))
-    click.echo(f"consolidating {info.path} (step {info.manifest.step}, {info.manifest.state_dict_type}) -> {out_dir}")
-    report = consolidate(info, out_dir, dtype=dtype, max_shard_size=size, merge_lora=merge, base_model=base_model)
+    with reading(checkpoint_or_run) as point:  # a live run's rotation passes over it meanwhile
+        info = point.checkpoint
+        for newer in point.passed_over:
+            click.echo(f"note: {newer.path} is newer but not usable ({newer.reason}): exporting {info.name}", err=True)
+        if out_dir.resolve().is_relative_to(info.path.resolve()):
+            raise UserError(Problem(str(out_dir), f"is inside the checkpoint {info.path}",
+                                    "write the export elsewhere"))
+        if dtype is None:
+            try:
+                dtype = read_saved_recipe(info.path / RECIPE_FILE).get("checkpoint", {}).get("export_dtype", "fp32")
+            except UserError:
+                dtype = "fp32"
+        if merge and not info.manifest.lora:
+            raise UserError(Problem("--merge", f"{info.path} is not a LoRA checkpoint", "drop --merge"))
+        click.echo(f"consolidating {info.path} (step {info.manifest.step}, {info.manifest.state_dict_type}) -> "
+                   f"{out_dir}")
+        report = consolidate(info, out_dir, dtype=dtype, max_shard_size=size, merge_lora=merge, base_model=base_model)
     click.echo(report.summary())
 
 
