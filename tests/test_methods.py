@@ -102,3 +102,24 @@ def test_preference_keys_with_sft_are_refused_unless_left_at_their_defaults():
         assert ok.exit_code == 0, ok.output
     ok = CliRunner().invoke(main, ["recipe", "validate", "quickstart", "--set", "preference.gamma=1.0"])
     assert ok.exit_code == 0, ok.output
+
+
+def test_orpo_on_an_answer_the_model_is_certain_of_has_finite_gradients():
+    """Every token of the chosen answer at probability 1 (to fp32's precision: an overfit model, a short answer): its
+    log odds are infinite, and their gradient was nan (torch.where's other branch too), which would stop the run. The
+    odds-ratio term then goes to 0 with a gradient of 0, as in the limit; the NLL term keeps its own; an answer short
+    of certain is computed as before."""
+    from accel_fsdp.train.methods.orpo import CERTAIN, log1mexp, orpo_loss
+
+    chosen = torch.tensor([0.0, -0.5], requires_grad=True)
+    rejected = torch.tensor([-3.0, -1.0], requires_grad=True)
+    out = orpo_loss(policy_chosen_logps=chosen, policy_rejected_logps=rejected, chosen_tokens=torch.tensor([2.0, 2.0]),
+                    rejected_tokens=torch.tensor([2.0, 2.0]), lambda_=0.1)
+    (out.losses + out.chosen_nll).sum().backward()
+    assert torch.isfinite(chosen.grad).all() and torch.isfinite(rejected.grad).all()
+    assert chosen.grad[0].item() == -1.0  # the NLL's alone
+    assert 0 <= out.losses[0].item() < 1e-8  # 0.1 x log(1 + e^-(15.9 + 1.25)): the odds capped at log(1/CERTAIN)
+    a_c, a_r = -0.25, -0.5
+    odds = (a_c - math.log(-math.expm1(a_c))) - (a_r - math.log(-math.expm1(a_r)))
+    assert out.losses[1].item() == pytest.approx(0.1 * math.log1p(math.exp(-odds)), rel=1e-6)
+    assert log1mexp(torch.tensor(-CERTAIN)).item() == pytest.approx(math.log(CERTAIN), rel=1e-6)
