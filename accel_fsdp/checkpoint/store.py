@@ -58,6 +58,7 @@ from accel_fsdp.files import FileLock, crc32_of, fsync_dir, write_atomic
 from accel_fsdp.layout import (
     HF_DIR,
     MANIFEST,
+    READING_PREFIX,
     RECIPE_FILE,
     SCALER_FILE,
     SETTINGS_FILE,
@@ -269,6 +270,9 @@ def rotate(root: Path, keep_last: int | None, *, newest: int | None = None, back
     for stale in root.glob(f"{TRASH_PREFIX}{STEP_PREFIX}*"):  # left by a process that ended while deleting
         if all(stale != t for _, t in trashed):
             trashed.append((stale, stale))
+    for lock in root.glob(f"{READING_PREFIX}{STEP_PREFIX}*"):  # a reader's or a rotation's, killed meanwhile
+        if not (root / lock.name.removeprefix(READING_PREFIX)).exists():
+            _remove_unheld(lock)
 
     def delete() -> None:
         for _, trash in trashed:
