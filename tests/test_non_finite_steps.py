@@ -13,7 +13,8 @@ from conftest import read_metrics, run_cli, tiny_recipe
 
 from accel_fsdp.config.recipe import Recipe
 from accel_fsdp.errors import UserError
-from accel_fsdp.train.finite import NAMES_SHOWN, FiniteSteps, plain_name
+from accel_fsdp.checkpoint.consolidate import plain_name
+from accel_fsdp.train.finite import NAMES_SHOWN, FiniteSteps
 
 
 class OneProcess:
@@ -152,3 +153,15 @@ def test_the_fault_writes_into_a_shard_the_rank_holds():
     untouched = torch.nn.Linear(2, 2)
     Faults("nan:3@1", rank=0).after_step(3, untouched)
     assert torch.isfinite(untouched.weight).all()
+
+
+def test_a_4bit_base_is_passed_over_when_the_weights_are_searched():
+    """torchao's NF4Tensor has no isfinite (NotImplementedError); training never writes it, so the search skips it
+    and still names the adapters' weights."""
+    from accel_fsdp.model.nf4 import to_nf4
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 2, bias=False))
+    model[0].weight = torch.nn.Parameter(to_nf4(torch.randn(64, 64, dtype=torch.bfloat16)), requires_grad=False)
+    with torch.no_grad():
+        model[1].weight[0, 0] = float("nan")
+    assert guard(model).nonfinite_weights() == ["1.weight"]

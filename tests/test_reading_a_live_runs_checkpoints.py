@@ -47,23 +47,31 @@ def test_a_run_folder_is_read_at_its_newest_checkpoint_and_a_damaged_one_is_pass
         assert not FileLock(reading_lock(root / "step-000001")).acquire(wait=False)  # held by this reader
 
 
-def test_a_reader_waiting_for_a_lock_file_that_rotation_removes_locks_the_one_the_path_names(tmp_path):
-    """Rotation removes the lock file it held; a reader that opened the old one meanwhile must not hold a lock on a
-    file nobody else sees."""
+def test_a_reader_waiting_for_a_lock_file_that_rotation_removes_locks_the_one_the_path_names(tmp_path, monkeypatch):
+    """Rotation removes the lock file it held; a reader that had opened the old one and waited in flock must not end
+    holding a lock on a file nobody else sees. The removal is made to happen inside the reader's first flock."""
+    import fcntl
+
+    from accel_fsdp import files
+
     path = tmp_path / (READING_PREFIX + "step-000001")
-    rotation = FileLock(path)
-    assert rotation.acquire(wait=False)
-    waiter = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom accel_fsdp.files import FileLock\n"
-                               f"lock = FileLock({str(path)!r}); lock.acquire(wait=True, shared=True)\n"
-                               "print('locked', flush=True); time.sleep(30)"], stdout=subprocess.PIPE, text=True)
-    try:
-        time.sleep(1.5)  # the waiter has opened the file and waits in flock
-        rotation.release(remove=True)
-        assert waiter.stdout.readline().strip() == "locked"
-        assert not FileLock(path).acquire(wait=False)  # its lock is on the file the path names now
-    finally:
-        waiter.kill()
-        waiter.wait()
+    flocked = []
+    real_flock = fcntl.flock
+
+    def flock(fd, operation):
+        if not flocked:  # while this waited, the holder removed the file, and another reader made it anew
+            path.unlink()
+            path.write_text("")
+        flocked.append(fd)
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(files.fcntl, "flock", flock)
+    reader = FileLock(path)
+    assert reader.acquire(wait=True, shared=True)
+    monkeypatch.undo()
+    assert len(flocked) == 2  # opened again, and locked there
+    assert not FileLock(path).acquire(wait=False)  # the file the path names now is the one held
+    reader.release()
 
 
 def test_a_checkpoint_folder_this_user_cannot_write_is_read_without_a_lock(tmp_path, monkeypatch):

@@ -221,13 +221,21 @@ class _TensorSource:
         return wanted
 
 
+WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+"""What activation checkpointing, compile and FSDP1 insert into a parameter's name."""
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name as the model defines it, without the wrappers' parts (a checkpoint's keys, a live model's
+    named_parameters)."""
+    for part in WRAPPERS:
+        name = name.replace(part, "")
+    return name
+
+
 def _canonical(key: str, dcp: bool) -> str:
     """The model's own parameter name: without DCP's top-level "model." entry and FSDP/AC/compile wrappers."""
-    if dcp:
-        key = key.removeprefix("model.")
-    for part in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        key = key.replace(part, "")
-    return key
+    return plain_name(key.removeprefix("model.") if dcp else key)
 
 
 def _output_keys(info: CheckpointInfo, reader: _TensorSource, adapter: bool) -> list[tuple[str, str]]:

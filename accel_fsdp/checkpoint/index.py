@@ -10,6 +10,7 @@ inspect` answers at once).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,12 +136,15 @@ def names_one_checkpoint(folder: Path) -> bool:
             or (folder / MANIFEST).exists())
 
 
-def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint", verify: bool = False) -> ResumePoint:
+def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint", verify: bool = False,
+                       hold: Callable[[Path], bool] | None = None) -> ResumePoint:
     """A checkpoint folder (refused when damaged: it was asked for), or a run folder / checkpoints folder: its newest
     complete checkpoint, with `verify` its newest whose files also match their CRC-32s, and the newer ones passed
     over (a file missing, cut short or, with `verify`, changed since), as a resume goes back past them."""
     p = existing_folder(path, what=what)
     if names_one_checkpoint(p):
+        if hold is not None:
+            hold(p)
         info = inspect_checkpoint(p, verify=verify)
         if not info.complete:
             raise UserError(Problem(str(p), f"incomplete or corrupt checkpoint: {info.reason}",
@@ -148,7 +152,7 @@ def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint", verify: bo
                                     "on the run folder)"))
         return ResumePoint(info, [])
     for candidate in checkpoint_folders_of(p):
-        found = newest_intact(candidate, verify_up_to=float("inf") if verify else -1)
+        found = newest_intact(candidate, verify_up_to=float("inf") if verify else -1, hold=hold)
         if found.checkpoint is not None:
             return found
     seen = [c for r in checkpoint_folders_of(p) for c in list_checkpoints(r)]
@@ -201,12 +205,16 @@ def checkpoint_to_resume(root: Path, resume_from: str | None, *, accelerator=Non
                             "restore a damaged checkpoint, or drop --resume and add --overwrite to start over"))
 
 
-def newest_intact(root: Path, *, accelerator=None, verify_up_to: float = float("inf")) -> ResumePoint:
+def newest_intact(root: Path, *, accelerator=None, verify_up_to: float = float("inf"),
+                  hold: Callable[[Path], bool] | None = None) -> ResumePoint:
     """The newest checkpoint under `root` that is complete and whose files match their CRC-32s (not read for one
     larger than `verify_up_to` bytes; None when there is none), with the newer ones passed over and why. With an
-    `accelerator` (collective), the ranks share the reading."""
+    `accelerator` (collective), the ranks share the reading. `hold`: called with each complete one before its files
+    are read (a reader's lock against rotation, store.py `reading`); False: it is gone, and passed by."""
     passed_over = []
     for info in reversed(list_checkpoints(root)):
+        if info.complete and hold is not None and not hold(info.path):
+            continue
         if info.complete and info.manifest.total_bytes <= verify_up_to:
             bad = damaged_files(info, accelerator)
             if bad:

@@ -44,10 +44,8 @@ from accel_fsdp import __version__
 from accel_fsdp.checkpoint.index import (
     CheckpointInfo,
     ResumePoint,
-    inspect_checkpoint,
     latest_complete,
     list_checkpoints,
-    names_one_checkpoint,
     resolve_checkpoint,
 )
 from accel_fsdp.checkpoint.records import FORMAT, DamagedRecord, Manifest, TrainerState, damaged_if_unreadable
@@ -290,28 +288,31 @@ def rotate(root: Path, keep_last: int | None, *, newest: int | None = None, back
 
 
 READ_ATTEMPTS = 5
-"""How often `reading` chooses again a checkpoint that rotation took between the choice and the lock."""
+"""How often `reading` chooses again when rotation took its choice between the choice and the lock."""
 
 
 @contextlib.contextmanager
 def reading(given: str | Path, *, verify: bool = True) -> Iterator[ResumePoint]:
-    """The checkpoint `given` names (a checkpoint, or a run folder's newest complete one: checkpoint/index.py
+    """The checkpoint `given` names (a checkpoint, or a run folder's newest intact one: checkpoint/index.py
     `resolve_checkpoint`), held against rotation while it is read: a shared lock on its `.reading-` file, which
-    `rotate` must take exclusively to delete it. A live run (checkpoint.keep_last) would otherwise delete the
-    checkpoint a consolidation is reading ("incomplete or corrupt" halfway through, every time with a save per
-    step). Chosen, then locked, then checked (with `verify`, its CRC-32s, under the lock; a damaged newest one of a
-    run folder is passed over for the one before it, locked in its turn); one rotated away between the choice and
-    the lock is chosen again. A folder this user cannot write in has no lock file, and nobody rotates there."""
-    one = names_one_checkpoint(Path(given))
+    `rotate` must take exclusively to delete it, taken before any of its files is read (its CRC-32s with `verify`).
+    A live run (checkpoint.keep_last) would otherwise delete the checkpoint a consolidation is reading ("incomplete
+    or corrupt" halfway through, every time with a save per step). A choice rotation took before the lock is made
+    again. A folder this user cannot write in has no lock file, and nobody rotates there."""
     for _ in range(READ_ATTEMPTS):
-        point = resolve_checkpoint(given, verify=False)
+        gone: list[Path] = []
         with contextlib.ExitStack() as held:
-            if not _hold(held, point.checkpoint.path):
-                continue  # rotated away meanwhile: choose again
-            if verify and one:
-                point = resolve_checkpoint(given, verify=True)  # reads it alone (refused when damaged)
-            elif verify:
-                point = _intact_under_locks(held, point)
+            def hold(checkpoint: Path) -> bool:  # called within this iteration only
+                there = _hold(held, checkpoint)
+                if not there:
+                    gone.append(checkpoint)
+                return there
+            try:
+                point = resolve_checkpoint(given, verify=verify, hold=hold)
+            except UserError:
+                if gone:  # rotated away under the choice: choose again
+                    continue
+                raise
             yield point
             return
     raise UserError(Problem(str(given), f"its run rotated away each of the {READ_ATTEMPTS} checkpoints chosen "
@@ -329,25 +330,6 @@ def _hold(held: contextlib.ExitStack, checkpoint: Path) -> bool:
     held.callback(_remove_unheld, lock.path)
     held.callback(lock.release)
     return checkpoint.is_dir()
-
-
-def _intact_under_locks(held: contextlib.ExitStack, point: ResumePoint) -> ResumePoint:
-    """The newest of a run folder's checkpoints, from the one chosen back, whose files match their CRC-32s, each
-    locked before it is read; the damaged ones passed over, as `newest_intact` passes them."""
-    chosen = point.checkpoint
-    passed = list(point.passed_over)
-    older = [c for c in reversed(list_checkpoints(chosen.path.parent))
-             if c.complete and checkpoint_step(c.name) <= checkpoint_step(chosen.name)]
-    for candidate in older:
-        if candidate.path != chosen.path and not _hold(held, candidate.path):
-            continue
-        checked = inspect_checkpoint(candidate.path, verify=True)
-        if checked.complete:
-            return ResumePoint(checked, passed)
-        passed.append(checked)
-    detail = "; ".join(f"{c.name}: {c.reason}" for c in passed)
-    raise UserError(Problem(str(chosen.path.parent), f"no complete checkpoint found ({detail})",
-                            "every checkpoint here is damaged or incomplete: restore one, or train again"))
 
 
 def _remove_unheld(path: Path) -> None:

@@ -24,12 +24,12 @@ from collections.abc import Callable
 
 import torch
 
+from accel_fsdp.checkpoint.consolidate import plain_name
 from accel_fsdp.errors import Problem, UserError
+from accel_fsdp.model.nf4 import is_nf4
 
 NAMES_SHOWN = 5
 """Weights named in the message; the rest are counted."""
-WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-"""What activation checkpointing, compile and FSDP1 insert into a parameter's name."""
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:
@@ -51,7 +51,7 @@ class FiniteSteps:
         """fp16's grad scaler is on: a non-finite norm with a finite loss is a step it skips."""
         self.newest_checkpoint = newest_checkpoint
         """The newest checkpoint of the run (this attempt's last save, or the one it resumed from), or None."""
-        self._started_from = started_from
+        self.started_from = started_from
         """Where this attempt's weights came from, as the message names it (the model's key, or the checkpoint), and
         whether that is a checkpoint it resumed from."""
         self.settle = settle
@@ -62,13 +62,6 @@ class FiniteSteps:
 
     def start(self, next_step: int) -> None:
         self.first_step = next_step
-
-    def started_from(self) -> str:
-        return self._started_from()[0]
-
-    @property
-    def resumed(self) -> bool:
-        return self._started_from()[1]
 
     def check(self, step: int, grad_norm: torch.Tensor, step_loss: torch.Tensor) -> None:
         """Before optimizer step `step` is taken: return if its gradient norm is finite (every rank alike), else,
@@ -88,21 +81,15 @@ class FiniteSteps:
 
     def nonfinite_weights(self) -> list[str]:
         """Collective: the weights whose values (any rank's shard of them) are not all finite, by their own names.
-        A tensor type without `isfinite` (a 4-bit base's) is left out: training never writes it."""
+        A 4-bit base's NF4 weights are left out (torchao's tensor has no isfinite; training never writes them)."""
         local = []
         for name, param in self.model.named_parameters():
-            value = param.to_local() if hasattr(param, "to_local") else param
-            try:
-                finite = value.numel() == 0 or bool(torch.isfinite(value.detach()).all())
-            except (NotImplementedError, RuntimeError, TypeError):
+            if is_nf4(param):
                 continue
-            if not finite:
+            value = (param.to_local() if hasattr(param, "to_local") else param).detach()
+            if value.numel() and not bool(torch.isfinite(value).all()):
                 local.append(plain_name(name))
-        seen: dict[str, None] = {}
-        for part in self.gather([local]):
-            for name in part if isinstance(part, list) else [part]:
-                seen.setdefault(name, None)
-        return list(seen)
+        return list(dict.fromkeys(name for part in self.gather([local]) for name in part))  # rank order, once each
 
     def problem(self, step: int, norm: float, loss: float, weights: list[str]) -> Problem:
         recipe, t = self.recipe, self.recipe.training
@@ -115,10 +102,11 @@ class FiniteSteps:
                                                         if len(weights) > NAMES_SHOWN else "")
             damaged = f"{len(weights)} weight tensor(s) hold non-finite values ({shown})"
             if step == self.first_step:  # every step before was checked: these are the weights it started from
-                fix = ("resume from an earlier checkpoint (--resume-from PATH)" if self.resumed
+                origin, resumed = self.started_from()
+                fix = ("resume from an earlier checkpoint (--resume-from PATH)" if resumed
                        else "the model's files are damaged or hold a model that diverged: download or export them "
                             "again")
-                return Problem(self.started_from(), f"{damaged} as this run read them; {stopped}", fix)
+                return Problem(origin, f"{damaged} as this run read them; {stopped}", fix)
             stopped = f"{stopped}; {damaged}"
         fixes = [f"lower training.lr (now {t.lr:g})"]
         if t.max_grad_norm is None:
@@ -130,13 +118,6 @@ class FiniteSteps:
                  "export to keep its progress (accel-fsdp checkpoint consolidate)" if newest else
                  ", and run it again (--overwrite)")
         return Problem(recipe.where("training.lr"), stopped, choice + again)
-
-
-def plain_name(name: str) -> str:
-    """A parameter's name as the model defines it, without the wrappers' parts."""
-    for part in WRAPPERS:
-        name = name.replace(part, "")
-    return name
 
 
 def _gather_object(objects: list) -> list:
