@@ -14,7 +14,7 @@ from conftest import read_metrics, run_cli, tiny_recipe
 from accel_fsdp.config.recipe import Recipe
 from accel_fsdp.errors import UserError
 from accel_fsdp.checkpoint.consolidate import plain_name
-from accel_fsdp.train.finite import NAMES_SHOWN, FiniteSteps
+from accel_fsdp.train.finite import NAMES_SHOWN, FiniteSteps, StepFlag, skips_on_device
 
 
 class OneProcess:
@@ -31,11 +31,11 @@ class OneProcess:
         return tensor
 
 
-def guard(model=None, *, scaled=False, newest=None, resumed=False, k=2, max_grad_norm=1.0):
+def guard(model=None, *, scaled=False, newest=None, resumed=False, k=2, max_grad_norm=1.0, optimizer=None):
     recipe = Recipe()
     recipe.training.lr, recipe.training.max_grad_norm = 3e-4, max_grad_norm
     check = FiniteSteps(OneProcess(), model or torch.nn.Linear(2, 2), recipe, accumulation_steps=k, scaled=scaled,
-                        newest_checkpoint=lambda: newest,
+                        newest_checkpoint=lambda: newest, optimizer=optimizer,
                         started_from=lambda: ("ckpt/step-000004 (resumed)" if resumed else "r.yaml:3: model", resumed),
                         gather=lambda objects: objects)
     check.start(5 if resumed else 1)
@@ -92,6 +92,85 @@ def test_damaged_starting_weights_are_named_where_the_run_read_them():
     later = problem(guard(model), 9, float("nan"), float("nan"))  # weights gone bad during the run: the lr's fault
     assert later.where == "training.lr" and later.message.endswith("hold non-finite values (0.weight, 0.bias, "
                                                                    "1.weight, 2.weight, 3.weight and 3 more)")
+
+
+class Wrapped:
+    """Accelerate's AcceleratedOptimizer, as far as the decision reads it."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+
+def test_the_device_skips_a_step_only_for_an_optimizer_that_reads_the_flag_and_no_scaler_sets_it():
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    fused = torch.optim.AdamW(params, fused=True)
+    assert skips_on_device(fused, scaled=False) and skips_on_device(Wrapped(fused), scaled=False)
+    assert not skips_on_device(fused, scaled=True)  # fp16: the grad scaler sets found_inf itself
+    assert not skips_on_device(torch.optim.AdamW(params, foreach=True), scaled=False)  # found_inf: fused only
+    assert not skips_on_device(torch.optim.SGD(params, lr=0.1), scaled=False)
+    assert guard(optimizer=torch.optim.AdamW(params, foreach=True)).flag is None  # read at once, as before
+    # a norm where the parameters are not (a GPU's, of parameters offloaded to the host): read at once, since torch
+    # would hand the kernel a non-blocking copy of the verdict (the meta device stands in for the GPU here)
+    assert StepFlag(fused).serves(torch.tensor(1.0)) and not StepFlag(fused).serves(torch.tensor(1.0, device="meta"))
+
+
+def one_step(model, optimizer, check, step, poisoned=False):
+    loss = model(torch.ones(1, 2)).sum() * (float("nan") if poisoned else 1.0)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    check.guard(step, norm, loss.detach())
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_a_non_finite_step_is_skipped_on_the_device_and_stops_the_run_when_the_host_reads_it():
+    """The fused kernel leaves weights, moments and step counts as they were; the host's read comes at the next
+    step's guard (or before a row, an evaluation, a checkpoint: `confirm`), with the message of the step itself."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    check = guard(model, optimizer=Wrapped(optimizer), newest="run/checkpoints/step-000002")
+    one_step(model, optimizer, check, 1)
+    one_step(model, optimizer, check, 2)  # confirms step 1: finite, no collective
+    assert check.accelerator.reductions == 0 and check.pending.step == 2
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    state = {name: {k: v.clone() for k, v in optimizer.state[p].items()} for name, p in model.named_parameters()}
+    one_step(model, optimizer, check, 3, poisoned=True)  # confirms step 2, hands step 3 to the device's skip
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+        for key, value in optimizer.state[p].items():
+            assert torch.equal(value, state[name][key]), (name, key)
+    with pytest.raises(UserError) as raised:
+        check.confirm()
+    assert raised.value.problems[0].message.startswith("optimizer step 3's gradient norm is nan (its loss: nan): the "
+                                                       "run stops before the step changes a weight; the newest "
+                                                       "checkpoint, run/checkpoints/step-000002, was saved before it")
+    check.confirm()  # read once: nothing waits any more
+    one_step(model, optimizer, check, 4)  # a later finite step is taken as ever
+    assert not torch.equal(model.weight, before["weight"])
+
+
+def test_a_finite_verdict_leaves_the_update_bit_for_bit_as_without_it():
+    """The flag changes no step it lets through: weights, moments and step counts equal, bit for bit, those of the
+    same fused AdamW without `found_inf` (its step counts have 0.0 subtracted: exact)."""
+    models = []
+    for with_flag in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01, fused=True)
+        flag = StepFlag(optimizer)
+        for step in range(5):
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).sum().backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if with_flag:
+                assert StepFlag.finite(flag.set(step, norm, norm))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        models.append((model, optimizer))
+    (plain, plain_opt), (flagged, flagged_opt) = models
+    for a, b in zip(plain.parameters(), flagged.parameters()):
+        assert torch.equal(a, b)
+        assert all(torch.equal(plain_opt.state[a][k], flagged_opt.state[b][k]) for k in plain_opt.state[a])
 
 
 def test_names_lose_the_wrappers_of_fsdp_checkpointing_and_compile():

@@ -5,6 +5,7 @@ writes and reads the files, checkpoint/index.py finds and judges them."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from accel_fsdp.checkpoint import index as checkpoint_index
@@ -53,10 +54,13 @@ class Checkpointer:
         """The fingerprint of the weights the run started from, where its checkpoints hold only against them
         (data/identity.py `weights_fingerprint`): saved in each manifest, compared on resume."""
 
-    def after_step(self, state: TrainingState) -> None:
+    def after_step(self, state: TrainingState, before_save: Callable[[], None] = lambda: None) -> None:
+        """`before_save`: confirms that the step was taken (train/finite.py), before a checkpoint records it."""
         if self.every and state.step % self.every == 0 and state.step != self.total_steps:
+            before_save()
             self.save(state)
         if self.preemption.agreed():
+            before_save()
             self.stop_preempted(state)
 
     def at_end(self, state: TrainingState) -> None:

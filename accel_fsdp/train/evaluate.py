@@ -20,8 +20,12 @@ class Evaluator:
         self.last_step: int | None = None
         self._shares: dict[str, dict[str, float]] | None = None
 
+    def due(self, step: int) -> bool:
+        """Optimizer step `step` is followed by an evaluation (the last one's is the end's)."""
+        return bool(self.every) and step % self.every == 0 and step != self.run.total_steps
+
     def after_step(self, state: TrainingState) -> None:
-        if self.every and state.step % self.every == 0 and state.step != self.run.total_steps:
+        if self.due(state.step):
             self.evaluate(state.step)
 
     def resumed_at_end(self, step: int, evaluated_on_main: bool) -> None:

@@ -1,7 +1,8 @@
 """The training loop: runs inside every rank of a distributed launch, after train/setup.py built the run.
 
-For each optimizer step: its micro-steps accumulated, clip, a check that the gradients are finite (train/finite.py),
-step, schedule; then the components that own a cadence look at the step (logger, evaluator, checkpointer; test hooks
+For each optimizer step: its micro-steps accumulated, clip, a check that the gradients are finite (train/finite.py: the
+device skips a step that is not, and the host reads the verdict before the model is next read or saved), step,
+schedule; then the components that own a cadence look at the step (logger, evaluator, checkpointer; test hooks
 first). At the end: final evaluation, checkpoint, sample, export.
 
 Loss normalization: the loss of an optimizer step is the mean over every loss-carrying token (for preference
@@ -51,7 +52,7 @@ def fit(run: Run, parts: Components, state: TrainingState) -> None:
                     with profiler.region(CLIPPING):
                         grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
                     scale = acc.scaler.get_scale() if acc.scaler is not None else None  # fp16
-                    parts.finite.check(state.step + 1, grad_norm, step_loss)  # before the step changes a weight
+                    parts.finite.guard(state.step + 1, grad_norm, step_loss)  # before the step changes a weight
                 with profiler.region(OPTIMIZER):
                     optimizer.step()  # skipped by Accelerate until the last micro-step
                     optimizer.zero_grad(set_to_none=True)
@@ -63,9 +64,12 @@ def fit(run: Run, parts: Components, state: TrainingState) -> None:
         doing(f"the logging, evaluation and checkpoint after optimizer step {state.step}")
 
         parts.hooks.after_step(state.step, micro_batches)
+        if parts.logger.due(state.step) or parts.evaluator.due(state.step):
+            parts.finite.confirm()  # a row or an evaluation reads this step: it was taken
         parts.logger.after_step(state, lr, grad_norm, tokens, units)
         parts.evaluator.after_step(state)
-        parts.checkpointer.after_step(state)
+        parts.checkpointer.after_step(state, before_save=parts.finite.confirm)
+    parts.finite.confirm()  # the last step, before the end's evaluation, checkpoint and export
     profiler.close()
     parts.logger.close()
     parts.hooks.close()

@@ -493,7 +493,8 @@ def build_components(run: Run, switches: TestSwitches) -> Components:
                             device_type=acc.device.type, say=run.terminal.say)
     finite = FiniteSteps(acc, run.model, recipe, accumulation_steps=run.sampler.accumulation_steps,
                          scaled=acc.scaler is not None, newest_checkpoint=checkpointer.newest_checkpoint,
-                         started_from=checkpointer.started_from, settle=checkpointer.wait)
+                         started_from=checkpointer.started_from, optimizer=run.optimizer,
+                         wait_for_checkpointer=checkpointer.wait)
     return Components(logger=logger, evaluator=Evaluator(run, metrics), checkpointer=checkpointer, hooks=hooks,
                       profiler=profiler, finite=finite)
 
