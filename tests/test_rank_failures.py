@@ -11,7 +11,18 @@ import pytest
 from conftest import WallClockBound, read_metrics, run_cli, run_in_process, stock_accelerate_launch, tiny_recipe
 
 from accel_fsdp.launch.launcher import ended_early, hang_problem
-from accel_fsdp.train.lifetime import STOPPED, TIMED_OUT, USER_ERROR, RankRecord
+from accel_fsdp.train import lifetime
+from accel_fsdp.train.lifetime import (
+    INTERRUPTED,
+    INTERRUPTED_BY_USER,
+    PEER_FAILED,
+    STOPPED,
+    TIMED_OUT,
+    USER_ERROR,
+    Preemption,
+    RankRecord,
+    RankRecords,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -84,6 +95,40 @@ def test_the_launcher_says_each_user_error_once_and_names_where_ranks_waited(cap
     assert problem.message == (f"the ranks waited 1 min (fsdp.collective_timeout_minutes: 1) for each other in "
                                f"different places (rank 0 in {step}; rank 1 in the save of the checkpoint of step 3): "
                                "they ran different collectives, a bug of accel-fsdp: please report it with this output")
+
+
+class Left(Exception):
+    """`leave(status)`, which ends the process, raised instead."""
+
+
+def test_ctrl_c_to_one_rank_is_not_taken_for_a_preemption_by_the_ranks_torchrun_then_stops(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """`kill -INT` to rank 1: it ends (130), torchrun's agent sends SIGTERM to rank 0, whose handler must see that
+    another rank ended (its record) and end quietly, not announce a preemption checkpoint above the launcher's
+    "interrupted" line. The record was once missing, and whether rank 0 printed the line was a race."""
+    def leave(status):
+        raise Left(status)
+
+    monkeypatch.setattr(lifetime, "leave", leave)
+    records = RankRecords(tmp_path)
+    monkeypatch.setenv("RANK", "1")
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(Left) as left, monkeypatch.context() as env:
+        env.setenv(lifetime.RANK_RECORDS_ENV, str(tmp_path))
+        lifetime.run_rank(interrupted)
+    assert left.value.args == (INTERRUPTED,)
+    assert records.read()[1].why == INTERRUPTED_BY_USER
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(Left) as left:
+        Preemption(records)._on_signal(lifetime.signal.SIGTERM, None)  # torchrun stopping the rest
+    assert left.value.args == (PEER_FAILED,) and capsys.readouterr().err == ""
+    assert records.read()[0].why == STOPPED
+    for machines in (1, 2):  # the exit statuses say it (130): not "a rank of another machine ended early"
+        assert ended_early(records.read(), range(2), machines) is None
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ from accel_fsdp.layout import PREEMPTED_FILE, finished_since
 from accel_fsdp.train.lifetime import (
     CRASHED,
     INTERRUPTED,
+    INTERRUPTED_BY_USER,
     LAUNCHER_PID_ENV,
     OUT_OF_MEMORY_FIX,
     PEER_FAILED,
@@ -329,6 +330,8 @@ def ended_early(records: dict[int, RankRecord], local_ranks: range, machines: in
         for r in by_why[CRASHED]:
             print(f"error: rank {r.rank} failed in {r.doing} (its traceback is above)", file=sys.stderr)
         return 1
+    if INTERRUPTED_BY_USER in by_why:
+        return None  # Ctrl-C to a rank of this machine: its exit status (130) says it, the others followed
     if STOPPED in by_why and machines > 1:
         print("error: this machine's ranks stopped because a rank of another machine ended early: that machine's "
               "output says why", file=sys.stderr)

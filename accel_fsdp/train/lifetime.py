@@ -185,6 +185,9 @@ class Preempted(Exception):
 # ------------------------------------------------------------------------------------------------ an early end
 
 USER_ERROR, TIMED_OUT, STOPPED, CRASHED = "user-error", "timed-out", "stopped", "crashed"
+INTERRUPTED_BY_USER = "interrupted"
+"""A rank's record of a Ctrl-C (SIGINT): its exit status (130) says it to the launcher; the record tells the other
+ranks that the SIGTERM torchrun then sends them is not a preemption."""
 """Why a rank ended early: a user's mistake (exit 2), a collective that waited past the timeout, stopped because
 another rank failed (PEER_FAILED), or a bug of ours (its traceback is in the rank's output)."""
 
@@ -195,7 +198,7 @@ class RankRecord:
 
     rank: int
     why: str
-    """USER_ERROR, TIMED_OUT, STOPPED or CRASHED."""
+    """USER_ERROR, TIMED_OUT, STOPPED, CRASHED or INTERRUPTED_BY_USER."""
     doing: str
     """What the rank was doing (or waiting in) when it ended."""
     message: str = ""
@@ -464,7 +467,10 @@ def run_rank(train) -> None:
             print(f"preempted ({p.signal_name}) after step {p.step}: checkpoint {p.checkpoint}; continue with the same "
                   "command and --resume (or --resume auto)", file=sys.stderr)
         leave(PREEMPTED)
-    except KeyboardInterrupt:  # Ctrl-C reaches every rank; the launcher says what to do next
+    except KeyboardInterrupt:  # Ctrl-C; the launcher says what to do next
+        # Recorded first: a SIGINT to this rank alone (`kill -INT`) makes torchrun SIGTERM the others, which must
+        # not take it for a preemption (a line "stopping after this optimizer step" above the launcher's one).
+        records.write(RankRecord(rank(), INTERRUPTED_BY_USER, WHEREABOUTS.doing))
         leave(INTERRUPTED)
     except Exception as e:
         kind = out_of_memory(e)
