@@ -233,7 +233,8 @@ def model_view(recipe):
         model_checks.raise_problems(model_checks.override_problems(
             recipe, model_facts.CONFIG_CLASS[facts.model_type], model_facts.CONFIG_KEYS[facts.model_type], overrides,
             model_facts.ALIASES[facts.model_type]))
-        model_checks.raise_problems(model_checks.structure_problems(recipe, facts, _tokenizer_size(recipe)))
+        size, tokenizer = _tokenizer_size(recipe)
+        model_checks.raise_problems(model_checks.structure_problems(recipe, facts, size, tokenizer))
         return model_checks.view_from_facts(facts, recipe)
     from accel_fsdp.model import build as model_lib
 
@@ -252,14 +253,15 @@ def model_view(recipe):
     return model_lib.view_of(meta, config)
 
 
-def _tokenizer_size(recipe) -> int | None:
-    """The tokenizer's size where it costs no download: the built-in one's, or a local folder's (the launch compares
-    it with the model's vocabulary, train/setup.py through model/build.py `model_config`; `recipe validate` must
-    refuse what the launch would)."""
+def _tokenizer_size(recipe) -> tuple[int | None, object | None]:
+    """The tokenizer's size where it costs no download: the built-in one's, or a local folder's, with the tokenizer
+    itself for the latter (the launch compares it with the model's vocabulary, train/setup.py through model/build.py
+    `model_config`; `recipe validate` must refuse what the launch would)."""
     size = model_facts.builtin_vocab_size(recipe.model.tokenizer)
     if size is None and is_local(recipe.model.tokenizer or recipe.model.name_or_path):
-        size = len(offline_tokenizer(recipe))
-    return size
+        tokenizer = offline_tokenizer(recipe)
+        return len(tokenizer), tokenizer
+    return size, None
 
 
 def _check_data(recipe, report: PreflightReport) -> list[Problem]:

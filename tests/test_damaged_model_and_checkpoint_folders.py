@@ -90,7 +90,11 @@ CASES = [
      "generation_config.json: eos_token_id is 'x', not a token id from 0 to 130"),
     ('file:generation_config.json={"eos_token_id": [0, 131]}',
      "generation_config.json: eos_token_id is [0, 131], not a token id from 0 to 130"),
-    ("tokens-added", "vocabulary of 131 is smaller than the tokenizer's 134 tokens"),
+    ("tokens-added", "vocabulary of 131 is smaller than the tokenizer's 134 tokens (past it: '<|tool|>', '<|call|>', "
+                     "'<|result|>'), so its ids"),
+    # transformers then adds GPT-2's own end-of-text token: the message names it
+    ("file:tokenizer_config.json={}", "vocabulary of 131 is smaller than the tokenizer's 132 tokens (past it: "
+                                      "'<|endoftext|>')"),
     ('config:eos_token_id="x"', "config.json: eos_token_id is 'x', not a token id from 0 to 130"),
     ("config:bos_token_id=131", "config.json: bos_token_id is 131, not a token id from 0 to 130"),
 ]
@@ -107,7 +111,8 @@ def test_recipe_validate_refuses_a_vocabulary_smaller_than_the_folders_tokenizer
     """The launch refused it (model/build.py `model_config`); validate said ok."""
     monkeypatch.chdir(tmp_path)
     message = validate(damaged_copy(good_model, tmp_path, "config:vocab_size=10"))
-    assert "vocabulary of 10 is smaller than the tokenizer's 131 tokens" in message, message
+    assert "vocabulary of 10 is smaller than the tokenizer's 131 tokens (past it: " in message, message
+    assert " and 118 more), so its ids would index past the embedding" in message, message
 
 
 GENERATE = {

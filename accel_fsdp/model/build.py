@@ -20,7 +20,7 @@ from accel_fsdp.errors import Problem, UserError, first_line
 from accel_fsdp.files import atomic_folder
 from accel_fsdp.model import architectures
 from accel_fsdp.model.checks import (ModelView, hub_cache_remove, lora_target_problems, not_a_model_folder,
-                                     override_problems, raise_problems, weights_header_folder)
+                                     override_problems, raise_problems, tokens_past, weights_header_folder)
 from accel_fsdp.model.facts import lora_targets
 from accel_fsdp.model.nf4 import layers_to_quantize, quantize_model
 from accel_fsdp.model.quantize import known_layers
@@ -75,7 +75,8 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
             if tokenizer is not None and len(tokenizer) > config.vocab_size:
                 raise_problems([Problem(recipe.where("model.config_overrides.vocab_size"),
                                         f"vocabulary of {config.vocab_size} is smaller than the tokenizer's "
-                                        f"{len(tokenizer)} tokens, so its ids would index past the embedding",
+                                        f"{len(tokenizer)} tokens{tokens_past(tokenizer, config.vocab_size)}, so its "
+                                        "ids would index past the embedding",
                                         f"use at least {len(tokenizer)} (or leave vocab_size out)")])
             return config
         except (TypeError, ValueError, StrictDataclassError) as e:
@@ -117,7 +118,8 @@ def model_config(recipe, *, tokenizer=None, offline: bool = False):
         raise UserError(Problem(recipe.where("model.config_overrides.vocab_size") if "vocab_size" in overrides
                                 else recipe.where("model.tokenizer"),
                                 f"the model's vocabulary of {config.vocab_size} is smaller than the tokenizer's "
-                                f"{len(tokenizer)} tokens, so its ids would index past the embedding",
+                                f"{len(tokenizer)} tokens{tokens_past(tokenizer, config.vocab_size)}, so its ids "
+                                "would index past the embedding",
                                 "use the tokenizer the model was trained with, or a larger vocab_size"))
     return config
 

@@ -465,7 +465,21 @@ def override_value_problems(recipe) -> list[Problem]:
     return out
 
 
-def structure_problems(recipe, facts, tokenizer_size: int | None = None) -> list[Problem]:
+def tokens_past(tokenizer, vocab: int, shown: int = 3) -> str:
+    """For a message: the tokens of `tokenizer` whose ids a vocabulary of `vocab` lacks (often ones transformers added
+    itself, `<|endoftext|>` to a GPT-2 tokenizer whose tokenizer_config.json lost its special tokens)."""
+    if tokenizer is None or len(tokenizer) <= vocab:
+        return ""
+    ids = list(range(vocab, len(tokenizer)))
+    try:
+        names = tokenizer.convert_ids_to_tokens(ids[:shown])
+    except (IndexError, KeyError, TypeError, ValueError, OverflowError):
+        return ""
+    more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
+    return f" (past it: {', '.join(repr(name) for name in names)}{more})"
+
+
+def structure_problems(recipe, facts, tokenizer_size: int | None = None, tokenizer=None) -> list[Problem]:
     """Shapes that cannot make a model (heads that do not divide the width) or cannot run it (a vocabulary smaller
     than the tokenizer's: its ids would index past the embedding), named by the override that set them."""
     out = []
@@ -507,7 +521,8 @@ def structure_problems(recipe, facts, tokenizer_size: int | None = None) -> list
         pretrained = not m.architecture and "vocab_size" not in m.config_overrides  # its embedding is its weights'
         out.append(Problem(recipe.where("model.tokenizer" if m.tokenizer else "model.name_or_path") if pretrained
                            else where("vocab_size"), f"vocabulary of {facts.vocab} is smaller than the tokenizer's "
-                           f"{tokenizer_size} tokens, so its ids would index past the embedding",
+                           f"{tokenizer_size} tokens{tokens_past(tokenizer, facts.vocab)}, so its ids would index past "
+                           "the embedding",
                            "use the tokenizer the model was trained with (tokens added since need a resized "
                            "embedding: model.resize_token_embeddings, then save_pretrained)" if pretrained else
                            f"use at least {tokenizer_size} (or leave vocab_size out: it follows the tokenizer)"))
