@@ -12,8 +12,9 @@ own. Only after a non-finite norm do the ranks communicate, every one of them: t
 hold non-finite values.
 
 Without a host read in the step (`StepFlag`): reading the norm before the optimizer step made the host wait for the
-backward, so the GPU idled while the host then launched the optimizer step and the next forward: +3.7% a step for
-llama-3.2-1b (4 x 2,048 tokens) on one H100 (benchmarks/finite_check_cost.py, docs/PERFORMANCE.md). Instead the
+backward, so the GPU idled while the host then launched the optimizer step and the next forward: +3.7-6.9% a step
+for llama-3.2-1b (4 x 2,048 tokens) on one H100, against +1.5% now (benchmarks/finite_check_cost.py,
+docs/PERFORMANCE.md). Instead the
 norm's verdict goes to the fused AdamW kernel as its `found_inf` (the flag torch's grad scaler uses: torch/optim/
 adam.py `_fused_adam`, torch 2.13.0), which leaves every weight, moment and step count as it was when it is 1, on the
 device; the host reads the verdict (copied to pinned memory behind an event) at the next step's check, long after it

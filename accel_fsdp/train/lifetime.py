@@ -185,11 +185,11 @@ class Preempted(Exception):
 # ------------------------------------------------------------------------------------------------ an early end
 
 USER_ERROR, TIMED_OUT, STOPPED, CRASHED = "user-error", "timed-out", "stopped", "crashed"
+"""Why a rank ended early: a user's mistake (exit 2), a collective that waited past the timeout, stopped because
+another rank failed (PEER_FAILED), or a bug of ours (its traceback is in the rank's output)."""
 INTERRUPTED_BY_USER = "interrupted"
 """A rank's record of a Ctrl-C (SIGINT): its exit status (130) says it to the launcher; the record tells the other
 ranks that the SIGTERM torchrun then sends them is not a preemption."""
-"""Why a rank ended early: a user's mistake (exit 2), a collective that waited past the timeout, stopped because
-another rank failed (PEER_FAILED), or a bug of ours (its traceback is in the rank's output)."""
 
 
 @dataclass(frozen=True)

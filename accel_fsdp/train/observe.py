@@ -118,15 +118,20 @@ class TrainLogger:
         if state.step == self.first_step:
             self._report_startup()
         postfix = {}
-        if self.due(state.step):
+        if self.writes_row(state.step):
             row = self._log(state, lr, units)
             postfix = dict(loss=f"{row.loss:.4f}", tok_s=f"{row.tokens_per_s:,.0f}",
                            **({"mfu": f"{row.mfu:.1%}"} if row.mfu is not None else {}))
         self.terminal.advance(**postfix)
 
-    def due(self, step: int) -> bool:
+    def writes_row(self, step: int) -> bool:
         """Optimizer step `step` ends with a train row."""
         return step % self.every == 0 or step == self.total_steps
+
+    def due(self, step: int) -> bool:
+        """Optimizer step `step` ends with a train row or the time to the first step: what the device computed for
+        it must be done (train/finite.py `confirm`)."""
+        return self.writes_row(step) or step == self.first_step
 
     def window(self) -> LogWindow:
         """The open window's sums over all ranks, the part before a resume included. Collective: the only
