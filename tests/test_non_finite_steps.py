@@ -112,6 +112,11 @@ def test_the_device_skips_a_step_only_for_an_optimizer_that_reads_the_flag_and_n
     # a norm where the parameters are not (a GPU's, of parameters offloaded to the host): read at once, since torch
     # would hand the kernel a non-blocking copy of the verdict (the meta device stands in for the GPU here)
     assert StepFlag(fused).serves(torch.tensor(1.0)) and not StepFlag(fused).serves(torch.tensor(1.0, device="meta"))
+    check = guard(optimizer=fused)
+    check.flag.serves = lambda norm: False  # as for that norm: the first step decides, and reads at once
+    with pytest.raises(UserError):
+        check.guard(1, torch.tensor(float("nan")), torch.tensor(1.0))
+    assert check.flag is None and check.pending is None and getattr(fused, "found_inf", None) is None
 
 
 def one_step(model, optimizer, check, step, poisoned=False):
@@ -235,8 +240,8 @@ def test_the_fault_writes_into_a_shard_the_rank_holds():
 
 
 def test_a_4bit_base_is_passed_over_when_the_weights_are_searched():
-    """torchao's NF4Tensor has no isfinite (NotImplementedError); training never writes it, so the search skips it
-    and still names the adapters' weights."""
+    """torchao's NF4Tensor implements no isfinite (torch.isfinite raises on it); training never writes it, so the
+    search skips it and still names the adapters' weights."""
     from accel_fsdp.model.nf4 import to_nf4
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 2, bias=False))

@@ -152,12 +152,12 @@ class FiniteSteps:
         handed to the device's skip, or checked at once (`check`). `step_loss`: this rank's micro-step losses of
         the step, summed (each a share of the step's mean, train/loop.py)."""
         self.confirm()
-        if self.flag is not None and self.flag.serves(grad_norm):
-            self.pending = self.flag.set(step, grad_norm, step_loss)
-        else:
-            if self.flag is not None:
-                self.flag.optimizer.found_inf = None  # not this step's verdict
+        if self.flag is not None and not self.flag.serves(grad_norm):
+            self.flag = None  # the norm's device is the run's: decided at the first step, read at once from then on
+        if self.flag is None:
             self.check(step, grad_norm, step_loss)
+        else:
+            self.pending = self.flag.set(step, grad_norm, step_loss)
 
     def confirm(self) -> None:
         """The last step's gradients were finite, or the run stops here with its message (collective then). Called
